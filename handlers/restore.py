@@ -1,0 +1,13 @@
+"""Restore after a re-mesh that lost the live state, then resume training."""
+
+from __future__ import annotations
+
+from runtime.context import RuntimeContext
+from runtime.events import MeshChanged
+
+
+async def restore_after_remesh(event: MeshChanged, ctx: RuntimeContext) -> None:
+    """On MeshChanged with ``needs_restore``: restore the newest snapshot onto the new mesh and resume."""
+    if event.needs_restore:
+        ctx.restore("ram")
+        ctx.resume(reason=f"restored after {event.reason}")

@@ -1,0 +1,81 @@
+"""Compiled steps per mesh: compile once per device layout, ahead of time where recovery is likely.
+
+A recovery onto a mesh whose step is already compiled does not wait for XLA. The runtime asks for the
+likely degraded meshes in the background (see ``MeshPolicy.likely_meshes``); a request for a mesh whose
+compile is under way waits for that compile instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from runtime.job import PyTree, TrainJob
+from runtime.mesh import mesh_key
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def shardings_for(specs: PyTree, mesh: Mesh) -> PyTree:
+    """Map a pytree (prefix) of PartitionSpecs to NamedShardings on ``mesh``."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=_is_spec)
+
+
+def abstract(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+
+
+class StepCompiler:
+    """Holds the user's step compiled for each mesh it ran or may run on. Thread-safe."""
+
+    def __init__(self, job: TrainJob, state_example: PyTree, batch_example: PyTree) -> None:
+        self.job = job
+        self._state_abstract = abstract(state_example)
+        self._batch_abstract = abstract(batch_example)
+        self._lock = threading.Lock()
+        self._compiled: dict[Any, Future[Any]] = {}
+
+    def state_shardings(self, mesh: Mesh) -> PyTree:
+        return shardings_for(self.job.state_specs, mesh)
+
+    def batch_shardings(self, mesh: Mesh) -> PyTree:
+        return shardings_for(self.job.batch_spec, mesh)
+
+    def is_ready(self, mesh: Mesh) -> bool:
+        with self._lock:
+            future = self._compiled.get(mesh_key(mesh))
+        return future is not None and future.done()
+
+    def get(self, mesh: Mesh) -> Any:
+        """The step compiled for ``mesh``; compiles it (blocking) unless done or under way."""
+        key = mesh_key(mesh)
+        with self._lock:
+            future = self._compiled.get(key)
+            owner = future is None
+            if owner:
+                future = self._compiled[key] = Future()
+        assert future is not None
+        if owner:
+            try:
+                future.set_result(self._compile(mesh))
+            except BaseException as exc:
+                future.set_exception(exc)
+                with self._lock:
+                    del self._compiled[key]  # a later request may try again
+        return future.result()
+
+    def _compile(self, mesh: Mesh) -> Any:
+        state_sharding = self.state_shardings(mesh)
+        jitted = jax.jit(
+            self.job.step,
+            in_shardings=(state_sharding, self.batch_shardings(mesh)),
+            out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
+        )
+        return jitted.lower(self._state_abstract, self._batch_abstract).compile()

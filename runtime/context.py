@@ -1,0 +1,83 @@
+"""The context a handler receives: what it may look at and the requests it may make.
+
+Requests to the executor (pause, resume, re-mesh, restore, abort) never block: they are queued and carried
+out at the next step boundary, in order, and each is announced by an event (``MeshChanged``,
+``StateRestored`` ...). Recovery is therefore a visible chain of events that a user can extend or replace.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from jax.sharding import Mesh
+
+from runtime.config import RuntimeConfig
+from runtime.events import Event, SaveCheckpoint
+from runtime.executor import Abort, Pause, Remesh, Restore, Resume
+from runtime.mesh import MeshPolicy, device_ids
+
+if TYPE_CHECKING:
+    from runtime.runtime import ElasticRuntime
+
+
+class RuntimeContext:
+    """Handed to every handler as ``ctx``."""
+
+    def __init__(self, runtime: ElasticRuntime) -> None:
+        self._runtime = runtime
+
+    @property
+    def config(self) -> RuntimeConfig:
+        return self._runtime.config
+
+    @property
+    def policy(self) -> MeshPolicy:
+        return self._runtime.policy
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return self._runtime.executor.mesh
+
+    @property
+    def mesh_devices(self) -> tuple[int, ...]:
+        mesh = self.mesh
+        return () if mesh is None else device_ids(mesh)
+
+    @property
+    def step(self) -> int:
+        """The newest committed step."""
+        return self._runtime.executor.step
+
+    @property
+    def recovering(self) -> bool:
+        return self._runtime.executor.recovering
+
+    async def publish(self, event: Event) -> None:
+        await self._runtime.bus.publish(event)
+
+    async def healthy_devices(self) -> list[Any]:
+        """Probe every device and return the healthy ones (runs in a worker thread)."""
+        return await anyio.to_thread.run_sync(self._runtime.health.healthy)
+
+    def pause(self, reason: str = "") -> None:
+        self._runtime.executor.send(Pause(reason))
+
+    def resume(self, reason: str = "") -> None:
+        self._runtime.executor.send(Resume(reason))
+
+    def remesh(self, mesh: Mesh, reason: str = "") -> None:
+        """Move to ``mesh`` at the next boundary: live state is resharded; lost state must be restored."""
+        self._runtime.executor.send(Remesh(mesh, reason))
+
+    def restore(self, source: str = "ram") -> None:
+        """Restore the newest snapshot from ``source`` onto the current mesh."""
+        self._runtime.executor.send(Restore(source))
+
+    def abort(self, reason: str) -> None:
+        """Give up: the run stops with RecoveryError(reason)."""
+        self._runtime.executor.send(Abort(reason))
+
+    async def request_checkpoint(self, tiers: tuple[str, ...] = (), reason: str = "") -> None:
+        """Ask the checkpointer to save the newest snapshot to ``tiers`` (default: all durable tiers)."""
+        await self.publish(SaveCheckpoint(step=self.step, source="context", tiers=tiers, reason=reason))

@@ -1,0 +1,49 @@
+"""The runtime's exceptions: a flat set of small classes, each named after the state it reports."""
+
+from __future__ import annotations
+
+
+class ElasticRuntimeError(Exception):
+    """Base of every error this library raises on purpose."""
+
+
+class ConfigError(ElasticRuntimeError, ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+class MeshUnavailable(ElasticRuntimeError):
+    """The mesh policy cannot build a mesh from the devices that are healthy now."""
+
+
+class StepError(ElasticRuntimeError):
+    """The user's step raised an error that is not an infrastructure failure; the run stopped.
+
+    ``step`` is the step that failed; the last committed state is untouched.
+    """
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class RecoveryError(ElasticRuntimeError):
+    """Recovery after a failure could not complete (no devices, no snapshot, a handler failed or timed out).
+
+    ``last_committed_step`` is the newest step whose state is still held in the snapshot tiers.
+    """
+
+    def __init__(self, message: str, *, last_committed_step: int) -> None:
+        super().__init__(message)
+        self.last_committed_step = last_committed_step
+
+
+class BusClosed(ElasticRuntimeError):
+    """An event was published after the bus was closed."""
+
+
+class EventLogError(ElasticRuntimeError):
+    """An event log cannot be written or a line of it cannot be read back."""
+
+
+class SnapshotUnavailable(ElasticRuntimeError):
+    """No snapshot is held that a restore could use."""

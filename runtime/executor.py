@@ -1,0 +1,420 @@
+"""The step executor: runs the user's step off the event loop and turns failures into events.
+
+Each step runs in a worker thread, so the bus, heartbeats and listeners stay live while XLA computes.
+Between steps the executor applies the commands handlers sent through the context (pause, resume,
+re-mesh, restore, abort). A step that raises is not committed: an infrastructure failure pauses the
+executor until handlers have re-meshed, restored and resumed it; an error in the user's code stops the run
+with :class:`StepError`. Nothing is retried behind the user's back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import jax
+import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from jax.sharding import Mesh
+
+from runtime.bus import EventBus
+from runtime.classify import classify
+from runtime.compiler import StepCompiler
+from runtime.config import RuntimeConfig
+from runtime.errors import RecoveryError, SnapshotUnavailable, StepError
+from runtime.events import (
+    MeshChanged,
+    RecoveryCompleted,
+    RecoveryFailed,
+    RecoveryStarted,
+    RunStarted,
+    SnapshotTaken,
+    StateRestored,
+    StepCompleted,
+    StepFailed,
+)
+from runtime.faults import FaultInjector
+from runtime.health import DeviceHealth
+from runtime.job import PyTree, TrainJob
+from runtime.mesh import MeshPolicy, device_ids, mesh_shape
+from storage.ram import HostSnapshot, RamTier
+
+log = logging.getLogger(__name__)
+
+BoundaryHook = Callable[[int], Awaitable[None] | None]
+
+
+# --- commands sent by handlers through the context -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pause:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Remesh:
+    mesh: Mesh
+    reason: str
+
+
+@dataclass(frozen=True)
+class Restore:
+    source: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    reason: str
+
+
+Command = Pause | Resume | Remesh | Restore | Abort
+
+
+@dataclass
+class _Recovery:
+    cause: str
+    failed_step: int
+    started: float  # monotonic time the failing step's exception was caught
+    deadline: float
+    restored_from: str = ""
+    lost_steps: int = 0
+    resumed: bool = False
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves: the final state on the host, and where its record is."""
+
+    state: PyTree
+    step: int
+    data_position: int
+    loss: float | None
+    mesh_history: list[dict[str, int]]
+    recoveries: int
+    events_path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StepExecutor:
+    """Runs steps on the current mesh and carries out the commands of recovery handlers."""
+
+    def __init__(
+        self,
+        job: TrainJob,
+        *,
+        bus: EventBus,
+        config: RuntimeConfig,
+        policy: MeshPolicy,
+        health: DeviceHealth,
+        injector: FaultInjector | None = None,
+    ) -> None:
+        self.job = job
+        self.bus = bus
+        self.config = config
+        self.policy = policy
+        self.health = health
+        self.injector = injector
+        self.hooks: list[BoundaryHook] = []
+        self.ram = RamTier(every=max(config.snapshot_every, 1), on_snapshot=self._snapshot_done)
+        self._snapshots_done: deque[HostSnapshot] = deque()
+        self._inbox_send: MemoryObjectSendStream[Command]
+        self._inbox: MemoryObjectReceiveStream[Command]
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[Command](math.inf)
+        self.mesh_updates_send: MemoryObjectSendStream[Mesh]
+        self.mesh_updates: MemoryObjectReceiveStream[Mesh]
+        self.mesh_updates_send, self.mesh_updates = anyio.create_memory_object_stream[Mesh](math.inf)
+        self.mesh: Mesh | None = None
+        self.state: PyTree | None = None
+        self.step = 0  # the newest committed step
+        self.data_position = 0
+        self.high_water = 0  # the newest step ever committed, before any rollback
+        self.loss: float | None = None
+        self.paused = False
+        self.recoveries = 0
+        self.mesh_history: list[dict[str, int]] = []
+        self._recovery: _Recovery | None = None
+        self._initial: PyTree | None = None
+        self.compiler: StepCompiler | None = None
+
+    # --- commands (called by the context; never block) -------------------------------------------------
+
+    def send(self, command: Command) -> None:
+        self._inbox_send.send_nowait(command)
+
+    @property
+    def recovering(self) -> bool:
+        return self._recovery is not None
+
+    # --- the run ---------------------------------------------------------------------------------------
+
+    async def run(self, steps: int) -> RunResult:
+        """Run until ``steps`` steps are committed. Raises StepError or RecoveryError when it cannot."""
+        await self._start(steps)
+        try:
+            while self.step < steps:
+                await self._boundary()
+                if self.step < steps:
+                    await self._one_step()
+            self.ram.wait()
+            await self._publish_snapshots()
+        finally:
+            self.ram.close()
+        state = await anyio.to_thread.run_sync(jax.device_get, self.state)
+        return RunResult(
+            state=state,
+            step=self.step,
+            data_position=self.data_position,
+            loss=self.loss,
+            mesh_history=self.mesh_history,
+            recoveries=self.recoveries,
+        )
+
+    async def _start(self, steps: int) -> None:
+        healthy = await anyio.to_thread.run_sync(self.health.healthy)
+        mesh = self.policy.fit(healthy)
+        self._initial = self.job.init()
+        self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0))
+        self._set_mesh(mesh)
+        self.state = await anyio.to_thread.run_sync(self._place, self._initial, mesh)
+        await self.bus.publish(
+            RunStarted(
+                step=0,
+                source="executor",
+                target_steps=steps,
+                mesh_shape=mesh_shape(mesh),
+                devices=device_ids(mesh),
+            )
+        )
+
+    def _set_mesh(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.mesh_history.append(mesh_shape(mesh))
+        self.mesh_updates_send.send_nowait(mesh)
+
+    def _place(self, tree: PyTree, mesh: Mesh) -> PyTree:
+        assert self.compiler is not None
+        placed = jax.device_put(tree, self.compiler.state_shardings(mesh))
+        return jax.block_until_ready(placed)
+
+    async def _boundary(self) -> None:
+        for hook in self.hooks:
+            result = hook(self.step + 1)
+            if result is not None:
+                await result
+        while True:
+            recovery = self._recovery
+            blocked = self.paused or (recovery is not None and not recovery.resumed)
+            if not blocked:
+                try:
+                    command = self._inbox.receive_nowait()
+                except anyio.WouldBlock:
+                    return
+            else:
+                wait = math.inf if recovery is None else recovery.deadline - time.monotonic()
+                command = None
+                with anyio.move_on_after(max(wait, 0)):
+                    command = await self._inbox.receive()
+                if command is None:
+                    await self._fail_recovery(
+                        f"no handler completed the recovery within {self.config.recovery_timeout_s} s "
+                        "(is a remesh/restore handler subscribed?)"
+                    )
+            await self._apply(command)
+
+    async def _apply(self, command: Command) -> None:
+        match command:
+            case Pause(reason):
+                log.info("paused at step %d: %s", self.step, reason)
+                self.paused = True
+            case Resume(reason):
+                if self.state is None:
+                    await self._fail_recovery(f"resume ({reason}) requested but no state was restored")
+                self.paused = False
+                if self._recovery is not None:
+                    self._recovery.resumed = True
+            case Remesh(mesh, reason):
+                await self._remesh(mesh, reason)
+            case Restore(source):
+                await self._restore(source)
+            case Abort(reason):
+                await self._fail_recovery(reason)
+
+    async def _remesh(self, mesh: Mesh, reason: str) -> None:
+        old = self.mesh
+        assert old is not None
+        needs_restore = self._recovery is not None or self.state is None
+        if needs_restore:
+            self.state = None  # it lived on the old mesh, part of which is gone
+        else:
+            self.state = await anyio.to_thread.run_sync(self._place, self.state, mesh)
+        self._set_mesh(mesh)
+        await self.bus.publish(
+            MeshChanged(
+                step=self.step,
+                source="executor",
+                old_shape=mesh_shape(old),
+                new_shape=mesh_shape(mesh),
+                devices=device_ids(mesh),
+                reason=reason,
+                needs_restore=needs_restore,
+            )
+        )
+
+    async def _restore(self, source: str) -> None:
+        assert self.mesh is not None
+        started = time.monotonic()
+        if source != "ram":
+            await self._fail_recovery(f"restore source {source!r} is not available (only 'ram')")
+        try:
+            snapshot = await anyio.to_thread.run_sync(self.ram.latest)
+            tree, step, position, origin = snapshot.tree, snapshot.step, snapshot.data_position, "ram"
+        except SnapshotUnavailable:
+            if self.step > 0 and self.config.snapshot_every > 0:
+                await self._fail_recovery(f"no snapshot to restore the state of step {self.step} from")
+            tree, step, position, origin = self._initial, 0, 0, "init"
+        self.state = await anyio.to_thread.run_sync(self._place, tree, self.mesh)
+        lost = self.high_water - step
+        self.step, self.data_position = step, position
+        if self._recovery is not None:
+            self._recovery.restored_from, self._recovery.lost_steps = origin, lost
+        await self.bus.publish(
+            StateRestored(
+                step=step,
+                source="executor",
+                restored_from=origin,
+                lost_steps=lost,
+                seconds=time.monotonic() - started,
+            )
+        )
+
+    async def _one_step(self) -> None:
+        assert self.mesh is not None and self.compiler is not None
+        step = self.step + 1
+        mesh = self.mesh
+        compiled = await anyio.to_thread.run_sync(self.compiler.get, mesh)
+        host_batch = self.job.data.batch(self.data_position)
+        try:
+            new_state, loss, seconds = await anyio.to_thread.run_sync(
+                self._execute, compiled, self.state, host_batch, step, mesh
+            )
+        except Exception as exc:
+            await self._on_failure(exc, step, mesh)
+            return
+        self.state, self.step, self.loss = new_state, step, loss
+        self.data_position += 1
+        self.high_water = max(self.high_water, step)
+        if self.config.snapshot_every and self.ram.due(step):
+            await anyio.to_thread.run_sync(self._capture)
+        await self.bus.publish(
+            StepCompleted(
+                step=step,
+                source="executor",
+                duration_s=seconds,
+                loss=loss,
+                mesh_shape=mesh_shape(mesh),
+                data_position=self.data_position,
+            )
+        )
+        recovery = self._recovery
+        if recovery is not None:
+            self._recovery = None
+            await self.bus.publish(
+                RecoveryCompleted(
+                    step=step,
+                    source="executor",
+                    cause=recovery.cause,
+                    failed_step=recovery.failed_step,
+                    recovery_s=time.monotonic() - recovery.started,
+                    lost_steps=recovery.lost_steps,
+                    restored_from=recovery.restored_from,
+                    mesh_shape=mesh_shape(mesh),
+                )
+            )
+        await self._publish_snapshots()
+
+    def _execute(
+        self, compiled: Any, state: PyTree, host_batch: PyTree, step: int, mesh: Mesh
+    ) -> tuple[PyTree, float | None, float]:
+        assert self.compiler is not None
+        started = time.perf_counter()
+        batch = jax.device_put(host_batch, self.compiler.batch_shardings(mesh))
+        new_state, metrics = compiled(state, batch)
+        jax.block_until_ready(new_state)
+        if self.injector is not None:
+            self.injector.check(step, device_ids(mesh))
+        loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
+        return new_state, (None if loss is None else float(np.asarray(loss))), time.perf_counter() - started
+
+    def _capture(self) -> None:
+        assert self.mesh is not None
+        metadata = {"mesh": mesh_shape(self.mesh)}
+        self.ram.capture(self.state, step=self.step, data_position=self.data_position, metadata=metadata)
+
+    def _snapshot_done(self, snapshot: HostSnapshot) -> None:
+        self._snapshots_done.append(snapshot)  # from the copy thread; published at the next boundary
+
+    async def _publish_snapshots(self) -> None:
+        while self._snapshots_done:
+            snap = self._snapshots_done.popleft()
+            await self.bus.publish(
+                SnapshotTaken(
+                    step=snap.step, source="ram", tier="ram", bytes=snap.nbytes, seconds=snap.seconds
+                )
+            )
+
+    async def _on_failure(self, exc: Exception, step: int, mesh: Mesh) -> None:
+        failed_at = time.monotonic()
+        in_mesh = list(mesh.devices.flat)
+        healthy = await anyio.to_thread.run_sync(self.health.healthy, in_mesh)
+        lost = tuple(sorted(set(device_ids(mesh)) - {d.id for d in healthy}))
+        event = classify(
+            exc,
+            step=step,
+            lost_devices=lost,
+            slices=self.policy.slices_of(lost),
+            slice_size=self.policy.slice_size,
+        )
+        await self.bus.publish(event)
+        if isinstance(event, StepFailed):
+            raise StepError(
+                f"step {step} raised {event.error_type} in user code: {event.message} "
+                f"(last committed step {self.step} is intact)",
+                step=step,
+            ) from exc
+        self.recoveries += 1
+        if self._recovery is not None:
+            failed_at = self._recovery.started  # a failure during recovery extends the same recovery
+        self._recovery = _Recovery(
+            cause=type(event).__name__,
+            failed_step=step,
+            started=failed_at,
+            deadline=time.monotonic() + self.config.recovery_timeout_s,
+        )
+        if self.recoveries > self.config.max_recoveries:
+            await self._fail_recovery(
+                f"{self.recoveries} failures exceed max_recoveries={self.config.max_recoveries}"
+            )
+        log.warning("step %d failed: %s: %s; waiting for recovery", step, event.error_type, event.message)
+        await self.bus.publish(
+            RecoveryStarted(
+                step=step, source="executor", cause=type(event).__name__, last_committed_step=self.step
+            )
+        )
+
+    async def _fail_recovery(self, reason: str) -> None:
+        await self.bus.publish(
+            RecoveryFailed(step=self.step, source="executor", reason=reason, message=reason)
+        )
+        raise RecoveryError(f"recovery failed at step {self.step}: {reason}", last_committed_step=self.step)

@@ -1,0 +1,40 @@
+"""Device health: probe each device with a tiny computation, and watch for devices coming back.
+
+A probe that raises means the device is gone. With a fault injector attached, injected dead devices fail
+the probe too, exactly as real ones would.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from runtime.faults import FaultInjector
+
+log = logging.getLogger(__name__)
+
+
+class DeviceHealth:
+    """Answers which devices are healthy now."""
+
+    def __init__(self, injector: FaultInjector | None = None) -> None:
+        self.injector = injector
+
+    def probe(self, device: Any) -> bool:
+        if self.injector is not None and self.injector.is_dead(device.id):
+            return False
+        try:
+            value = jax.device_put(np.int32(1), device) + 1
+            value.block_until_ready()
+        except jax.errors.JaxRuntimeError as exc:
+            log.warning("device %s failed its health probe: %s", device.id, exc)
+            return False
+        return True
+
+    def healthy(self, devices: Sequence[Any] | None = None) -> list[Any]:
+        """The healthy subset of ``devices`` (default: every device of the backend). Blocking."""
+        return [d for d in (jax.devices() if devices is None else devices) if self.probe(d)]

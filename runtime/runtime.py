@@ -1,0 +1,196 @@
+"""The runtime: owns the task group and starts each component in it (bus, executor, watchers).
+
+Typical use::
+
+    rt = ElasticRuntime(job, mesh_policy=MeshPolicy({"data": 8}))
+
+    @rt.on(SliceLost)
+    async def tell_someone(event, ctx): ...
+
+    result = rt.run(steps=1000)          # or: await rt.run_async(steps=1000)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import jax
+
+from handlers import abort_recovery_on_handler_failure, remesh_on_device_loss, restore_after_remesh, scale_up
+from runtime.bus import EventBus, Handler, Subscription
+from runtime.config import RuntimeConfig
+from runtime.context import RuntimeContext
+from runtime.eventlog import EventLog
+from runtime.events import DeviceLost, Event, HandlerFailed, MeshChanged, RunFinished, ScaleUpAvailable
+from runtime.executor import BoundaryHook, RunResult, StepExecutor
+from runtime.faults import FaultInjector
+from runtime.health import DeviceHealth
+from runtime.job import TrainJob
+from runtime.mesh import MeshPolicy, device_ids
+
+log = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=Event)
+
+
+class ElasticRuntime:
+    """Runs one training job elastically. Single use: build a new runtime for another run.
+
+    Args:
+        job: what to train.
+        config: runtime settings (defaults work on a laptop).
+        mesh_policy: mesh layout and shrink rules; default: every device on one ``data`` axis.
+        injector: a fault injector, for demos and tests.
+        default_handlers: subscribe the built-in re-mesh, restore, scale-up and guard handlers.
+    """
+
+    def __init__(
+        self,
+        job: TrainJob,
+        *,
+        config: RuntimeConfig | None = None,
+        mesh_policy: MeshPolicy | None = None,
+        injector: FaultInjector | None = None,
+        default_handlers: bool = True,
+    ) -> None:
+        self.job = job
+        self.config = config or RuntimeConfig()
+        self.policy = mesh_policy or MeshPolicy({"data": len(jax.devices())})
+        self.injector = injector
+        self.health = DeviceHealth(injector)
+        self.event_log = EventLog(Path(self.config.run_dir) / "events.jsonl") if self.config.run_dir else None
+        self.context = RuntimeContext(self)
+        self.bus = EventBus(
+            self.context,
+            max_pending=self.config.max_pending_events,
+            handler_timeout=self.config.handler_timeout_s,
+            log=self.event_log,
+        )
+        self.executor = StepExecutor(
+            job, bus=self.bus, config=self.config, policy=self.policy, health=self.health, injector=injector
+        )
+        if injector is not None:
+            self.at_step_boundary(injector.advance)
+        if default_handlers:
+            self._subscribe_defaults()
+        self._used = False
+
+    def _subscribe_defaults(self) -> None:
+        wait = self.config.device_wait_s + self.config.handler_timeout_s
+        self.bus.subscribe(DeviceLost, remesh_on_device_loss, timeout=wait)
+        self.bus.subscribe(MeshChanged, restore_after_remesh)
+        self.bus.subscribe(ScaleUpAvailable, scale_up)
+        self.bus.subscribe(HandlerFailed, abort_recovery_on_handler_failure)
+
+    # --- the user's hooks ------------------------------------------------------------------------------
+
+    def on(
+        self, event_type: type[E], *, priority: int = 0, timeout: float | str | None = "default"
+    ) -> Callable[[Handler[E]], Handler[E]]:
+        """Decorator: call the handler for every event of ``event_type`` (and its subclasses)."""
+        return self.bus.on(event_type, priority=priority, timeout=timeout)
+
+    def subscribe(
+        self,
+        event_type: type[E],
+        handler: Handler[E],
+        *,
+        priority: int = 0,
+        timeout: float | str | None = "default",
+    ) -> Subscription[E]:
+        return self.bus.subscribe(event_type, handler, priority=priority, timeout=timeout)
+
+    def at_step_boundary(self, hook: BoundaryHook) -> BoundaryHook:
+        """Call ``hook(next_step)`` (sync or async) before every step."""
+        self.executor.hooks.append(hook)
+        return hook
+
+    # --- running ---------------------------------------------------------------------------------------
+
+    def run(self, steps: int) -> RunResult:
+        """Run to ``steps`` committed steps in a new event loop (for ordinary scripts)."""
+        return anyio.run(self.run_async, steps)
+
+    async def run_async(self, steps: int) -> RunResult:
+        """Run to ``steps`` committed steps inside the caller's event loop.
+
+        Raises:
+            StepError: the user's step raised; the last committed state is intact.
+            RecoveryError: a failure could not be recovered from.
+            MeshUnavailable: the mesh policy does not fit the devices at start.
+        """
+        if self._used:
+            raise RuntimeError("an ElasticRuntime runs once; build a new one for another run")
+        self._used = True
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.bus.run)
+                helpers = anyio.CancelScope()
+                tg.start_soon(self._helpers, helpers)
+                finished = RunFinished(source="runtime", ok=False, reason="cancelled")
+                try:
+                    result = await self.executor.run(steps)
+                    finished = RunFinished(step=result.step, source="runtime", ok=True)
+                except Exception as exc:
+                    finished = RunFinished(
+                        step=self.executor.step, source="runtime", ok=False, reason=f"{exc}"
+                    )
+                    raise
+                finally:
+                    helpers.cancel()
+                    with anyio.CancelScope(shield=True):
+                        await self.bus.publish(finished)
+                        await self.bus.close()
+        finally:
+            if self.event_log is not None:
+                self.event_log.close()
+        result.events_path = str(self.event_log.path) if self.event_log else None
+        return result
+
+    async def _helpers(self, scope: anyio.CancelScope) -> None:
+        with scope:
+            async with anyio.create_task_group() as tg:
+                if self.config.precompile:
+                    tg.start_soon(self._precompile)
+                if self.config.scale_up_poll_s is not None:
+                    tg.start_soon(self._watch_for_devices, self.config.scale_up_poll_s)
+
+    async def _precompile(self) -> None:
+        """After each mesh change, compile the step for the meshes a next failure would lead to."""
+        async for mesh in self.executor.mesh_updates:
+            compiler = self.executor.compiler
+            if compiler is None:
+                continue
+            if not compiler.is_ready(mesh):
+                await anyio.to_thread.run_sync(compiler.get, mesh)  # the executor needs it first
+            healthy = await anyio.to_thread.run_sync(self.health.healthy)
+            for candidate in self.policy.likely_meshes(mesh, healthy):
+                if self.executor.mesh_updates.statistics().current_buffer_used:
+                    break  # the mesh changed again: plan for the new one
+                await anyio.to_thread.run_sync(compiler.get, candidate)
+
+    async def _watch_for_devices(self, interval: float) -> None:
+        """Publish ScaleUpAvailable when healthy devices would allow a larger mesh than the current one."""
+        announced: tuple[int, ...] = ()
+        while True:
+            await anyio.sleep(interval)
+            mesh = self.executor.mesh
+            if mesh is None or self.executor.recovering:
+                continue
+            healthy = await anyio.to_thread.run_sync(self.health.healthy)
+            shape = self.policy.shape_for(len(healthy))
+            ids = tuple(sorted(d.id for d in healthy))
+            if shape and math.prod(shape.values()) > mesh.devices.size and ids != announced:
+                announced = ids
+                await self.bus.publish(
+                    ScaleUpAvailable(step=self.executor.step, source="health", devices=ids, shape=shape)
+                )
+            elif ids == device_ids(mesh):
+                announced = ()

@@ -1,0 +1,128 @@
+"""The RAM tier: a host-memory copy of the training state, taken asynchronously and double-buffered.
+
+``capture`` starts the device-to-host copy of every addressable shard and returns; a background thread
+finishes it into the buffer that is not the committed one, then swaps. The committed snapshot is therefore
+always complete: a failure mid-copy leaves the previous one in place. At most one copy is in flight; a
+capture that finds one still running waits for it. Buffers are never reused: a snapshot handed to a reader
+(a slower tier writing it out) stays valid for as long as the reader holds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from runtime.errors import SnapshotUnavailable
+
+log = logging.getLogger(__name__)
+
+PyTree = Any
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    """The state after ``step`` in host memory, with the data position needed to resume exactly."""
+
+    step: int
+    data_position: int
+    tree: PyTree  # numpy arrays, same structure as the training state
+    nbytes: int
+    seconds: float  # from capture() to the copy being complete
+    metadata: dict[str, Any]
+
+
+def _copy_into(leaf: Any, buffer: np.ndarray) -> None:
+    if not isinstance(leaf, jax.Array):
+        np.copyto(buffer, np.asarray(leaf))
+        return
+    for shard in leaf.addressable_shards:
+        if shard.replica_id == 0:  # each piece once, however often it is replicated
+            buffer[shard.index] = np.asarray(shard.data)
+
+
+class RamTier:
+    """Keeps the newest complete host copy of the state.
+
+    Args:
+        every: take a snapshot every ``every`` committed steps (1: every step).
+        on_snapshot: called from the copy thread with each completed snapshot.
+    """
+
+    def __init__(self, every: int = 1, on_snapshot: Callable[[HostSnapshot], None] | None = None) -> None:
+        if every < 1:
+            raise ValueError(f"snapshot cadence must be >= 1 step, got {every}")
+        self.every = every
+        self.on_snapshot = on_snapshot
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ram-snapshot")
+        self._lock = threading.Lock()
+        self._committed: HostSnapshot | None = None
+        self._in_flight: Future[HostSnapshot] | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def capture(self, state: PyTree, *, step: int, data_position: int, metadata: dict[str, Any]) -> None:
+        """Start copying ``state`` (device arrays) to host memory. Blocks only if a copy is in flight."""
+        self.wait()
+        started = time.monotonic()
+        leaves, treedef = jax.tree.flatten(state)
+        for leaf in leaves:
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
+
+        def finish() -> HostSnapshot:
+            buffers = [np.empty(np.shape(leaf), dtype=leaf.dtype) for leaf in leaves]
+            for leaf, buffer in zip(leaves, buffers, strict=True):
+                _copy_into(leaf, buffer)
+            snapshot = HostSnapshot(
+                step=step,
+                data_position=data_position,
+                tree=jax.tree.unflatten(treedef, buffers),
+                nbytes=sum(b.nbytes for b in buffers),
+                seconds=time.monotonic() - started,
+                metadata=dict(metadata),
+            )
+            with self._lock:
+                self._committed = snapshot
+            if self.on_snapshot is not None:
+                self.on_snapshot(snapshot)
+            return snapshot
+
+        self._in_flight = self._pool.submit(finish)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the copy in flight, if any. A failed copy is logged; the previous snapshot stays."""
+        future = self._in_flight
+        if future is None:
+            return
+        try:
+            future.result(timeout=timeout)
+        except TimeoutError:
+            raise
+        except Exception as exc:  # the copy failed: the committed snapshot is still the previous one
+            log.error("RAM snapshot copy failed: %s: %s", type(exc).__name__, exc)
+        self._in_flight = None
+
+    def latest(self, timeout: float | None = 30.0) -> HostSnapshot:
+        """The newest complete snapshot, after the copy in flight (if any) has finished.
+
+        Raises:
+            SnapshotUnavailable: no snapshot has completed yet.
+        """
+        self.wait(timeout)
+        with self._lock:
+            snapshot = self._committed
+        if snapshot is None:
+            raise SnapshotUnavailable("the RAM tier holds no snapshot yet")
+        return snapshot
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
