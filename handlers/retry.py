@@ -12,9 +12,7 @@ from runtime.errors import MeshUnavailable
 T = TypeVar("T")
 
 
-async def wait_for_mesh(
-    attempt: Callable[[], Awaitable[T]], *, wait_s: float, poll_s: float, sleep: Any = None
-) -> T:
+async def wait_for_mesh(attempt: Callable[[], Awaitable[T]], *, wait_s: float, poll_s: float, sleep: Any = None) -> T:
     """Call ``attempt`` until it stops raising MeshUnavailable or ``wait_s`` has passed.
 
     Raises:

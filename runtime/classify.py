@@ -55,8 +55,6 @@ def classify(
     if is_infrastructure_failure(exc):
         status = xla_status(exc)
         if slices and slice_size > 1:
-            return SliceLost(
-                devices=lost_devices, status=status, slices=slices, slice_size=slice_size, **common
-            )
+            return SliceLost(devices=lost_devices, status=status, slices=slices, slice_size=slice_size, **common)
         return DeviceLost(devices=lost_devices, status=status, **common)
     return StepFailed(**common)

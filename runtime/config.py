@@ -70,9 +70,7 @@ def config_from_mapping(values: Mapping[str, Any], *, origin: str = "config") ->
         raise ConfigError(f"{origin}: {exc}") from exc
 
 
-def load_config(
-    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
-) -> RuntimeConfig:
+def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> RuntimeConfig:
     """Defaults, overridden by the ``[runtime]`` table of a TOML file, overridden by the environment."""
     values: dict[str, Any] = {}
     if path is not None:

@@ -369,9 +369,7 @@ class StepExecutor:
         while self._snapshots_done:
             snap = self._snapshots_done.popleft()
             await self.bus.publish(
-                SnapshotTaken(
-                    step=snap.step, source="ram", tier="ram", bytes=snap.nbytes, seconds=snap.seconds
-                )
+                SnapshotTaken(step=snap.step, source="ram", tier="ram", bytes=snap.nbytes, seconds=snap.seconds)
             )
 
     async def _on_failure(self, exc: Exception, step: int, mesh: Mesh) -> None:
@@ -403,18 +401,12 @@ class StepExecutor:
             deadline=time.monotonic() + self.config.recovery_timeout_s,
         )
         if self.recoveries > self.config.max_recoveries:
-            await self._fail_recovery(
-                f"{self.recoveries} failures exceed max_recoveries={self.config.max_recoveries}"
-            )
+            await self._fail_recovery(f"{self.recoveries} failures exceed max_recoveries={self.config.max_recoveries}")
         log.warning("step %d failed: %s: %s; waiting for recovery", step, event.error_type, event.message)
         await self.bus.publish(
-            RecoveryStarted(
-                step=step, source="executor", cause=type(event).__name__, last_committed_step=self.step
-            )
+            RecoveryStarted(step=step, source="executor", cause=type(event).__name__, last_committed_step=self.step)
         )
 
     async def _fail_recovery(self, reason: str) -> None:
-        await self.bus.publish(
-            RecoveryFailed(step=self.step, source="executor", reason=reason, message=reason)
-        )
+        await self.bus.publish(RecoveryFailed(step=self.step, source="executor", reason=reason, message=reason))
         raise RecoveryError(f"recovery failed at step {self.step}: {reason}", last_committed_step=self.step)

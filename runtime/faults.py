@@ -90,6 +90,4 @@ class FaultInjector:
             hit = sorted(d for d in device_ids if d in self._dead)
             status = self._dead[hit[0]] if hit else ""
         if hit:
-            raise JaxRuntimeError(
-                f"{status}: device(s) {hit} stopped responding during step {step} (injected)"
-            )
+            raise JaxRuntimeError(f"{status}: device(s) {hit} stopped responding during step {step} (injected)")

@@ -139,9 +139,7 @@ class ElasticRuntime:
                     result = await self.executor.run(steps)
                     finished = RunFinished(step=result.step, source="runtime", ok=True)
                 except Exception as exc:
-                    finished = RunFinished(
-                        step=self.executor.step, source="runtime", ok=False, reason=f"{exc}"
-                    )
+                    finished = RunFinished(step=self.executor.step, source="runtime", ok=False, reason=f"{exc}")
                     raise
                 finally:
                     helpers.cancel()
