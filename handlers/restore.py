@@ -9,5 +9,5 @@ from runtime.events import MeshChanged
 async def restore_after_remesh(event: MeshChanged, ctx: RuntimeContext) -> None:
     """On MeshChanged with ``needs_restore``: restore the newest snapshot onto the new mesh and resume."""
     if event.needs_restore:
-        ctx.restore("ram")
+        ctx.restore("latest")
         ctx.resume(reason=f"restored after {event.reason}")

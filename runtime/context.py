@@ -60,6 +60,14 @@ class RuntimeContext:
         """Probe every device and return the healthy ones (runs in a worker thread)."""
         return await anyio.to_thread.run_sync(self._runtime.health.healthy)
 
+    def cordon(self, devices: tuple[int, ...]) -> None:
+        """Treat ``devices`` as unhealthy (e.g. before their host's maintenance) until :meth:`uncordon`."""
+        self._runtime.health.cordon(devices)
+
+    def uncordon(self, devices: tuple[int, ...]) -> None:
+        """Let ``devices`` count as healthy again; the scale-up watcher then offers them back."""
+        self._runtime.health.uncordon(devices)
+
     def pause(self, reason: str = "") -> None:
         self._runtime.executor.send(Pause(reason))
 
@@ -70,8 +78,8 @@ class RuntimeContext:
         """Move to ``mesh`` at the next boundary: live state is resharded; lost state must be restored."""
         self._runtime.executor.send(Remesh(mesh, reason))
 
-    def restore(self, source: str = "ram") -> None:
-        """Restore the newest snapshot from ``source`` onto the current mesh."""
+    def restore(self, source: str = "latest") -> None:
+        """Restore onto the current mesh from ``source``: a tier name, or "latest" (fastest tier first)."""
         self._runtime.executor.send(Restore(source))
 
     def abort(self, reason: str) -> None:

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import jax
@@ -82,6 +82,16 @@ class Abort:
 Command = Pause | Resume | Remesh | Restore | Abort
 
 
+class RestoreSource(Protocol):
+    """A tier a restore can read from: ``latest`` returns its newest verified snapshot."""
+
+    name: str
+
+    def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
+        """The newest verified snapshot with the structure of ``like``. Raises SnapshotUnavailable."""
+        ...
+
+
 @dataclass
 class _Recovery:
     cause: str
@@ -127,7 +137,10 @@ class StepExecutor:
         self.health = health
         self.injector = injector
         self.hooks: list[BoundaryHook] = []
-        self.ram = RamTier(every=max(config.snapshot_every, 1), on_snapshot=self._snapshot_done)
+        self.ram = RamTier(every=max(config.snapshot_every, 1))
+        self.ram.listeners.append(self._snapshot_done)
+        # Where a restore looks, fastest first. The storage tiers append themselves after RAM.
+        self.restore_sources: list[RestoreSource] = [self.ram]
         self._snapshots_done: deque[HostSnapshot] = deque()
         self._inbox_send: MemoryObjectSendStream[Command]
         self._inbox: MemoryObjectReceiveStream[Command]
@@ -273,17 +286,25 @@ class StepExecutor:
         )
 
     async def _restore(self, source: str) -> None:
+        """Restore from ``source`` (a tier name, or "latest": the first tier, fastest first, that has one)."""
         assert self.mesh is not None
         started = time.monotonic()
-        if source != "ram":
-            await self._fail_recovery(f"restore source {source!r} is not available (only 'ram')")
-        try:
-            snapshot = await anyio.to_thread.run_sync(self.ram.latest)
-            tree, step, position, origin = snapshot.tree, snapshot.step, snapshot.data_position, "ram"
-        except SnapshotUnavailable:
+        names = [s.name for s in self.restore_sources]
+        if source != "latest" and source not in names:
+            await self._fail_recovery(f"restore source {source!r} is not one of {['latest', *names]}")
+        candidates = [s for s in self.restore_sources if source in ("latest", s.name)]
+        tree, step, position, origin = self._initial, 0, 0, "init"
+        for candidate in candidates:
+            try:
+                snapshot = await anyio.to_thread.run_sync(candidate.latest, self._initial)
+            except SnapshotUnavailable as exc:
+                log.warning("restore: %s has nothing usable: %s", candidate.name, exc)
+                continue
+            tree, step, position, origin = snapshot.tree, snapshot.step, snapshot.data_position, candidate.name
+            break
+        else:
             if self.step > 0 and self.config.snapshot_every > 0:
-                await self._fail_recovery(f"no snapshot to restore the state of step {self.step} from")
-            tree, step, position, origin = self._initial, 0, 0, "init"
+                await self._fail_recovery(f"no tier of {names} holds a snapshot to restore step {self.step} from")
         self.state = await anyio.to_thread.run_sync(self._place, tree, self.mesh)
         lost = self.high_water - step
         self.step, self.data_position = step, position

@@ -23,8 +23,17 @@ class DeviceHealth:
 
     def __init__(self, injector: FaultInjector | None = None) -> None:
         self.injector = injector
+        self.cordoned: frozenset[int] = frozenset()  # devices kept out on purpose (planned maintenance)
+
+    def cordon(self, devices: tuple[int, ...]) -> None:
+        self.cordoned = self.cordoned | set(devices)
+
+    def uncordon(self, devices: tuple[int, ...]) -> None:
+        self.cordoned = self.cordoned - set(devices)
 
     def probe(self, device: Any) -> bool:
+        if device.id in self.cordoned:
+            return False
         if self.injector is not None and self.injector.is_dead(device.id):
             return False
         try:

@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 import jax
@@ -36,6 +36,14 @@ from runtime.mesh import MeshPolicy, device_ids
 log = logging.getLogger(__name__)
 
 E = TypeVar("E", bound=Event)
+
+
+class Component(Protocol):
+    """A long-running part of the runtime (a checkpointer, a notice listener): started in the runtime's
+    task group before the first step, cancelled after the last one. It talks to the rest only via ``ctx``
+    (publish events) and its own subscriptions; it opens no task group of its own."""
+
+    async def run(self, ctx: RuntimeContext) -> None: ...
 
 
 class ElasticRuntime:
@@ -78,6 +86,7 @@ class ElasticRuntime:
             self.at_step_boundary(injector.advance)
         if default_handlers:
             self._subscribe_defaults()
+        self.components: list[Component] = []
         self._used = False
 
     def _subscribe_defaults(self) -> None:
@@ -104,6 +113,11 @@ class ElasticRuntime:
         timeout: float | str | None = "default",
     ) -> Subscription[E]:
         return self.bus.subscribe(event_type, handler, priority=priority, timeout=timeout)
+
+    def add_component(self, component: Component) -> Component:
+        """Start ``component.run(ctx)`` with the run and cancel it when the run ends."""
+        self.components.append(component)
+        return component
 
     def at_step_boundary(self, hook: BoundaryHook) -> BoundaryHook:
         """Call ``hook(next_step)`` (sync or async) before every step."""
@@ -159,6 +173,8 @@ class ElasticRuntime:
                     tg.start_soon(self._precompile)
                 if self.config.scale_up_poll_s is not None:
                     tg.start_soon(self._watch_for_devices, self.config.scale_up_poll_s)
+                for component in self.components:
+                    tg.start_soon(component.run, self.context)
 
     async def _precompile(self) -> None:
         """After each mesh change, compile the step for the meshes a next failure would lead to."""

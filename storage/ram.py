@@ -53,14 +53,18 @@ class RamTier:
 
     Args:
         every: take a snapshot every ``every`` committed steps (1: every step).
-        on_snapshot: called from the copy thread with each completed snapshot.
+
+    ``listeners`` are called from the copy thread with each completed snapshot (keep them short: hand the
+    snapshot to your own thread or queue).
     """
 
-    def __init__(self, every: int = 1, on_snapshot: Callable[[HostSnapshot], None] | None = None) -> None:
+    name = "ram"
+
+    def __init__(self, every: int = 1) -> None:
         if every < 1:
             raise ValueError(f"snapshot cadence must be >= 1 step, got {every}")
         self.every = every
-        self.on_snapshot = on_snapshot
+        self.listeners: list[Callable[[HostSnapshot], None]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ram-snapshot")
         self._lock = threading.Lock()
         self._committed: HostSnapshot | None = None
@@ -92,8 +96,8 @@ class RamTier:
             )
             with self._lock:
                 self._committed = snapshot
-            if self.on_snapshot is not None:
-                self.on_snapshot(snapshot)
+            for listener in self.listeners:
+                listener(snapshot)
             return snapshot
 
         self._in_flight = self._pool.submit(finish)
@@ -111,8 +115,10 @@ class RamTier:
             log.error("RAM snapshot copy failed: %s: %s", type(exc).__name__, exc)
         self._in_flight = None
 
-    def latest(self, timeout: float | None = 30.0) -> HostSnapshot:
+    def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
         """The newest complete snapshot, after the copy in flight (if any) has finished.
+
+        ``like`` (the state's structure) is accepted for the restore-source protocol; RAM needs no template.
 
         Raises:
             SnapshotUnavailable: no snapshot has completed yet.
