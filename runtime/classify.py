@@ -49,12 +49,17 @@ def classify(
     slices among them. A slice-down status with whole slices lost is :class:`SliceLost`; otherwise
     :class:`DeviceLost` (possibly with no device named: a transient error, retried on the same devices).
     """
-    common = {"step": step, "source": "executor", "error_type": type(exc).__name__, "message": str(exc)}
+    error_type, message = type(exc).__name__, str(exc)
     if _is_process_failure(exc):
-        return ProcessLost(**common)
-    if is_infrastructure_failure(exc):
-        status = xla_status(exc)
-        if slices and slice_size > 1:
-            return SliceLost(devices=lost_devices, status=status, slices=slices, slice_size=slice_size, **common)
-        return DeviceLost(devices=lost_devices, status=status, **common)
-    return StepFailed(**common)
+        return ProcessLost(step=step, source="executor", error_type=error_type, message=message)
+    if not is_infrastructure_failure(exc):
+        return StepFailed(step=step, source="executor", error_type=error_type, message=message)
+    status = xla_status(exc)
+    if slices and slice_size > 1:
+        return SliceLost(
+            step=step, source="executor", error_type=error_type, message=message, devices=lost_devices,
+            status=status, slices=slices, slice_size=slice_size,
+        )  # fmt: skip
+    return DeviceLost(
+        step=step, source="executor", error_type=error_type, message=message, devices=lost_devices, status=status
+    )

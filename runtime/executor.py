@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import anyio
 import jax
@@ -234,17 +234,18 @@ class StepExecutor:
                     command = self._inbox.receive_nowait()
                 except anyio.WouldBlock:
                     return
-            else:
-                wait = math.inf if recovery is None else recovery.deadline - time.monotonic()
-                command = None
-                with anyio.move_on_after(max(wait, 0)):
-                    command = await self._inbox.receive()
-                if command is None:
-                    await self._fail_recovery(
-                        f"no handler completed the recovery within {self.config.recovery_timeout_s} s "
-                        "(is a remesh/restore handler subscribed?)"
-                    )
-            await self._apply(command)
+                await self._apply(command)
+                continue
+            wait = math.inf if recovery is None else recovery.deadline - time.monotonic()
+            received: Command | None = None
+            with anyio.move_on_after(max(wait, 0)):
+                received = await self._inbox.receive()
+            if received is None:
+                await self._fail_recovery(
+                    f"no handler completed the recovery within {self.config.recovery_timeout_s} s "
+                    "(is a remesh/restore handler subscribed?)"
+                )
+            await self._apply(received)
 
     async def _apply(self, command: Command) -> None:
         match command:
@@ -428,6 +429,6 @@ class StepExecutor:
             RecoveryStarted(step=step, source="executor", cause=type(event).__name__, last_committed_step=self.step)
         )
 
-    async def _fail_recovery(self, reason: str) -> None:
+    async def _fail_recovery(self, reason: str) -> NoReturn:
         await self.bus.publish(RecoveryFailed(step=self.step, source="executor", reason=reason, message=reason))
         raise RecoveryError(f"recovery failed at step {self.step}: {reason}", last_committed_step=self.step)
