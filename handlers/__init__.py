@@ -1,13 +1,11 @@
 """Built-in handlers, written with exactly the API a user's handler has."""
 
-from handlers.guard import abort_recovery_on_handler_failure
 from handlers.remesh import remesh_on_device_loss
 from handlers.restore import restore_after_remesh
 from handlers.retry import wait_for_mesh
 from handlers.scale_up import scale_up
 
 __all__ = [
-    "abort_recovery_on_handler_failure",
     "remesh_on_device_loss",
     "restore_after_remesh",
     "scale_up",

@@ -6,17 +6,22 @@ from jax.sharding import Mesh
 
 from handlers.retry import wait_for_mesh
 from runtime.context import RuntimeContext
+from runtime.errors import MeshUnavailable
 from runtime.events import DeviceLost
 
 
 async def remesh_on_device_loss(event: DeviceLost, ctx: RuntimeContext) -> None:
     """On DeviceLost (and SliceLost): wait for a mesh the policy allows, then ask the executor to use it.
 
-    Raises MeshUnavailable (which aborts the recovery) when no mesh fits within ``device_wait_s``.
+    When no mesh fits within ``device_wait_s``, the recovery is aborted with the policy's explanation.
     """
 
     async def fit() -> Mesh:
         return ctx.policy.fit(await ctx.healthy_devices())
 
-    mesh = await wait_for_mesh(fit, wait_s=ctx.config.device_wait_s, poll_s=ctx.config.device_poll_s)
+    try:
+        mesh = await wait_for_mesh(fit, wait_s=ctx.config.device_wait_s, poll_s=ctx.config.device_poll_s)
+    except MeshUnavailable as exc:
+        ctx.abort(f"after waiting {ctx.config.device_wait_s} s for devices: {exc}")
+        return
     ctx.remesh(mesh, reason=f"{type(event).__name__} at step {event.step}: devices {list(event.devices)}")

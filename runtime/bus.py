@@ -145,7 +145,10 @@ class EventBus:
 
     async def run(self) -> None:
         """Dispatch events until the bus is closed and its queue is empty."""
-        receive = self._receive
+        with self._receive as receive:
+            await self._dispatch_all(receive)
+
+    async def _dispatch_all(self, receive: MemoryObjectReceiveStream[Event]) -> None:
         while True:
             try:
                 event = receive.receive_nowait()

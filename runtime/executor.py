@@ -29,6 +29,8 @@ from runtime.compiler import StepCompiler
 from runtime.config import RuntimeConfig
 from runtime.errors import RecoveryError, SnapshotUnavailable, StepError
 from runtime.events import (
+    CheckpointFailed,
+    Event,
     MeshChanged,
     RecoveryCompleted,
     RecoveryFailed,
@@ -139,9 +141,10 @@ class StepExecutor:
         self.hooks: list[BoundaryHook] = []
         self.ram = RamTier(every=max(config.snapshot_every, 1))
         self.ram.listeners.append(self._snapshot_done)
+        self.ram.failure_listeners.append(self._snapshot_failed)
         # Where a restore looks, fastest first. The storage tiers append themselves after RAM.
         self.restore_sources: list[RestoreSource] = [self.ram]
-        self._snapshots_done: deque[HostSnapshot] = deque()
+        self._from_threads: deque[Event] = deque()  # events raised in copy threads, published at boundaries
         self._inbox_send: MemoryObjectSendStream[Command]
         self._inbox: MemoryObjectReceiveStream[Command]
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[Command](math.inf)
@@ -160,6 +163,11 @@ class StepExecutor:
         self._recovery: _Recovery | None = None
         self._initial: PyTree | None = None
         self.compiler: StepCompiler | None = None
+
+    def close(self) -> None:
+        """Release the executor's streams (after the run and every task reading them has ended)."""
+        for stream in (self._inbox_send, self._inbox, self.mesh_updates_send, self.mesh_updates):
+            stream.close()
 
     # --- commands (called by the context; never block) -------------------------------------------------
 
@@ -181,7 +189,7 @@ class StepExecutor:
                 if self.step < steps:
                     await self._one_step()
             self.ram.wait()
-            await self._publish_snapshots()
+            await self._publish_from_threads()
         finally:
             self.ram.close()
         state = await anyio.to_thread.run_sync(jax.device_get, self.state)
@@ -243,7 +251,7 @@ class StepExecutor:
             if received is None:
                 await self._fail_recovery(
                     f"no handler completed the recovery within {self.config.recovery_timeout_s} s "
-                    "(is a remesh/restore handler subscribed?)"
+                    "(is a remesh/restore handler subscribed? HandlerFailed events in the log say which one broke)"
                 )
             await self._apply(received)
 
@@ -325,9 +333,9 @@ class StepExecutor:
         assert self.mesh is not None and self.compiler is not None
         step = self.step + 1
         mesh = self.mesh
-        compiled = await anyio.to_thread.run_sync(self.compiler.get, mesh)
-        host_batch = self.job.data.batch(self.data_position)
-        try:
+        try:  # the user's code runs in all three: data loading, tracing and compiling, the step itself
+            host_batch = self.job.data.batch(self.data_position)
+            compiled = await anyio.to_thread.run_sync(self.compiler.get, mesh)
             new_state, loss, seconds = await anyio.to_thread.run_sync(
                 self._execute, compiled, self.state, host_batch, step, mesh
             )
@@ -364,7 +372,7 @@ class StepExecutor:
                     mesh_shape=mesh_shape(mesh),
                 )
             )
-        await self._publish_snapshots()
+        await self._publish_from_threads()
 
     def _execute(
         self, compiled: Any, state: PyTree, host_batch: PyTree, step: int, mesh: Mesh
@@ -384,15 +392,22 @@ class StepExecutor:
         metadata = {"mesh": mesh_shape(self.mesh)}
         self.ram.capture(self.state, step=self.step, data_position=self.data_position, metadata=metadata)
 
-    def _snapshot_done(self, snapshot: HostSnapshot) -> None:
-        self._snapshots_done.append(snapshot)  # from the copy thread; published at the next boundary
+    def _snapshot_done(self, snap: HostSnapshot) -> None:
+        self._from_threads.append(
+            SnapshotTaken(step=snap.step, source="ram", tier="ram", bytes=snap.nbytes, seconds=snap.seconds)
+        )
 
-    async def _publish_snapshots(self) -> None:
-        while self._snapshots_done:
-            snap = self._snapshots_done.popleft()
-            await self.bus.publish(
-                SnapshotTaken(step=snap.step, source="ram", tier="ram", bytes=snap.nbytes, seconds=snap.seconds)
+    def _snapshot_failed(self, step: int, exc: BaseException) -> None:
+        reason = f"host copy failed: {type(exc).__name__}: {exc}"
+        self._from_threads.append(
+            CheckpointFailed(
+                step=step, source="ram", tier="ram", reason=reason, error_type=type(exc).__name__, message=str(exc)
             )
+        )
+
+    async def _publish_from_threads(self) -> None:
+        while self._from_threads:
+            await self.bus.publish(self._from_threads.popleft())
 
     async def _on_failure(self, exc: Exception, step: int, mesh: Mesh) -> None:
         failed_at = time.monotonic()

@@ -21,12 +21,11 @@ from typing import Protocol, TypeVar
 import anyio
 import jax
 
-from handlers import abort_recovery_on_handler_failure, remesh_on_device_loss, restore_after_remesh, scale_up
 from runtime.bus import EventBus, Handler, Subscription
 from runtime.config import RuntimeConfig
 from runtime.context import RuntimeContext
 from runtime.eventlog import EventLog
-from runtime.events import DeviceLost, Event, HandlerFailed, MeshChanged, RunFinished, ScaleUpAvailable
+from runtime.events import DeviceLost, Event, MeshChanged, RunFinished, ScaleUpAvailable
 from runtime.executor import BoundaryHook, RunResult, StepExecutor
 from runtime.faults import FaultInjector
 from runtime.health import DeviceHealth
@@ -54,7 +53,7 @@ class ElasticRuntime:
         config: runtime settings (defaults work on a laptop).
         mesh_policy: mesh layout and shrink rules; default: every device on one ``data`` axis.
         injector: a fault injector, for demos and tests.
-        default_handlers: subscribe the built-in re-mesh, restore, scale-up and guard handlers.
+        default_handlers: subscribe the built-in re-mesh, restore and scale-up handlers.
     """
 
     def __init__(
@@ -90,11 +89,13 @@ class ElasticRuntime:
         self._used = False
 
     def _subscribe_defaults(self) -> None:
+        # Imported here: the built-in handlers use the public runtime API, which imports this module.
+        from handlers import remesh_on_device_loss, restore_after_remesh, scale_up
+
         wait = self.config.device_wait_s + self.config.handler_timeout_s
         self.bus.subscribe(DeviceLost, remesh_on_device_loss, timeout=wait)
         self.bus.subscribe(MeshChanged, restore_after_remesh)
         self.bus.subscribe(ScaleUpAvailable, scale_up)
-        self.bus.subscribe(HandlerFailed, abort_recovery_on_handler_failure)
 
     # --- the user's hooks ------------------------------------------------------------------------------
 
@@ -143,6 +144,8 @@ class ElasticRuntime:
         self._used = True
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        result: RunResult | None = None
+        error: Exception | None = None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.bus.run)
@@ -153,16 +156,21 @@ class ElasticRuntime:
                     result = await self.executor.run(steps)
                     finished = RunFinished(step=result.step, source="runtime", ok=True)
                 except Exception as exc:
+                    # Raised after the task group has closed, so the caller sees it unwrapped.
+                    error = exc
                     finished = RunFinished(step=self.executor.step, source="runtime", ok=False, reason=f"{exc}")
-                    raise
                 finally:
                     helpers.cancel()
                     with anyio.CancelScope(shield=True):
                         await self.bus.publish(finished)
                         await self.bus.close()
         finally:
+            self.executor.close()
             if self.event_log is not None:
                 self.event_log.close()
+        if error is not None:
+            raise error
+        assert result is not None
         result.events_path = str(self.event_log.path) if self.event_log else None
         return result
 

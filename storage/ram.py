@@ -55,7 +55,7 @@ class RamTier:
         every: take a snapshot every ``every`` committed steps (1: every step).
 
     ``listeners`` are called from the copy thread with each completed snapshot (keep them short: hand the
-    snapshot to your own thread or queue).
+    snapshot to your own thread or queue); ``failure_listeners`` with the step and error of a failed copy.
     """
 
     name = "ram"
@@ -65,22 +65,25 @@ class RamTier:
             raise ValueError(f"snapshot cadence must be >= 1 step, got {every}")
         self.every = every
         self.listeners: list[Callable[[HostSnapshot], None]] = []
+        self.failure_listeners: list[Callable[[int, BaseException], None]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ram-snapshot")
         self._lock = threading.Lock()
         self._committed: HostSnapshot | None = None
         self._in_flight: Future[HostSnapshot] | None = None
+        self._in_flight_step = 0
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
     def capture(self, state: PyTree, *, step: int, data_position: int, metadata: dict[str, Any]) -> None:
-        """Start copying ``state`` (device arrays) to host memory. Blocks only if a copy is in flight."""
+        """Start copying ``state`` (device arrays) to host memory. Blocks only if a copy is in flight.
+
+        Never raises: a copy that fails (its arrays were lost with a device) is reported to
+        ``failure_listeners`` and the previous snapshot stays the committed one.
+        """
         self.wait()
         started = time.monotonic()
         leaves, treedef = jax.tree.flatten(state)
-        for leaf in leaves:
-            if isinstance(leaf, jax.Array):
-                leaf.copy_to_host_async()
 
         def finish() -> HostSnapshot:
             buffers = [np.empty(np.shape(leaf), dtype=leaf.dtype) for leaf in leaves]
@@ -100,7 +103,20 @@ class RamTier:
                 listener(snapshot)
             return snapshot
 
+        try:
+            for leaf in leaves:  # start every transfer now; the copy thread only waits for them
+                if isinstance(leaf, jax.Array):
+                    leaf.copy_to_host_async()
+        except Exception as exc:
+            self._report(step, exc)
+            return
         self._in_flight = self._pool.submit(finish)
+        self._in_flight_step = step
+
+    def _report(self, step: int, exc: BaseException) -> None:
+        log.error("RAM snapshot of step %d failed: %s: %s", step, type(exc).__name__, exc)
+        for listener in self.failure_listeners:
+            listener(step, exc)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the copy in flight, if any. A failed copy is logged; the previous snapshot stays."""
@@ -112,7 +128,7 @@ class RamTier:
         except TimeoutError:
             raise
         except Exception as exc:  # the copy failed: the committed snapshot is still the previous one
-            log.error("RAM snapshot copy failed: %s: %s", type(exc).__name__, exc)
+            self._report(self._in_flight_step, exc)
         self._in_flight = None
 
     def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:

@@ -1,0 +1,77 @@
+"""The RAM tier: complete, double-buffered host snapshots; a failed copy keeps the previous one."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from runtime.compiler import shardings_for
+from runtime.errors import SnapshotUnavailable
+from runtime.mesh import MeshPolicy
+from storage.ram import HostSnapshot, RamTier
+
+
+def sharded_state(value: float) -> dict[str, jax.Array]:
+    mesh = MeshPolicy({"data": 4, "model": 2}).fit(jax.devices())
+    host = {
+        "w": np.full((8, 16), value, np.float32) + np.arange(16, dtype=np.float32),
+        "r": np.full((3,), value, np.float32),
+    }
+    return jax.device_put(host, shardings_for({"w": P("data", "model"), "r": P()}, mesh))
+
+
+def test_a_snapshot_holds_the_full_state_step_and_data_position() -> None:
+    ram = RamTier()
+    seen: list[HostSnapshot] = []
+    ram.listeners.append(seen.append)
+    state = sharded_state(1.0)
+    ram.capture(state, step=5, data_position=7, metadata={"note": "x"})
+    snap = ram.latest()
+    assert (snap.step, snap.data_position, snap.metadata) == (5, 7, {"note": "x"})
+    np.testing.assert_array_equal(snap.tree["w"], np.asarray(state["w"]))
+    np.testing.assert_array_equal(snap.tree["r"], np.asarray(state["r"]))
+    assert snap.nbytes == 8 * 16 * 4 + 3 * 4
+    assert seen == [snap]
+    ram.close()
+
+
+def test_snapshots_are_independent_copies() -> None:
+    ram = RamTier()
+    ram.capture(sharded_state(1.0), step=1, data_position=1, metadata={})
+    first = ram.latest()
+    ram.capture(sharded_state(2.0), step=2, data_position=2, metadata={})
+    second = ram.latest()
+    assert first.tree["r"][0] == 1.0 and second.tree["r"][0] == 2.0  # the first was not overwritten
+    ram.close()
+
+
+def test_a_failed_copy_leaves_the_previous_snapshot_and_is_reported() -> None:
+    ram = RamTier()
+    failures: list[tuple[int, str]] = []
+    ram.failure_listeners.append(lambda step, exc: failures.append((step, str(exc))))
+    ram.capture(sharded_state(1.0), step=1, data_position=1, metadata={})
+    ram.wait()
+    deleted = sharded_state(2.0)
+    deleted["w"].delete()  # the copy of this state must fail, as if its device had died
+    ram.capture(deleted, step=2, data_position=2, metadata={})
+    snap = ram.latest()
+    assert snap.step == 1 and snap.tree["r"][0] == 1.0
+    assert len(failures) == 1 and failures[0][0] == 2 and "deleted" in failures[0][1]
+    ram.close()
+
+
+def test_no_snapshot_yet_is_an_error() -> None:
+    ram = RamTier()
+    with pytest.raises(SnapshotUnavailable):
+        ram.latest()
+    ram.close()
+
+
+def test_cadence() -> None:
+    ram = RamTier(every=3)
+    assert [s for s in range(1, 10) if ram.due(s)] == [3, 6, 9]
+    with pytest.raises(ValueError, match="cadence"):
+        RamTier(every=0)
+    ram.close()

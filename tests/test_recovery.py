@@ -1,0 +1,227 @@
+"""End to end: real steps on 8 virtual CPU devices, injected device and slice loss, in-process recovery.
+
+The fault step is random on every run; its seed is in every assertion message, so a failure can be replayed
+with ``FAULT_SEED=<seed>``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from handlers import remesh_on_device_loss
+from runtime import (
+    DeviceLost,
+    ElasticRuntime,
+    FaultInjector,
+    HandlerFailed,
+    MeshChanged,
+    MeshPolicy,
+    RecoveryCompleted,
+    RecoveryError,
+    RecoveryFailed,
+    RunFinished,
+    RuntimeConfig,
+    StepCompleted,
+    StepError,
+    StepFailed,
+    TrainJob,
+    read_events,
+)
+from runtime.demo import compare_states
+from runtime.demo_model import demo_job
+
+STEPS = 20
+
+
+def small_job() -> TrainJob:
+    return demo_job(global_batch=24, features=16, hidden=64)
+
+
+def config(tmp_path: Path, **overrides: Any) -> RuntimeConfig:
+    values: dict[str, Any] = {"run_dir": str(tmp_path), "scale_up_poll_s": None, "precompile": False}
+    return RuntimeConfig(**(values | overrides))
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, Any]:
+    """Fault-free final states for the two layouts the tests use."""
+    states = {}
+    for name, policy in LAYOUTS.items():
+        states[name] = ElasticRuntime(small_job(), config=RuntimeConfig(precompile=False), mesh_policy=policy).run(
+            STEPS
+        )
+    return {name: result.state for name, result in states.items()}
+
+
+LAYOUTS = {
+    "data4-with-spares": MeshPolicy({"data": 4, "model": 1}, global_batch=24),
+    "data4-model2": MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2),
+}
+
+
+def fault_step() -> tuple[int, int]:
+    seed = int(os.environ.get("FAULT_SEED", random.randrange(1 << 30)))
+    return random.Random(seed).randrange(2, STEPS), seed
+
+
+def committed_steps(events: list[Any]) -> list[int]:
+    return [e.step for e in events if isinstance(e, StepCompleted)]
+
+
+def test_a_spare_device_takes_the_lost_ones_place_and_the_result_is_bitwise_equal(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    step, seed = fault_step()
+    injector = FaultInjector().lose_devices(step, [2])
+    policy = LAYOUTS["data4-with-spares"]
+    result = ElasticRuntime(small_job(), config=config(tmp_path), mesh_policy=policy, injector=injector).run(STEPS)
+    events = read_events(tmp_path / "events.jsonl")
+    why = f"FAULT_SEED={seed} (fault at step {step})"
+    assert committed_steps(events) == list(range(1, STEPS + 1)), why  # none skipped, none committed twice
+    [recovery] = [e for e in events if isinstance(e, RecoveryCompleted)]
+    assert (recovery.failed_step, recovery.lost_steps, recovery.restored_from) == (step, 0, "ram"), why
+    [change] = [e for e in events if isinstance(e, MeshChanged)]
+    assert change.new_shape == {"data": 4, "model": 1} and 2 not in change.devices, why
+    assert compare_states(result.state, reference["data4-with-spares"], bitwise=True)["match"], why
+
+
+def test_a_lost_slice_shrinks_the_mesh_and_the_result_stays_within_tolerance(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    step, seed = fault_step()
+    injector = FaultInjector().lose_slice(step, slice_index=1, slice_size=2)
+    policy = LAYOUTS["data4-model2"]
+    result = ElasticRuntime(small_job(), config=config(tmp_path), mesh_policy=policy, injector=injector).run(STEPS)
+    events = read_events(tmp_path / "events.jsonl")
+    why = f"FAULT_SEED={seed} (fault at step {step})"
+    assert committed_steps(events) == list(range(1, STEPS + 1)), why
+    assert result.mesh_history == [{"data": 4, "model": 2}, {"data": 3, "model": 2}], why
+    match = compare_states(result.state, reference["data4-model2"], bitwise=False, rtol=1e-5)
+    assert match["match"], f"{why}: {match}"
+    bitwise = compare_states(result.state, reference["data4-model2"], bitwise=True)
+    assert not bitwise["match"], "6 devices sum gradients in another order; bitwise equality would be suspect"
+
+
+def test_the_slice_comes_back_and_the_mesh_scales_up(tmp_path: Path) -> None:
+    injector = FaultInjector().lose_slice(4, slice_index=3, slice_size=2)
+    policy = LAYOUTS["data4-model2"]
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, scale_up_poll_s=0.05), mesh_policy=policy, injector=injector
+    )
+
+    async def bring_back_later(step: int) -> None:
+        if step == 8:
+            injector.repair_now([6, 7])
+        if 8 <= step <= 12:
+            await anyio.sleep(0.1)  # slow these steps so that the watcher notices before the run ends
+
+    runtime.at_step_boundary(bring_back_later)
+    result = runtime.run(STEPS)
+    assert result.mesh_history == [{"data": 4, "model": 2}, {"data": 3, "model": 2}, {"data": 4, "model": 2}]
+    events = read_events(tmp_path / "events.jsonl")
+    grow = [e for e in events if isinstance(e, MeshChanged) and not e.needs_restore]
+    assert len(grow) == 1 and grow[0].devices == tuple(range(8))
+    assert committed_steps(events) == list(range(1, STEPS + 1))
+
+
+def test_a_step_that_raises_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
+    job = small_job()
+
+    class Data:
+        def batch(self, position: int) -> Any:
+            if position == 5:
+                raise ValueError("corrupt record at position 5")
+            return job.data.batch(position)
+
+    runtime = ElasticRuntime(
+        TrainJob(init=job.init, step=job.step, data=Data(), state_specs=job.state_specs, batch_spec=job.batch_spec),
+        config=config(tmp_path),
+        mesh_policy=LAYOUTS["data4-with-spares"],
+    )
+    with pytest.raises(StepError, match=r"step 6 raised ValueError in user code: corrupt record at position 5"):
+        runtime.run(STEPS)
+    events = read_events(tmp_path / "events.jsonl")
+    assert committed_steps(events) == [1, 2, 3, 4, 5]
+    assert [e.step for e in events if isinstance(e, StepFailed)] == [6]
+    assert events[-1] == RunFinished(
+        step=5, source="runtime", ok=False, reason=events[-1].reason, wall_time=events[-1].wall_time,
+        mono_time=events[-1].mono_time,
+    )  # fmt: skip
+    assert not events[-1].ok and "corrupt record" in events[-1].reason
+    assert runtime.executor.ram.latest().step == 5  # the last committed state is still held
+
+
+def test_an_error_inside_the_jitted_step_is_a_step_failure(tmp_path: Path) -> None:
+    job = small_job()
+
+    def step_with_bad_shapes(state: Any, batch: Any) -> Any:
+        new_state, metrics = job.step(state, batch)
+        return new_state, {"loss": metrics["loss"] + batch["x"][:, :3] @ np.ones((4, 1), np.float32)}
+
+    runtime = ElasticRuntime(
+        TrainJob(init=job.init, step=step_with_bad_shapes, data=job.data, state_specs=job.state_specs),
+        config=config(tmp_path),
+        mesh_policy=LAYOUTS["data4-with-spares"],
+    )
+    with pytest.raises(StepError, match=r"step 1 raised TypeError in user code: .*dot_general"):
+        runtime.run(3)
+    events = read_events(tmp_path / "events.jsonl")
+    assert [type(e).__name__ for e in events if isinstance(e, StepFailed)] == ["StepFailed"]
+
+
+def test_a_fault_that_leaves_no_devices_fails_clearly(tmp_path: Path) -> None:
+    injector = FaultInjector().lose_devices(3, range(8))
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, device_wait_s=0.3, device_poll_s=0.1),
+        mesh_policy=LAYOUTS["data4-with-spares"], injector=injector,
+    )  # fmt: skip
+    with pytest.raises(RecoveryError, match=r"cannot be built from 0 healthy device\(s\)") as info:
+        runtime.run(STEPS)
+    assert info.value.last_committed_step == 2
+    events = read_events(tmp_path / "events.jsonl")
+    assert any(isinstance(e, RecoveryFailed) for e in events)
+    assert committed_steps(events) == [1, 2]
+
+
+def test_a_policy_that_cannot_fit_the_healthy_devices_fails_clearly(tmp_path: Path) -> None:
+    policy = MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2, min_devices=8)
+    injector = FaultInjector().lose_devices(2, [5])
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, device_wait_s=0.2, device_poll_s=0.1), mesh_policy=policy,
+        injector=injector,
+    )  # fmt: skip
+    with pytest.raises(RecoveryError, match=r"min_devices 8\) cannot be built from 7 healthy"):
+        runtime.run(STEPS)
+
+
+@pytest.mark.parametrize("failure", ["raises", "hangs"])
+def test_a_broken_recovery_handler_ends_the_run_after_the_recovery_timeout(tmp_path: Path, failure: str) -> None:
+    injector = FaultInjector().lose_devices(3, [1])
+    runtime = ElasticRuntime(
+        small_job(),
+        config=config(tmp_path, recovery_timeout_s=1.0, handler_timeout_s=0.3),
+        mesh_policy=LAYOUTS["data4-with-spares"],
+        injector=injector,
+        default_handlers=False,
+    )
+    runtime.subscribe(DeviceLost, remesh_on_device_loss)
+
+    @runtime.on(MeshChanged)
+    async def broken_restore(event: MeshChanged, ctx: Any) -> None:
+        if failure == "raises":
+            raise OSError("restore target unreachable")
+        await anyio.sleep(3600)
+
+    with pytest.raises(RecoveryError, match=r"no handler completed the recovery within 1\.0 s"):
+        runtime.run(STEPS)
+    events = read_events(tmp_path / "events.jsonl")
+    [failed] = [e for e in events if isinstance(e, HandlerFailed)]
+    assert "broken_restore" in failed.handler and failed.timed_out == (failure == "hangs")
+    assert committed_steps(events) == [1, 2]
