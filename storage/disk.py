@@ -1,0 +1,454 @@
+"""The persistent-disk tier: committed checkpoints in Orbax format on a local directory.
+
+Layout (one directory per step; ``plain orbax.checkpoint`` restores ``<step>/state`` without this library)::
+
+    ROOT/step_0000000120/state/...       an Orbax PyTree checkpoint (zarr2, uncompressed, no OCDBT)
+    ROOT/step_0000000120/manifest.json   written last: rename of a fsynced temporary file
+
+Commit: Orbax writes the arrays (tensorstore fsyncs each file), we CRC32C every file as it lies on disk, write
+the manifest to a temporary name, fsync it, rename it into place and fsync the directory. A crash at any
+instant leaves either the complete checkpoint or a directory without a manifest, which no reader lists and the
+next save sweeps away.
+
+Restore reads each array's chunk files straight into the destination buffer and checks its CRC32C in the same
+pass (one read of the data, no second copy); any file that fails is reported by name and nothing of that
+checkpoint is returned. Uncompressed zarr2 is simple enough to read directly; anything else falls back to
+Orbax's own reader after every file has been verified.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import msgspec
+import numpy as np
+
+from runtime.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from storage import manifest as mf
+from storage.manifest import FileEntry, KeyPart, Manifest
+from storage.ram import HostSnapshot
+from storage.tier import CheckpointInfo, CorruptionListener, PyTree, latest_verified, rebuild_tree, snapshot_from
+
+log = logging.getLogger(__name__)
+
+LAYOUT = "orbax-pytree"
+STATE_DIR = "state"
+
+
+class _ZArray(msgspec.Struct, frozen=True):
+    """The fields of a zarr v2 ``.zarray`` that the direct reader relies on."""
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: str
+    compressor: Any = None
+    filters: Any = None
+    order: str = "C"
+    dimension_separator: str = "."
+    zarr_format: int = 2
+
+
+_zarray = msgspec.json.Decoder(_ZArray)
+
+
+class _Deadline:
+    def __init__(self, timeout: float | None, what: str) -> None:
+        self.end = None if timeout is None else time.monotonic() + timeout
+        self.what = what
+        self.timeout = timeout
+
+    def check(self) -> None:
+        if self.end is not None and time.monotonic() > self.end:
+            raise StorageError(f"{self.what}: timed out after {self.timeout} s")
+
+
+def _fsync_path(path: Path, *, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Commit ``directory``: write the manifest to a temporary name, fsync, rename into place, fsync the dir."""
+    tmp = directory / f".{mf.MANIFEST_NAME}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(mf.encode(manifest))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / mf.MANIFEST_NAME)
+    _fsync_path(directory, directory=True)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """Read and check ``directory``'s manifest.
+
+    Raises:
+        SnapshotUnavailable: there is no manifest (the checkpoint was never committed).
+        CheckpointInvalid: the manifest does not parse or names a path outside the checkpoint.
+    """
+    path = directory / mf.MANIFEST_NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise SnapshotUnavailable(f"{directory} holds no committed checkpoint (no {mf.MANIFEST_NAME})") from exc
+    except OSError as exc:
+        raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
+    return mf.decode(data, where=str(path))
+
+
+def _orbax_name(key: tuple[KeyPart, ...]) -> str:
+    # Orbax names an array's directory by its key path joined with dots.
+    return ".".join(str(k) for k in key)
+
+
+def verify_file(root: Path, entry: FileEntry) -> None:
+    """Raises CheckpointInvalid when the file under ``root`` is missing, of another size or another CRC32C."""
+    path = root / entry.path
+    try:
+        size, crc = mf.crc32c_file(path)
+    except FileNotFoundError as exc:
+        raise CheckpointInvalid(f"{path} is missing", path=str(path), reason="missing") from exc
+    except OSError as exc:
+        raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
+    _check(path, entry, size, crc)
+
+
+def _check(path: Path, entry: FileEntry, size: int, crc: int) -> None:
+    if size != entry.size:
+        reason = f"size {size}, manifest says {entry.size}"
+        raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=str(path), reason=reason)
+    if crc != entry.crc32c:
+        reason = f"crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
+        raise CheckpointInvalid(f"{path}: {reason} (altered bytes)", path=str(path), reason=reason)
+
+
+def verify_directory(directory: Path, manifest: Manifest, deadline: _Deadline | None = None) -> None:
+    """Check every file a manifest lists. Raises CheckpointInvalid naming the first bad file."""
+    for entry in manifest.files:
+        if deadline is not None:
+            deadline.check()
+        verify_file(directory, entry)
+
+
+def load_directory(directory: Path, manifest: Manifest, like: PyTree, deadline: _Deadline) -> PyTree:
+    """Load a committed checkpoint directory, verifying every file on the way. Raises CheckpointInvalid."""
+    if manifest.layout != LAYOUT:
+        reason = f"layout {manifest.layout!r} is not {LAYOUT!r}"
+        raise CheckpointInvalid(f"{directory}: {reason}", path=str(directory), reason=reason)
+    entries = {entry.path: entry for entry in manifest.files}
+    verified: set[str] = set()
+    arrays: dict[tuple[KeyPart, ...], np.ndarray] = {}
+    direct = True
+    for leaf in manifest.leaves:
+        deadline.check()
+        try:
+            dtype = mf.dtype_of(leaf.dtype)
+        except ValueError as exc:
+            raise CheckpointInvalid(f"{directory}: {exc}", path=str(directory), reason=str(exc)) from exc
+        array = _read_zarr2(directory, f"{STATE_DIR}/{_orbax_name(leaf.key)}", leaf.shape, dtype, entries, verified)
+        if array is None:
+            direct = False
+            break
+        arrays[leaf.key] = array
+    for path, entry in entries.items():
+        if path not in verified:
+            deadline.check()
+            verify_file(directory, entry)
+    if not direct:
+        arrays = _read_with_orbax(directory / STATE_DIR, manifest)
+    return rebuild_tree(manifest, arrays, like)
+
+
+def _read_zarr2(
+    root: Path,
+    array_dir: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    entries: dict[str, FileEntry],
+    verified: set[str],
+) -> np.ndarray | None:
+    """Read one uncompressed zarr2 array, checking each chunk file's CRC32C as it is read.
+
+    Returns None (use Orbax's reader) for anything but plain C-order uncompressed chunks that are all present.
+    """
+    meta_path = f"{array_dir}/.zarray"
+    meta_entry = entries.get(meta_path)
+    if meta_entry is None:
+        return None
+    raw = _read_verified(root, meta_entry)
+    verified.add(meta_path)
+    try:
+        meta = _zarray.decode(raw)
+    except msgspec.MsgspecError:
+        return None
+    if meta.compressor is not None or meta.filters or meta.order != "C" or meta.zarr_format != 2:
+        return None
+    if tuple(meta.shape) != shape or len(meta.chunks) != len(shape) or np.dtype(_zarr_dtype(meta.dtype)) != dtype:
+        return None
+    out = np.empty(shape, dtype)
+    chunks = tuple(meta.chunks)
+    grid = [-(-s // c) if c else 1 for s, c in zip(shape, chunks, strict=True)]
+    sep = meta.dimension_separator
+    for index in np.ndindex(*grid) if grid else [()]:
+        name = sep.join(str(i) for i in index) if index else "0"
+        rel = f"{array_dir}/{name}"
+        entry = entries.get(rel)
+        if entry is None:
+            return None  # a chunk left out as fill value: let Orbax decide what it means
+        if chunks == shape and out.flags.c_contiguous:
+            _read_into(root, entry, _bytes_of(out))
+        else:
+            buffer = np.empty(chunks, dtype)
+            _read_into(root, entry, _bytes_of(buffer))
+            region = tuple(slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, chunks, shape, strict=True))
+            out[region] = buffer[tuple(slice(0, r.stop - r.start) for r in region)]
+        verified.add(rel)
+    return out
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    # A uint8 view: the buffer protocol cannot export JAX's extra dtypes (bfloat16) directly.
+    return memoryview(array.reshape(-1).view(np.uint8).data)
+
+
+def _zarr_dtype(name: str) -> np.dtype[Any]:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return mf.dtype_of(name)  # bfloat16 and friends are spelled by name
+
+
+def _read_verified(root: Path, entry: FileEntry) -> bytes:
+    path = root / entry.path
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
+    _check(path, entry, len(data), mf.crc32c_bytes(data))
+    return data
+
+
+def _read_into(root: Path, entry: FileEntry, target: memoryview) -> None:
+    """Fill ``target`` from the file, CRC32C-checking what was read; a short or long file is invalid."""
+    path = root / entry.path
+    checksum = google_crc32c.Checksum()
+    total = 0
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while total < len(target):
+                # google_crc32c takes only immutable buffers, so read bytes and copy them into place.
+                chunk = f.read(min(len(target) - total, 16 << 20))
+                if not chunk:
+                    break
+                checksum.update(chunk)
+                target[total : total + len(chunk)] = chunk
+                total += len(chunk)
+            extra = f.read(1)
+    except FileNotFoundError as exc:
+        raise CheckpointInvalid(f"{path} is missing", path=str(path), reason="missing") from exc
+    except OSError as exc:
+        raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
+    if extra or total != len(target):
+        size = total + len(extra)
+        reason = f"size {size}{'+' if extra else ''}, expected {len(target)} (manifest says {entry.size})"
+        raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=str(path), reason=reason)
+    _check(path, entry, total, int.from_bytes(checksum.digest(), "big"))
+
+
+def _read_with_orbax(state_dir: Path, manifest: Manifest) -> dict[tuple[KeyPart, ...], np.ndarray]:
+    import jax
+    import orbax.checkpoint as ocp
+
+    template = rebuild_tree(
+        manifest, {leaf.key: np.zeros(leaf.shape, mf.dtype_of(leaf.dtype)) for leaf in manifest.leaves}, None
+    )
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), template)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        tree = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(item=template, restore_args=restore_args))
+    with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {mf.key_of(path): np.asarray(leaf) for path, leaf in with_path}
+
+
+def save_orbax(state_dir: Path, tree: PyTree) -> None:
+    """Write ``tree`` (numpy arrays) as a plain Orbax PyTree checkpoint, uncompressed and without OCDBT.
+
+    Uncompressed: on a local disk compression costs more CPU time than it saves in I/O, and it lets the
+    restore read chunks straight into place. No OCDBT: one file per array, so the manifest can name and
+    checksum each one.
+    """
+    import orbax.checkpoint as ocp
+
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False, use_ocdbt=False)
+    with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save(state_dir, args=ocp.args.PyTreeSave(tree))
+
+
+class DiskTier:
+    """Checkpoints in Orbax format under ``root``, one directory per step, committed by their manifest.
+
+    Args:
+        root: the checkpoint directory (created if missing).
+        name: the tier's name in events and restore sources.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, name: str = "disk") -> None:
+        self.root = Path(root)
+        self.name = name
+        self.corruption_listeners: list[CorruptionListener] = []
+
+    def path_of(self, step: int) -> Path:
+        return self.root / mf.step_dirname(step)
+
+    # --- writing -------------------------------------------------------------------------------------
+
+    def save(self, snapshot: HostSnapshot, *, timeout: float) -> CheckpointInfo:
+        """Write and commit ``snapshot``.
+
+        Raises:
+            StorageError: the write failed (disk full, I/O error, timeout); the partial directory is removed
+                when possible and is invisible either way; older checkpoints are untouched.
+        """
+        deadline = _Deadline(timeout, f"{self.name}: saving step {snapshot.step} to {self.root}")
+        directory = self.path_of(snapshot.step)
+        try:
+            if (directory / mf.MANIFEST_NAME).exists():
+                return self._info(directory, read_manifest(directory))  # already committed: saving is idempotent
+            self.root.mkdir(parents=True, exist_ok=True)
+            if directory.exists():
+                shutil.rmtree(directory)  # a torn earlier attempt at the same step
+            directory.mkdir()
+            save_orbax(directory / STATE_DIR, snapshot.tree)
+            deadline.check()
+            manifest = self._describe(directory, snapshot, deadline)
+            write_manifest(directory, manifest)
+            _fsync_path(self.root, directory=True)
+        except StorageError:
+            self._discard(directory)
+            raise
+        except Exception as exc:  # tensorstore and Orbax report I/O errors as ValueError and friends
+            self._discard(directory)
+            raise StorageError(f"{self.name}: saving step {snapshot.step} to {directory} failed: {_why(exc)}") from exc
+        return self._info(directory, manifest)
+
+    def _describe(self, directory: Path, snapshot: HostSnapshot, deadline: _Deadline) -> Manifest:
+        structure, leaves = mf.describe_leaves(snapshot.tree)
+        files = []
+        for rel in sorted(mf.files_under(directory)):
+            deadline.check()
+            size, crc = mf.crc32c_file(directory / rel)
+            files.append(FileEntry(path=rel, size=size, crc32c=crc))
+        return Manifest(
+            step=snapshot.step,
+            data_position=snapshot.data_position,
+            layout=LAYOUT,
+            structure=structure,
+            leaves=leaves,
+            files=tuple(files),
+            metadata=dict(snapshot.metadata),
+        )
+
+    def _discard(self, directory: Path) -> None:
+        if (directory / mf.MANIFEST_NAME).exists():
+            return  # committed after all (the failure came later): keep it
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def sweep(self, *, keep_step: int | None = None) -> list[Path]:
+        """Remove directories that never committed (a crash mid-write), except ``keep_step``'s. One writer only."""
+        removed: list[Path] = []
+        if not self.root.is_dir():
+            return removed
+        for child in self.root.iterdir():
+            step = mf.parse_step_dirname(child.name)
+            if step is None or step == keep_step or (child / mf.MANIFEST_NAME).exists():
+                continue
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+        return removed
+
+    def delete(self, step: int, *, timeout: float) -> None:
+        """Remove ``step``: manifest first (the checkpoint vanishes at once), then its data."""
+        directory = self.path_of(step)
+        try:
+            (directory / mf.MANIFEST_NAME).unlink(missing_ok=True)
+            _fsync_path(directory, directory=True)
+            shutil.rmtree(directory)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StorageError(f"{self.name}: deleting step {step} at {directory} failed: {exc}") from exc
+
+    # --- reading -------------------------------------------------------------------------------------
+
+    def list(self, *, timeout: float) -> list[CheckpointInfo]:
+        """Committed checkpoints, newest first. A manifest that does not parse is listed with ``nbytes=-1``."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        try:
+            for child in self.root.iterdir():
+                step = mf.parse_step_dirname(child.name)
+                if step is None or not (child / mf.MANIFEST_NAME).exists():
+                    continue
+                try:
+                    found.append(self._info(child, read_manifest(child)))
+                except (CheckpointInvalid, SnapshotUnavailable):
+                    found.append(CheckpointInfo(self.name, step, str(child), -1, -1, 0.0, 0))
+        except OSError as exc:
+            raise StorageError(f"{self.name}: cannot list {self.root}: {exc}") from exc
+        return sorted(found, key=lambda info: info.step, reverse=True)
+
+    def manifest(self, step: int) -> Manifest:
+        """``step``'s manifest. Raises SnapshotUnavailable (not committed) or CheckpointInvalid."""
+        return read_manifest(self.path_of(step))
+
+    def verify(self, step: int, *, timeout: float) -> CheckpointInfo:
+        """Check every file of ``step``. Raises CheckpointInvalid naming the bad file, or SnapshotUnavailable."""
+        directory = self.path_of(step)
+        manifest = read_manifest(directory)
+        verify_directory(directory, manifest, _Deadline(timeout, f"{self.name}: verifying step {step}"))
+        return self._info(directory, manifest)
+
+    def restore(self, step: int, like: PyTree = None, *, timeout: float) -> HostSnapshot:
+        """Load ``step``, verifying every file. Raises CheckpointInvalid, SnapshotUnavailable or StorageError."""
+        started = time.monotonic()
+        directory = self.path_of(step)
+        manifest = read_manifest(directory)
+        tree = load_directory(directory, manifest, like, _Deadline(timeout, f"{self.name}: restoring step {step}"))
+        return snapshot_from(manifest, tree, time.monotonic() - started)
+
+    def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
+        """The newest checkpoint that verifies (see :func:`storage.tier.latest_verified`)."""
+        return latest_verified(self, like, timeout)
+
+    def _info(self, directory: Path, manifest: Manifest) -> CheckpointInfo:
+        return CheckpointInfo(
+            tier=self.name,
+            step=manifest.step,
+            location=str(directory),
+            nbytes=manifest.nbytes,
+            data_position=manifest.data_position,
+            created=manifest.created,
+            files=len(manifest.files),
+        )
+
+
+def _why(exc: BaseException) -> str:
+    """A one-line reason, naming ENOSPC plainly (it often arrives wrapped in a tensorstore message)."""
+    text = f"{type(exc).__name__}: {exc}"
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return f"no space left on device ({text})"
+        seen = seen.__cause__ or seen.__context__
+    if "No space left" in text or "ENOSPC" in text:
+        return f"no space left on device ({text})"
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,210 @@
+"""The commit protocol's manifest: what a checkpoint holds, and the proof that it is complete.
+
+A checkpoint exists only once its manifest exists: every data file is written (and made durable) first, the
+manifest last and atomically (a rename on disk, the final object on GCS). The manifest lists every file with
+its size and CRC32C, so a reader can tell a complete checkpoint from a torn, truncated or bit-flipped one
+before loading a byte of it. It is msgspec JSON: decoding it runs no code (no pickle anywhere), and a manifest
+that names a path outside its checkpoint is rejected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import google_crc32c
+import jax
+import msgspec
+import numpy as np
+
+from runtime.errors import CheckpointInvalid
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+# One step per directory (or GCS prefix): zero-padded so that names sort like steps.
+_STEP_DIR = re.compile(r"^step_(\d{10})$")
+_READ_CHUNK = 8 << 20
+
+KeyPart = str | int
+
+
+class FileEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One data file of a checkpoint, relative to the checkpoint's root, with its size and CRC32C."""
+
+    path: str
+    size: int
+    crc32c: int
+
+
+class LeafEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One array of the state: its key path in the tree (dict keys and sequence indices), shape and dtype."""
+
+    key: tuple[KeyPart, ...]
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a reader needs to verify and rebuild one checkpoint.
+
+    Attributes:
+        step: the committed step the state belongs to.
+        data_position: where the data source resumes, so no batch is skipped or seen twice.
+        layout: how the arrays are stored (``orbax-pytree``: an Orbax PyTree checkpoint under ``state/``;
+            ``raw``: one file of raw bytes per leaf).
+        structure: the tree structure, as JAX prints it (for humans and for a structure check on restore).
+        leaves: every array, in tree order.
+        files: every data file, with size and CRC32C.
+        metadata: the user's and the runtime's plain-data metadata (mesh shape, RNG seeds, ...).
+    """
+
+    step: int
+    data_position: int
+    layout: str
+    structure: str
+    leaves: tuple[LeafEntry, ...]
+    files: tuple[FileEntry, ...]
+    metadata: dict[str, Any] = {}
+    created: float = msgspec.field(default_factory=time.time)
+    format: int = FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all data files together."""
+        return sum(f.size for f in self.files)
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Manifest)
+
+
+def step_dirname(step: int) -> str:
+    """The directory (or GCS prefix component) of ``step``'s checkpoint."""
+    if step < 0:
+        raise ValueError(f"a checkpoint step must be >= 0, got {step}")
+    return f"step_{step:010d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step a checkpoint directory name stands for, or None when the name is not one."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def encode(manifest: Manifest) -> bytes:
+    return _encoder.encode(manifest)
+
+
+def decode(data: bytes, *, where: str) -> Manifest:
+    """Parse and check a manifest read from ``where``.
+
+    Raises:
+        CheckpointInvalid: not valid manifest JSON, an unknown format version, or a file path that is absolute
+            or leaves the checkpoint (``..``), which could make a reader load or overwrite a foreign file.
+    """
+    try:
+        manifest = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise CheckpointInvalid(f"manifest {where} does not validate: {exc}", path=where, reason=str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise CheckpointInvalid(f"manifest {where} is not valid JSON: {exc}", path=where, reason=str(exc)) from exc
+    if manifest.format != FORMAT_VERSION:
+        reason = f"format {manifest.format}, this reader knows {FORMAT_VERSION}"
+        raise CheckpointInvalid(f"manifest {where}: {reason}", path=where, reason=reason)
+    for entry in manifest.files:
+        check_relative(entry.path, where=where)
+    return manifest
+
+
+def check_relative(path: str, *, where: str) -> str:
+    """Accept ``path`` only if it names a file inside the checkpoint: relative, no ``..``, no backslash.
+
+    Raises:
+        CheckpointInvalid: the path could reach outside the checkpoint.
+    """
+    parts = PurePosixPath(path).parts
+    bad = (
+        not path
+        or path.startswith("/")
+        or "\\" in path
+        or "\x00" in path
+        or any(part in ("..", ".") for part in parts)
+        or path == MANIFEST_NAME
+    )
+    if bad:
+        reason = f"file path {path!r} is outside the checkpoint"
+        raise CheckpointInvalid(f"manifest {where}: {reason}", path=where, reason=reason)
+    return path
+
+
+# --- building and checking ----------------------------------------------------------------------------
+
+
+def crc32c_file(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """Size and CRC32C of a file, read in large chunks (the C implementation runs at memory speed)."""
+    checksum = google_crc32c.Checksum()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_READ_CHUNK):
+            checksum.update(chunk)
+            size += len(chunk)
+    return size, int.from_bytes(checksum.digest(), "big")
+
+
+def crc32c_bytes(data: bytes | memoryview) -> int:
+    return int(google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data))
+
+
+def describe_files(root: Path, relative: Iterable[str]) -> tuple[FileEntry, ...]:
+    """Size and CRC32C of each file under ``root``, in a stable order."""
+    entries = []
+    for rel in sorted(relative):
+        size, crc = crc32c_file(root / rel)
+        entries.append(FileEntry(path=rel, size=size, crc32c=crc))
+    return tuple(entries)
+
+
+def files_under(root: Path) -> list[str]:
+    """Every regular file below ``root``, as POSIX paths relative to it."""
+    found = []
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            found.append((Path(dirpath) / name).relative_to(root).as_posix())
+    return found
+
+
+def describe_leaves(tree: Any) -> tuple[str, tuple[LeafEntry, ...]]:
+    """The structure string and per-leaf key path, shape and dtype of a tree of arrays."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = tuple(
+        LeafEntry(key=key_of(path), shape=tuple(np.shape(leaf)), dtype=np.dtype(leaf.dtype).name)
+        for path, leaf in with_path
+    )
+    return str(treedef), leaves
+
+
+def key_of(path: Sequence[Any]) -> tuple[KeyPart, ...]:
+    """A JAX key path as plain dict keys and sequence indices (what the manifest stores)."""
+    parts: list[KeyPart] = []
+    for entry in path:
+        if isinstance(entry, jax.tree_util.DictKey):
+            parts.append(str(entry.key))
+        elif isinstance(entry, jax.tree_util.SequenceKey):
+            parts.append(entry.idx)
+        elif isinstance(entry, jax.tree_util.GetAttrKey):
+            parts.append(entry.name)
+        else:
+            parts.append(str(entry))
+    return tuple(parts)
+
+
+def dtype_of(name: str) -> np.dtype[Any]:
+    """The numpy dtype a manifest names, including JAX's extra types (bfloat16, float8 ...)."""
+    try:
+        return np.dtype(jax.numpy.dtype(name))
+    except TypeError as exc:
+        raise ValueError(f"unknown dtype {name!r}") from exc

@@ -1,0 +1,158 @@
+"""The interface every durable checkpoint tier implements, and what they share.
+
+A tier stores committed checkpoints of host snapshots and gives them back verified. Every call takes an
+explicit timeout: the caller owns the deadline. A tier's ``latest`` makes it an executor restore source; when
+the newest checkpoint fails verification it reports it to ``corruption_listeners`` and falls back to the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from runtime.errors import CheckpointInvalid
+from storage.manifest import KeyPart, LeafEntry, Manifest, key_of
+from storage.ram import HostSnapshot
+
+PyTree = Any
+CorruptionListener = Callable[[str, CheckpointInvalid], None]  # (tier name, what failed verification)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as a listing shows it."""
+
+    tier: str
+    step: int
+    location: str  # a local directory or a gs:// prefix
+    nbytes: int
+    data_position: int
+    created: float  # wall time the manifest was written
+    files: int
+
+
+class CheckpointTier(Protocol):
+    """A place checkpoints are committed to and restored from (disk, GCS, a RAM directory)."""
+
+    name: str
+    corruption_listeners: list[CorruptionListener]
+
+    def save(self, snapshot: HostSnapshot, *, timeout: float) -> CheckpointInfo:
+        """Write ``snapshot`` and commit it (manifest last). Raises StorageError; a partial write stays invisible."""
+        ...
+
+    def restore(self, step: int, like: PyTree = None, *, timeout: float) -> HostSnapshot:
+        """Read and verify ``step``. Raises CheckpointInvalid, SnapshotUnavailable or StorageError."""
+        ...
+
+    def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
+        """The newest checkpoint that verifies; older ones are tried when newer ones are corrupt.
+
+        Raises SnapshotUnavailable when none does.
+        """
+        ...
+
+    def list(self, *, timeout: float) -> list[CheckpointInfo]:
+        """Committed checkpoints (those with a manifest), newest first. Raises StorageError."""
+        ...
+
+    def verify(self, step: int, *, timeout: float) -> CheckpointInfo:
+        """Check every file of ``step`` against its manifest. Raises CheckpointInvalid naming the bad file."""
+        ...
+
+    def delete(self, step: int, *, timeout: float) -> None:
+        """Remove ``step`` (its manifest first, so it is never half-visible). Raises StorageError."""
+        ...
+
+
+def latest_verified(tier: CheckpointTier, like: PyTree, timeout: float | None) -> HostSnapshot:
+    """Shared ``latest``: newest first, skipping (and reporting) checkpoints that fail verification."""
+    from runtime.errors import SnapshotUnavailable, StorageError
+
+    limit = 300.0 if timeout is None else timeout
+    try:
+        infos = tier.list(timeout=limit)
+    except StorageError as exc:
+        raise SnapshotUnavailable(f"{tier.name}: cannot list checkpoints: {exc}") from exc
+    problems: list[str] = []
+    for info in infos:
+        try:
+            return tier.restore(info.step, like, timeout=limit)
+        except CheckpointInvalid as exc:
+            problems.append(f"step {info.step}: {exc}")
+            for listener in tier.corruption_listeners:
+                listener(tier.name, exc)
+        except (SnapshotUnavailable, StorageError) as exc:
+            problems.append(f"step {info.step}: {exc}")
+    detail = "; ".join(problems) if problems else "no committed checkpoint"
+    raise SnapshotUnavailable(f"{tier.name}: nothing restorable ({detail})")
+
+
+def rebuild_tree(manifest: Manifest, arrays: dict[tuple[KeyPart, ...], np.ndarray], like: PyTree) -> PyTree:
+    """Put restored arrays back into the state's structure.
+
+    With ``like`` (the state as the job builds it) the result has exactly its structure; every leaf must match
+    the manifest's key, shape and dtype. Without it, nested dicts and lists are rebuilt from the key paths.
+
+    Raises:
+        SnapshotUnavailable: the checkpoint holds a different structure than ``like`` (another model).
+    """
+    from runtime.errors import SnapshotUnavailable
+
+    if like is None:
+        return _nested(manifest.leaves, arrays)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(like)
+    by_key = {leaf.key: leaf for leaf in manifest.leaves}
+    out = []
+    for path, leaf in with_path:
+        key = key_of(path)
+        entry = by_key.get(key)
+        if entry is None:
+            raise SnapshotUnavailable(f"checkpoint of step {manifest.step} has no array at {key}")
+        if tuple(np.shape(leaf)) != entry.shape or np.dtype(leaf.dtype).name != entry.dtype:
+            raise SnapshotUnavailable(
+                f"checkpoint of step {manifest.step} holds {entry.dtype}{list(entry.shape)} at {key}, "
+                f"the state has {np.dtype(leaf.dtype).name}{list(np.shape(leaf))}"
+            )
+        out.append(arrays[key])
+    if len(with_path) != len(manifest.leaves):
+        raise SnapshotUnavailable(
+            f"checkpoint of step {manifest.step} holds {len(manifest.leaves)} arrays, the state {len(with_path)}"
+        )
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _nested(leaves: tuple[LeafEntry, ...], arrays: dict[tuple[KeyPart, ...], np.ndarray]) -> PyTree:
+    root: dict[KeyPart, Any] = {}
+    for leaf in leaves:
+        if not leaf.key:
+            return arrays[leaf.key]
+        node = root
+        for part in leaf.key[:-1]:
+            node = node.setdefault(part, {})
+        node[leaf.key[-1]] = arrays[leaf.key]
+
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        items = {k: lists(v) for k, v in node.items()}
+        if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
+            return [items[i] for i in range(len(items))]
+        return items
+
+    return lists(root)
+
+
+def snapshot_from(manifest: Manifest, tree: PyTree, seconds: float) -> HostSnapshot:
+    return HostSnapshot(
+        step=manifest.step,
+        data_position=manifest.data_position,
+        tree=tree,
+        nbytes=sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(tree)),
+        seconds=seconds,
+        metadata=dict(manifest.metadata),
+    )
