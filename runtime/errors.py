@@ -47,3 +47,23 @@ class EventLogError(ElasticRuntimeError):
 
 class SnapshotUnavailable(ElasticRuntimeError):
     """No snapshot is held that a restore could use."""
+
+
+class CheckpointInvalid(ElasticRuntimeError):
+    """A checkpoint failed verification: a missing, short or altered file, a manifest that does not parse, or a
+    manifest naming a path outside its checkpoint. Such a checkpoint is never loaded.
+
+    ``path`` locates the bad file (or the manifest), ``reason`` says what did not match.
+    """
+
+    def __init__(self, message: str, *, path: str, reason: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
+class StorageError(ElasticRuntimeError):
+    """A checkpoint tier could not write, read, list or delete (disk full, I/O error, network, timeout).
+
+    Raised from the underlying OS or Google Cloud error; the tier's committed checkpoints are untouched.
+    """
