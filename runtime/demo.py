@@ -137,7 +137,7 @@ def main(args: argparse.Namespace) -> int:
     global_batch = base * max(1, 96 // base)
     policy = MeshPolicy({"data": slices, "model": SLICE_SIZE}, global_batch=global_batch, slice_size=SLICE_SIZE)
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    config = RuntimeConfig(run_dir=str(run_dir), scale_up_poll_s=0.2)
+    config = RuntimeConfig(run_dir=str(run_dir), scale_up_poll_s=0.1)
     job = demo_job(global_batch=global_batch)
     injector = FaultInjector()
     lost = tuple(range((slices - 1) * SLICE_SIZE, slices * SLICE_SIZE))
