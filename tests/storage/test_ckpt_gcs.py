@@ -1,0 +1,45 @@
+"""The GCS tier against the real emulator, through a proxy that injects 5xx, slow answers and drops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+from conftest import client_for, small_state
+from faultproxy import FaultProxy
+
+from storage.disk import DiskTier
+from storage.gcs import GcsTier
+from storage.ram import HostSnapshot
+
+
+def _snapshot(step: int) -> HostSnapshot:
+    return HostSnapshot(
+        step=step, data_position=step + 1, tree=small_state(step), nbytes=0, seconds=0.0, metadata={"rng": [step, 7]}
+    )
+
+
+def test_uploads_commit_through_30_percent_faults(tmp_path: Path, gcs_uri: str, fault_proxy: FaultProxy) -> None:
+    disk = DiskTier(tmp_path / "disk")
+    fault_proxy.rate = 0.3
+    fault_proxy.slow_s = 1.2
+    gcs = GcsTier(
+        gcs_uri,
+        client=client_for(fault_proxy.url),
+        request_timeout_s=1.0,
+        workers=4,
+        max_attempts=30,
+        sleep=lambda s: None,
+    )
+    for step in (1, 2, 3):
+        info = disk.save(_snapshot(step), timeout=60)
+        gcs.upload(info.location, timeout=90)
+    assert sum(fault_proxy.injected.values()) >= 5, fault_proxy.injected
+    assert gcs.retries >= 5
+    fault_proxy.rate = 0.0
+    assert [i.step for i in gcs.list(timeout=30)] == [3, 2, 1]
+    restored = gcs.latest(small_state(0))
+    assert restored.step == 3 and restored.data_position == 4 and restored.metadata == {"rng": [3, 7]}
+    for a, b in zip(jax.tree.leaves(restored.tree), jax.tree.leaves(small_state(3)), strict=True):
+        np.testing.assert_array_equal(a, b)
