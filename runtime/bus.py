@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ Handler = Callable[[E, Any], Awaitable[None]]
 
 # Yield to other tasks at least this often while a burst of events is dispatched.
 _DISPATCH_BATCH = 256
+# How often the watchdog looks for a handler past its timeout: timeouts are enforced to within this.
+_WATCHDOG_TICK_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,10 @@ class EventBus:
         self._send: MemoryObjectSendStream[Event]
         self._receive: MemoryObjectReceiveStream[Event]
         self._send, self._receive = anyio.create_memory_object_stream[Event](max_pending)
-        self._followups: deque[Event] = deque()
+        self._work: deque[tuple[Subscription[Any], Event]] = deque()  # handler calls of the current event
+        self._running: tuple[Subscription[Any], Event, float] | None = None  # with its deadline
+        self._timed_out: tuple[Subscription[Any], Event] | None = None
+        self._scope: anyio.CancelScope | None = None
         self._closed = False
         self.dispatched = 0
 
@@ -126,10 +132,13 @@ class EventBus:
     # --- publishing ------------------------------------------------------------------------------------
 
     async def publish(self, event: Event) -> None:
-        """Queue ``event``; waits while the queue is full. Raises :class:`BusClosed` after ``close()``."""
+        """Queue ``event``; waits only while the queue is full. Raises :class:`BusClosed` after ``close()``."""
         if self._closed:
             raise BusClosed(f"bus closed: cannot publish {type(event).__name__}")
-        await self._send.send(event)
+        try:
+            self._send.send_nowait(event)  # the common case costs no trip through the event loop
+        except anyio.WouldBlock:
+            await self._send.send(event)
 
     def publish_nowait(self, event: Event) -> None:
         """Queue ``event`` without waiting. Raises ``anyio.WouldBlock`` when full, BusClosed when closed."""
@@ -142,24 +151,55 @@ class EventBus:
         return self._send.statistics().current_buffer_used
 
     # --- dispatching -----------------------------------------------------------------------------------
+    #
+    # Handler timeouts: a cancel scope per handler call costs more than the rest of a dispatch together, so
+    # the dispatcher runs under one scope and a watchdog cancels that scope when the running handler is past
+    # its deadline; the dispatcher then records the timeout and carries on under a fresh scope. The watchdog
+    # is the bus's own task because it must live and die with the dispatcher.
 
     async def run(self) -> None:
         """Dispatch events until the bus is closed and its queue is empty."""
-        with self._receive as receive:
-            await self._dispatch_all(receive)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watchdog)
+            with self._receive as receive:
+                while True:
+                    with anyio.CancelScope() as scope:
+                        self._scope = scope
+                        if await self._dispatch_all(receive):
+                            break
+                    if self._timed_out is not None:
+                        sub, event = self._timed_out
+                        self._timed_out = None
+                        message = f"handler ran past its {sub.timeout} s timeout"
+                        self._failed(sub, event, "TimeoutError", message, timed_out=True)
+            tg.cancel_scope.cancel()
 
-    async def _dispatch_all(self, receive: MemoryObjectReceiveStream[Event]) -> None:
+    async def _watchdog(self) -> None:
         while True:
+            await anyio.sleep(_WATCHDOG_TICK_S)
+            running = self._running
+            if running is not None and running[2] < anyio.current_time() and self._scope is not None:
+                self._timed_out = (running[0], running[1])
+                self._scope.cancel()
+
+    async def _dispatch_all(self, receive: MemoryObjectReceiveStream[Event]) -> bool:
+        """Dispatch until the stream ends (returns True) or the watchdog cancels a handler."""
+        work = self._work
+        while True:
+            if work:
+                sub, event = work.popleft()
+                await self._call(sub, event)
+                continue
             try:
                 event = receive.receive_nowait()
             except anyio.WouldBlock:
                 try:
                     event = await receive.receive()
                 except anyio.EndOfStream:
-                    return
+                    return True
             except anyio.EndOfStream:
-                return
-            await self._dispatch(event)
+                return True
+            self._take(event)
             self.dispatched += 1
             if self.dispatched % _DISPATCH_BATCH == 0:
                 await anyio.lowlevel.checkpoint()
@@ -169,28 +209,25 @@ class EventBus:
         self._closed = True
         await self._send.aclose()
 
-    async def _dispatch(self, event: Event) -> None:
+    def _take(self, event: Event) -> None:
+        """Log ``event`` and line up its handlers, in priority order."""
         if self.event_log is not None:
             self.event_log.append(event)
-        for sub in self._handlers_for(type(event)):
-            await self._call(sub, event)
-        while self._followups:
-            await self._dispatch(self._followups.popleft())
+        self._work.extend((sub, event) for sub in self._handlers_for(type(event)))
 
     async def _call(self, sub: Subscription[Any], event: Event) -> None:
-        timed_out = False
+        deadline = math.inf if sub.timeout is None else anyio.current_time() + sub.timeout
+        self._running = (sub, event, deadline)
         try:
-            if sub.timeout is None:
-                await sub.handler(event, self.context)
-                return
-            with anyio.move_on_after(sub.timeout) as scope:
-                await sub.handler(event, self.context)
-            if not scope.cancelled_caught:
-                return
-            timed_out = True
-            error_type, message = "TimeoutError", f"handler ran past its {sub.timeout} s timeout"
+            await sub.handler(event, self.context)
         except Exception as exc:  # a handler's failure becomes an event, never the bus's
-            error_type, message = type(exc).__name__, str(exc)
+            self._failed(sub, event, type(exc).__name__, str(exc))
+        finally:
+            self._running = None
+
+    def _failed(
+        self, sub: Subscription[Any], event: Event, error_type: str, message: str, *, timed_out: bool = False
+    ) -> None:
         log.error("handler %s failed on %s: %s: %s", sub.name, type(event).__name__, error_type, message)
         if isinstance(event, HandlerFailed):
             return  # a failing HandlerFailed handler would otherwise loop forever
@@ -205,4 +242,4 @@ class EventBus:
         )
         # Dispatched right after the event that caused it, bypassing the queue: the dispatcher must never
         # wait on its own queue, and a HandlerFailed raised during close() must not be lost.
-        self._followups.append(failed)
+        self._take(failed)
