@@ -49,6 +49,10 @@ class SnapshotUnavailable(ElasticRuntimeError):
     """No snapshot is held that a restore could use."""
 
 
+class NoticeMalformed(ElasticRuntimeError, ValueError):
+    """A maintenance notice (Pub/Sub message or metadata value) cannot be parsed; the message names the path."""
+
+
 class CheckpointInvalid(ElasticRuntimeError):
     """A checkpoint failed verification: a missing, short or altered file, a manifest that does not parse, or a
     manifest naming a path outside its checkpoint. Such a checkpoint is never loaded.

@@ -1,0 +1,278 @@
+"""The metadata-server watcher: the second notice source, on Compute Engine and TPU VMs.
+
+The metadata server tells a VM about its own maintenance and preemption. Each key is long-polled
+(``?wait_for_change=true&last_etag=E&timeout_sec=T``): the server answers when the value changes or the
+timeout passes, with the value's ``ETag``. Keys:
+
+- ``instance/maintenance-event``: ``NONE``, or ``MIGRATE_ON_HOST_MAINTENANCE`` /
+  ``TERMINATE_ON_HOST_MAINTENANCE`` (older: ``SHUTDOWN_ON_HOST_MAINTENANCE``) about 60 s before the host
+  event. A change away from NONE is ``MaintenanceStarted``, back to NONE ``MaintenanceCompleted``.
+- ``instance/upcoming-maintenance``: a JSON window (snake_case or camelCase fields) is
+  ``MaintenanceScheduled`` (or ``MaintenanceStarted`` once ONGOING); a window that disappears again is
+  ``MaintenanceCompleted``. No window is announced by an empty object, a 404 or 503, or an error body saying
+  there are no notifications yet.
+- ``instance/preempted``: ``TRUE`` is ``Preempted``.
+
+What the VM sees is what it reports: only transitions are published, so a value that stays put is not
+announced twice; the first value read counts as a transition from "nothing".
+The HTTP calls are blocking ``urllib`` calls in worker threads, abandoned on cancellation (each is bounded
+by its own timeout), because the poll must not hold the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from runtime.errors import ElasticRuntimeError, NoticeMalformed
+from runtime.events import (
+    Event,
+    MaintenanceCompleted,
+    MaintenanceStarted,
+    MalformedNotice,
+    Notice,
+    Preempted,
+)
+from runtime.maintenance.formats import ParsedNotice, parse_upcoming_maintenance
+from runtime.maintenance.intake import NoticeIntake
+from runtime.maintenance.source import DispatchTracker, SourceContext
+
+__all__ = [
+    "DEFAULT_KEYS",
+    "HttpResponse",
+    "MetadataUnavailable",
+    "MetadataWatcher",
+    "NoticeTracker",
+    "backoff",
+    "http_get",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEYS = ("instance/maintenance-event", "instance/upcoming-maintenance", "instance/preempted")
+_PATH = "/computeMetadata/v1/"
+
+HttpResponse = tuple[int, dict[str, str], bytes]
+Fetch = Callable[[str, float], HttpResponse]
+
+
+class MetadataUnavailable(ElasticRuntimeError):
+    """The metadata server could not be reached or answered an unexpected status."""
+
+
+def http_get(url: str, timeout: float) -> HttpResponse:
+    """GET ``url`` with the ``Metadata-Flavor`` header; (status, headers, body). Blocking.
+
+    Raises:
+        MetadataUnavailable: the server cannot be reached or did not answer within ``timeout``.
+    """
+    request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers.items()), response.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, dict(exc.headers.items()), exc.read()
+    except OSError as exc:
+        raise MetadataUnavailable(f"metadata server at {url}: {exc}") from exc
+
+
+def _no_notifications(status: int, body: bytes) -> bool:
+    """Whether an upcoming-maintenance answer means "no window announced"."""
+    text = body.strip().lower()
+    return status == 404 or text in (b"", b"{}") or b"no notification" in text
+
+
+def backoff(attempt: int, *, first: float = 0.2, most: float = 10.0, jitter: float = 0.1) -> float:
+    """Exponential backoff with jitter: ``first * 2**(attempt-1)`` capped at ``most``, plus up to ``jitter``."""
+    return min(most, first * 2 ** max(attempt - 1, 0)) + random.uniform(0, jitter)
+
+
+class NoticeTracker:
+    """The sync core: turns successive values of the watched keys into notices (transitions only)."""
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+        self._last: dict[str, Any] = {}
+
+    def update(self, key: str, status: int, body: bytes, etag: str = "") -> list[ParsedNotice]:
+        """Notices caused by ``key`` now reading (``status``, ``body``).
+
+        Raises:
+            NoticeMalformed: the value cannot be parsed (the previous value is kept).
+        """
+        message_id = f"metadata:{key}:{etag}" if etag else f"metadata:{key}"
+        common: dict[str, Any] = {"instance": self.instance, "message_id": message_id, "source": "metadata"}
+        previous = self._last.get(key)
+        notices: list[Notice] = []
+        upcoming = key.endswith("upcoming-maintenance")
+        if status != 200 and not (upcoming and _no_notifications(status, body)):
+            return []  # a 503 during maintenance says nothing about the value: keep the last one
+        if key.endswith("maintenance-event"):
+            value = body.decode(errors="replace").strip().upper()
+            if value != (previous or "NONE"):
+                if value == "NONE":
+                    notices.append(MaintenanceCompleted(kind=previous or "", **common))
+                else:
+                    notices.append(MaintenanceStarted(kind=value, **common))
+            current: Any = value
+        elif upcoming:
+            if _no_notifications(status, body):
+                parsed: list[ParsedNotice] = []
+            else:
+                parsed = parse_upcoming_maintenance(body, instance=self.instance, message_id=message_id)
+            current = parsed[0].event if parsed else None
+            if current is None and previous is not None:
+                notices.append(MaintenanceCompleted(kind=previous.kind, **common))
+            elif current is not None and not _same_notice(current, previous):
+                notices.append(current)
+        elif key.endswith("preempted"):
+            current = body.strip().upper() == b"TRUE"
+            if current and not previous:
+                notices.append(Preempted(kind="PREEMPTED", **common))
+        else:
+            raise NoticeMalformed(f"metadata key {key!r} is not one the watcher understands")
+        self._last[key] = current
+        return [ParsedNotice(event=n, identities=(self.instance,)) for n in notices]
+
+
+def _same_notice(a: Event, b: Event | None) -> bool:
+    if b is None or type(a) is not type(b):
+        return False
+    skip = {"wall_time", "mono_time", "message_id"}
+    return all(getattr(a, f) == getattr(b, f) for f in a.__struct_fields__ if f not in skip)
+
+
+class MetadataWatcher:
+    """Long-polls the metadata server's maintenance keys and publishes what changes as events.
+
+    Args:
+        host: ``metadata.google.internal`` on GCE; ``127.0.0.1:PORT`` in tests (``http://`` optional).
+        intake: shared with the Pub/Sub listener, so a window seen by both is published once.
+        instance: this VM's name; read from ``instance/name`` when not given.
+        keys: the keys to watch (default: :data:`DEFAULT_KEYS`).
+        poll_timeout_s: ``timeout_sec`` of each long poll.
+        retry_max_s: longest wait after an error or a 503 before polling again.
+        fetch: the blocking HTTP GET (injectable for tests).
+        sleep: the async sleep used between retries (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        host: str = "metadata.google.internal",
+        intake: NoticeIntake | None = None,
+        *,
+        instance: str | None = None,
+        keys: Sequence[str] = DEFAULT_KEYS,
+        poll_timeout_s: float = 60.0,
+        retry_max_s: float = 10.0,
+        fetch: Fetch = http_get,
+        sleep: Callable[[float], Any] = anyio.sleep,
+    ) -> None:
+        base = host if "://" in host else f"http://{host}"
+        self.base = base.rstrip("/") + _PATH
+        self.intake = intake or NoticeIntake()
+        self.instance = instance
+        self.keys = tuple(keys)
+        self.poll_timeout_s = poll_timeout_s
+        self.retry_max_s = retry_max_s
+        self.fetch = fetch
+        self.sleep = sleep
+        self.polls = 0
+        self._tracker = DispatchTracker()
+
+    async def run(self, ctx: SourceContext) -> None:
+        """Watch until cancelled. Each key has its own long poll, so one task per key."""
+        instance = self.instance or await self._read_instance_name()
+        tracker = NoticeTracker(instance)
+        self._tracker.attach(ctx)
+        try:
+            # One long poll per key must be in flight at once; a small task group of our own is the
+            # least concurrency that allows it.
+            async with anyio.create_task_group() as tg:
+                for key in self.keys:
+                    tg.start_soon(self._watch, key, tracker, ctx)
+        finally:
+            self._tracker.detach(ctx)
+
+    async def _read_instance_name(self) -> str:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                status, _, body = await self._get("instance/name", {}, timeout=10.0)
+                if status == 200 and body.strip():
+                    return body.decode().strip()
+                error = f"status {status}"
+            except MetadataUnavailable as exc:
+                error = str(exc)
+            delay = backoff(attempt, first=0.5, most=self.retry_max_s)
+            log.warning("metadata server: cannot read instance/name (%s); retrying in %.1f s", error, delay)
+            await self.sleep(delay)
+
+    async def _get(self, key: str, query: dict[str, str], *, timeout: float) -> HttpResponse:
+        url = self.base + key + ("?" + urllib.parse.urlencode(query) if query else "")
+        self.polls += 1
+        return await anyio.to_thread.run_sync(self.fetch, url, timeout, abandon_on_cancel=True)
+
+    async def _watch(self, key: str, tracker: NoticeTracker, ctx: SourceContext) -> None:
+        etag = ""
+        failures = 0
+        while True:
+            query = {"alt": "json"} if key.endswith("upcoming-maintenance") else {}
+            if etag:
+                query |= {"wait_for_change": "true", "last_etag": etag, "timeout_sec": f"{self.poll_timeout_s:g}"}
+            try:
+                status, headers, body = await self._get(key, query, timeout=self.poll_timeout_s + 10)
+            except MetadataUnavailable as exc:
+                failures += 1
+                delay = backoff(failures, most=self.retry_max_s)
+                log.warning("metadata %s: %s; retrying in %.1f s", key, exc, delay)
+                await self.sleep(delay)
+                continue
+            if status not in (200, 404, 503):
+                failures += 1
+                log.warning("metadata %s: unexpected status %d", key, status)
+                await self.sleep(backoff(failures, most=self.retry_max_s))
+                continue
+            new_etag = next((v for k, v in headers.items() if k.lower() == "etag"), "")
+            if etag and new_etag == etag and status == 200:
+                continue  # the long poll timed out: nothing changed
+            try:
+                parsed = tracker.update(key, status, body, new_etag)
+            except NoticeMalformed as exc:
+                log.warning("metadata %s: %s", key, exc)
+                await self._publish(
+                    ctx, f"metadata:{key}:{new_etag}", [], MalformedNotice(source="metadata", reason=str(exc))
+                )
+            else:
+                await self._publish(ctx, f"metadata:{key}:{new_etag}", parsed)
+            if status == 200 and new_etag:
+                etag, failures = new_etag, 0
+            else:
+                # 503 (during maintenance), 404, or no ETag: a long poll is impossible, so poll again later.
+                etag = ""
+                failures += 1
+                await self.sleep(backoff(failures, most=self.retry_max_s))
+
+    async def _publish(
+        self, ctx: SourceContext, message_id: str, parsed: list[ParsedNotice], malformed: MalformedNotice | None = None
+    ) -> None:
+        events: list[Event] = list(self.intake.admit(message_id, parsed, trusted=True))
+        if malformed is not None:
+            events.append(malformed)
+        handled = False
+        try:
+            for event in events:
+                await self._tracker.publish_and_wait(ctx, event)
+            handled = True
+        finally:
+            self.intake.settle(message_id, handled=handled)

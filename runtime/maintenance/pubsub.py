@@ -1,0 +1,197 @@
+"""The Pub/Sub listener: streaming pull from a subscription, each message turned into events on the bus.
+
+google-cloud-pubsub has no asyncio subscriber: ``SubscriberClient.subscribe`` calls its callback on a
+thread pool. Each callback hands its message to the event loop with :func:`anyio.from_thread.run` (with the
+loop's token, since the pool's threads are not anyio's) and blocks until the message's events have been
+through their handlers; only then is the message acked. So:
+
+- the loop never blocks on Pub/Sub, and Pub/Sub never waits on more than ``max_messages`` messages at once
+  (flow control), which bounds the threads parked in callbacks and the events queued from them;
+- a message whose handling was cut short (the run ended) is nacked and comes back, to this or another
+  subscriber; a handled one is acked, even if a handler failed (that failure is a ``HandlerFailed`` event;
+  redelivering the notice would only fail again);
+- a malformed or unknown message is logged, published as ``MalformedNotice`` and acked, never redelivered
+  forever.
+
+The client library reconnects a broken stream by itself on transient errors. When the stream ends for good
+(the subscription was deleted or is not there yet, permission denied, the emulator restarted and lost it)
+the listener opens a new one after an exponential, jittered backoff (tenacity), forever: a notice source
+must outlive outages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+from google.cloud import pubsub_v1
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
+
+from runtime.errors import ElasticRuntimeError, NoticeMalformed
+from runtime.events import Event, MalformedNotice
+from runtime.maintenance.formats import parse_message
+from runtime.maintenance.intake import NoticeIntake
+from runtime.maintenance.source import DispatchTracker, SourceContext
+
+__all__ = ["SUBSCRIPTION_PATTERN", "PubSubListener", "StreamBroken"]
+
+log = logging.getLogger(__name__)
+
+SUBSCRIPTION_PATTERN = re.compile(r"projects/[^/\s]+/subscriptions/[^/\s]+")
+
+
+class StreamBroken(ElasticRuntimeError):
+    """The streaming pull ended with an error the client library does not retry by itself."""
+
+
+class PubSubListener:
+    """Listens on ``subscription`` and publishes the notices for this job's instances as events.
+
+    Args:
+        subscription: ``projects/P/subscriptions/S``.
+        intake: filters and deduplicates; share one between sources. Default: every instance counts.
+        max_messages: flow control: messages outstanding (received, not yet acked) at most.
+        max_bytes: flow control: bytes outstanding at most.
+        reconnect_max_s: longest wait between two attempts to open the stream.
+        client_factory: builds the ``SubscriberClient`` (in a worker thread); the default honours
+            ``PUBSUB_EMULATOR_HOST``.
+        on_message: called in the loop with (publish time, receive time) of every message, for benchmarks.
+    """
+
+    def __init__(
+        self,
+        subscription: str,
+        intake: NoticeIntake | None = None,
+        *,
+        max_messages: int = 100,
+        max_bytes: int = 10 * 1024 * 1024,
+        reconnect_max_s: float = 30.0,
+        client_factory: Callable[[], pubsub_v1.SubscriberClient] = pubsub_v1.SubscriberClient,
+        on_message: Callable[[float, float], None] | None = None,
+    ) -> None:
+        if not SUBSCRIPTION_PATTERN.fullmatch(subscription):
+            raise ValueError(f"subscription must look like projects/P/subscriptions/S, got {subscription!r}")
+        if max_messages < 1 or max_bytes < 1:
+            raise ValueError(f"flow control bounds must be >= 1, got {max_messages} messages, {max_bytes} bytes")
+        self.subscription = subscription
+        self.intake = intake or NoticeIntake()
+        self.flow_control = pubsub_v1.types.FlowControl(max_messages=max_messages, max_bytes=max_bytes)
+        self.reconnect_max_s = reconnect_max_s
+        self.client_factory = client_factory
+        self.on_message = on_message
+        self.streams_opened = 0
+        self._tracker = DispatchTracker()
+        self._flights: dict[str, anyio.Event] = {}
+
+    async def run(self, ctx: SourceContext) -> None:
+        """Listen until cancelled, reopening the stream whenever it breaks."""
+        self._tracker.attach(ctx)
+        try:
+            retrying = AsyncRetrying(
+                retry=retry_if_exception_type(StreamBroken),
+                wait=wait_exponential(multiplier=0.2, max=self.reconnect_max_s) + wait_random(0, 0.2),
+                before_sleep=self._log_retry,
+            )
+            async for attempt in retrying:
+                with attempt:
+                    await self._stream(ctx)
+        finally:
+            self._tracker.detach(ctx)
+
+    def _log_retry(self, state: RetryCallState) -> None:
+        outcome = state.outcome
+        error = outcome.exception() if outcome is not None else None
+        wait = state.next_action.sleep if state.next_action is not None else 0.0
+        log.warning("Pub/Sub stream on %s broke (%s); reopening in %.1f s", self.subscription, error, wait)
+
+    async def _stream(self, ctx: SourceContext) -> None:
+        token = anyio.lowlevel.current_token()
+        ended = anyio.Event()
+
+        def on_done(_: Any) -> None:
+            # RuntimeError: the loop is gone, so nobody is waiting any more.
+            with contextlib.suppress(RuntimeError):
+                anyio.from_thread.run_sync(ended.set, token=token)
+
+        def callback(message: Any) -> None:
+            self._on_message(message, ctx, token)
+
+        client = await anyio.to_thread.run_sync(self.client_factory)
+        future = client.subscribe(self.subscription, callback, flow_control=self.flow_control)
+        future.add_done_callback(on_done)
+        self.streams_opened += 1
+        log.info("listening on %s", self.subscription)
+        try:
+            await ended.wait()
+            error = future.exception()
+            raise StreamBroken(f"streaming pull on {self.subscription} ended: {error}") from error
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_close, future, client)
+
+    def _on_message(self, message: Any, ctx: SourceContext, token: anyio.lowlevel.EventLoopToken) -> None:
+        """Runs on the client's thread pool: hand the message to the loop, ack once it was handled."""
+        received = time.time()
+        try:
+            handled = anyio.from_thread.run(self._handle, message, received, ctx, token=token)
+        except BaseException as exc:  # the run ended or the loop is gone: let Pub/Sub deliver it again
+            log.info("notice %s not handled (%s: %s); nacked", message.message_id, type(exc).__name__, exc)
+            handled = False
+        if handled:
+            message.ack()
+        else:
+            message.nack()
+
+    async def _handle(self, message: Any, received: float, ctx: SourceContext) -> bool:
+        """Publish the message's events and wait until they were handled; True: ack it."""
+        message_id: str = message.message_id
+        published = message.publish_time.timestamp()
+        if self.on_message is not None:
+            self.on_message(published, received)
+        # A redelivery repeats the id and the publish time. The id alone is not enough: a topic deleted and
+        # made again (as after an emulator restart) numbers its messages from 1 again.
+        key = f"{message_id}@{published:.6f}"
+        if self.intake.is_handled(key):
+            log.info("notice %s: already handled (redelivery)", message_id)
+            return True
+        flight = self._flights.get(key)
+        if flight is not None:
+            # Delivered again while the first delivery is still being handled: share its outcome.
+            await flight.wait()
+            return self.intake.is_handled(key)
+        self._flights[key] = flight = anyio.Event()
+        handled = False
+        try:
+            try:
+                parsed = parse_message(message.data, dict(message.attributes), message_id=message_id)
+            except NoticeMalformed as exc:
+                log.warning("notice %s dropped: %s", message_id, exc)
+                self.intake.admit(key, ())
+                events: list[Event] = [MalformedNotice(source="pubsub", message_id=message_id, reason=str(exc))]
+            else:
+                events = list(self.intake.admit(key, parsed))
+            for event in events:
+                await self._tracker.publish_and_wait(ctx, event)
+            handled = True
+        finally:
+            self.intake.settle(key, handled=handled)
+            del self._flights[key]
+            flight.set()
+        return True
+
+
+def _close(future: Any, client: pubsub_v1.SubscriberClient) -> None:
+    """Stop the stream and release the client (blocking; runs in a worker thread)."""
+    future.cancel()
+    # The stream's own error, if any, was reported by the caller already.
+    with contextlib.suppress(Exception):
+        future.result(timeout=10)
+    client.close()
