@@ -29,6 +29,16 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         device_poll_s: interval of device health polls while waiting.
         scale_up_poll_s: interval of the watch for returning devices; unset turns scale-up off.
         precompile: compile the step for likely degraded meshes in the background.
+
+    Checkpointing (``storage/``; see docs/storage.md):
+        checkpoint_dir: the disk tier's directory; by default ``<run_dir>/checkpoints``; "" turns it off.
+        disk_every: promote the RAM snapshot to disk every this many steps (a multiple of snapshot_every).
+        gcs_uri: ``gs://BUCKET[/PREFIX]`` turns the GCS tier on (it needs the disk tier).
+        gcs_every: upload the committed disk checkpoint each time the step crosses a multiple of this.
+        gcs_workers: parallel GCS transfers.
+        keep: committed checkpoints kept per durable tier.
+        checkpoint_timeout_s: deadline of one save or upload.
+        checkpoint_on_finish: commit the final step to every durable tier when the run ends.
     """
 
     run_dir: str | None = None
@@ -41,6 +51,16 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     device_poll_s: float = 0.5
     scale_up_poll_s: float | None = 1.0
     precompile: bool = True
+    # --- checkpointing (storage/; owner: the storage issue) --------------------------------------------
+    checkpoint_dir: str | None = None
+    disk_every: int = 10
+    gcs_uri: str | None = None
+    gcs_every: int = 100
+    gcs_workers: int = 8
+    keep: int = 3
+    checkpoint_timeout_s: float = 600.0
+    checkpoint_on_finish: bool = True
+    # --- end checkpointing -------------------------------------------------------------------------------
 
     def __post_init__(self) -> None:
         checks = {
@@ -56,6 +76,32 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
+        self._check_checkpointing()
+
+    def _check_checkpointing(self) -> None:
+        checks = {
+            "disk_every": self.disk_every >= 1,
+            "gcs_every": self.gcs_every >= 1,
+            "gcs_workers": self.gcs_workers >= 1,
+            "keep": self.keep >= 1,
+            "checkpoint_timeout_s": self.checkpoint_timeout_s > 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
+        if self.snapshot_every and self.disk_every % self.snapshot_every:
+            raise ConfigError(
+                f"config: disk_every={self.disk_every} must be a multiple of snapshot_every={self.snapshot_every} "
+                "(the disk tier writes RAM snapshots)"
+            )
+        if self.gcs_uri is not None:
+            bucket = self.gcs_uri.removeprefix("gs://").split("/", 1)[0]
+            if not self.gcs_uri.startswith("gs://") or not bucket:
+                raise ConfigError(f"config: gcs_uri={self.gcs_uri!r} must look like gs://BUCKET[/PREFIX]")
+            if not (self.checkpoint_dir or (self.checkpoint_dir is None and self.run_dir)):
+                raise ConfigError(
+                    "config: gcs_uri needs the disk tier (set checkpoint_dir or run_dir): GCS uploads disk checkpoints"
+                )
 
 
 def config_from_mapping(values: Mapping[str, Any], *, origin: str = "config") -> RuntimeConfig:

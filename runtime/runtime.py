@@ -40,7 +40,11 @@ E = TypeVar("E", bound=Event)
 class Component(Protocol):
     """A long-running part of the runtime (a checkpointer, a notice listener): started in the runtime's
     task group before the first step, cancelled after the last one. It talks to the rest only via ``ctx``
-    (publish events) and its own subscriptions; it opens no task group of its own."""
+    (publish events) and its own subscriptions; it opens no task group of its own.
+
+    A component may also define ``async def finish(self, ctx)``: awaited after the last step of a successful
+    run, while the bus still delivers, so that it can complete its work (the checkpointer commits the final
+    step there)."""
 
     async def run(self, ctx: RuntimeContext) -> None: ...
 
@@ -87,6 +91,12 @@ class ElasticRuntime:
             self._subscribe_defaults()
         self.components: list[Component] = []
         self._used = False
+        # The durable checkpoint tiers (disk, GCS) the config asks for; None when it names none.
+        from storage.cascade import TieredCheckpointer
+
+        self.checkpointer = TieredCheckpointer.from_config(self.config, self.executor.ram)
+        if self.checkpointer is not None:
+            self.checkpointer.attach(self)
 
     def _subscribe_defaults(self) -> None:
         # Imported here: the built-in handlers use the public runtime API, which imports this module.
@@ -154,6 +164,10 @@ class ElasticRuntime:
                 finished = RunFinished(source="runtime", ok=False, reason="cancelled")
                 try:
                     result = await self.executor.run(steps)
+                    for component in self.components:
+                        finish = getattr(component, "finish", None)
+                        if finish is not None:
+                            await finish(self.context)
                     finished = RunFinished(step=result.step, source="runtime", ok=True)
                 except Exception as exc:
                     # Raised after the task group has closed, so the caller sees it unwrapped.

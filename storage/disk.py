@@ -58,7 +58,9 @@ class _ZArray(msgspec.Struct, frozen=True):
 _zarray = msgspec.json.Decoder(_ZArray)
 
 
-class _Deadline:
+class Deadline:
+    """A point in time a tier call must finish by; checked between files (disk I/O cannot be interrupted)."""
+
     def __init__(self, timeout: float | None, what: str) -> None:
         self.end = None if timeout is None else time.monotonic() + timeout
         self.what = what
@@ -131,7 +133,7 @@ def _check(path: Path, entry: FileEntry, size: int, crc: int) -> None:
         raise CheckpointInvalid(f"{path}: {reason} (altered bytes)", path=str(path), reason=reason)
 
 
-def verify_directory(directory: Path, manifest: Manifest, deadline: _Deadline | None = None) -> None:
+def verify_directory(directory: Path, manifest: Manifest, deadline: Deadline | None = None) -> None:
     """Check every file a manifest lists. Raises CheckpointInvalid naming the first bad file."""
     for entry in manifest.files:
         if deadline is not None:
@@ -139,7 +141,7 @@ def verify_directory(directory: Path, manifest: Manifest, deadline: _Deadline | 
         verify_file(directory, entry)
 
 
-def load_directory(directory: Path, manifest: Manifest, like: PyTree, deadline: _Deadline) -> PyTree:
+def load_directory(directory: Path, manifest: Manifest, like: PyTree, deadline: Deadline) -> PyTree:
     """Load a committed checkpoint directory, verifying every file on the way. Raises CheckpointInvalid."""
     if manifest.layout != LAYOUT:
         reason = f"layout {manifest.layout!r} is not {LAYOUT!r}"
@@ -317,7 +319,7 @@ class DiskTier:
             StorageError: the write failed (disk full, I/O error, timeout); the partial directory is removed
                 when possible and is invisible either way; older checkpoints are untouched.
         """
-        deadline = _Deadline(timeout, f"{self.name}: saving step {snapshot.step} to {self.root}")
+        deadline = Deadline(timeout, f"{self.name}: saving step {snapshot.step} to {self.root}")
         directory = self.path_of(snapshot.step)
         try:
             if (directory / mf.MANIFEST_NAME).exists():
@@ -339,7 +341,7 @@ class DiskTier:
             raise StorageError(f"{self.name}: saving step {snapshot.step} to {directory} failed: {_why(exc)}") from exc
         return self._info(directory, manifest)
 
-    def _describe(self, directory: Path, snapshot: HostSnapshot, deadline: _Deadline) -> Manifest:
+    def _describe(self, directory: Path, snapshot: HostSnapshot, deadline: Deadline) -> Manifest:
         structure, leaves = mf.describe_leaves(snapshot.tree)
         files = []
         for rel in sorted(mf.files_under(directory)):
@@ -414,7 +416,7 @@ class DiskTier:
         """Check every file of ``step``. Raises CheckpointInvalid naming the bad file, or SnapshotUnavailable."""
         directory = self.path_of(step)
         manifest = read_manifest(directory)
-        verify_directory(directory, manifest, _Deadline(timeout, f"{self.name}: verifying step {step}"))
+        verify_directory(directory, manifest, Deadline(timeout, f"{self.name}: verifying step {step}"))
         return self._info(directory, manifest)
 
     def restore(self, step: int, like: PyTree = None, *, timeout: float) -> HostSnapshot:
@@ -422,7 +424,7 @@ class DiskTier:
         started = time.monotonic()
         directory = self.path_of(step)
         manifest = read_manifest(directory)
-        tree = load_directory(directory, manifest, like, _Deadline(timeout, f"{self.name}: restoring step {step}"))
+        tree = load_directory(directory, manifest, like, Deadline(timeout, f"{self.name}: restoring step {step}"))
         return snapshot_from(manifest, tree, time.monotonic() - started)
 
     def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from faultproxy import FaultProxy
 
 from storage.gcs import make_client
-from faultproxy import FaultProxy
 
 EMULATOR = Path(sys.executable).with_name("gcp-storage-emulator")
 BUCKET = "ckpt"

@@ -6,6 +6,7 @@ It forwards real requests to a real server (the GCS emulator); only the faults a
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import random
@@ -163,7 +164,5 @@ def _read_body(h: BaseHTTPRequestHandler) -> bytes:
 
 def _drop(h: BaseHTTPRequestHandler) -> None:
     h.close_connection = True
-    try:
+    with contextlib.suppress(OSError):
         h.connection.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -1,0 +1,450 @@
+"""The cascade: RAM snapshots promoted to disk every n steps, committed disk checkpoints uploaded to GCS every m.
+
+Training blocks only for the device-to-host copy the RAM tier already makes; the disk tier writes that same
+host snapshot (no second device copy) in its own background thread, and the GCS tier uploads the committed
+disk directory in another. Each tier runs at most one save at a time: a save that comes due while its tier is
+still busy is skipped and announced (``CheckpointSkipped``) rather than queued, so a slow tier never piles up
+host memory. An explicit request (``SaveCheckpoint``, e.g. on a maintenance notice) is never dropped: it
+waits for the save in progress and runs next.
+
+Retention keeps the newest ``keep`` committed checkpoints of each tier. It runs only after a commit, and the
+newest committed checkpoint is always among those kept, so a tier never lacks one while its successor is
+being written. A disk checkpoint that GCS is uploading is not deleted under it.
+
+The threads report through a queue that the component's ``run`` drains into the event bus; a component
+opens no task group of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from runtime.config import RuntimeConfig
+from runtime.context import RuntimeContext
+from runtime.errors import BusClosed, CheckpointInvalid, SnapshotUnavailable
+from runtime.events import (
+    CheckpointCommitted,
+    CheckpointCorrupt,
+    CheckpointFailed,
+    CheckpointSkipped,
+    CheckpointStarted,
+    Event,
+    SaveCheckpoint,
+)
+from storage.disk import DiskTier
+from storage.ram import HostSnapshot, RamTier
+from storage.tier import CheckpointInfo, CheckpointTier, PyTree
+
+if TYPE_CHECKING:
+    from runtime.runtime import ElasticRuntime
+    from storage.gcs import GcsTier
+
+log = logging.getLogger(__name__)
+
+_SOURCE = "checkpointer"
+
+
+class TieredCheckpointer:
+    """Promotes RAM snapshots to disk and disk checkpoints to GCS in the background, and restores from them.
+
+    Args:
+        ram: the executor's RAM tier; every completed snapshot is offered to the disk tier.
+        disk: the persistent-disk tier, or None.
+        gcs: the GCS tier, or None (it uploads committed disk checkpoints, so it needs ``disk``).
+        disk_every: promote the snapshot of every step that is a multiple of this.
+        gcs_every: upload a disk checkpoint each time the committed step crosses a multiple of this.
+        keep: committed checkpoints kept per durable tier (>= 1).
+        timeout_s: deadline of one save or upload.
+        save_on_finish: when the run ends, commit its final snapshot to every tier before stopping.
+    """
+
+    def __init__(
+        self,
+        ram: RamTier,
+        *,
+        disk: DiskTier | None = None,
+        gcs: GcsTier | None = None,
+        disk_every: int = 10,
+        gcs_every: int = 100,
+        keep: int = 3,
+        timeout_s: float = 600.0,
+        save_on_finish: bool = True,
+    ) -> None:
+        if gcs is not None and disk is None:
+            raise ValueError("the GCS tier uploads committed disk checkpoints: configure a disk tier too")
+        if disk_every < 1 or gcs_every < 1 or keep < 1:
+            raise ValueError(f"disk_every={disk_every}, gcs_every={gcs_every}, keep={keep} must all be >= 1")
+        self.ram = ram
+        self.disk = disk
+        self.gcs = gcs
+        self.disk_every = disk_every
+        self.gcs_every = gcs_every
+        self.keep = keep
+        self.timeout_s = timeout_s
+        self.save_on_finish = save_on_finish
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._disk_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-disk")
+        self._gcs_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-gcs")
+        self._disk_job: Future[None] | None = None
+        self._gcs_job: Future[None] | None = None
+        self._disk_step = -1  # step of the disk save running now
+        self._gcs_step = -1
+        self._disk_next: tuple[HostSnapshot, bool] | None = None  # an explicit request waiting for the disk
+        self._gcs_next: CheckpointInfo | None = None
+        self._uploading: set[int] = set()  # disk steps GCS is reading: retention leaves them alone
+        self.newest: dict[str, int] = {}  # tier -> newest step committed by this checkpointer
+        self._last_promoted = -1  # newest snapshot step handed to the disk tier
+        self._last_uploaded = -1  # newest disk step handed to GCS
+        self._ctx: RuntimeContext | None = None
+        for tier in self.tiers:
+            tier.corruption_listeners.append(self._on_corrupt)
+        ram.listeners.append(self._on_snapshot)
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig, ram: RamTier) -> TieredCheckpointer | None:
+        """The checkpointer a config asks for, or None when it names no durable tier.
+
+        The disk tier lives in ``checkpoint_dir``, by default ``<run_dir>/checkpoints``; GCS is on once
+        ``gcs_uri`` names a bucket.
+        """
+        directory = config.checkpoint_dir
+        if directory is None and config.run_dir:
+            directory = str(Path(config.run_dir) / "checkpoints")
+        disk = DiskTier(directory) if directory else None
+        gcs = None
+        if config.gcs_uri:
+            from storage.gcs import GcsTier  # google-cloud-storage loads only when a bucket is named
+
+            gcs = GcsTier(config.gcs_uri, workers=config.gcs_workers)
+        if disk is None:
+            return None
+        return cls(
+            ram,
+            disk=disk,
+            gcs=gcs,
+            disk_every=config.disk_every,
+            gcs_every=config.gcs_every,
+            keep=config.keep,
+            timeout_s=config.checkpoint_timeout_s,
+            save_on_finish=config.checkpoint_on_finish,
+        )
+
+    @property
+    def tiers(self) -> list[CheckpointTier]:
+        """The durable tiers, fastest first."""
+        return [t for t in (self.disk, self.gcs) if t is not None]
+
+    def attach(self, runtime: ElasticRuntime) -> TieredCheckpointer:
+        """Plug into a runtime: run as its component, answer SaveCheckpoint, restore as disk/GCS sources."""
+        runtime.add_component(self)
+        runtime.subscribe(SaveCheckpoint, self.handle_save_request)
+        runtime.executor.restore_sources.extend(self.tiers)
+        return self
+
+    # --- the component ---------------------------------------------------------------------------------
+
+    async def run(self, ctx: RuntimeContext) -> None:
+        """Sweep torn writes of an earlier process, then forward the worker threads' events to the bus."""
+        self._ctx = ctx
+        if self.disk is not None:
+            removed = await anyio.to_thread.run_sync(self.disk.sweep)
+            for path in removed:
+                log.warning("removed %s: a checkpoint write that never committed", path)
+        while True:
+            await self._flush(ctx)
+            await anyio.sleep(0.05)
+
+    async def finish(self, ctx: RuntimeContext) -> None:
+        """At the end of a run: commit the final snapshot (if due), wait for every tier, publish the events."""
+        if self.save_on_finish and self.disk is not None:
+            try:
+                snapshot = await anyio.to_thread.run_sync(self.ram.latest, None, self.timeout_s)
+            except SnapshotUnavailable:
+                snapshot = None
+            if snapshot is not None and snapshot.step > self._last_promoted:
+                self._submit_disk(snapshot, forced=True, upload=self.gcs is not None)
+        await anyio.to_thread.run_sync(self.wait, self.timeout_s)
+        await self._flush(ctx)
+
+    async def _flush(self, ctx: RuntimeContext) -> None:
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                await ctx.publish(event)
+            except BusClosed:
+                log.info("bus closed: dropped %s", event)
+
+    def _emit(self, event: Event) -> None:
+        self._events.put(event)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until no save or upload is running or waiting (for tests and shutdown)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                jobs = [j for j in (self._disk_job, self._gcs_job) if j is not None and not j.done()]
+            if not jobs:
+                return
+            left = None if end is None else max(end - time.monotonic(), 0)
+            if left == 0:
+                raise TimeoutError(f"checkpoint saves still running after {timeout} s")
+            for job in jobs:
+                try:
+                    job.result(timeout=left)
+                except TimeoutError:
+                    raise
+                except Exception:  # reported as CheckpointFailed already
+                    pass
+
+    def close(self) -> None:
+        self._disk_pool.shutdown(wait=True)
+        self._gcs_pool.shutdown(wait=True)
+
+    # --- requests --------------------------------------------------------------------------------------
+
+    async def handle_save_request(self, event: SaveCheckpoint, ctx: RuntimeContext) -> None:
+        """On SaveCheckpoint: commit the newest RAM snapshot to the requested tiers (all durable by default)."""
+        wanted = set(event.tiers) or {t.name for t in self.tiers}
+        unknown = wanted - {t.name for t in self.tiers}
+        for name in sorted(unknown):
+            await ctx.publish(CheckpointSkipped(step=ctx.step, source=_SOURCE, tier=name, reason="no such tier"))
+        if self.disk is None or not wanted - unknown:
+            return
+        try:
+            snapshot = await anyio.to_thread.run_sync(self.ram.latest, None, self.timeout_s)
+        except SnapshotUnavailable as exc:
+            for name in sorted(wanted - unknown):
+                await ctx.publish(CheckpointSkipped(step=ctx.step, source=_SOURCE, tier=name, reason=str(exc)))
+            return
+        upload = self.gcs is not None and self.gcs.name in wanted
+        self._submit_disk(snapshot, forced=True, upload=upload)
+
+    def _on_snapshot(self, snapshot: HostSnapshot) -> None:
+        """From the RAM copy thread: hand a due snapshot to the disk thread (never blocks)."""
+        if self.disk is not None and snapshot.step % self.disk_every == 0:
+            self._submit_disk(snapshot, forced=False, upload=False)
+
+    def _submit_disk(self, snapshot: HostSnapshot, *, forced: bool, upload: bool) -> None:
+        with self._lock:
+            if self._disk_job is not None and not self._disk_job.done():
+                if forced:
+                    self._disk_next = (snapshot, upload)  # runs as soon as the current save ends
+                else:
+                    self._emit(
+                        CheckpointSkipped(
+                            step=snapshot.step,
+                            source=_SOURCE,
+                            tier=self._disk_name,
+                            reason=f"the save of step {self._disk_step} is still running",
+                        )
+                    )
+                return
+            self._last_promoted = max(self._last_promoted, snapshot.step)
+            self._disk_step = snapshot.step
+            self._disk_job = self._disk_pool.submit(self._disk_loop, snapshot, upload)
+
+    @property
+    def _disk_name(self) -> str:
+        return self.disk.name if self.disk is not None else "disk"
+
+    def _disk_loop(self, snapshot: HostSnapshot, upload: bool) -> None:
+        while True:
+            self._save_to_disk(snapshot, upload)
+            with self._lock:
+                waiting = self._disk_next
+                self._disk_next = None
+                if waiting is None:
+                    return
+                snapshot, upload = waiting
+                self._last_promoted = max(self._last_promoted, snapshot.step)
+                self._disk_step = snapshot.step
+
+    def _save_to_disk(self, snapshot: HostSnapshot, upload: bool) -> None:
+        disk = self.disk
+        assert disk is not None
+        step = snapshot.step
+        self._emit(CheckpointStarted(step=step, source=_SOURCE, tier=disk.name))
+        started = time.monotonic()
+        try:
+            info = disk.save(snapshot, timeout=self.timeout_s)
+        except Exception as exc:
+            log.error("disk checkpoint of step %d failed: %s", step, exc)
+            self._emit(
+                CheckpointFailed(
+                    step=step,
+                    source=_SOURCE,
+                    tier=disk.name,
+                    reason=str(exc),
+                    error_type=type(exc).__name__,
+                    message=str(exc),
+                )
+            )
+            return
+        self._emit(
+            CheckpointCommitted(
+                step=step,
+                source=_SOURCE,
+                tier=disk.name,
+                path=info.location,
+                bytes=info.nbytes,
+                seconds=time.monotonic() - started,
+            )
+        )
+        self.newest[disk.name] = max(self.newest.get(disk.name, -1), step)
+        self._retain(disk)
+        if self.gcs is not None and (upload or step // self.gcs_every > self._last_uploaded // self.gcs_every):
+            self._submit_gcs(info, forced=upload)
+
+    def _submit_gcs(self, info: CheckpointInfo, *, forced: bool) -> None:
+        gcs = self.gcs
+        assert gcs is not None
+        with self._lock:
+            if self._gcs_job is not None and not self._gcs_job.done():
+                if forced:
+                    self._gcs_next = info
+                    self._uploading.add(info.step)
+                else:
+                    self._emit(
+                        CheckpointSkipped(
+                            step=info.step,
+                            source=_SOURCE,
+                            tier=gcs.name,
+                            reason=f"the upload of step {self._gcs_step} is still running",
+                        )
+                    )
+                return
+            self._last_uploaded = max(self._last_uploaded, info.step)
+            self._gcs_step = info.step
+            self._uploading.add(info.step)
+            self._gcs_job = self._gcs_pool.submit(self._gcs_loop, info)
+
+    def _gcs_loop(self, info: CheckpointInfo) -> None:
+        while True:
+            try:
+                self._upload(info)
+            finally:
+                with self._lock:
+                    self._uploading.discard(info.step)
+            with self._lock:
+                waiting = self._gcs_next
+                self._gcs_next = None
+                if waiting is None:
+                    return
+                info = waiting
+                self._last_uploaded = max(self._last_uploaded, info.step)
+                self._gcs_step = info.step
+
+    def _upload(self, info: CheckpointInfo) -> None:
+        gcs = self.gcs
+        assert gcs is not None
+        self._emit(CheckpointStarted(step=info.step, source=_SOURCE, tier=gcs.name))
+        started = time.monotonic()
+        try:
+            done = gcs.upload(info.location, timeout=self.timeout_s)
+        except Exception as exc:
+            log.error("GCS upload of step %d failed: %s", info.step, exc)
+            self._emit(
+                CheckpointFailed(
+                    step=info.step,
+                    source=_SOURCE,
+                    tier=gcs.name,
+                    reason=str(exc),
+                    error_type=type(exc).__name__,
+                    message=str(exc),
+                )
+            )
+            return
+        self._emit(
+            CheckpointCommitted(
+                step=info.step,
+                source=_SOURCE,
+                tier=gcs.name,
+                path=done.location,
+                bytes=done.nbytes,
+                seconds=time.monotonic() - started,
+            )
+        )
+        self.newest[gcs.name] = max(self.newest.get(gcs.name, -1), info.step)
+        self._retain(gcs)
+
+    def _retain(self, tier: CheckpointTier) -> None:
+        """Keep the newest ``keep`` committed checkpoints; only ever called right after a commit."""
+        try:
+            infos = [i for i in tier.list(timeout=self.timeout_s) if i.nbytes >= 0]
+            with self._lock:
+                protected = set(self._uploading) if tier is self.disk else set()
+            for info in infos[self.keep :]:
+                if info.step not in protected:
+                    tier.delete(info.step, timeout=self.timeout_s)
+        except Exception as exc:  # retention is housekeeping: a failure must not fail the commit
+            log.warning("retention on %s failed: %s", tier.name, exc)
+
+    # --- restore ---------------------------------------------------------------------------------------
+
+    def _on_corrupt(self, tier: str, exc: CheckpointInvalid) -> None:
+        self._emit(
+            CheckpointCorrupt(
+                source=_SOURCE,
+                tier=tier,
+                path=exc.path,
+                reason=exc.reason,
+                error_type=type(exc).__name__,
+                message=str(exc),
+            )
+        )
+
+    def restore_latest(self, like: PyTree = None, *, timeout: float = 300.0) -> tuple[str, HostSnapshot]:
+        """The newest step that verifies in any durable tier, read from the fastest tier that holds it.
+
+        A checkpoint that fails verification is reported (``CheckpointCorrupt``) and the next candidate is
+        tried: the same step in a slower tier, then older steps.
+
+        Returns:
+            The tier it came from and the snapshot.
+
+        Raises:
+            SnapshotUnavailable: no tier holds a checkpoint that verifies.
+        """
+        holders: dict[int, list[CheckpointTier]] = {}
+        for tier in self.tiers:
+            try:
+                infos = tier.list(timeout=timeout)
+            except Exception as exc:
+                log.warning("cannot list %s: %s", tier.name, exc)
+                continue
+            for info in infos:
+                holders.setdefault(info.step, []).append(tier)
+        problems = []
+        for step in sorted(holders, reverse=True):
+            for tier in holders[step]:
+                try:
+                    return tier.name, tier.restore(step, like, timeout=timeout)
+                except CheckpointInvalid as exc:
+                    self._on_corrupt(tier.name, exc)
+                    problems.append(f"{tier.name} step {step}: {exc}")
+                except Exception as exc:
+                    problems.append(f"{tier.name} step {step}: {exc}")
+        raise SnapshotUnavailable(
+            "no durable tier holds a checkpoint that verifies: " + ("; ".join(problems) or "none committed")
+        )
+
+    def status(self) -> dict[str, Any]:
+        """Newest committed step per tier and what is running now, for logs and tests."""
+        with self._lock:
+            return {
+                "newest": dict(self.newest),
+                "disk_running": self._disk_job is not None and not self._disk_job.done(),
+                "gcs_running": self._gcs_job is not None and not self._gcs_job.done(),
+            }
