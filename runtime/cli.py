@@ -13,7 +13,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
-SUBCOMMAND_MODULES = ("runtime.demo",)
+SUBCOMMAND_MODULES = (
+    "runtime.demo",
+    "runtime.maintenance.cli",  # listen: print maintenance notices (issue 4)
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,6 +39,18 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         keep: committed checkpoints kept per durable tier.
         checkpoint_timeout_s: deadline of one save or upload.
         checkpoint_on_finish: commit the final step to every durable tier when the run ends.
+
+    Maintenance notices (``runtime/maintenance/``, ``handlers/maintenance.py``; see docs/gcp-setup.md):
+        maintenance_subscription: ``projects/P/subscriptions/S`` turns the Pub/Sub notice listener on.
+        metadata_host: turns the metadata-server watcher on (``metadata.google.internal`` on GCE and TPU VMs).
+        instances: this job's instances: names, numeric ids or globs (``t1v-n-1a2b3c4d-w-*``); notices for
+            others are ignored. Empty: the keys of ``instance_devices``; both empty: every instance.
+        instance_devices: instance -> the device ids it hosts, cordoned before its maintenance window.
+        drain_lead_s: drain an instance this long before its maintenance window starts.
+        maintenance_checkpoint_tiers: tiers saved to on a maintenance notice; empty: every durable tier.
+        preemption_checkpoint_tiers: tiers saved to on a preemption notice; empty: every durable tier.
+        pubsub_max_messages: Pub/Sub flow control: messages outstanding at most.
+        metadata_poll_timeout_s: ``timeout_sec`` of each metadata long poll.
     """
 
     run_dir: str | None = None
@@ -61,6 +73,17 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     checkpoint_timeout_s: float = 600.0
     checkpoint_on_finish: bool = True
     # --- end checkpointing -------------------------------------------------------------------------------
+    # --- maintenance notices (runtime/maintenance, handlers/maintenance.py; owner: issue 4) --------------
+    maintenance_subscription: str | None = None
+    metadata_host: str | None = None
+    instances: tuple[str, ...] = ()
+    instance_devices: dict[str, tuple[int, ...]] = {}
+    drain_lead_s: float = 60.0
+    maintenance_checkpoint_tiers: tuple[str, ...] = ()
+    preemption_checkpoint_tiers: tuple[str, ...] = ()
+    pubsub_max_messages: int = 100
+    metadata_poll_timeout_s: float = 60.0
+    # --- end maintenance notices -------------------------------------------------------------------------
 
     def __post_init__(self) -> None:
         checks = {
@@ -76,6 +99,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         for name, ok in checks.items():
             if not ok:
                 raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
+        self._check_maintenance()
         self._check_checkpointing()
 
     def _check_checkpointing(self) -> None:
@@ -102,6 +126,35 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 raise ConfigError(
                     "config: gcs_uri needs the disk tier (set checkpoint_dir or run_dir): GCS uploads disk checkpoints"
                 )
+
+    def _check_maintenance(self) -> None:
+        import re  # local, so this block is self-contained in a file with several owners
+
+        subscription = self.maintenance_subscription
+        if subscription is not None and not re.fullmatch(r"projects/[^/\s]+/subscriptions/[^/\s]+", subscription):
+            raise ConfigError(
+                f"config: maintenance_subscription={subscription!r} must look like projects/P/subscriptions/S"
+            )
+        if self.metadata_host is not None and not self.metadata_host.strip():
+            raise ConfigError("config: metadata_host='' names no host (leave it unset to turn the watcher off)")
+        checks = {
+            "drain_lead_s": self.drain_lead_s >= 0,
+            "pubsub_max_messages": self.pubsub_max_messages >= 1,
+            "metadata_poll_timeout_s": self.metadata_poll_timeout_s > 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
+        owner: dict[int, str] = {}
+        for instance, devices in self.instance_devices.items():
+            for device in devices:
+                if device < 0:
+                    raise ConfigError(f"config: instance_devices[{instance!r}] has a negative device id {device}")
+                if device in owner:
+                    raise ConfigError(
+                        f"config: device {device} is in instance_devices of both {owner[device]!r} and {instance!r}"
+                    )
+                owner[device] = instance
 
 
 def config_from_mapping(values: Mapping[str, Any], *, origin: str = "config") -> RuntimeConfig:

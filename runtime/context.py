@@ -7,11 +7,12 @@ out at the next step boundary, in order, and each is announced by an event (``Me
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from jax.sharding import Mesh
 
+from runtime.bus import Handler, Subscription
 from runtime.config import RuntimeConfig
 from runtime.events import Event, SaveCheckpoint
 from runtime.executor import Abort, Pause, Remesh, Restore, Resume
@@ -19,6 +20,8 @@ from runtime.mesh import MeshPolicy, device_ids
 
 if TYPE_CHECKING:
     from runtime.runtime import ElasticRuntime
+
+E = TypeVar("E", bound=Event)
 
 
 class RuntimeContext:
@@ -55,6 +58,15 @@ class RuntimeContext:
 
     async def publish(self, event: Event) -> None:
         await self._runtime.bus.publish(event)
+
+    def subscribe(
+        self, event_type: type[E], handler: Handler[E], *, priority: int = 0, timeout: float | str | None = "default"
+    ) -> Subscription[E]:
+        """Subscribe ``handler`` to ``event_type`` (for components, which subscribe once they run)."""
+        return self._runtime.bus.subscribe(event_type, handler, priority=priority, timeout=timeout)
+
+    def unsubscribe(self, subscription: Subscription[Any]) -> None:
+        self._runtime.bus.unsubscribe(subscription)
 
     async def healthy_devices(self) -> list[Any]:
         """Probe every device and return the healthy ones (runs in a worker thread)."""

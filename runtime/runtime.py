@@ -97,6 +97,11 @@ class ElasticRuntime:
         self.checkpointer = TieredCheckpointer.from_config(self.config, self.executor.ram)
         if self.checkpointer is not None:
             self.checkpointer.attach(self)
+        # Maintenance notices (runtime/maintenance): the sources the config names, the drain scheduler and the
+        # proactive handlers (checkpoint and drain before a window, emergency checkpoint on preemption).
+        from runtime.maintenance.wiring import attach_maintenance
+
+        self.maintenance = attach_maintenance(self, default_handlers=default_handlers)
 
     def _subscribe_defaults(self) -> None:
         # Imported here: the built-in handlers use the public runtime API, which imports this module.
