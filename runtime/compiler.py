@@ -41,12 +41,17 @@ class StepCompiler:
         self._batch_abstract = abstract(batch_example)
         self._lock = threading.Lock()
         self._compiled: dict[Any, Future[Any]] = {}
+        self._batch_shardings: dict[Any, PyTree] = {}
 
     def state_shardings(self, mesh: Mesh) -> PyTree:
         return shardings_for(self.job.state_specs, mesh)
 
     def batch_shardings(self, mesh: Mesh) -> PyTree:
-        return shardings_for(self.job.batch_spec, mesh)
+        key = mesh_key(mesh)
+        shardings = self._batch_shardings.get(key)
+        if shardings is None:  # built once per mesh: this runs on every step
+            shardings = self._batch_shardings[key] = shardings_for(self.job.batch_spec, mesh)
+        return shardings
 
     def is_ready(self, mesh: Mesh) -> bool:
         with self._lock:

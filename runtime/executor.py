@@ -333,11 +333,10 @@ class StepExecutor:
         assert self.mesh is not None and self.compiler is not None
         step = self.step + 1
         mesh = self.mesh
-        try:  # the user's code runs in all three: data loading, tracing and compiling, the step itself
-            host_batch = self.job.data.batch(self.data_position)
-            compiled = await anyio.to_thread.run_sync(self.compiler.get, mesh)
+        snapshot = self.config.snapshot_every > 0 and self.ram.due(step)
+        try:
             new_state, loss, seconds = await anyio.to_thread.run_sync(
-                self._execute, compiled, self.state, host_batch, step, mesh
+                self._run_step, self.state, step, mesh, self.data_position, snapshot
             )
         except Exception as exc:
             await self._on_failure(exc, step, mesh)
@@ -345,8 +344,6 @@ class StepExecutor:
         self.state, self.step, self.loss = new_state, step, loss
         self.data_position += 1
         self.high_water = max(self.high_water, step)
-        if self.config.snapshot_every and self.ram.due(step):
-            await anyio.to_thread.run_sync(self._capture)
         await self.bus.publish(
             StepCompleted(
                 step=step,
@@ -374,10 +371,16 @@ class StepExecutor:
             )
         await self._publish_from_threads()
 
-    def _execute(
-        self, compiled: Any, state: PyTree, host_batch: PyTree, step: int, mesh: Mesh
+    def _run_step(
+        self, state: PyTree, step: int, mesh: Mesh, position: int, snapshot: bool
     ) -> tuple[PyTree, float | None, float]:
+        """One step, in a worker thread: the user's data loading, tracing and step all run here.
+
+        One thread hop per step: the snapshot capture starts here too, once the step has succeeded.
+        """
         assert self.compiler is not None
+        host_batch = self.job.data.batch(position)
+        compiled = self.compiler.get(mesh)
         started = time.perf_counter()
         batch = jax.device_put(host_batch, self.compiler.batch_shardings(mesh))
         new_state, metrics = compiled(state, batch)
@@ -385,12 +388,11 @@ class StepExecutor:
         if self.injector is not None:
             self.injector.check(step, device_ids(mesh))
         loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
-        return new_state, (None if loss is None else float(np.asarray(loss))), time.perf_counter() - started
-
-    def _capture(self) -> None:
-        assert self.mesh is not None
-        metadata = {"mesh": mesh_shape(self.mesh)}
-        self.ram.capture(self.state, step=self.step, data_position=self.data_position, metadata=metadata)
+        loss_value = None if loss is None else float(np.asarray(loss))
+        seconds = time.perf_counter() - started
+        if snapshot:
+            self.ram.capture(new_state, step=step, data_position=position + 1, metadata={"mesh": mesh_shape(mesh)})
+        return new_state, loss_value, seconds
 
     def _snapshot_done(self, snap: HostSnapshot) -> None:
         self._from_threads.append(

@@ -48,6 +48,18 @@ def _copy_into(leaf: Any, buffer: np.ndarray) -> None:
             buffer[shard.index] = np.asarray(shard.data)
 
 
+def _start_transfers(leaves: list[Any]) -> None:
+    """Start the device-to-host DMA of each distinct shard, so the copy thread only waits for it.
+
+    CPU devices already live in host memory: there, an early transfer is only an extra copy.
+    """
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                if shard.replica_id == 0 and shard.device.platform != "cpu":
+                    shard.data.copy_to_host_async()
+
+
 class RamTier:
     """Keeps the newest complete host copy of the state.
 
@@ -104,9 +116,7 @@ class RamTier:
             return snapshot
 
         try:
-            for leaf in leaves:  # start every transfer now; the copy thread only waits for them
-                if isinstance(leaf, jax.Array):
-                    leaf.copy_to_host_async()
+            _start_transfers(leaves)
         except Exception as exc:
             self._report(step, exc)
             return

@@ -1,0 +1,92 @@
+"""Steady-state cost of the runtime against the bare JAX loop, same model, same mesh, same process.
+
+The bare loop is what a user writes without us: the same step jitted with the same shardings, batches put
+on the mesh, the loss read back every step (as a loop that logs it does). The runtime runs the same job
+with snapshots off, with a RAM snapshot every step, and with every default on. Runs alternate, each
+repeated; the figure is the median time per step over the steady state (the first 20 steps, which include
+compiles, are left out), and the overhead is the ratio to the bare loop's median from the same invocation.
+
+    .venv/bin/python tests/benchmarks/bench_overhead.py [--steps 300] [--repeats 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, StepCompleted, read_events  # noqa: E402
+from runtime.compiler import shardings_for  # noqa: E402
+from runtime.demo_model import demo_job  # noqa: E402
+
+WARMUP = 20
+POLICY = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=2)
+
+
+def bare_loop(steps: int) -> float:
+    job = demo_job()
+    mesh = POLICY.fit(jax.devices())
+    state_sharding = shardings_for(job.state_specs, mesh)
+    batch_sharding = shardings_for(job.batch_spec, mesh)
+    step = jax.jit(job.step, in_shardings=(state_sharding, batch_sharding),
+                   out_shardings=(state_sharding, NamedSharding(mesh, P())))  # fmt: skip
+    state = jax.device_put(job.init(), state_sharding)
+    times = []
+    for position in range(steps):
+        started = time.perf_counter()
+        batch = jax.device_put(job.data.batch(position), batch_sharding)
+        state, metrics = step(state, batch)
+        float(metrics["loss"])
+        times.append(time.perf_counter() - started)
+    return float(np.median(times[WARMUP:]))
+
+
+def runtime_loop(steps: int, tmp: str, **config: Any) -> float:
+    result = ElasticRuntime(demo_job(), config=RuntimeConfig(run_dir=tmp, **config), mesh_policy=POLICY).run(steps)
+    assert result.events_path is not None
+    commits = [e.mono_time for e in read_events(result.events_path) if isinstance(e, StepCompleted)]
+    return float(np.median(np.diff(commits[WARMUP:])))  # commit to commit: everything between steps counts
+
+
+def main() -> None:
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    variants: dict[str, dict[str, Any]] = {
+        "runtime, snapshots off": {"snapshot_every": 0, "precompile": False, "scale_up_poll_s": None},
+        "runtime, RAM snapshot every step": {"snapshot_every": 1, "precompile": False, "scale_up_poll_s": None},
+        "runtime, all defaults": {},
+    }
+    samples: dict[str, list[float]] = {"bare JAX loop": [], **{name: [] for name in variants}}
+    for _ in range(args.repeats):
+        samples["bare JAX loop"].append(bare_loop(args.steps))
+        for name, config in variants.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                samples[name].append(runtime_loop(args.steps, tmp, **config))
+    bare = float(np.median(samples["bare JAX loop"]))
+    rows = {
+        name: {"ms_per_step": round(float(np.median(v)) * 1000, 3), "ratio_to_bare": round(float(np.median(v)) / bare, 4)}
+        for name, v in samples.items()
+    }
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for name, row in rows.items():
+            print(f"{name:36s} {row['ms_per_step']:8.3f} ms/step  x{row['ratio_to_bare']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
