@@ -78,7 +78,10 @@ def main() -> None:
                 samples[name].append(runtime_loop(args.steps, tmp, **config))
     bare = float(np.median(samples["bare JAX loop"]))
     rows = {
-        name: {"ms_per_step": round(float(np.median(v)) * 1000, 3), "ratio_to_bare": round(float(np.median(v)) / bare, 4)}
+        name: {
+            "ms_per_step": round(float(np.median(v)) * 1000, 3),
+            "ratio_to_bare": round(float(np.median(v)) / bare, 4),
+        }
         for name, v in samples.items()
     }
     if args.json:
