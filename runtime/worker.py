@@ -1,0 +1,433 @@
+"""The worker side of a multi-process run: the training loop each process of ``elastic-runtime launch`` runs.
+
+A training script hands its :class:`~runtime.job.TrainJob` to :func:`run_worker`; everything else comes from
+the controller through the environment (its address, this worker's id, where replica files live) and over
+the wire (which group to form, which step to restore from whom).
+
+The layout: the ``data`` axis spans processes and the ``model`` axis the devices inside one process, so each
+process holds the whole state (see :mod:`storage.peer`). Every committed step is copied to host memory (the
+RAM replica) and, in the background, to a replica file in ``/dev/shm``.
+
+Re-forming in-process (measured on jax 0.10.2, CPU, gloo): when a peer is killed, a step blocked in a gloo
+collective never returns and raises nothing, even after JAX's own heartbeat timeout. The worker therefore
+runs each step in a thread and, when the controller sends :class:`~runtime.wire.Form` while a step is still
+running, abandons that thread (it stays blocked; it is never joined), shuts ``jax.distributed`` down, clears
+the backends and joins the new group. With ``jax_enable_recoverability`` on, this works in the same process.
+Because abandoned threads are blocked inside XLA, the process ends with ``os._exit`` after flushing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import numpy as np
+
+from runtime.errors import SnapshotUnavailable
+from runtime.job import PyTree, TrainJob
+from runtime.wire import (
+    ENV_CONTROLLER,
+    ENV_FAULTS,
+    ENV_HEARTBEAT_S,
+    ENV_JAX_HEARTBEAT_S,
+    ENV_JAX_INIT_S,
+    ENV_JAX_SHUTDOWN_S,
+    ENV_LOCAL_DEVICES,
+    ENV_REPLICA_DIR,
+    ENV_RESULT,
+    ENV_STEP_DELAY_S,
+    ENV_WORKER,
+    Finished,
+    Form,
+    Heartbeat,
+    Hello,
+    Joined,
+    MalformedMessage,
+    Message,
+    Restore,
+    Stop,
+    decode_from_controller,
+    encode,
+)
+from storage.peer import Replica, ReplicaFiles, broadcast_state, host_copy
+
+log = logging.getLogger(__name__)
+
+# How long a step still running when the group re-forms may take to finish before it is abandoned.
+_ABANDON_GRACE_S = 0.2
+
+
+def is_worker() -> bool:
+    """Whether this process was started by ``elastic-runtime launch``."""
+    return ENV_CONTROLLER in os.environ
+
+
+@dataclass(frozen=True)
+class _Faults:
+    midstep: int | None = None
+    replica: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> _Faults:
+        values: dict[str, int] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            kind, _, step = item.partition("@")
+            if kind not in ("midstep", "replica") or not step.isdigit():
+                raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r} (want midstep@STEP or replica@STEP)")
+            values[kind] = int(step)
+        return cls(**values)
+
+
+def _die() -> None:
+    """A real kill -9 of this process (fault injection at an exact point)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Link:
+    """The connection to the controller: a lock-protected sender and a reader thread feeding ``inbox``."""
+
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.inbox: queue.Queue[Form | Restore | Stop] = queue.Queue()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="controller-reader", daemon=True).start()
+
+    def send(self, message: Message) -> None:
+        data = encode(message)
+        with self._lock:
+            try:
+                self.sock.sendall(data)
+            except OSError as exc:
+                log.error("lost the controller connection while sending: %s", exc)
+                self.inbox.put(Stop(reason=f"controller connection lost: {exc}"))
+
+    def _read(self) -> None:
+        buffer = self.sock.makefile("rb")
+        for line in buffer:
+            try:
+                self.inbox.put(decode_from_controller(line))
+            except MalformedMessage as exc:
+                log.error("malformed message from the controller ignored: %s", exc)
+        # Without a controller there is nobody to re-form the group: stop rather than train alone.
+        self.inbox.put(Stop(reason="controller connection closed"))
+
+
+class Worker:
+    """One worker process's state and loop. Build it with :func:`run_worker`."""
+
+    def __init__(self, job: TrainJob, steps: int, *, worker: int, link: _Link, replicas: ReplicaFiles) -> None:
+        self.job = job
+        self.target_steps = steps
+        self.worker = worker
+        self.link = link
+        self.replicas = replicas
+        self.faults = _Faults.parse(os.environ.get(ENV_FAULTS, ""))
+        self.local_devices = int(os.environ.get(ENV_LOCAL_DEVICES, "2"))
+        self.step_delay_s = float(os.environ.get(ENV_STEP_DELAY_S, "0"))
+        self.generation = 0
+        self.process_id = -1
+        self.num_processes = 0
+        self.initialized = False
+        self.step = 0  # newest committed step held on the devices (or in ``ram``)
+        self.step_time_s: float | None = None
+        self.ram: Replica | None = None  # the RAM replica: host copy of the newest committed step
+        self.template: PyTree = job.init()
+        self.mesh: Any = None
+        self.compiled: Any = None
+        self.state_shardings: Any = None
+        self.batch_shardings: Any = None
+        self.state: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        if self.faults.replica is not None:
+            at = self.faults.replica
+            self.replicas.on_write.append(lambda step: _die() if step == at else None)
+
+    # --- the loop ----------------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        """Handle controller messages until told to stop; returns the exit code."""
+        self.link.send(Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps))
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+        pending: Form | Restore | Stop | None = None
+        while True:
+            message = pending if pending is not None else self.link.inbox.get()
+            pending = None
+            match message:
+                case Form():
+                    self._form(message)
+                case Restore() if message.generation == self.generation:
+                    # The broadcast is a collective too: if a peer dies during it, abandon it like a step.
+                    outcome = self._await(self._pool.submit(self._restore, message))
+                    if isinstance(outcome, Message):
+                        pending = outcome
+                    elif outcome is not None:
+                        pending = self._train(message.target_steps)
+                case Restore():
+                    log.info("stale restore for generation %d ignored", message.generation)
+                case Stop(reason=reason):
+                    log.info("worker %d stops: %s", self.worker, reason)
+                    return 0
+
+    def _beat(self) -> None:
+        interval = float(os.environ.get(ENV_HEARTBEAT_S, "0.2"))
+        while True:
+            self._heartbeat()
+            time.sleep(interval)
+
+    def _heartbeat(self) -> None:
+        self.link.send(
+            Heartbeat(
+                worker=self.worker,
+                generation=self.generation,
+                step=self.step,
+                step_time_s=self.step_time_s,
+                sent_at=time.time(),
+            )
+        )
+
+    # --- forming a group ---------------------------------------------------------------------------------
+
+    def _form(self, form: Form) -> None:
+        import jax
+        import jax.extend.backend
+
+        from runtime.compiler import StepCompiler
+
+        started = time.monotonic()
+        if self.initialized:
+            _leave_group()
+            jax.extend.backend.clear_backends()
+            self.state = None  # it lived on the old backend
+        _join_group(form)
+        self.initialized = True
+        self.generation, self.process_id, self.num_processes = form.generation, form.process_id, form.num_processes
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        self.mesh = jax.sharding.Mesh(np.array(devices).reshape(form.num_processes, -1), ("data", "model"))
+        compiler = StepCompiler(self.job, self.template, self.job.data.batch(0))
+        self.state_shardings = compiler.state_shardings(self.mesh)
+        self.batch_shardings = compiler.batch_shardings(self.mesh)
+        self.compiled = compiler.get(self.mesh)
+        best, tier = self._best_local()
+        self.link.send(
+            Joined(
+                worker=self.worker,
+                generation=self.generation,
+                best_step=best,
+                tier=tier,
+                join_s=time.monotonic() - started,
+            )
+        )
+
+    def _best_local(self) -> tuple[int, str]:
+        if self.ram is not None:
+            return self.ram.step, "ram"
+        try:
+            self.ram = self.replicas.newest(self.template)  # a restarted worker: the files survived us
+        except SnapshotUnavailable:
+            return 0, "none"
+        return self.ram.step, "shm"
+
+    def _restore(self, restore: Restore) -> tuple[PyTree, float]:
+        import jax
+
+        if restore.source < 0:
+            tree, position = self.template, 0
+        else:
+            mine = self.ram if self.ram is not None and self.ram.step == restore.step else None
+            ours = mine.tree if mine is not None else self.template
+            payload = {"tree": ours, "position": np.asarray(mine.data_position if mine is not None else 0, np.int64)}
+            if self.num_processes > 1:
+                # Peers take the source's copy; the source's own copy is re-sent, which keeps every member
+                # bitwise identical whichever tier each one held.
+                payload = broadcast_state(payload, is_source=self.process_id == restore.source)
+            elif not mine:
+                raise SnapshotUnavailable(f"worker {self.worker} alone cannot restore step {restore.step}")
+            tree, position = payload["tree"], int(payload["position"])
+        self.state = self._place(tree, self.state_shardings)
+        self.step = restore.step
+        self.ram = Replica(restore.step, position if restore.source >= 0 else 0, tree)
+        jax.block_until_ready(self.state)
+        self._heartbeat()
+        return self.state, 0.0
+
+    def _place(self, tree: PyTree, shardings: PyTree) -> PyTree:
+        import jax
+
+        def one(sharding: Any, subtree: PyTree) -> PyTree:
+            return jax.tree.map(
+                lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx: np.asarray(x)[idx]),
+                subtree,
+            )
+
+        return jax.tree.map(one, shardings, tree)
+
+    # --- training ----------------------------------------------------------------------------------------
+
+    def _train(self, target: int) -> Form | Restore | Stop | None:
+        """Run steps until ``target``, or until the controller sends something; returns that message."""
+        assert self.ram is not None
+        position = self.ram.data_position
+        while self.step < target:
+            if not self.link.inbox.empty():
+                return self.link.inbox.get()
+            future = self._pool.submit(self._run_step, self.state, position, self.step + 1)
+            outcome = self._await(future)
+            if isinstance(outcome, Message):
+                return outcome
+            if outcome is None:  # the step raised: not committed; wait for the controller to re-form
+                return None
+            new_state, seconds = outcome
+            self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
+            position += 1
+            self.ram = Replica(self.step, position, host_copy(new_state))
+            self.replicas.save(self.ram)
+            self._heartbeat()
+        self._finish(target)
+        return None
+
+    def _await(self, future: Future[tuple[PyTree, float]]) -> tuple[PyTree, float] | Form | Restore | Stop | None:
+        """The step's result; a controller message if one came while the step hung; None if the step raised."""
+        while True:
+            try:
+                return future.result(timeout=0.02)
+            except FutureTimeout:
+                if self.link.inbox.empty():
+                    continue
+            except Exception as exc:
+                log.error("step %d failed: %s: %s; waiting for the group to re-form", self.step + 1, type(exc), exc)
+                return None
+            try:
+                return future.result(timeout=_ABANDON_GRACE_S)
+            except FutureTimeout:
+                # Blocked in a collective with a dead peer: gloo never returns. Leave the thread behind.
+                log.warning("abandoning step %d, blocked in a collective; re-forming", self.step + 1)
+                self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+                return self.link.inbox.get()
+            except Exception:
+                return self.link.inbox.get()
+
+    def _run_step(self, state: PyTree, position: int, step: int) -> tuple[PyTree, float]:
+        import jax
+
+        started = time.perf_counter()
+        batch = self._place(self.job.data.batch(position), self.batch_shardings)
+        new_state, _metrics = self.compiled(state, batch)
+        jax.block_until_ready(new_state)
+        if self.faults.midstep == step:
+            _die()  # computed but not committed: the new state must not count
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        return new_state, time.perf_counter() - started
+
+    def _finish(self, target: int) -> None:
+        assert self.ram is not None
+        leaves = [np.ascontiguousarray(leaf) for leaf in _leaves(self.ram.tree)]
+        digest = hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
+        result = os.environ.get(ENV_RESULT)
+        if result and self.process_id == 0:
+            tmp = f"{result}.tmp{os.getpid()}.npz"
+            arrays: dict[str, Any] = {f"leaf{i}": leaf for i, leaf in enumerate(leaves)}
+            np.savez(tmp, **arrays)
+            os.replace(tmp, result)
+        self.link.send(Finished(worker=self.worker, generation=self.generation, step=target, digest=digest))
+
+
+def _join_group(form: Form) -> None:
+    """Connect this process to the group's coordination service, which the controller hosts.
+
+    ``jax.distributed.initialize`` would start the service inside process 0; measured here, when process 0
+    is then killed every survivor's coordination client polls an error and terminates its process (and a
+    Python error callback cannot stand in: jaxlib 0.10.2 aborts casting its status). With the service in
+    the never-restarted controller, any worker, process 0 included, can die without taking the others down.
+    This uses the same private entry points ``initialize`` uses, as narrowly as possible.
+    """
+    from jax._src import distributed
+    from jax._src.lib import _jax
+
+    state = distributed.global_state
+    if state.client is not None:
+        raise RuntimeError("jax.distributed is already initialized in this process")
+    client = _jax.get_distributed_runtime_client(
+        form.coordinator,
+        form.process_id,
+        init_timeout=int(os.environ.get(ENV_JAX_INIT_S, "60")),
+        use_compression=True,
+        # Ours detect a loss in ~2 s; JAX's own (default 100 s) must not fire first and end the group.
+        heartbeat_timeout=int(os.environ.get(ENV_JAX_HEARTBEAT_S, "30")),
+        # Default 300 s: a shutdown that waited for a dead peer would stall the re-forming for minutes.
+        shutdown_timeout=int(os.environ.get(ENV_JAX_SHUTDOWN_S, "2")),
+    )
+    client.connect()
+    state.client = client
+    state.coordinator_address = form.coordinator
+    state.process_id = form.process_id
+    state.num_processes = form.num_processes
+
+
+def _leave_group() -> None:
+    """Disconnect from the old group's service (still up in the controller, so this returns at once)."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    client, state.client = state.client, None
+    if client is not None:
+        try:
+            client.shutdown()
+        except Exception as exc:  # the old group is broken by design here; its shutdown may complain
+            log.warning("leaving the old group: %s: %s", type(exc).__name__, exc)
+
+
+def _leaves(tree: PyTree) -> list[Any]:
+    import jax
+
+    return list(jax.tree.leaves(tree))
+
+
+def run_worker(job: TrainJob, steps: int) -> NoReturn:
+    """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
+
+    Call it before touching any JAX device: it configures the CPU device count, gloo collectives and
+    recoverability first. Exits the process (``os._exit``) when the controller says stop.
+
+    Raises:
+        RuntimeError: not started by ``elastic-runtime launch`` (no controller address in the environment).
+    """
+    if not is_worker():
+        raise RuntimeError(f"run_worker needs {ENV_CONTROLLER}: start the script with `elastic-runtime launch`")
+    import jax
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    jax.config.update("jax_num_cpu_devices", int(os.environ.get(ENV_LOCAL_DEVICES, "2")))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Without it the coordination service ends every survivor when one process dies.
+    jax.config.update("jax_enable_recoverability", True)
+    worker = int(os.environ[ENV_WORKER])
+    replica_dir = os.environ.get(ENV_REPLICA_DIR, f"/dev/shm/elastic-runtime-{os.getppid()}")
+    code = 1
+    replicas = ReplicaFiles(replica_dir, f"worker-{worker}")
+    try:
+        link = _Link(os.environ[ENV_CONTROLLER])
+        code = Worker(job, steps, worker=worker, link=link, replicas=replicas).serve()
+        replicas.wait()
+    except Exception:
+        log.exception("worker %d failed", worker)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Abandoned step threads are blocked inside XLA; a normal exit would run destructors under them.
+        os._exit(code)
