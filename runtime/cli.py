@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 SUBCOMMAND_MODULES = (
     "runtime.demo",
+    "runtime.launcher",  # multi-process controller (issue 6)
     "runtime.maintenance.cli",  # listen: print maintenance notices (issue 4)
 )
 
