@@ -87,12 +87,18 @@ class RunFinished(Event, frozen=True, kw_only=True):
 
 
 class StepCompleted(Event, frozen=True, kw_only=True):
-    """Step ``step`` committed: its new state replaced the old one. ``step`` counts committed steps."""
+    """Step ``step`` committed: its new state replaced the old one. ``step`` counts committed steps.
+
+    ``duration_s`` is the step's computation; ``data_s`` the time spent loading its batch; ``snapshot_wait_s``
+    the time the step waited for the previous RAM snapshot copy to finish (normally 0).
+    """
 
     duration_s: float
     loss: float | None = None
     mesh_shape: dict[str, int]
     data_position: int
+    data_s: float = 0.0
+    snapshot_wait_s: float = 0.0
 
 
 class SnapshotTaken(Event, frozen=True, kw_only=True):
@@ -267,6 +273,7 @@ class MeshChanged(Event, frozen=True, kw_only=True):
     devices: tuple[int, ...]
     reason: str
     needs_restore: bool
+    seconds: float = 0.0  # resharding the live state (0 when it was lost)
 
 
 class StateRestored(Event, frozen=True, kw_only=True):

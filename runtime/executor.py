@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import anyio
 import jax
@@ -92,6 +92,14 @@ class RestoreSource(Protocol):
     def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
         """The newest verified snapshot with the structure of ``like``. Raises SnapshotUnavailable."""
         ...
+
+
+class _StepDone(NamedTuple):
+    state: PyTree
+    loss: float | None
+    seconds: float  # the step's computation
+    data_s: float  # loading its batch
+    snapshot_wait_s: float  # waiting for the previous snapshot copy before starting this one
 
 
 @dataclass
@@ -277,10 +285,12 @@ class StepExecutor:
         old = self.mesh
         assert old is not None
         needs_restore = self._recovery is not None or self.state is None
+        started = time.monotonic()
         if needs_restore:
             self.state = None  # it lived on the old mesh, part of which is gone
         else:
             self.state = await anyio.to_thread.run_sync(self._place, self.state, mesh)
+        seconds = time.monotonic() - started
         self._set_mesh(mesh)
         await self.bus.publish(
             MeshChanged(
@@ -291,6 +301,7 @@ class StepExecutor:
                 devices=device_ids(mesh),
                 reason=reason,
                 needs_restore=needs_restore,
+                seconds=seconds,
             )
         )
 
@@ -335,23 +346,23 @@ class StepExecutor:
         mesh = self.mesh
         snapshot = self.config.snapshot_every > 0 and self.ram.due(step)
         try:
-            new_state, loss, seconds = await anyio.to_thread.run_sync(
-                self._run_step, self.state, step, mesh, self.data_position, snapshot
-            )
+            done = await anyio.to_thread.run_sync(self._run_step, self.state, step, mesh, self.data_position, snapshot)
         except Exception as exc:
             await self._on_failure(exc, step, mesh)
             return
-        self.state, self.step, self.loss = new_state, step, loss
+        self.state, self.step, self.loss = done.state, step, done.loss
         self.data_position += 1
         self.high_water = max(self.high_water, step)
         await self.bus.publish(
             StepCompleted(
                 step=step,
                 source="executor",
-                duration_s=seconds,
-                loss=loss,
+                duration_s=done.seconds,
+                loss=done.loss,
                 mesh_shape=mesh_shape(mesh),
                 data_position=self.data_position,
+                data_s=done.data_s,
+                snapshot_wait_s=done.snapshot_wait_s,
             )
         )
         recovery = self._recovery
@@ -371,15 +382,15 @@ class StepExecutor:
             )
         await self._publish_from_threads()
 
-    def _run_step(
-        self, state: PyTree, step: int, mesh: Mesh, position: int, snapshot: bool
-    ) -> tuple[PyTree, float | None, float]:
+    def _run_step(self, state: PyTree, step: int, mesh: Mesh, position: int, snapshot: bool) -> _StepDone:
         """One step, in a worker thread: the user's data loading, tracing and step all run here.
 
         One thread hop per step: the snapshot capture starts here too, once the step has succeeded.
         """
         assert self.compiler is not None
+        loading = time.perf_counter()
         host_batch = self.job.data.batch(position)
+        data_s = time.perf_counter() - loading
         compiled = self.compiler.get(mesh)
         started = time.perf_counter()
         batch = jax.device_put(host_batch, self.compiler.batch_shardings(mesh))
@@ -389,10 +400,10 @@ class StepExecutor:
             self.injector.check(step, device_ids(mesh))
         loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
         loss_value = None if loss is None else float(np.asarray(loss))
-        seconds = time.perf_counter() - started
+        finished = time.perf_counter()
         if snapshot:
             self.ram.capture(new_state, step=step, data_position=position + 1, metadata={"mesh": mesh_shape(mesh)})
-        return new_state, loss_value, seconds
+        return _StepDone(new_state, loss_value, finished - started, data_s, time.perf_counter() - finished)
 
     def _snapshot_done(self, snap: HostSnapshot) -> None:
         self._from_threads.append(
