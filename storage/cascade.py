@@ -59,7 +59,7 @@ class TieredCheckpointer:
         ram: the executor's RAM tier; every completed snapshot is offered to the disk tier.
         disk: the persistent-disk tier, or None.
         gcs: the GCS tier, or None (it uploads committed disk checkpoints, so it needs ``disk``).
-        disk_every: promote the snapshot of every step that is a multiple of this.
+        disk_every: promote a snapshot each time the step crosses a multiple of this.
         gcs_every: upload a disk checkpoint each time the committed step crosses a multiple of this.
         keep: committed checkpoints kept per durable tier (>= 1).
         timeout_s: deadline of one save or upload.
@@ -103,7 +103,8 @@ class TieredCheckpointer:
         self._uploading: set[int] = set()  # disk steps GCS is reading: retention leaves them alone
         self.newest: dict[str, int] = {}  # tier -> newest step committed by this checkpointer
         self._last_promoted = -1  # newest snapshot step handed to the disk tier
-        self._last_uploaded = -1  # newest disk step handed to GCS
+        self._due_disk = 0  # newest snapshot step that came due for the disk (saved or skipped)
+        self._last_uploaded = 0  # newest disk step handed to GCS
         self._ctx: RuntimeContext | None = None
         for tier in self.tiers:
             tier.corruption_listeners.append(self._on_corrupt)
@@ -176,15 +177,20 @@ class TieredCheckpointer:
         await self._flush(ctx)
 
     async def _flush(self, ctx: RuntimeContext) -> None:
-        while True:
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                return
+        for event in self.take_events():
             try:
                 await ctx.publish(event)
             except BusClosed:
                 log.info("bus closed: dropped %s", event)
+
+    def take_events(self) -> list[Event]:
+        """The events the worker threads reported since the last call (``run`` forwards them to the bus)."""
+        events = []
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                return events
 
     def _emit(self, event: Event) -> None:
         self._events.put(event)
@@ -233,7 +239,9 @@ class TieredCheckpointer:
 
     def _on_snapshot(self, snapshot: HostSnapshot) -> None:
         """From the RAM copy thread: hand a due snapshot to the disk thread (never blocks)."""
-        if self.disk is not None and snapshot.step % self.disk_every == 0:
+        # "Crosses a multiple" rather than "is a multiple": any RAM cadence then still reaches the disk.
+        if self.disk is not None and snapshot.step // self.disk_every > self._due_disk // self.disk_every:
+            self._due_disk = snapshot.step
             self._submit_disk(snapshot, forced=False, upload=False)
 
     def _submit_disk(self, snapshot: HostSnapshot, *, forced: bool, upload: bool) -> None:

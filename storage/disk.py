@@ -300,11 +300,14 @@ class DiskTier:
     Args:
         root: the checkpoint directory (created if missing).
         name: the tier's name in events and restore sources.
+        check_space: refuse a save up front when the file system has less free space than the snapshot needs,
+            rather than filling it to the last byte (which also hurts everything else writing there).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, name: str = "disk") -> None:
+    def __init__(self, root: str | os.PathLike[str], *, name: str = "disk", check_space: bool = True) -> None:
         self.root = Path(root)
         self.name = name
+        self.check_space = check_space
         self.corruption_listeners: list[CorruptionListener] = []
 
     def path_of(self, step: int) -> Path:
@@ -328,14 +331,16 @@ class DiskTier:
             if directory.exists():
                 shutil.rmtree(directory)  # a torn earlier attempt at the same step
             directory.mkdir()
+            if self.check_space:
+                _require_space(directory, snapshot)
             save_orbax(directory / STATE_DIR, snapshot.tree)
             deadline.check()
             manifest = self._describe(directory, snapshot, deadline)
             write_manifest(directory, manifest)
             _fsync_path(self.root, directory=True)
-        except StorageError:
+        except StorageError as exc:
             self._discard(directory)
-            raise
+            raise StorageError(f"{self.name}: saving step {snapshot.step} to {directory} failed: {exc}") from exc
         except Exception as exc:  # tensorstore and Orbax report I/O errors as ValueError and friends
             self._discard(directory)
             raise StorageError(f"{self.name}: saving step {snapshot.step} to {directory} failed: {_why(exc)}") from exc
@@ -441,6 +446,22 @@ class DiskTier:
             created=manifest.created,
             files=len(manifest.files),
         )
+
+
+def _require_space(directory: Path, snapshot: HostSnapshot) -> None:
+    need = snapshot.nbytes or sum(int(np.asarray(x).nbytes) for x in _leaves(snapshot.tree))
+    need += max(64 << 10, need // 100)  # Orbax's metadata files and file-system overhead
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise StorageError(
+            f"no space left on device: {free} bytes free in {directory.parent}, step {snapshot.step} needs ~{need}"
+        )
+
+
+def _leaves(tree: PyTree) -> list[Any]:
+    import jax
+
+    return list(jax.tree.leaves(tree))
 
 
 def _why(exc: BaseException) -> str:

@@ -94,6 +94,8 @@ class FaultProxy:
         return None
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
+        # Headers and body go out in separate writes: without NODELAY, Nagle and delayed ACKs add 40 ms each.
+        h.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         body = _read_body(h)
         head = f"{h.command} {h.path} {body[:2048].decode('latin-1')}"
         with self._lock:
@@ -135,6 +137,9 @@ class FaultProxy:
     def _forward(self, h: BaseHTTPRequestHandler, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
+            conn.connect()
+            assert conn.sock is not None
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
             headers["Content-Length"] = str(len(body))
             conn.request(h.command, h.path, body=body, headers=headers)

@@ -1,0 +1,202 @@
+"""One contract, every durable tier: commit, list, verify, restore, corruption detection, deletion."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import BUCKET, small_state
+
+from runtime.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from storage import manifest as mf
+from storage.disk import DiskTier
+from storage.gcs import GcsTier
+from storage.ram import HostSnapshot
+from storage.tier import CheckpointTier
+
+Corrupt = Callable[[int, str, Callable[[bytes], bytes]], None]  # (step, relative path, how)
+
+
+def snapshot(step: int) -> HostSnapshot:
+    return HostSnapshot(
+        step=step,
+        data_position=10 * step,
+        tree=small_state(step),
+        nbytes=0,
+        seconds=0.0,
+        metadata={"mesh": {"data": 8}, "rng": [step, 7], "note": "ok"},
+    )
+
+
+def same(a: object, b: object) -> None:
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(params=["disk", "gcs"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[CheckpointTier, Corrupt]]:
+    if request.param == "disk":
+        disk = DiskTier(tmp_path / "ckpt")
+
+        def corrupt_disk(step: int, rel: str, how: Callable[[bytes], bytes]) -> None:
+            path = disk.path_of(step) / rel
+            path.write_bytes(how(path.read_bytes()))
+
+        yield disk, corrupt_disk
+    else:
+        uri = request.getfixturevalue("gcs_uri")
+        gcs = GcsTier(uri, staging_dir=tmp_path, sleep=lambda s: None)
+
+        def corrupt_gcs(step: int, rel: str, how: Callable[[bytes], bytes]) -> None:
+            blob = gcs.client.bucket(BUCKET).blob(gcs._key(step, rel))
+            blob.upload_from_string(how(blob.download_as_bytes()))
+
+        yield gcs, corrupt_gcs
+
+
+def flip_bit(data: bytes) -> bytes:
+    at = len(data) // 2
+    return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :]
+
+
+def truncate(data: bytes) -> bytes:
+    return data[: len(data) - 5]
+
+
+def biggest_file(t: CheckpointTier, step: int) -> str:
+    manifest = t.manifest(step)  # type: ignore[attr-defined]
+    return max(manifest.files, key=lambda f: f.size).path
+
+
+def test_commit_list_restore(tier: tuple[CheckpointTier, Corrupt]) -> None:
+    t, _ = tier
+    assert t.list(timeout=30) == []
+    with pytest.raises(SnapshotUnavailable):
+        t.latest(small_state(0))
+    for step in (3, 1, 7):
+        info = t.save(snapshot(step), timeout=60)
+        assert info.step == step and info.nbytes > 0 and info.data_position == 10 * step
+    assert [i.step for i in t.list(timeout=30)] == [7, 3, 1]
+    restored = t.latest(small_state(0))
+    assert (restored.step, restored.data_position) == (7, 70)
+    assert restored.metadata == {"mesh": {"data": 8}, "rng": [7, 7], "note": "ok"}
+    same(restored.tree, small_state(7))
+    # Without a template the tree comes back as plain dicts and lists.
+    plain = t.restore(3, None, timeout=60)
+    same(plain.tree, small_state(3))
+    assert isinstance(plain.tree["opt"], list)
+    assert t.verify(1, timeout=30).step == 1
+
+
+@pytest.mark.parametrize("damage", [flip_bit, truncate], ids=["flipped-bit", "truncated"])
+def test_damage_is_detected_never_loaded(
+    tier: tuple[CheckpointTier, Corrupt], damage: Callable[[bytes], bytes]
+) -> None:
+    t, corrupt = tier
+    t.save(snapshot(1), timeout=60)
+    t.save(snapshot(2), timeout=60)
+    bad = biggest_file(t, 2)
+    corrupt(2, bad, damage)
+    with pytest.raises(CheckpointInvalid) as caught:
+        t.verify(2, timeout=30)
+    assert bad in caught.value.path
+    with pytest.raises(CheckpointInvalid):
+        t.restore(2, small_state(0), timeout=60)
+    reported: list[tuple[str, CheckpointInvalid]] = []
+    t.corruption_listeners.append(lambda name, exc: reported.append((name, exc)))
+    fallback = t.latest(small_state(0))
+    assert fallback.step == 1
+    same(fallback.tree, small_state(1))
+    assert [name for name, _ in reported] == [t.name] and bad in reported[0][1].path
+
+
+def test_small_metadata_file_damage_is_detected(tier: tuple[CheckpointTier, Corrupt]) -> None:
+    t, corrupt = tier
+    t.save(snapshot(4), timeout=60)
+    meta = next(f.path for f in t.manifest(4).files if f.path.endswith(".zarray"))  # type: ignore[attr-defined]
+    corrupt(4, meta, lambda b: b.replace(b'"C"', b'"F"'))
+    with pytest.raises(CheckpointInvalid):
+        t.restore(4, small_state(0), timeout=60)
+
+
+def test_manifest_naming_a_path_outside_is_rejected(tier: tuple[CheckpointTier, Corrupt]) -> None:
+    t, corrupt = tier
+    t.save(snapshot(5), timeout=60)
+
+    def escape(data: bytes) -> bytes:
+        doc = json.loads(data)
+        doc["files"][0]["path"] = "../../etc/passwd"
+        return json.dumps(doc).encode()
+
+    corrupt(5, mf.MANIFEST_NAME, escape)
+    with pytest.raises(CheckpointInvalid, match="outside the checkpoint"):
+        t.restore(5, small_state(0), timeout=60)
+    with pytest.raises(CheckpointInvalid):
+        t.verify(5, timeout=30)
+
+
+def test_unparseable_manifest_is_corrupt_not_loaded(tier: tuple[CheckpointTier, Corrupt]) -> None:
+    t, corrupt = tier
+    t.save(snapshot(6), timeout=60)
+    corrupt(6, mf.MANIFEST_NAME, lambda b: b[:-3])
+    assert [i.step for i in t.list(timeout=30)] == [6]  # listed, so that verify can name it
+    with pytest.raises(CheckpointInvalid):
+        t.restore(6, small_state(0), timeout=60)
+    with pytest.raises(SnapshotUnavailable):
+        t.latest(small_state(0))
+
+
+def test_other_structure_is_unavailable_not_misloaded(tier: tuple[CheckpointTier, Corrupt]) -> None:
+    t, _ = tier
+    t.save(snapshot(1), timeout=60)
+    other = small_state(0)
+    other["params"]["w"] = np.zeros((64, 33), np.float32)  # type: ignore[index]
+    with pytest.raises(SnapshotUnavailable, match="holds float32"):
+        t.restore(1, other, timeout=60)
+
+
+def test_delete_removes_manifest_first(tier: tuple[CheckpointTier, Corrupt]) -> None:
+    t, _ = tier
+    t.save(snapshot(1), timeout=60)
+    t.save(snapshot(2), timeout=60)
+    t.delete(1, timeout=30)
+    assert [i.step for i in t.list(timeout=30)] == [2]
+    with pytest.raises(SnapshotUnavailable):
+        t.restore(1, None, timeout=30)
+
+
+def test_disk_partial_write_is_invisible_and_swept(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path)
+    disk.save(snapshot(1), timeout=60)
+    disk.save(snapshot(2), timeout=60)
+    (disk.path_of(2) / mf.MANIFEST_NAME).unlink()  # as if the process died before the commit
+    assert [i.step for i in disk.list(timeout=10)] == [1]
+    assert disk.latest(small_state(0)).step == 1
+    assert disk.sweep() == [disk.path_of(2)]
+    assert not disk.path_of(2).exists()
+
+
+def test_disk_checkpoint_restores_with_plain_orbax(tmp_path: Path) -> None:
+    import orbax.checkpoint as ocp
+
+    info = DiskTier(tmp_path).save(snapshot(9), timeout=60)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        restored = checkpointer.restore(Path(info.location) / "state")
+    same(restored, small_state(9))
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(Path(info.location) / "state")
+    same(restored, small_state(9))
+
+
+def test_disk_save_failure_is_a_storage_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StorageError, match="saving step 1"):
+        DiskTier(blocker / "ckpt").save(snapshot(1), timeout=30)
