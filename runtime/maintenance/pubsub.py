@@ -63,7 +63,8 @@ class PubSubListener:
         reconnect_max_s: longest wait between two attempts to open the stream.
         client_factory: builds the ``SubscriberClient`` (in a worker thread); the default honours
             ``PUBSUB_EMULATOR_HOST``.
-        on_message: called in the loop with (publish time, receive time) of every message, for benchmarks.
+        on_message: called in the loop with (message id, publish time, receive time) of every message received,
+            for benchmarks and monitoring.
     """
 
     def __init__(
@@ -75,7 +76,7 @@ class PubSubListener:
         max_bytes: int = 10 * 1024 * 1024,
         reconnect_max_s: float = 30.0,
         client_factory: Callable[[], pubsub_v1.SubscriberClient] = pubsub_v1.SubscriberClient,
-        on_message: Callable[[float, float], None] | None = None,
+        on_message: Callable[[str, float, float], None] | None = None,
     ) -> None:
         if not SUBSCRIPTION_PATTERN.fullmatch(subscription):
             raise ValueError(f"subscription must look like projects/P/subscriptions/S, got {subscription!r}")
@@ -155,7 +156,7 @@ class PubSubListener:
         message_id: str = message.message_id
         published = message.publish_time.timestamp()
         if self.on_message is not None:
-            self.on_message(published, received)
+            self.on_message(message_id, published, received)
         # A redelivery repeats the id and the publish time. The id alone is not enough: a topic deleted and
         # made again (as after an emulator restart) numbers its messages from 1 again.
         key = f"{message_id}@{published:.6f}"
