@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = (
     "runtime.demo",
     "runtime.launcher",  # multi-process controller (issue 6)
     "runtime.maintenance.cli",  # listen: print maintenance notices (issue 4)
+    "runtime.report",
 )
 
 
