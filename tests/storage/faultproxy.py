@@ -51,6 +51,7 @@ class FaultProxy:
         self.hold_pattern: str | None = None  # requests whose path or body head contain it wait for release
         self.held = threading.Event()  # set once a request is being held
         self.release = threading.Event()
+        self.discard_held = True  # a released held request is dropped, as if its sender had died mid-request
         self._lock = threading.Lock()
         self._random = random.Random(seed)
         proxy = self
@@ -94,6 +95,11 @@ class FaultProxy:
         return None
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
+        # The client may go away (a killed process, a client timeout): then there is nothing to answer.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self._serve(h)
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
         # Headers and body go out in separate writes: without NODELAY, Nagle and delayed ACKs add 40 ms each.
         h.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         body = _read_body(h)
@@ -103,6 +109,9 @@ class FaultProxy:
         if self.hold_pattern is not None and self.hold_pattern in head:
             self.held.set()
             self.release.wait()
+            if self.discard_held:
+                _drop(h)
+                return
         fault = self._draw()
         if fault is not None:
             with self._lock:

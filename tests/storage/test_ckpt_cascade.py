@@ -99,9 +99,10 @@ def test_busy_tier_skips_instead_of_piling_up(tmp_path: Path, gcs_uri: str, gcs_
         ).attach(rt)
         assert [s.name for s in rt.executor.restore_sources] == ["ram", "disk", "gcs"]
 
-        @rt.on(StepCompleted)
-        async def slow_steps(event: StepCompleted, ctx: RuntimeContext) -> None:
-            await anyio.sleep(0.02)
+        async def pace(next_step: int) -> None:
+            await anyio.sleep(0.05)  # steps slower than a disk save, far faster than an upload
+
+        rt.at_step_boundary(pace)
 
         result = rt.run(30)
     skipped = events_of(result.events_path, CheckpointSkipped)
