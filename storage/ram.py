@@ -51,12 +51,12 @@ def _copy_into(leaf: Any, buffer: np.ndarray) -> None:
 def _start_transfers(leaves: list[Any]) -> None:
     """Start the device-to-host DMA of each distinct shard, so the copy thread only waits for it.
 
-    CPU devices already live in host memory: there, an early transfer is only an extra copy.
+    CPU devices already live in host memory: there an early transfer is only an extra copy, skipped.
     """
     for leaf in leaves:
-        if isinstance(leaf, jax.Array):
+        if isinstance(leaf, jax.Array) and next(iter(leaf.devices())).platform != "cpu":
             for shard in leaf.addressable_shards:
-                if shard.replica_id == 0 and shard.device.platform != "cpu":
+                if shard.replica_id == 0:
                     shard.data.copy_to_host_async()
 
 
