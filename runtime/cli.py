@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     "runtime.launcher",  # multi-process controller (issue 6)
     "runtime.maintenance.cli",  # listen: print maintenance notices (issue 4)
     "runtime.report",
+    "storage.cli",  # checkpoints list|verify (issue 3)
 )
 
 
