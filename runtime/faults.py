@@ -8,8 +8,10 @@ does when a real device dies mid-step and ``block_until_ready`` reports it; the 
 
 from __future__ import annotations
 
+import random
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from jax.errors import JaxRuntimeError
@@ -91,3 +93,110 @@ class FaultInjector:
             status = self._dead[hit[0]] if hit else ""
         if hit:
             raise JaxRuntimeError(f"{status}: device(s) {hit} stopped responding during step {step} (injected)")
+
+
+# --- schedules: the same faults at the same points, for reproducible demos and benchmarks ----------------
+
+_ACTIONS = ("lose-slice", "lose-device", "repair-slice", "repair-device")
+
+
+@dataclass(frozen=True)
+class ScheduledAction:
+    """``action`` on ``target`` (an index, or -1 for a random live slice/device) at a step or a time."""
+
+    action: str
+    target: int
+    step: int | None = None
+    seconds: float | None = None  # of training, since the schedule was started
+
+    def due(self, step: int, elapsed: float) -> bool:
+        return (self.step is not None and step >= self.step) or (self.seconds is not None and elapsed >= self.seconds)
+
+
+class FaultSchedule:
+    """A list of faults and repairs, by step or by time, applied to a :class:`FaultInjector`.
+
+    Text form, comma-separated ``ACTION:TARGET@WHEN``: ACTION is lose-slice, lose-device, repair-slice or
+    repair-device; TARGET an index or ``random`` (lose: a slice or device not yet lost; repair: the oldest
+    random loss); WHEN a
+    step (``120``) or seconds of training (``90s``). Example: ``lose-slice:3@100,repair-slice:3@200``.
+    ``every(period_s, repair_after_s, until_s)`` builds the periodic schedule of the goodput benchmark.
+    """
+
+    def __init__(self, actions: Iterable[ScheduledAction], *, slice_size: int, devices: int, seed: int = 0) -> None:
+        self.pending = list(actions)
+        self.slice_size = slice_size
+        self.devices = devices
+        self._random = random.Random(seed)
+        self._started: float | None = None
+        self._random_losses: list[tuple[int, ...]] = []  # a random repair brings back the oldest random loss
+
+    @classmethod
+    def parse(cls, text: str, *, slice_size: int, devices: int, seed: int = 0) -> FaultSchedule:
+        """Parse the text form. Raises ValueError naming the item that is wrong."""
+        actions = []
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            try:
+                head, when = item.split("@")
+                action, target = head.split(":")
+                if action not in _ACTIONS:
+                    raise ValueError(f"action must be one of {', '.join(_ACTIONS)}")
+                index = -1 if target == "random" else int(target)
+                if index < -1:
+                    raise ValueError("target must be an index >= 0 or 'random'")
+                if when.endswith("s"):
+                    actions.append(ScheduledAction(action, index, seconds=float(when[:-1])))
+                else:
+                    actions.append(ScheduledAction(action, index, step=int(when)))
+            except ValueError as exc:
+                raise ValueError(
+                    f"fault schedule item {item!r}: {exc} (expected ACTION:TARGET@STEP or @SECONDSs)"
+                ) from exc
+        return cls(actions, slice_size=slice_size, devices=devices, seed=seed)
+
+    @classmethod
+    def every(
+        cls, period_s: float, *, repair_after_s: float, until_s: float, slice_size: int, devices: int, seed: int = 0
+    ) -> FaultSchedule:
+        """Lose a random slice every ``period_s`` seconds of training and repair it ``repair_after_s`` later."""
+        actions = []
+        at = period_s
+        while at < until_s:
+            actions.append(ScheduledAction("lose-slice", -1, seconds=at))
+            actions.append(ScheduledAction("repair-slice", -1, seconds=at + repair_after_s))
+            at += period_s
+        return cls(actions, slice_size=slice_size, devices=devices, seed=seed)
+
+    def hook(self, injector: FaultInjector, clock: Callable[[], float] = time.monotonic) -> Callable[[int], None]:
+        """A step-boundary hook that applies what is due before each step."""
+
+        def apply(step: int) -> None:
+            now = clock()
+            if self._started is None:
+                self._started = now
+            elapsed = now - self._started
+            for action in [a for a in self.pending if a.due(step, elapsed)]:
+                self.pending.remove(action)
+                self._apply(action, injector)
+
+        return apply
+
+    def _apply(self, action: ScheduledAction, injector: FaultInjector) -> None:
+        size = self.slice_size if action.action.endswith("slice") else 1
+        if action.target >= 0:
+            devices = tuple(range(action.target * size, (action.target + 1) * size))
+        elif action.action.startswith("lose"):
+            groups = [tuple(range(i, i + size)) for i in range(0, self.devices, size)]
+            alive = [g for g in groups if not set(g) & injector.dead]
+            if not alive:
+                return
+            devices = self._random.choice(alive)
+            self._random_losses.append(devices)
+        elif self._random_losses:
+            devices = self._random_losses.pop(0)
+        else:
+            return
+        if action.action.startswith("lose"):
+            injector.kill_now(devices)
+        else:
+            injector.repair_now(devices)

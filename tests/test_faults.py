@@ -1,0 +1,67 @@
+"""Fault injection and fault schedules: the right devices die and return at the right steps and times."""
+
+from __future__ import annotations
+
+import pytest
+from jax.errors import JaxRuntimeError
+
+from runtime.faults import FaultInjector, FaultSchedule
+
+
+def test_a_dead_device_fails_the_step_with_the_status_a_real_runtime_uses() -> None:
+    injector = FaultInjector().lose_devices(5, [2, 3], status="DEADLINE_EXCEEDED")
+    injector.advance(4)
+    injector.check(4, range(8))  # nothing yet
+    injector.advance(5)
+    with pytest.raises(JaxRuntimeError, match=r"^DEADLINE_EXCEEDED: device\(s\) \[2, 3\] .* step 5"):
+        injector.check(5, range(8))
+    injector.check(5, [0, 1, 4])  # a mesh without them runs
+    assert injector.dead == {2, 3}
+
+
+def test_repairs_bring_devices_back() -> None:
+    injector = FaultInjector().lose_slice(3, slice_index=1, slice_size=2).repair(6, [2, 3])
+    injector.advance(3)
+    assert injector.dead == {2, 3}
+    injector.advance(6)
+    assert injector.dead == frozenset()
+
+
+def test_schedule_text_by_step_and_by_time() -> None:
+    schedule = FaultSchedule.parse("lose-slice:3@10, lose-device:0@2.5s, repair-slice:3@20", slice_size=2, devices=8)
+    injector = FaultInjector()
+    now = [100.0]
+    hook = schedule.hook(injector, clock=lambda: now[0])
+    hook(1)
+    assert injector.dead == frozenset()
+    now[0] = 102.6
+    hook(2)
+    assert injector.dead == {0}
+    hook(10)
+    assert injector.dead == {0, 6, 7}
+    hook(20)
+    assert injector.dead == {0}
+
+
+def test_periodic_random_slices_are_repaired_in_order() -> None:
+    schedule = FaultSchedule.every(60, repair_after_s=20, until_s=180, slice_size=2, devices=8, seed=1)
+    assert len(schedule.pending) == 4  # losses at 60 s and 120 s, each with its repair
+    injector = FaultInjector()
+    now = [0.0]
+    hook = schedule.hook(injector, clock=lambda: now[0])
+    hook(1)
+    now[0] = 61
+    hook(2)
+    lost = injector.dead
+    assert len(lost) == 2 and min(lost) % 2 == 0 and max(lost) == min(lost) + 1
+    now[0] = 81
+    hook(3)
+    assert injector.dead == frozenset()
+
+
+@pytest.mark.parametrize(
+    "text", ["explode:1@3", "lose-slice:1", "lose-slice:x@3", "lose-slice:1@soon", "lose-slice:-4@3"]
+)
+def test_bad_schedules_name_the_item(text: str) -> None:
+    with pytest.raises(ValueError, match="fault schedule item"):
+        FaultSchedule.parse(text, slice_size=2, devices=8)
