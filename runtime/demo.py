@@ -36,6 +36,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--verify", action="store_true", help="compare with a fault-free run of the same length")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
+    # Multi-process mode (issue 6): --processes N --kill-worker-at STEP, handled by runtime/mp_demo.py.
+    from runtime.mp_demo import add_multiprocess_arguments
+
+    add_multiprocess_arguments(parser)
     parser.set_defaults(func=main)
     return parser
 
@@ -118,6 +122,10 @@ def _fields(event: Any) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "processes", 0):  # multi-process mode (issue 6): its own module
+        from runtime.mp_demo import run_multiprocess_demo
+
+        return run_multiprocess_demo(args)
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)

@@ -36,6 +36,7 @@ from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from runtime.bus import EventBus
+from runtime.errors import BusClosed
 from runtime.eventlog import EventLog
 from runtime.events import (
     Event,
@@ -50,10 +51,10 @@ from runtime.events import (
     WorkerLost,
 )
 from runtime.group_events import GroupFormed, MalformedHeartbeat, WorkerExited, WorkerKilled, WorkerStarted
-from runtime.heartbeat import HeartbeatMonitor, Lost, Verdict, verdict_event, watch
+from runtime.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.wire import (
+    ENV_COMPILE_CACHE,
     ENV_CONTROLLER,
-    ENV_FAULTS,
     ENV_HEARTBEAT_S,
     ENV_LOCAL_DEVICES,
     ENV_REPLICA_DIR,
@@ -121,7 +122,7 @@ class LaunchConfig:
         replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<pid>``.
         result_path: where process 0 writes the final state (``.npz``).
         kills, kill_during_recovery: fault injection (see :class:`Kill`).
-        worker_faults: ``ELASTIC_FAULTS`` for the first incarnation of a process id ("midstep@12").
+        worker_faults: fault injection in the first generation's process ids: {1: "midstep@12"}.
     """
 
     command: list[str]
@@ -339,7 +340,13 @@ class Controller:
         reason = ""
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self.bus.run)
+                bus_done = anyio.Event()
+
+                async def run_bus() -> None:
+                    await self.bus.run()
+                    bus_done.set()
+
+                tg.start_soon(run_bus)
                 tg.start_soon(listener.serve, self._serve)
                 tg.start_soon(watch, self.monitor, self._on_verdict)
                 tg.start_soon(self._reap)
@@ -359,12 +366,24 @@ class Controller:
                         await self._stop_all(reason or "run finished")
                         for service in self._services:
                             await anyio.to_thread.run_sync(service.shutdown)
-                        await self.bus.publish(
-                            RunFinished(step=self.group_step, source="controller", ok=not reason, reason=reason)
+                        finished = RunFinished(
+                            step=self.group_step,
+                            source="controller",
+                            ok=self.result.ok,
+                            reason=reason or ("" if self.result.ok else "cancelled"),
                         )
-                        await self.bus.close()
+                        try:
+                            await self.bus.publish(finished)
+                            await self.bus.close()
+                            with anyio.move_on_after(5):
+                                await bus_done.wait()  # every pending event dispatched and logged
+                        except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+                            self.event_log.append(finished)  # cancelled from outside: the bus is gone
+                            await self.bus.close()
                     tg.cancel_scope.cancel()
         finally:
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
             self.event_log.close()
             shutil.rmtree(self.replica_dir, ignore_errors=True)
         self.result.step = self.group_step
@@ -397,11 +416,11 @@ class Controller:
                 ENV_REPLICA_DIR: self.replica_dir,
                 ENV_LOCAL_DEVICES: str(self.config.local_devices),
                 ENV_HEARTBEAT_S: str(self.config.heartbeat_interval_s),
+                ENV_COMPILE_CACHE: str(Path(self.replica_dir) / "xla-cache"),
             }
         )
         if self.config.result_path:
             env[ENV_RESULT] = self.config.result_path
-        env.pop(ENV_FAULTS, None)
         logfile = open(self.run_dir / "workers" / f"worker-{worker}.log", "wb")  # noqa: SIM115 - child owns it
         popen = subprocess.Popen(
             self.config.command, env=env, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True
@@ -437,6 +456,8 @@ class Controller:
 
     async def _stop_all(self, reason: str) -> None:
         for proc in self.procs.values():
+            if proc.stream is None and proc.popen.poll() is None:
+                proc.popen.kill()  # still starting: nothing to save, no need to wait for its Hello
             if proc.stream is not None and proc.popen.poll() is None:
                 with contextlib.suppress(Exception):
                     await proc.stream.send(encode(Stop(reason=reason)))
@@ -505,6 +526,9 @@ class Controller:
             await self._malformed(peer, f"unknown worker id {message.worker} (or already connected); closed")
             return None
         proc.stream, proc.hello = stream, message
+        if self._stopping:
+            await self._send(proc, Stop(reason="the run is over"))
+            return proc
         if self.target_steps < 0:
             self.target_steps = message.target_steps
         self.monitor.register(proc.worker)
@@ -514,9 +538,13 @@ class Controller:
     async def _on_message(self, proc: _Proc, message: Message) -> None:
         match message:
             case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds):
-                if proc.gone:
+                if proc.gone or self._stopping:
                     return
-                self.monitor.observe(worker, step, seconds)
+                try:
+                    self.monitor.observe(worker, step, seconds)
+                except UnknownWorker:
+                    log.warning("controller: heartbeat from worker %d, which is not watched; ignored", worker)
+                    return
                 if gen == self.generation and worker in self.members:
                     proc.step, proc.generation = step, gen
                     await self._progress(seconds)
@@ -663,7 +691,8 @@ class Controller:
                     self.monitor.forget(worker)
                 self.result.survivor_restarts += len(survivors)
                 survivors = []
-            members = await self._recruit(survivors)
+            recruits = await self._recruit(survivors)
+            members = self._seat(survivors, recruits)
             self._requests.clear()
             self.generation += 1
             self._restored = False
@@ -672,7 +701,6 @@ class Controller:
                 proc = self.procs[worker]
                 proc.spare, proc.joined, proc.finished = False, None, None
                 self.monitor.expect_progress(worker, False)
-            self._top_up_spares()
             port = free_port()
             self._services.append(start_coordination_service(port, len(members)))
             coordinator = f"127.0.0.1:{port}"
@@ -682,6 +710,8 @@ class Controller:
                     coordinator=coordinator,
                     process_id=process_id,
                     num_processes=len(members),
+                    read_files=strategy != "reform",
+                    faults=self.config.worker_faults.get(process_id, "") if strategy == "start" else "",
                 )
                 await self._send(self.procs[worker], form)
             if self._kill_during_recovery is not None and strategy != "start":
@@ -699,9 +729,25 @@ class Controller:
             if self._recovery is None:
                 self._recovery = _Recovery(cause=outcome, started=started, failed_step=self.group_step + 1, lost=set())
         await self._restore(members, strategy, coordinator, started)
+        # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
+        self._top_up_spares()
+
+    def _seat(self, survivors: list[int], recruits: list[int]) -> list[int]:
+        """The new group in process-id order: survivors keep their process ids, recruits take the free ones.
+
+        Stable ids mean the same device layout as before on every survivor, so each loads its step from the
+        persistent compilation cache instead of compiling it again, and the numerics do not change.
+        """
+        seats: list[int | None] = [w if w in survivors else None for w in self.members]
+        seats.extend([None] * max(0, self.config.nprocs - len(seats)))
+        queue = list(recruits)
+        for i, worker in enumerate(seats):
+            if worker is None and queue:
+                seats[i] = queue.pop(0)
+        return [w for w in seats if w is not None] + queue
 
     async def _recruit(self, survivors: list[int]) -> list[int]:
-        """Survivors plus enough spares (started now if needed) for a full group; waits for their Hello."""
+        """Enough spares (started now if needed) to fill the group around ``survivors``; waits for their Hello."""
         need = self.config.nprocs - len(survivors)
         chosen: list[int] = []
         deadline = time.monotonic() + self.config.spawn_timeout_s
@@ -726,7 +772,7 @@ class Controller:
             with anyio.move_on_after(0.1):
                 await self._wake.wait()
             self._wake = anyio.Event()
-        return survivors + chosen
+        return chosen
 
     async def _await_joins(self, members: list[int]) -> str:
         deadline = time.monotonic() + self.config.form_timeout_s

@@ -14,8 +14,8 @@ from typing import Union
 import msgspec
 
 __all__ = [
+    "ENV_COMPILE_CACHE",
     "ENV_CONTROLLER",
-    "ENV_FAULTS",
     "ENV_HEARTBEAT_S",
     "ENV_JAX_HEARTBEAT_S",
     "ENV_JAX_INIT_S",
@@ -46,11 +46,11 @@ ENV_WORKER = "ELASTIC_WORKER_ID"  # this process's worker id (unique for the run
 ENV_REPLICA_DIR = "ELASTIC_REPLICA_DIR"  # where replica files live (default under /dev/shm)
 ENV_LOCAL_DEVICES = "ELASTIC_LOCAL_DEVICES"  # CPU devices per process
 ENV_RESULT = "ELASTIC_RESULT"  # where process 0 writes the final state (.npz), if set
-ENV_FAULTS = "ELASTIC_FAULTS"  # fault injection for tests: "midstep@12,replica@20" (this incarnation only)
 ENV_HEARTBEAT_S = "ELASTIC_HEARTBEAT_S"
 ENV_JAX_HEARTBEAT_S = "ELASTIC_JAX_HEARTBEAT_S"
 ENV_JAX_SHUTDOWN_S = "ELASTIC_JAX_SHUTDOWN_S"
 ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
+ENV_COMPILE_CACHE = "ELASTIC_COMPILE_CACHE"  # persistent XLA cache directory shared by the workers
 ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room to kill mid-run)
 
 MAX_LINE = 1 << 20  # a heartbeat is ~150 bytes; anything near this is garbage or an attack
@@ -110,6 +110,8 @@ class Form(Message, frozen=True, kw_only=True):
     coordinator: str
     process_id: int
     num_processes: int
+    read_files: bool = True  # look in the replica files when this process holds no state in memory
+    faults: str = ""  # fault injection for tests, e.g. "midstep@12,replica@20" (see runtime.worker)
 
 
 class Restore(Message, frozen=True, kw_only=True):

@@ -37,8 +37,8 @@ import numpy as np
 from runtime.errors import SnapshotUnavailable
 from runtime.job import PyTree, TrainJob
 from runtime.wire import (
+    ENV_COMPILE_CACHE,
     ENV_CONTROLLER,
-    ENV_FAULTS,
     ENV_HEARTBEAT_S,
     ENV_JAX_HEARTBEAT_S,
     ENV_JAX_INIT_S,
@@ -84,7 +84,7 @@ class _Faults:
         for item in filter(None, (part.strip() for part in text.split(","))):
             kind, _, step = item.partition("@")
             if kind not in ("midstep", "replica") or not step.isdigit():
-                raise ValueError(f"{ENV_FAULTS}: cannot parse {item!r} (want midstep@STEP or replica@STEP)")
+                raise ValueError(f"faults: cannot parse {item!r} (want midstep@STEP or replica@STEP)")
             values[kind] = int(step)
         return cls(**values)
 
@@ -135,7 +135,7 @@ class Worker:
         self.worker = worker
         self.link = link
         self.replicas = replicas
-        self.faults = _Faults.parse(os.environ.get(ENV_FAULTS, ""))
+        self.faults = _Faults()
         self.local_devices = int(os.environ.get(ENV_LOCAL_DEVICES, "2"))
         self.step_delay_s = float(os.environ.get(ENV_STEP_DELAY_S, "0"))
         self.generation = 0
@@ -152,9 +152,7 @@ class Worker:
         self.batch_shardings: Any = None
         self.state: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
-        if self.faults.replica is not None:
-            at = self.faults.replica
-            self.replicas.on_write.append(lambda step: _die() if step == at else None)
+        self.replicas.on_write.append(lambda step: _die() if step == self.faults.replica else None)
 
     # --- the loop ----------------------------------------------------------------------------------------
 
@@ -208,11 +206,15 @@ class Worker:
         from runtime.compiler import StepCompiler
 
         started = time.monotonic()
+        if form.faults:
+            self.faults = _Faults.parse(form.faults)
         if self.initialized:
             _leave_group()
             jax.extend.backend.clear_backends()
             self.state = None  # it lived on the old backend
+        left = time.monotonic()
         _join_group(form)
+        connected = time.monotonic()
         self.initialized = True
         self.generation, self.process_id, self.num_processes = form.generation, form.process_id, form.num_processes
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -221,7 +223,18 @@ class Worker:
         self.state_shardings = compiler.state_shardings(self.mesh)
         self.batch_shardings = compiler.batch_shardings(self.mesh)
         self.compiled = compiler.get(self.mesh)
-        best, tier = self._best_local()
+        compiled = time.monotonic()
+        best, tier = self._best_local(form.read_files)
+        log.info(
+            "joined generation %d as process %d/%d: leave %.3f s, connect %.3f s, compile %.3f s, read %.3f s",
+            form.generation,
+            form.process_id,
+            form.num_processes,
+            left - started,
+            connected - left,
+            compiled - connected,
+            time.monotonic() - compiled,
+        )
         self.link.send(
             Joined(
                 worker=self.worker,
@@ -232,9 +245,11 @@ class Worker:
             )
         )
 
-    def _best_local(self) -> tuple[int, str]:
+    def _best_local(self, read_files: bool) -> tuple[int, str]:
         if self.ram is not None:
             return self.ram.step, "ram"
+        if not read_files:  # a spare joining survivors: it takes the state from them, files are slower
+            return 0, "none"
         try:
             self.ram = self.replicas.newest(self.template)  # a restarted worker: the files survived us
         except SnapshotUnavailable:
@@ -416,6 +431,13 @@ def run_worker(job: TrainJob, steps: int) -> NoReturn:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Without it the coordination service ends every survivor when one process dies.
     jax.config.update("jax_enable_recoverability", True)
+    cache = os.environ.get(ENV_COMPILE_CACHE)
+    if cache:
+        # Every generation compiles the same step for the same layout again (new backend); with a persistent
+        # cache the survivors and the replacement load it instead of running XLA.
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     worker = int(os.environ[ENV_WORKER])
     replica_dir = os.environ.get(ENV_REPLICA_DIR, f"/dev/shm/elastic-runtime-{os.getppid()}")
     code = 1

@@ -1,0 +1,140 @@
+"""The heartbeat monitor's verdicts, with an injected clock: no test waits for real time."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.events import Straggler, WorkerHung, WorkerLost
+from runtime.heartbeat import HeartbeatMonitor, Hung, Lost, Straggling, UnknownWorker, verdict_event
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def monitor(clock: FakeClock, **kwargs: float) -> HeartbeatMonitor:
+    m = HeartbeatMonitor(clock=clock, **kwargs)
+    for worker in (0, 1, 2):
+        m.register(worker)
+    return m
+
+
+def test_silence_past_the_timeout_is_a_loss_and_not_before(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=2.0)
+    clock.advance(1.9)
+    m.observe(0, 1)
+    m.observe(1, 1)
+    assert m.check() == []
+    clock.advance(0.2)  # worker 2 silent for 2.1 s
+    [verdict] = m.check()
+    assert isinstance(verdict, Lost) and verdict.worker == 2 and verdict.silent_s == pytest.approx(2.1)
+
+
+def test_a_verdict_is_given_once_until_the_worker_is_registered_again(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=1.0)
+    clock.advance(1.5)
+    assert {v.worker for v in m.check()} == {0, 1, 2}
+    clock.advance(5)
+    assert m.check() == []
+    m.register(1)
+    clock.advance(1.5)
+    assert [v.worker for v in m.check()] == [1]
+
+
+def test_mark_gone_is_reported_at_the_next_check_without_waiting(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=2.0)
+    m.mark_gone(1, "connection closed")
+    [verdict] = m.check()
+    assert verdict == Lost(1, 0.0, "connection closed")
+
+
+def test_no_progress_while_alive_is_a_hang_only_when_progress_is_expected(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=2.0, hang_timeout_s=3.0)
+    for _ in range(10):  # heartbeats keep coming, the step does not move
+        clock.advance(0.5)
+        for w in (0, 1, 2):
+            m.observe(w, 7)
+    assert m.check() == []  # progress not expected (the group is forming)
+    m.expect_progress(0)
+    for _ in range(5):
+        clock.advance(0.5)
+        for w in (0, 1, 2):
+            m.observe(w, 7)
+    assert m.check() == []  # 2.5 s without progress: not yet
+    clock.advance(0.5)
+    for w in (0, 1, 2):
+        m.observe(w, 7)
+    [verdict] = m.check()
+    assert verdict == Hung(0, pytest.approx(3.0), 7)
+
+
+def test_progress_resets_the_hang_clock(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=2.0, hang_timeout_s=1.0)
+    m.expect_progress(0)
+    for step in range(1, 20):
+        clock.advance(0.5)
+        m.observe(0, step)
+        m.observe(1, step)
+        m.observe(2, step)
+    assert m.check() == []
+
+
+def test_a_straggler_is_far_above_the_group_median(clock: FakeClock) -> None:
+    m = monitor(clock, straggler_factor=3.0, straggler_min_s=0.05, straggler_every_s=10.0)
+    m.register(3)
+    for step in range(1, 6):
+        clock.advance(0.1)
+        for w, seconds in ((0, 0.1), (1, 0.11), (2, 0.09), (3, 0.5)):
+            m.observe(w, step, seconds)
+    [verdict] = m.check()
+    assert isinstance(verdict, Straggling) and verdict.worker == 3
+    assert verdict.group_median_s == pytest.approx(0.105, abs=0.01)
+    clock.advance(1)
+    for w in (0, 1, 2, 3):
+        m.observe(w, 6, 0.1)
+    assert m.check() == []  # reported at most every straggler_every_s
+
+
+def test_small_differences_are_not_stragglers(clock: FakeClock) -> None:
+    m = monitor(clock, straggler_factor=3.0, straggler_min_s=0.05)
+    for step in range(1, 6):
+        for w, seconds in ((0, 0.001), (1, 0.001), (2, 0.01)):
+            m.observe(w, step, seconds)
+    assert m.check() == []  # 10x the median, but 9 ms is noise
+
+
+def test_unknown_workers_are_refused(clock: FakeClock) -> None:
+    m = monitor(clock)
+    with pytest.raises(UnknownWorker):
+        m.observe(99, 1)
+    m.forget(1)
+    with pytest.raises(UnknownWorker):
+        m.observe(1, 1)
+    m.forget(12345)  # forgetting an unknown id is harmless
+
+
+@pytest.mark.parametrize("kwargs", [{"timeout_s": 0}, {"hang_timeout_s": -1}, {"straggler_factor": 1.0}])
+def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        HeartbeatMonitor(**kwargs)
+
+
+def test_verdicts_become_events() -> None:
+    lost = verdict_event(Lost(1, 2.5, "no heartbeat"), step=7)
+    assert isinstance(lost, WorkerLost) and lost.worker == 1 and lost.silent_s == 2.5 and lost.step == 7
+    hung = verdict_event(Hung(2, 3.0, 6), step=7)
+    assert isinstance(hung, WorkerHung) and hung.stalled_s == 3.0 and "step 6" in hung.message
+    slow = verdict_event(Straggling(3, 0.5, 0.1), step=7)
+    assert isinstance(slow, Straggler) and slow.group_median_s == 0.1

@@ -1,0 +1,147 @@
+"""Kill real worker processes (kill -9, SIGSTOP) at chosen points and check the run ends where a fault-free
+run ends, bitwise, with no committed step lost and the controller never restarted.
+
+Each run: 3 worker processes x 2 CPU devices, gloo collectives on loopback, one warm spare, 30 steps of the
+demo model. Every recovery here keeps the group at full size, so the final state must be bitwise equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import runtime.group_events  # noqa: F401 - registers the multi-process events for decoding
+from runtime.eventlog import read_events
+from runtime.events import RecoveryCompleted, StateRestored, StepCompleted, WorkerHung, WorkerLost
+from runtime.group_events import GroupFormed, WorkerKilled
+from runtime.launcher import Kill
+from runtime.mp_demo import run_group
+
+STEPS = 30
+NPROCS = 3
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, kills=[])
+    assert result.ok and result.step == STEPS and result.recoveries == []
+    return run_dir / "final.npz"
+
+
+def run(tmp_path: Path, **kwargs: Any) -> tuple[Any, list[Any]]:
+    result = run_group(processes=NPROCS, steps=STEPS, run_dir=tmp_path, **kwargs)
+    return result, read_events(tmp_path / "events.jsonl")
+
+
+def assert_same_final_state(tmp_path: Path, reference: Path) -> None:
+    with np.load(tmp_path / "final.npz") as got, np.load(reference) as want:
+        assert sorted(got.files) == sorted(want.files)
+        for key in want.files:
+            assert np.array_equal(got[key], want[key]), f"{key} differs from the fault-free run"
+
+
+def assert_no_committed_step_lost(events: list[Any]) -> None:
+    """Every restore starts at or after the newest step the whole group had committed before it."""
+    committed = 0
+    restores = 0
+    for event in events:
+        if isinstance(event, StepCompleted):
+            assert event.step == committed + 1 or event.step <= committed, f"step {event.step} after {committed}"
+            committed = max(committed, event.step)
+        elif isinstance(event, StateRestored):
+            restores += 1
+            assert event.step >= committed, f"restored step {event.step} < committed step {committed}"
+            assert event.lost_steps == 0
+            committed = event.step
+    assert committed == STEPS
+    for event in events:
+        if isinstance(event, RecoveryCompleted):
+            assert event.lost_steps == 0
+    assert restores >= 1
+
+
+def test_kill_9_a_worker_mid_run_reforms_in_process(tmp_path: Path, reference: Path) -> None:
+    result, events = run(tmp_path, kills=[Kill(10, 1)])
+    assert result.ok and result.step == STEPS
+    assert result.strategies == ["start", "reform"]
+    assert result.survivor_restarts == 0 and result.controller_restarts == 0
+    assert result.world_size_history == [3, 3]
+    [recovery] = result.recoveries
+    assert recovery["lost_steps"] == 0 and recovery["restored_from"].startswith("ram")
+    [detected] = result.detected_after_s
+    assert detected < 2.5
+    assert any(isinstance(e, WorkerLost) for e in events)
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
+
+
+def test_kill_9_process_0_which_would_host_the_coordination_service(tmp_path: Path, reference: Path) -> None:
+    result, events = run(tmp_path, kills=[Kill(10, 0)])
+    assert result.ok and result.strategies == ["start", "reform"] and result.survivor_restarts == 0
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
+
+
+def test_kill_mid_step_after_compute_before_commit(tmp_path: Path, reference: Path) -> None:
+    # Process 2 computes step 12 and is killed -9 before committing it: that step must run again.
+    result, events = run(tmp_path, kills=[], worker_faults={2: "midstep@12"})
+    assert result.ok and result.strategies == ["start", "reform"]
+    [restored] = [e for e in events if isinstance(e, StateRestored)]
+    assert restored.step >= 11
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
+
+
+def test_kill_mid_replica_file_write(tmp_path: Path, reference: Path) -> None:
+    # Process 1 is killed -9 half-way through writing its /dev/shm replica of step 8.
+    result, events = run(tmp_path, kills=[], worker_faults={1: "replica@8"})
+    assert result.ok and result.strategies == ["start", "reform"]
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
+
+
+def test_kill_during_recovery_falls_back_to_restart_from_shm(tmp_path: Path, reference: Path) -> None:
+    # A second worker dies while the group re-forms: the members waiting for it are replaced as well and
+    # the state comes from the /dev/shm replica files.
+    result, events = run(tmp_path, kills=[Kill(10, 1)], kill_during_recovery=2)
+    assert result.ok and result.step == STEPS
+    assert result.strategies[-1] == "restart" and result.controller_restarts == 0
+    assert sum(1 for e in events if isinstance(e, WorkerKilled) and "fault injection" in e.reason) == 2
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
+
+
+def test_two_failures_in_a_row(tmp_path: Path, reference: Path) -> None:
+    result, events = run(tmp_path, kills=[Kill(8, 1), Kill(16, 2)])
+    assert result.ok and result.step == STEPS
+    assert len(result.recoveries) == 2 and result.survivor_restarts == 0
+    assert [e.generation for e in events if isinstance(e, GroupFormed)] == [1, 2, 3]
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
+
+
+def test_sigstop_hang_is_detected_and_the_worker_replaced(tmp_path: Path, reference: Path) -> None:
+    result, events = run(tmp_path, kills=[Kill(10, 1, "STOP")])
+    assert result.ok and result.step == STEPS
+    [hung] = [e for e in events if isinstance(e, WorkerHung)]
+    assert "stopped" in hung.message
+    [detected] = result.detected_after_s
+    assert 1.5 <= detected < 3.0  # the heartbeat timeout (2 s) plus one check interval
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
+
+
+def test_forced_restart_strategy_restores_from_shm(tmp_path: Path, reference: Path) -> None:
+    result, events = run(tmp_path, kills=[Kill(10, 1)], strategy="restart")
+    assert result.ok and result.strategies == ["start", "restart"]
+    assert result.survivor_restarts == NPROCS - 1
+    [recovery] = result.recoveries
+    assert recovery["restored_from"].startswith("shm")
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
