@@ -31,6 +31,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         precompile: compile the step for likely degraded meshes in the background.
 
     Checkpointing (``storage/``; see docs/storage.md):
+        ram_dir: mirror every RAM snapshot into this directory (e.g. under ``/dev/shm``) so that it survives a
+            restart of the process; off when unset.
         checkpoint_dir: the disk tier's directory; by default ``<run_dir>/checkpoints``; "" turns it off.
         disk_every: promote a RAM snapshot to disk each time the step crosses a multiple of this.
         gcs_uri: ``gs://BUCKET[/PREFIX]`` turns the GCS tier on (it needs the disk tier).
@@ -64,6 +66,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     scale_up_poll_s: float | None = 1.0
     precompile: bool = True
     # --- checkpointing (storage/; owner: the storage issue) --------------------------------------------
+    ram_dir: str | None = None
     checkpoint_dir: str | None = None
     disk_every: int = 10
     gcs_uri: str | None = None

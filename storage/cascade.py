@@ -57,6 +57,8 @@ class TieredCheckpointer:
 
     Args:
         ram: the executor's RAM tier; every completed snapshot is offered to the disk tier.
+        shm: a tier in ``/dev/shm`` (a :class:`DiskTier` there) that mirrors every RAM snapshot, so the newest
+            one survives a restart of this process; or None.
         disk: the persistent-disk tier, or None.
         gcs: the GCS tier, or None (it uploads committed disk checkpoints, so it needs ``disk``).
         disk_every: promote a snapshot each time the step crosses a multiple of this.
@@ -70,6 +72,7 @@ class TieredCheckpointer:
         self,
         ram: RamTier,
         *,
+        shm: DiskTier | None = None,
         disk: DiskTier | None = None,
         gcs: GcsTier | None = None,
         disk_every: int = 10,
@@ -83,6 +86,7 @@ class TieredCheckpointer:
         if disk_every < 1 or gcs_every < 1 or keep < 1:
             raise ValueError(f"disk_every={disk_every}, gcs_every={gcs_every}, keep={keep} must all be >= 1")
         self.ram = ram
+        self.shm = shm
         self.disk = disk
         self.gcs = gcs
         self.disk_every = disk_every
@@ -95,6 +99,9 @@ class TieredCheckpointer:
         self._disk_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-disk")
         self._gcs_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-gcs")
         self._disk_job: Future[None] | None = None
+        self._shm_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-shm")
+        self._shm_job: Future[CheckpointInfo | None] | None = None
+        self._shm_step = -1
         self._gcs_job: Future[None] | None = None
         self._disk_step = -1  # step of the disk save running now
         self._gcs_step = -1
@@ -106,7 +113,7 @@ class TieredCheckpointer:
         self._due_disk = 0  # newest snapshot step that came due for the disk (saved or skipped)
         self._last_uploaded = 0  # newest disk step handed to GCS
         self._ctx: RuntimeContext | None = None
-        for tier in self.tiers:
+        for tier in self.restore_tiers:
             tier.corruption_listeners.append(self._on_corrupt)
         ram.listeners.append(self._on_snapshot)
 
@@ -121,15 +128,17 @@ class TieredCheckpointer:
         if directory is None and config.run_dir:
             directory = str(Path(config.run_dir) / "checkpoints")
         disk = DiskTier(directory) if directory else None
+        shm = DiskTier(config.ram_dir, name="shm") if config.ram_dir else None
         gcs = None
         if config.gcs_uri:
             from storage.gcs import GcsTier  # google-cloud-storage loads only when a bucket is named
 
             gcs = GcsTier(config.gcs_uri, workers=config.gcs_workers)
-        if disk is None:
+        if disk is None and shm is None:
             return None
         return cls(
             ram,
+            shm=shm,
             disk=disk,
             gcs=gcs,
             disk_every=config.disk_every,
@@ -141,14 +150,19 @@ class TieredCheckpointer:
 
     @property
     def tiers(self) -> list[CheckpointTier]:
-        """The durable tiers, fastest first."""
+        """The durable tiers (disk, GCS), fastest first: the ones a SaveCheckpoint request writes."""
         return [t for t in (self.disk, self.gcs) if t is not None]
 
+    @property
+    def restore_tiers(self) -> list[CheckpointTier]:
+        """Every tier a restore may read after RAM, fastest first (shm, disk, GCS)."""
+        return [t for t in (self.shm, self.disk, self.gcs) if t is not None]
+
     def attach(self, runtime: ElasticRuntime) -> TieredCheckpointer:
-        """Plug into a runtime: run as its component, answer SaveCheckpoint, restore as disk/GCS sources."""
+        """Plug into a runtime: run as its component, answer SaveCheckpoint, act as restore sources after RAM."""
         runtime.add_component(self)
         runtime.subscribe(SaveCheckpoint, self.handle_save_request)
-        runtime.executor.restore_sources.extend(self.tiers)
+        runtime.executor.restore_sources.extend(self.restore_tiers)
         return self
 
     # --- the component ---------------------------------------------------------------------------------
@@ -156,25 +170,37 @@ class TieredCheckpointer:
     async def run(self, ctx: RuntimeContext) -> None:
         """Sweep torn writes of an earlier process, then forward the worker threads' events to the bus."""
         self._ctx = ctx
-        if self.disk is not None:
-            removed = await anyio.to_thread.run_sync(self.disk.sweep)
-            for path in removed:
-                log.warning("removed %s: a checkpoint write that never committed", path)
+        for tier in (self.shm, self.disk):
+            if tier is not None:
+                for path in await anyio.to_thread.run_sync(tier.sweep):
+                    log.warning("removed %s: a checkpoint write that never committed", path)
         while True:
             await self._flush(ctx)
             await anyio.sleep(0.05)
 
     async def finish(self, ctx: RuntimeContext) -> None:
-        """At the end of a run: commit the final snapshot (if due), wait for every tier, publish the events."""
-        if self.save_on_finish and self.disk is not None:
-            try:
-                snapshot = await anyio.to_thread.run_sync(self.ram.latest, None, self.timeout_s)
-            except SnapshotUnavailable:
-                snapshot = None
-            if snapshot is not None and snapshot.step > self._last_promoted:
-                self._submit_disk(snapshot, forced=True, upload=self.gcs is not None)
+        """At the end of a run: commit the final snapshot to every durable tier, wait, publish the events."""
         await anyio.to_thread.run_sync(self.wait, self.timeout_s)
+        if self.save_on_finish and self.disk is not None:
+            await anyio.to_thread.run_sync(self._commit_final)
+            await anyio.to_thread.run_sync(self.wait, self.timeout_s)
         await self._flush(ctx)
+
+    def _commit_final(self) -> None:
+        assert self.disk is not None
+        try:
+            final = self.ram.latest(None, self.timeout_s)
+        except SnapshotUnavailable:
+            return
+        with self._lock:
+            on_disk = self.newest.get(self.disk.name, -1)
+            on_gcs = self.newest.get(self.gcs.name, -1) if self.gcs is not None else final.step
+        if on_disk < final.step:
+            self._submit_disk(final, forced=True, upload=self.gcs is not None)
+        elif on_gcs < final.step:
+            info = next((i for i in self.disk.list(timeout=self.timeout_s) if i.step == final.step), None)
+            if info is not None:
+                self._submit_gcs(info, forced=True)
 
     async def _flush(self, ctx: RuntimeContext) -> None:
         for event in self.take_events():
@@ -200,7 +226,8 @@ class TieredCheckpointer:
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
-                jobs = [j for j in (self._disk_job, self._gcs_job) if j is not None and not j.done()]
+                running = (self._shm_job, self._disk_job, self._gcs_job)
+                jobs = [j for j in running if j is not None and not j.done()]
             if not jobs:
                 return
             left = None if end is None else max(end - time.monotonic(), 0)
@@ -215,6 +242,7 @@ class TieredCheckpointer:
                     pass
 
     def close(self) -> None:
+        self._shm_pool.shutdown(wait=True)
         self._disk_pool.shutdown(wait=True)
         self._gcs_pool.shutdown(wait=True)
 
@@ -238,11 +266,60 @@ class TieredCheckpointer:
         self._submit_disk(snapshot, forced=True, upload=upload)
 
     def _on_snapshot(self, snapshot: HostSnapshot) -> None:
-        """From the RAM copy thread: hand a due snapshot to the disk thread (never blocks)."""
+        """From the RAM copy thread: hand a due snapshot to the shm and disk threads (never blocks)."""
+        if self.shm is not None:
+            self._submit_shm(snapshot)
         # "Crosses a multiple" rather than "is a multiple": any RAM cadence then still reaches the disk.
         if self.disk is not None and snapshot.step // self.disk_every > self._due_disk // self.disk_every:
             self._due_disk = snapshot.step
             self._submit_disk(snapshot, forced=False, upload=False)
+
+    def _submit_shm(self, snapshot: HostSnapshot) -> None:
+        shm = self.shm
+        assert shm is not None
+        with self._lock:
+            if self._shm_job is not None and not self._shm_job.done():
+                reason = f"the copy of step {self._shm_step} is still running"
+                self._emit(CheckpointSkipped(step=snapshot.step, source=_SOURCE, tier=shm.name, reason=reason))
+                return
+            self._shm_step = snapshot.step
+            self._shm_job = self._shm_pool.submit(self._save, shm, snapshot)
+
+    def _save(self, tier: DiskTier, snapshot: HostSnapshot) -> CheckpointInfo | None:
+        """Write ``snapshot`` to a local tier with its events and retention; None when it failed."""
+        step = snapshot.step
+        self._emit(CheckpointStarted(step=step, source=_SOURCE, tier=tier.name))
+        started = time.monotonic()
+        try:
+            info = tier.save(snapshot, timeout=self.timeout_s)
+        except Exception as exc:
+            log.error("%s checkpoint of step %d failed: %s", tier.name, step, exc)
+            self._emit(
+                CheckpointFailed(
+                    step=step,
+                    source=_SOURCE,
+                    tier=tier.name,
+                    reason=str(exc),
+                    error_type=type(exc).__name__,
+                    message=str(exc),
+                )
+            )
+            return None
+        self._emit(
+            CheckpointCommitted(
+                step=step,
+                source=_SOURCE,
+                tier=tier.name,
+                path=info.location,
+                bytes=info.nbytes,
+                seconds=time.monotonic() - started,
+            )
+        )
+        with self._lock:
+            self.newest[tier.name] = max(self.newest.get(tier.name, -1), step)
+        # The shm tier holds host memory: two copies are enough for a restart to find a complete one.
+        self._retain(tier, keep=2 if tier is self.shm else self.keep)
+        return info
 
     def _submit_disk(self, snapshot: HostSnapshot, *, forced: bool, upload: bool) -> None:
         with self._lock:
@@ -280,38 +357,11 @@ class TieredCheckpointer:
                 self._disk_step = snapshot.step
 
     def _save_to_disk(self, snapshot: HostSnapshot, upload: bool) -> None:
-        disk = self.disk
-        assert disk is not None
-        step = snapshot.step
-        self._emit(CheckpointStarted(step=step, source=_SOURCE, tier=disk.name))
-        started = time.monotonic()
-        try:
-            info = disk.save(snapshot, timeout=self.timeout_s)
-        except Exception as exc:
-            log.error("disk checkpoint of step %d failed: %s", step, exc)
-            self._emit(
-                CheckpointFailed(
-                    step=step,
-                    source=_SOURCE,
-                    tier=disk.name,
-                    reason=str(exc),
-                    error_type=type(exc).__name__,
-                    message=str(exc),
-                )
-            )
+        assert self.disk is not None
+        info = self._save(self.disk, snapshot)
+        if info is None:
             return
-        self._emit(
-            CheckpointCommitted(
-                step=step,
-                source=_SOURCE,
-                tier=disk.name,
-                path=info.location,
-                bytes=info.nbytes,
-                seconds=time.monotonic() - started,
-            )
-        )
-        self.newest[disk.name] = max(self.newest.get(disk.name, -1), step)
-        self._retain(disk)
+        step = info.step
         if self.gcs is not None and (upload or step // self.gcs_every > self._last_uploaded // self.gcs_every):
             self._submit_gcs(info, forced=upload)
 
@@ -384,16 +434,17 @@ class TieredCheckpointer:
                 seconds=time.monotonic() - started,
             )
         )
-        self.newest[gcs.name] = max(self.newest.get(gcs.name, -1), info.step)
+        with self._lock:
+            self.newest[gcs.name] = max(self.newest.get(gcs.name, -1), info.step)
         self._retain(gcs)
 
-    def _retain(self, tier: CheckpointTier) -> None:
+    def _retain(self, tier: CheckpointTier, *, keep: int | None = None) -> None:
         """Keep the newest ``keep`` committed checkpoints; only ever called right after a commit."""
         try:
             infos = [i for i in tier.list(timeout=self.timeout_s) if i.nbytes >= 0]
             with self._lock:
                 protected = set(self._uploading) if tier is self.disk else set()
-            for info in infos[self.keep :]:
+            for info in infos[self.keep if keep is None else keep :]:
                 if info.step not in protected:
                     tier.delete(info.step, timeout=self.timeout_s)
         except Exception as exc:  # retention is housekeeping: a failure must not fail the commit
@@ -426,7 +477,7 @@ class TieredCheckpointer:
             SnapshotUnavailable: no tier holds a checkpoint that verifies.
         """
         holders: dict[int, list[CheckpointTier]] = {}
-        for tier in self.tiers:
+        for tier in self.restore_tiers:
             try:
                 infos = tier.list(timeout=timeout)
             except Exception as exc:
@@ -453,6 +504,7 @@ class TieredCheckpointer:
         with self._lock:
             return {
                 "newest": dict(self.newest),
+                "shm_running": self._shm_job is not None and not self._shm_job.done(),
                 "disk_running": self._disk_job is not None and not self._disk_job.done(),
                 "gcs_running": self._gcs_job is not None and not self._gcs_job.done(),
             }

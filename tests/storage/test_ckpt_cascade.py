@@ -3,7 +3,9 @@ smaller mesh, and the newest verified step across tiers."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,3 +224,36 @@ def test_newest_verified_step_across_tiers(tmp_path: Path, gcs_uri: str) -> None
     disk.save(snapshot(7), timeout=30)
     tier, snap = checkpointer.restore_latest(like)
     assert (tier, snap.step) == ("disk", 7)
+
+
+def test_ram_dir_mirror_survives_a_restart(tmp_path: Path) -> None:
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    ram_dir = shm / f"elastic-runtime-test-{uuid.uuid4().hex[:8]}"
+    try:
+        first = ElasticRuntime(
+            job(), config=config(tmp_path, ram_dir=str(ram_dir), checkpoint_dir=""), mesh_policy=MeshPolicy(MESH)
+        )
+        assert [s.name for s in first.executor.restore_sources] == ["ram", "shm"]
+
+        async def settle(next_step: int) -> None:
+            assert first.checkpointer is not None
+            await anyio.to_thread.run_sync(first.checkpointer.wait, 30)
+
+        first.at_step_boundary(settle)
+        saved = first.run(9)
+        assert first.checkpointer is not None
+        first.checkpointer.wait(30)
+        assert first.checkpointer.shm is not None
+        assert len(first.checkpointer.shm.list(timeout=10)) == 2  # the mirror keeps two copies
+        # A new process (here: a new runtime with an empty RAM tier) finds the newest snapshot in the mirror.
+        second = ElasticRuntime(
+            job(), config=config(tmp_path / "2", ram_dir=str(ram_dir), checkpoint_dir=""), mesh_policy=MeshPolicy(MESH)
+        )
+        second.at_step_boundary(lambda n: second.context.restore("latest") if n == 1 else None)
+        resumed = second.run(9)
+        restored = events_of(resumed.events_path, StateRestored)
+        assert restored[0].restored_from == "shm" and restored[0].step == 9  # type: ignore[attr-defined]
+        for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(saved.state), strict=True):
+            np.testing.assert_array_equal(a, b)
+    finally:
+        shutil.rmtree(ram_dir, ignore_errors=True)
