@@ -13,7 +13,7 @@ import os
 import re
 import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import google_crc32c
@@ -126,15 +126,9 @@ def check_relative(path: str, *, where: str) -> str:
     Raises:
         CheckpointInvalid: the path could reach outside the checkpoint.
     """
-    parts = PurePosixPath(path).parts
-    bad = (
-        not path
-        or path.startswith("/")
-        or "\\" in path
-        or "\x00" in path
-        or any(part in ("..", ".") for part in parts)
-        or path == MANIFEST_NAME
-    )
+    # Only canonical relative paths: every component a plain name (no "", ".", ".."), no backslash or NUL.
+    parts = path.split("/")
+    bad = "\\" in path or "\x00" in path or any(part in ("", ".", "..") for part in parts) or path == MANIFEST_NAME
     if bad:
         reason = f"file path {path!r} is outside the checkpoint"
         raise CheckpointInvalid(f"manifest {where}: {reason}", path=where, reason=reason)
