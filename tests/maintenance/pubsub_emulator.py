@@ -46,7 +46,8 @@ def emulator_command(port: int) -> list[str]:
     if gcloud:
         return [gcloud, "beta", "emulators", "pubsub", "start", f"--host-port=127.0.0.1:{port}", "--quiet"]
     raise EmulatorMissing(
-        "the Pub/Sub emulator is not installed: apt-get install google-cloud-cli-pubsub-emulator openjdk-17-jre"
+        "the Pub/Sub emulator is not installed (Debian package google-cloud-cli-pubsub-emulator from Google "
+        "Cloud's apt repository, and Java 17: openjdk-17-jre-headless)"
     )
 
 

@@ -327,8 +327,9 @@ async def test_listener_waits_for_a_subscription_that_appears_later(pubsub_clien
     assert h.listener.streams_opened >= 2
 
 
-async def test_reconnects_after_emulator_restart_and_misses_nothing() -> None:
-    """Its own emulator: the restart must not disturb the other tests' one."""
+async def test_reconnects_after_emulator_restart_and_misses_nothing(pubsub_emulator: PubSubEmulator) -> None:
+    """Its own emulator: the restart must not disturb the other tests' one (the fixture only checks that the
+    emulator is installed)."""
     from google.cloud import pubsub_v1
 
     emulator = PubSubEmulator()
