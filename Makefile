@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean chaos
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/run_all.py
+
+# Multi-process chaos loop (issue 6): random kill -9 / SIGSTOP of real worker processes, checked bitwise.
+chaos: $(STAMP)
+	$(BIN)/python tests/multiprocess/chaos.py --rounds $(or $(ROUNDS),10)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -385,7 +385,8 @@ class Controller:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
             self.event_log.close()
-            shutil.rmtree(self.replica_dir, ignore_errors=True)
+            if self.config.replica_dir is None:  # ours, in /dev/shm: memory, not storage
+                shutil.rmtree(self.replica_dir, ignore_errors=True)
         self.result.step = self.group_step
         self.result.target_steps = self.target_steps
         (self.run_dir / "summary.json").write_text(json.dumps(self.result.__dict__, default=str))
@@ -874,6 +875,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
     parser.add_argument("--run-dir", default=None, help="event log, worker logs, summary.json")
     parser.add_argument("--result", default=None, help="where process 0 writes the final state (.npz)")
+    parser.add_argument(
+        "--replica-dir", default=None, help="replica files (default: a fresh /dev/shm dir, removed at the end)"
+    )
+    parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
     parser.add_argument("--kill", type=Kill.parse, action="append", default=[], metavar="STEP[:PID[:SIG]]")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(func=launch_main)
@@ -897,6 +902,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         hang_timeout_s=args.hang_timeout,
         run_dir=args.run_dir,
         result_path=args.result,
+        replica_dir=args.replica_dir,
+        max_failures=args.max_failures,
         kills=args.kill,
     )
 

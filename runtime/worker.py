@@ -254,7 +254,7 @@ class Worker:
             self.ram = self.replicas.newest(self.template)  # a restarted worker: the files survived us
         except SnapshotUnavailable:
             return 0, "none"
-        return self.ram.step, "shm"
+        return self.ram.step, "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
 
     def _restore(self, restore: Restore) -> tuple[PyTree, float]:
         import jax

@@ -1,0 +1,107 @@
+"""Chaos loop for the multi-process mode (``make chaos``; not collected by pytest).
+
+Each round kills real worker processes at random steps with random signals (kill -9 or SIGSTOP), sometimes
+a second one while the group re-forms, sometimes from inside a worker mid-step or mid-replica-write, and
+checks the final state against a fault-free run (bitwise: every recovery keeps the full world size) and the
+event log for lost committed steps.
+
+    .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import runtime.group_events  # noqa: F401 - registers the multi-process events for decoding
+from runtime.eventlog import read_events
+from runtime.events import StateRestored, StepCompleted
+from runtime.launcher import Kill
+from runtime.mp_demo import run_group
+
+NPROCS = 3
+STEPS = 40
+
+
+def plan(rng: random.Random) -> dict[str, Any]:
+    kind = rng.choice(["kill", "kill", "stop", "two", "during-recovery", "midstep", "replica"])
+    step = rng.randrange(3, STEPS - 8)
+    pid = rng.randrange(NPROCS)
+    match kind:
+        case "kill":
+            return {"kills": [Kill(step, pid)]}
+        case "stop":
+            return {"kills": [Kill(step, pid, "STOP")]}
+        case "two":
+            return {"kills": [Kill(step, pid), Kill(step + rng.randrange(1, 6), rng.randrange(NPROCS))]}
+        case "during-recovery":
+            return {"kills": [Kill(step, pid)], "kill_during_recovery": rng.randrange(NPROCS)}
+        case "midstep":
+            return {"kills": [], "worker_faults": {pid: f"midstep@{step}"}}
+        case _:
+            return {"kills": [], "worker_faults": {pid: f"replica@{step}"}}
+
+
+def check(run_dir: Path, reference: Path) -> list[str]:
+    problems = []
+    with np.load(run_dir / "final.npz") as got, np.load(reference) as want:
+        problems += [f"{k} differs" for k in want.files if not np.array_equal(got[k], want[k])]
+    committed = 0
+    for event in read_events(run_dir / "events.jsonl"):
+        if isinstance(event, StepCompleted):
+            committed = max(committed, event.step or 0)
+        elif isinstance(event, StateRestored):
+            if (event.step or 0) < committed:
+                problems.append(f"restored {event.step} after committing {committed}")
+            committed = event.step or 0
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=int(time.time()))
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    root = Path(tempfile.mkdtemp(prefix="chaos-mp-"))
+    print(f"chaos: {args.rounds} rounds, seed {args.seed}", flush=True)
+    failures = 0
+    try:
+        reference = run_group(processes=NPROCS, steps=STEPS, run_dir=root / "reference", kills=[])
+        assert reference.ok
+        for i in range(args.rounds):
+            spec = plan(rng)
+            run_dir = root / f"round-{i}"
+            started = time.monotonic()
+            try:
+                result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec)
+                problems = [] if result.ok else [f"run failed: {result.reason}"]
+                problems += check(run_dir, root / "reference" / "final.npz")
+            except Exception as exc:
+                problems = [f"{type(exc).__name__}: {exc}"]
+                result = None
+            failures += bool(problems)
+            summary = "" if result is None else f"{result.strategies} recoveries={len(result.recoveries)}"
+            verdict = "FAIL " + "; ".join(problems) if problems else "ok"
+            print(f"round {i}: {spec} {summary} {time.monotonic() - started:.1f} s: {verdict}", flush=True)
+            if not problems:
+                shutil.rmtree(run_dir, ignore_errors=True)
+    finally:
+        if not failures:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            print(f"kept the failed rounds' run directories under {root}")
+    print(f"chaos: {args.rounds - failures}/{args.rounds} rounds ok")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
