@@ -167,13 +167,18 @@ class FaultSchedule:
             at += period_s
         return cls(actions, slice_size=slice_size, devices=devices, seed=seed)
 
-    def hook(self, injector: FaultInjector, clock: Callable[[], float] = time.monotonic) -> Callable[[int], None]:
-        """A step-boundary hook that applies what is due before each step."""
+    def hook(
+        self, injector: FaultInjector, clock: Callable[[], float] = time.monotonic, start: float | None = None
+    ) -> Callable[[int], None]:
+        """A step-boundary hook that applies what is due before each step.
+
+        Times count from ``start`` (on ``clock``), by default from the hook's first call.
+        """
 
         def apply(step: int) -> None:
             now = clock()
             if self._started is None:
-                self._started = now
+                self._started = now if start is None else start
             elapsed = now - self._started
             for action in [a for a in self.pending if a.due(step, elapsed)]:
                 self.pending.remove(action)

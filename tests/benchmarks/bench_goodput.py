@@ -1,0 +1,178 @@
+"""Goodput under one fault per minute: the runtime against checkpoint-and-restart, same model, same schedule.
+
+Both jobs train the demo model (8 CPU devices, mesh data=4 x model=2) for the same number of steps, each in
+its own process started by this script, and lose a slice every 60 s of wall time:
+
+- runtime: ``ElasticRuntime`` with its defaults (RAM snapshot every step, disk tier), the slice lost through
+  the fault injector and given back 20 s later; recovery happens in-process;
+- checkpoint-restart: a plain JAX loop with Orbax's async ``CheckpointManager`` saving every ``--save-every``
+  steps; at each fault the process is killed (SIGKILL) and started again, restoring the newest checkpoint
+  (on the full mesh: the baseline gets its hardware back at once, in its favour).
+
+Goodput = the computation time of the steps that count (the last run of each step) / wall time from the
+first process start to the end of the last one. Each job prints one line per step; this script reads them.
+
+    .venv/bin/python tests/benchmarks/bench_goodput.py [--steps 12000] [--fault-every 60] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SLICE_SIZE = 2
+
+
+def child_runtime(steps: int, run_dir: str, fault_every: float, repair_after: float, t0: float) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    from runtime import ElasticRuntime, FaultInjector, MeshPolicy, RuntimeConfig, StepCompleted
+    from runtime.demo_model import demo_job
+    from runtime.faults import FaultSchedule
+
+    policy = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=SLICE_SIZE)
+    injector = FaultInjector()
+    runtime = ElasticRuntime(demo_job(), config=RuntimeConfig(run_dir=run_dir), mesh_policy=policy, injector=injector)
+    schedule = FaultSchedule.every(
+        fault_every, repair_after_s=repair_after, until_s=10**6, slice_size=SLICE_SIZE, devices=8
+    )
+    runtime.at_step_boundary(schedule.hook(injector, clock=time.time, start=t0))  # the supervisor's clock
+
+    @runtime.on(StepCompleted)
+    async def report(event: StepCompleted, ctx: Any) -> None:
+        print(f"step {event.step} {event.duration_s:.6f}", flush=True)
+
+    runtime.run(steps)
+
+
+def child_restart(steps: int, ckpt_dir: str, save_every: int) -> None:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from runtime.compiler import shardings_for
+    from runtime.demo_model import demo_job
+    from runtime.mesh import MeshPolicy
+
+    job = demo_job()
+    mesh = MeshPolicy({"data": 4, "model": 2}, global_batch=96).fit(jax.devices())
+    state_sharding = shardings_for(job.state_specs, mesh)
+    batch_sharding = shardings_for(job.batch_spec, mesh)
+    step_fn = jax.jit(
+        job.step,
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, NamedSharding(mesh, P())),
+    )
+    manager = ocp.CheckpointManager(
+        ckpt_dir, options=ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=2)
+    )
+    start = manager.latest_step()
+    if start is None:
+        state, start = jax.device_put(job.init(), state_sharding), 0
+    else:
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), job.init(), state_sharding
+        )
+        state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+    for step in range(start + 1, steps + 1):
+        host_batch = job.data.batch(step - 1)  # data loading is not step time, as in the runtime's accounting
+        began = time.perf_counter()
+        state, metrics = step_fn(state, jax.device_put(host_batch, batch_sharding))
+        float(metrics["loss"])
+        print(f"step {step} {time.perf_counter() - began:.6f}", flush=True)
+        manager.save(step, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+
+
+def supervise(command: list[str], steps: int, fault_every: float | None) -> dict[str, Any]:
+    """Run ``command`` until it reports ``steps``; with ``fault_every``, kill and restart it on schedule."""
+    durations: dict[int, float] = {}
+    started = time.monotonic()
+    restarts = 0
+    next_fault = fault_every
+    while True:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        killed = threading.Event()
+        if next_fault is not None:
+            delay = started + next_fault - time.monotonic()
+
+            def kill(
+                proc: subprocess.Popen[str] = proc, delay: float = delay, killed: threading.Event = killed
+            ) -> None:
+                if not killed.wait(max(delay, 0)) and proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.set()
+
+            threading.Thread(target=kill, daemon=True).start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step "):
+                _, step, seconds = line.split()
+                durations[int(step)] = float(seconds)  # a later run of the same step replaces the earlier
+        proc.wait()
+        if max(durations, default=0) >= steps and proc.returncode == 0:
+            killed.set()
+            break
+        if not killed.is_set():
+            raise RuntimeError(f"{command} exited with {proc.returncode} before step {steps}")
+        restarts += 1
+        assert next_fault is not None and fault_every is not None
+        next_fault += fault_every
+    wall = time.monotonic() - started
+    productive = sum(durations.values())
+    return {"wall_s": round(wall, 2), "productive_s": round(productive, 2), "goodput": round(productive / wall, 4),
+            "restarts": restarts}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=12000)
+    parser.add_argument("--fault-every", type=float, default=60.0)
+    parser.add_argument("--repair-after", type=float, default=20.0)
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--child", choices=["runtime", "restart"], help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child == "runtime":
+        return child_runtime(args.steps, args.dir, args.fault_every, args.repair_after, args.t0)
+    if args.child == "restart":
+        return child_restart(args.steps, args.dir, args.save_every)
+
+    me = [sys.executable, __file__, "--steps", str(args.steps), "--fault-every", str(args.fault_every)]
+    with tempfile.TemporaryDirectory() as tmp:
+        runtime_cmd = [*me, "--repair-after", str(args.repair_after), "--child", "runtime", "--dir", f"{tmp}/run"]
+        runtime = supervise([*runtime_cmd, "--t0", str(time.time())], args.steps, None)
+        baseline = supervise(
+            [*me, "--child", "restart", "--dir", str(Path(tmp) / "ckpt"), "--save-every", str(args.save_every)],
+            args.steps,
+            args.fault_every,
+        )
+    result = {"steps": args.steps, "fault_every_s": args.fault_every, "runtime": runtime,
+              "checkpoint_restart": baseline, "save_every": args.save_every}  # fmt: skip
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name in ("runtime", "checkpoint_restart"):
+            row = result[name]
+            print(
+                f"{name:20s} goodput {row['goodput']:.1%}  wall {row['wall_s']} s  productive {row['productive_s']} s"
+            )
+
+
+if __name__ == "__main__":
+    main()
