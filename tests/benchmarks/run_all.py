@@ -1,0 +1,163 @@
+"""Run every benchmark of the project and write docs/benchmarks.md (``make bench``).
+
+Each benchmark is a script in this folder that prints one JSON object with ``--json``. This runner runs them
+one after another (never in parallel: they would measure each other), and writes each figure next to what
+it was compared with in the same run, with the command and the machine.
+
+    .venv/bin/python tests/benchmarks/run_all.py [--only NAME ...] [--out docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    title: str
+    script: str
+    args: tuple[str, ...]
+    goal: str
+    verdict: Callable[[dict[str, Any]], bool]
+
+
+BENCHMARKS = [
+    Benchmark(
+        "bus",
+        "Event bus: throughput and publish-to-handler latency",
+        "bench_bus.py",
+        ("--events", "200000"),
+        "throughput >= 100k events/s, p99 latency <= 1 ms",
+        lambda r: r["throughput_median_per_s"] >= 100_000 and r["latency_ms_p99"] <= 1.0,
+    ),
+    Benchmark(
+        "overhead",
+        "Steady-state overhead against the bare JAX loop",
+        "bench_overhead.py",
+        ("--steps", "300"),
+        "<= 1.02x with snapshots off, <= 1.05x with a RAM snapshot every step",
+        lambda r: (
+            r["runtime, snapshots off"]["ratio_to_bare"] <= 1.02
+            and r["runtime, RAM snapshot every step"]["ratio_to_bare"] <= 1.05
+        ),
+    ),
+    Benchmark(
+        "recovery",
+        "In-process recovery against a process restart with Orbax",
+        "bench_recovery.py",
+        ("--repeats", "5"),
+        ">= 5x faster; demo recovery <= 2 s with 0 lost steps",
+        lambda r: r["speedup_median"] >= 5 and r["in_process_recovery_s_max"] <= 2,
+    ),
+    Benchmark(
+        "goodput",
+        "Goodput under one fault per minute",
+        "bench_goodput.py",
+        ("--steps", "12000"),
+        "runtime goodput >= 95%, checkpoint-and-restart reported beside it",
+        lambda r: r["runtime"]["goodput"] >= 0.95,
+    ),
+]
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import jax
+
+    return (
+        f"{os.cpu_count()} cores ({cpu}), {memory:.0f} GiB, Python {platform.python_version()}, "
+        f"jax {jax.__version__}, {platform.system()} {platform.release()}"
+    )
+
+
+def render_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {render_value(v)}" for k, v in value.items())
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+def existing_sections(path: Path) -> dict[str, list[str]]:
+    """The body of each ``## title`` section of an earlier docs/benchmarks.md."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if line.startswith("## "):
+            current = sections[line[3:]] = []
+        elif current is not None:
+            current.append(line)
+    return {title: body[:-1] if body and not body[-1] else body for title, body in sections.items()}
+
+
+def run(bench: Benchmark) -> tuple[dict[str, Any] | None, str, float]:
+    command = [sys.executable, str(HERE / bench.script), *bench.args, "--json"]
+    shown = " ".join([".venv/bin/python", f"tests/benchmarks/{bench.script}", *bench.args])
+    started = time.monotonic()
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False)
+    elapsed = time.monotonic() - started
+    if proc.returncode != 0:
+        print(f"{bench.name} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None, shown, elapsed
+    return json.loads(proc.stdout.strip().splitlines()[-1]), shown, elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", nargs="*", help="run only these (by name)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    args = parser.parse_args()
+    chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`tests/benchmarks/run_all.py`). Every figure comes with what it was compared",
+        "with in the same run and the command that measured it. These machines are shared and noisy: the",
+        "figures are medians and ratios, and a rerun moves them by several percent.",
+        "",
+        f"Machine: {machine()}.",
+    ]
+    sections = existing_sections(Path(args.out))  # --only keeps the other benchmarks' last figures
+    failed = 0
+    for bench in chosen:
+        print(f"running {bench.name} ...", file=sys.stderr, flush=True)
+        load = os.getloadavg()[0]
+        result, command, elapsed = run(bench)
+        paragraphs = (HERE / bench.script).read_text().split('"""')[1].strip().split("\n\n")
+        prose = [" ".join(p.split()) for p in paragraphs if not p.strip().startswith(".venv/")]
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        section = [line for p in prose for line in ("", p)]
+        section += ["", f"Command: `{command}` ({elapsed:.0f} s, {when}, load average before {load:.1f})"]
+        if result is None:
+            failed += 1
+            section += ["", "**The benchmark failed in this run**; see the runner's output."]
+        else:
+            met = bench.verdict(result)
+            section += ["", f"Goal: {bench.goal}. **{'Met' if met else 'Not met'}** in this run.", ""]
+            section += ["| figure | value |", "| --- | --- |"]
+            section += [f"| {key} | {render_value(value)} |" for key, value in result.items()]
+        sections[bench.title] = section
+    for bench in BENCHMARKS:
+        if bench.title in sections:
+            lines += ["", f"## {bench.title}", *sections[bench.title]]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
