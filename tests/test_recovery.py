@@ -225,3 +225,66 @@ def test_a_broken_recovery_handler_ends_the_run_after_the_recovery_timeout(tmp_p
     [failed] = [e for e in events if isinstance(e, HandlerFailed)]
     assert "broken_restore" in failed.handler and failed.timed_out == (failure == "hangs")
     assert committed_steps(events) == [1, 2]
+
+
+class Repairer:
+    """A component standing in for the cloud: brings dead devices back ``after_s`` seconds later."""
+
+    def __init__(self, injector: FaultInjector, after_s: float) -> None:
+        self.injector = injector
+        self.after_s = after_s
+
+    async def run(self, ctx: Any) -> None:
+        while True:
+            await anyio.sleep(0.02)
+            if dead := self.injector.dead:
+                await anyio.sleep(self.after_s)
+                self.injector.repair_now(dead)
+
+
+def test_recovery_waits_for_devices_that_come_back(tmp_path: Path, reference: dict[str, Any]) -> None:
+    policy = MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2, min_devices=8)
+    injector = FaultInjector().lose_devices(6, [5])
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, device_wait_s=5.0, device_poll_s=0.05), mesh_policy=policy,
+        injector=injector,
+    )  # fmt: skip
+    runtime.add_component(Repairer(injector, after_s=0.3))
+    result = runtime.run(STEPS)
+    [recovery] = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, RecoveryCompleted)]
+    assert recovery.recovery_s >= 0.3  # it waited for device 5 rather than giving up
+    assert result.mesh_history == [{"data": 4, "model": 2}] * 2
+    assert compare_states(result.state, reference["data4-model2"], bitwise=True)["match"]
+
+
+def test_pause_holds_the_executor_until_resume(tmp_path: Path) -> None:
+    runtime = ElasticRuntime(small_job(), config=config(tmp_path), mesh_policy=LAYOUTS["data4-with-spares"])
+
+    @runtime.on(StepCompleted)
+    async def pause_at_five(event: StepCompleted, ctx: Any) -> None:
+        if event.step == 5:
+            ctx.pause("holding for a test")
+
+    class ResumeLater:
+        async def run(self, ctx: Any) -> None:
+            while ctx.step < 5:
+                await anyio.sleep(0.01)
+            await anyio.sleep(0.5)
+            assert ctx.step <= 6  # at most the step already running when the pause came
+            ctx.resume("test over")
+
+    runtime.add_component(ResumeLater())
+    runtime.run(10)
+    commits = {e.step: e.mono_time for e in read_events(tmp_path / "events.jsonl") if isinstance(e, StepCompleted)}
+    assert sorted(commits) == list(range(1, 11))
+    assert max(b - a for a, b in zip(list(commits.values()), list(commits.values())[1:], strict=False)) >= 0.4
+
+
+def test_too_many_failures_end_the_run(tmp_path: Path) -> None:
+    injector = FaultInjector().lose_devices(3, [0]).lose_devices(5, [1]).lose_devices(7, [2])
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, max_recoveries=2), mesh_policy=LAYOUTS["data4-with-spares"],
+        injector=injector,
+    )  # fmt: skip
+    with pytest.raises(RecoveryError, match="3 failures exceed max_recoveries=2"):
+        runtime.run(STEPS)
