@@ -5,10 +5,11 @@ Layout (one directory per step; ``plain orbax.checkpoint`` restores ``<step>/sta
     ROOT/step_0000000120/state/...       an Orbax PyTree checkpoint (zarr2, uncompressed, no OCDBT)
     ROOT/step_0000000120/manifest.json   written last: rename of a fsynced temporary file
 
-Commit: Orbax writes the arrays (tensorstore fsyncs each file), we CRC32C every file as it lies on disk, write
-the manifest to a temporary name, fsync it, rename it into place and fsync the directory. A crash at any
-instant leaves either the complete checkpoint or a directory without a manifest, which no reader lists and the
-next save sweeps away.
+Commit: the arrays are written in Orbax's own layout (:mod:`storage.orbax_layout` writes it directly, one
+sequential fsynced write per array, CRC32C taken from memory; trees it does not cover go through Orbax), then
+the manifest goes to a temporary name, is fsynced, renamed into place, and the directory is fsynced. A crash at
+any instant leaves either the complete checkpoint or a directory without a manifest, which no reader lists and
+the next save sweeps away.
 
 Restore reads each array's chunk files straight into the destination buffer and checks its CRC32C in the same
 pass (one read of the data, no second copy); any file that fails is reported by name and nothing of that
@@ -32,6 +33,7 @@ import numpy as np
 
 from runtime.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from storage import manifest as mf
+from storage import orbax_layout
 from storage.manifest import FileEntry, KeyPart, Manifest
 from storage.ram import HostSnapshot
 from storage.tier import CheckpointInfo, CorruptionListener, PyTree, latest_verified, rebuild_tree, snapshot_from
@@ -247,13 +249,14 @@ def _read_into(root: Path, entry: FileEntry, target: memoryview) -> None:
     try:
         with open(path, "rb", buffering=0) as f:
             while total < len(target):
-                # google_crc32c takes only immutable buffers, so read bytes and copy them into place.
-                chunk = f.read(min(len(target) - total, 16 << 20))
-                if not chunk:
+                n = f.readinto(target[total : total + (64 << 20)])
+                if not n:
                     break
-                checksum.update(chunk)
-                target[total : total + len(chunk)] = chunk
-                total += len(chunk)
+                # A read-only numpy view: google_crc32c takes it without a copy (a memoryview it refuses).
+                view = np.frombuffer(target[total : total + n], dtype=np.uint8)
+                view.flags.writeable = False
+                checksum.update(view)
+                total += n
             extra = f.read(1)
     except FileNotFoundError as exc:
         raise CheckpointInvalid(f"{path} is missing", path=str(path), reason="missing") from exc
@@ -333,9 +336,13 @@ class DiskTier:
             directory.mkdir()
             if self.check_space:
                 _require_space(directory, snapshot)
-            save_orbax(directory / STATE_DIR, snapshot.tree)
+            files = None
+            if orbax_layout.covers(snapshot.tree):
+                files = orbax_layout.write_tree(directory / STATE_DIR, snapshot.tree, root=directory)
+            else:
+                save_orbax(directory / STATE_DIR, snapshot.tree)
             deadline.check()
-            manifest = self._describe(directory, snapshot, deadline)
+            manifest = self._describe(directory, snapshot, deadline, files)
             write_manifest(directory, manifest)
             _fsync_path(self.root, directory=True)
         except StorageError as exc:
@@ -346,20 +353,23 @@ class DiskTier:
             raise StorageError(f"{self.name}: saving step {snapshot.step} to {directory} failed: {_why(exc)}") from exc
         return self._info(directory, manifest)
 
-    def _describe(self, directory: Path, snapshot: HostSnapshot, deadline: Deadline) -> Manifest:
+    def _describe(
+        self, directory: Path, snapshot: HostSnapshot, deadline: Deadline, files: list[FileEntry] | None
+    ) -> Manifest:
         structure, leaves = mf.describe_leaves(snapshot.tree)
-        files = []
-        for rel in sorted(mf.files_under(directory)):
-            deadline.check()
-            size, crc = mf.crc32c_file(directory / rel)
-            files.append(FileEntry(path=rel, size=size, crc32c=crc))
+        if files is None:  # written by Orbax: checksum the files as they lie on disk
+            files = []
+            for rel in sorted(mf.files_under(directory)):
+                deadline.check()
+                size, crc = mf.crc32c_file(directory / rel)
+                files.append(FileEntry(path=rel, size=size, crc32c=crc))
         return Manifest(
             step=snapshot.step,
             data_position=snapshot.data_position,
             layout=LAYOUT,
             structure=structure,
             leaves=leaves,
-            files=tuple(files),
+            files=tuple(sorted(files, key=lambda f: f.path)),
             metadata=dict(snapshot.metadata),
         )
 

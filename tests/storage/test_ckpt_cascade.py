@@ -165,9 +165,6 @@ def test_full_disk_fails_the_save_not_the_run(tmp_path: Path, tiny_tmpfs: Path) 
     assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["step_0000000002", "step_0000000004"]
 
 
-# When a write fails, Orbax closes its private event loop while tensorstore still completes the other writes
-# of the same save; their callbacks then hit the closed loop ("Exception ignored"). Harmless, and not ours.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_enospc_mid_write_leaves_older_checkpoints_intact(tiny_tmpfs: Path) -> None:
     disk = DiskTier(tiny_tmpfs, check_space=False)  # no early refusal: the write itself runs out of space
     state = {"w": np.ones((256, 1024), np.float32)}  # 1 MB: one fits in the 1.5 MB tmpfs, two do not

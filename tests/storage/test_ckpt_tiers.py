@@ -200,3 +200,37 @@ def test_disk_save_failure_is_a_storage_error(tmp_path: Path) -> None:
     blocker.write_text("not a directory")
     with pytest.raises(StorageError, match="saving step 1"):
         DiskTier(blocker / "ckpt").save(snapshot(1), timeout=30)
+
+
+def test_direct_writer_writes_what_orbax_writes(tmp_path: Path) -> None:
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from storage import orbax_layout
+    from storage.disk import save_orbax
+
+    tree = {
+        "params": {"w": np.arange(24, dtype=np.float32).reshape(2, 3, 4), "b": np.ones(3, np.float64)},
+        "opt": [np.asarray(5, np.int32), np.asarray([True, False]), np.arange(4, dtype=np.int8)],
+        "half": np.asarray(jnp.arange(6, dtype=jnp.bfloat16)),
+        "u": np.arange(3, dtype=np.uint16),
+    }
+    assert orbax_layout.covers(tree)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    entries = orbax_layout.write_tree(ours / "state", tree, root=ours)
+    save_orbax(theirs / "state", tree)
+    ours_files = sorted(mf.files_under(ours))
+    theirs_files = sorted(f for f in mf.files_under(theirs) if not f.endswith("commit_success.txt"))
+    assert ours_files == theirs_files == sorted(e.path for e in entries)
+    for rel in ours_files:
+        if rel.endswith(".zarray"):
+            assert json.loads((ours / rel).read_bytes()) == json.loads((theirs / rel).read_bytes()), rel
+        elif "/_" not in rel:  # chunk files: the same bytes
+            assert (ours / rel).read_bytes() == (theirs / rel).read_bytes(), rel
+    ours_meta = json.loads((ours / "state" / "_METADATA").read_text())
+    assert ours_meta == json.loads((theirs / "state" / "_METADATA").read_text())
+    for entry in entries:
+        assert mf.crc32c_file(ours / entry.path) == (entry.size, entry.crc32c)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        same(checkpointer.restore(ours / "state"), tree)

@@ -1,0 +1,219 @@
+"""Checkpointing, side by side in one run on the same state: our tiers against Orbax and the raw disk.
+
+- Blocking time per save: what training waits for. Ours: ``RamTier.capture`` (starts the device-to-host copy;
+  the disk write runs from the host snapshot in the background). Orbax: ``CheckpointManager.save`` with async
+  checkpointing (returns once its own device-to-host copy is done).
+- Disk commit throughput: state bytes / seconds of ``DiskTier.save`` from the host snapshot (Orbax write,
+  CRC32C of every file, fsynced manifest), against the raw sequential write bandwidth of the same directory
+  (one file, ``write`` + ``fsync``), measured in the same run.
+- Restore time onto the devices per tier: RAM (``device_put`` of the held snapshot), ``/dev/shm`` mirror,
+  disk (verified read + ``device_put``), and plain Orbax (``CheckpointManager.restore`` of its own checkpoint
+  straight into sharded arrays). Page cache warm for every reader alike.
+
+    .venv/bin/python tests/benchmarks/bench_checkpoint.py [--mb 256] [--repeats 5] [--dir DIR] [--json]
+
+Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from storage.disk import DiskTier  # noqa: E402
+from storage.ram import RamTier  # noqa: E402
+
+
+def make_state(megabytes: int, leaves: int = 16) -> tuple[dict[str, jax.Array], dict[str, NamedSharding]]:
+    devices = np.array(jax.devices()[:8])
+    mesh = Mesh(devices, ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    cols = 1024
+    rows = megabytes * (1 << 20) // 4 // cols // leaves // 8 * 8
+    rng = np.random.default_rng(0)
+    state = {}
+    for i in range(leaves):
+        host = rng.standard_normal((rows, cols), dtype=np.float32)
+        state[f"layer{i:02d}"] = jax.device_put(host, sharding)
+    jax.block_until_ready(state)
+    return state, {k: sharding for k in state}
+
+
+def nbytes(tree: Any) -> int:
+    return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
+
+
+def raw_write(directory: Path, data: np.ndarray) -> float:
+    path = directory / "raw.bin"
+    view = memoryview(data.reshape(-1).view(np.uint8).data)
+    started = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for at in range(0, len(view), 64 << 20):
+            f.write(view[at : at + (64 << 20)])
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return seconds
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def run(megabytes: int, repeats: int, directory: Path) -> dict[str, Any]:
+    state, shardings = make_state(megabytes)
+    size = nbytes(state)
+    flat = np.concatenate([np.asarray(x).reshape(-1) for x in jax.tree.leaves(state)])
+    results: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "raw_write_s",
+            "ours_block_s",
+            "ours_disk_commit_s",
+            "orbax_block_s",
+            "orbax_commit_s",
+            "restore_ram_s",
+            "restore_shm_s",
+            "restore_disk_s",
+            "restore_orbax_s",
+        )
+    }
+
+    ram = RamTier()
+    disk = DiskTier(directory / "ours")
+    shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else directory
+    shm = DiskTier(Path(tempfile.mkdtemp(prefix="bench-shm-", dir=shm_root)), name="shm")
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, max_to_keep=2)
+    manager = ocp.CheckpointManager(directory / "orbax", options=options)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    try:
+        for r in range(1, repeats + 1):
+            # Interleaved, so that load from other processes on the machine hits every contender alike.
+            results["raw_write_s"].append(raw_write(directory, flat))
+
+            started = time.perf_counter()
+            ram.capture(state, step=r, data_position=r, metadata={})
+            results["ours_block_s"].append(time.perf_counter() - started)
+            snapshot = ram.latest(None, timeout=300)
+            started = time.perf_counter()
+            disk.save(snapshot, timeout=600)
+            results["ours_disk_commit_s"].append(time.perf_counter() - started)
+            shm.save(snapshot, timeout=600)
+            for old in [i.step for i in disk.list(timeout=60)][2:]:
+                disk.delete(old, timeout=60)
+            for old in [i.step for i in shm.list(timeout=60)][2:]:
+                shm.delete(old, timeout=60)
+
+            started = time.perf_counter()
+            manager.save(r, args=ocp.args.StandardSave(state))
+            results["orbax_block_s"].append(time.perf_counter() - started)
+            manager.wait_until_finished()
+            results["orbax_commit_s"].append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            held = ram.latest(None, timeout=60)
+            jax.block_until_ready(jax.device_put(held.tree, shardings))
+            results["restore_ram_s"].append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            jax.block_until_ready(jax.device_put(shm.restore(r, state, timeout=600).tree, shardings))
+            results["restore_shm_s"].append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            jax.block_until_ready(jax.device_put(disk.restore(r, state, timeout=600).tree, shardings))
+            results["restore_disk_s"].append(time.perf_counter() - started)
+
+            started = time.perf_counter()
+            restored = manager.restore(r, args=ocp.args.StandardRestore(abstract))
+            jax.block_until_ready(restored)
+            results["restore_orbax_s"].append(time.perf_counter() - started)
+            del restored
+    finally:
+        manager.close()
+        ram.close()
+        shutil.rmtree(shm.root, ignore_errors=True)
+
+    med = {k: median(v) for k, v in results.items()}
+    gb = size / 1e9
+    return {
+        "state_bytes": size,
+        "repeats": repeats,
+        "directory": str(directory),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, jax {jax.__version__}, "
+        f"orbax-checkpoint {ocp.__version__ if hasattr(ocp, '__version__') else '?'}",
+        "load_average": os.getloadavg(),
+        "median": med,
+        "all": results,
+        "raw_write_gbps": gb / med["raw_write_s"],
+        "ours_disk_gbps": gb / med["ours_disk_commit_s"],
+        "orbax_commit_gbps": gb / med["orbax_commit_s"],
+        "ratio_block_ours_vs_orbax": med["ours_block_s"] / med["orbax_block_s"],
+        "ratio_disk_vs_raw": med["raw_write_s"] / med["ours_disk_commit_s"],
+        "ratio_restore_disk_vs_ram": med["restore_disk_s"] / med["restore_ram_s"],
+        "ratio_restore_disk_vs_orbax": med["restore_disk_s"] / med["restore_orbax_s"],
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["median"]
+    ms = 1000.0
+    rows = [
+        ("blocking time per save, ours (RAM capture)", f"{m['ours_block_s'] * ms:.1f} ms"),
+        ("blocking time per save, Orbax async CheckpointManager", f"{m['orbax_block_s'] * ms:.1f} ms"),
+        ("ratio ours / Orbax (goal <= 1.0)", f"{report['ratio_block_ours_vs_orbax']:.2f}x"),
+        ("raw sequential write + fsync, same directory", f"{report['raw_write_gbps']:.2f} GB/s"),
+        ("disk tier commit (Orbax write + CRC32C + manifest)", f"{report['ours_disk_gbps']:.2f} GB/s"),
+        ("disk commit / raw bandwidth (goal >= 70%)", f"{report['ratio_disk_vs_raw'] * 100:.0f}%"),
+        ("Orbax async save, start to finished (reference)", f"{report['orbax_commit_gbps']:.2f} GB/s"),
+        ("restore onto devices: RAM", f"{m['restore_ram_s'] * ms:.1f} ms"),
+        ("restore onto devices: /dev/shm mirror", f"{m['restore_shm_s'] * ms:.1f} ms"),
+        ("restore onto devices: disk (verified)", f"{m['restore_disk_s'] * ms:.1f} ms"),
+        ("restore onto devices: plain Orbax", f"{m['restore_orbax_s'] * ms:.1f} ms"),
+        ("disk / RAM restore (goal >= 5x)", f"{report['ratio_restore_disk_vs_ram']:.1f}x"),
+        ("disk / plain Orbax restore (goal <= 1.0)", f"{report['ratio_restore_disk_vs_orbax']:.2f}x"),
+    ]
+    lines = ["| measure (median) | value |", "| --- | --- |"]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=256, help="state size in MiB (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5, help="saves and restores per contender")
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print the full report as JSON")
+    args = parser.parse_args()
+    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=base))
+    try:
+        report = run(args.mb, args.repeats, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    print(f"state {report['state_bytes'] / 2**20:.0f} MiB, {report['repeats']} repeats, {report['machine']}")
+    print(f"load average {report['load_average']}")
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
