@@ -21,6 +21,7 @@ by its own timeout), because the poll must not hold the event loop.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import random
 import urllib.error
@@ -81,7 +82,7 @@ def http_get(url: str, timeout: float) -> HttpResponse:
     except urllib.error.HTTPError as exc:
         with exc:
             return exc.code, dict(exc.headers.items()), exc.read()
-    except OSError as exc:
+    except (OSError, http.client.HTTPException, ValueError) as exc:
         raise MetadataUnavailable(f"metadata server at {url}: {exc}") from exc
 
 

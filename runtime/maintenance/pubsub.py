@@ -125,12 +125,23 @@ class PubSubListener:
         def callback(message: Any) -> None:
             self._on_message(message, ctx, token)
 
-        client = await anyio.to_thread.run_sync(self.client_factory)
-        future = client.subscribe(self.subscription, callback, flow_control=self.flow_control)
-        future.add_done_callback(on_done)
-        self.streams_opened += 1
-        log.info("listening on %s", self.subscription)
         try:
+            client = await anyio.to_thread.run_sync(self.client_factory)
+        except Exception as exc:  # no credentials, bad endpoint: retried like a broken stream, never fatal
+            raise StreamBroken(f"cannot create a Pub/Sub client for {self.subscription}: {exc}") from exc
+        future: Any = None
+        try:
+            try:
+                future = await anyio.to_thread.run_sync(
+                    lambda: client.subscribe(self.subscription, callback, flow_control=self.flow_control)
+                )
+            except Exception as exc:
+                raise StreamBroken(f"cannot open a streaming pull on {self.subscription}: {exc}") from exc
+            future.add_done_callback(on_done)
+            if future.done():
+                ended.set()  # it ended before the callback was added (or the callback ran here, on the loop)
+            self.streams_opened += 1
+            log.info("listening on %s", self.subscription)
             await ended.wait()
             error = future.exception()
             raise StreamBroken(f"streaming pull on {self.subscription} ended: {error}") from error
@@ -173,10 +184,13 @@ class PubSubListener:
         try:
             try:
                 parsed = parse_message(message.data, dict(message.attributes), message_id=message_id)
-            except NoticeMalformed as exc:
-                log.warning("notice %s dropped: %s", message_id, exc)
+            except Exception as exc:
+                # NoticeMalformed is the expected case; anything else is a parser bug, and redelivering the
+                # message would only hit it again, forever: it is dropped the same way, with its traceback.
+                log.warning("notice %s dropped: %s", message_id, exc, exc_info=not isinstance(exc, NoticeMalformed))
                 self.intake.admit(key, ())
-                events: list[Event] = [MalformedNotice(source="pubsub", message_id=message_id, reason=str(exc))]
+                reason = str(exc) if isinstance(exc, NoticeMalformed) else f"{type(exc).__name__}: {exc}"
+                events: list[Event] = [MalformedNotice(source="pubsub", message_id=message_id, reason=reason)]
             else:
                 events = list(self.intake.admit(key, parsed))
             for event in events:
@@ -190,9 +204,10 @@ class PubSubListener:
 
 
 def _close(future: Any, client: pubsub_v1.SubscriberClient) -> None:
-    """Stop the stream and release the client (blocking; runs in a worker thread)."""
-    future.cancel()
-    # The stream's own error, if any, was reported by the caller already.
-    with contextlib.suppress(Exception):
-        future.result(timeout=10)
+    """Stop the stream (if it was opened) and release the client (blocking; runs in a worker thread)."""
+    if future is not None:
+        future.cancel()
+        # The stream's own error, if any, was reported by the caller already.
+        with contextlib.suppress(Exception):
+            future.result(timeout=10)
     client.close()

@@ -356,3 +356,21 @@ async def test_reconnects_after_emulator_restart_and_misses_nothing(pubsub_emula
     assert names == [f"before-{i}" for i in range(3)] + [f"after-{i}" for i in range(5)]
     # The ids restart at 1 in a new emulator: the listener must not take them for redeliveries.
     assert [e.message_id for e in h.events[3:]] == after
+
+
+async def test_a_client_that_cannot_be_created_is_retried_not_fatal(topic: Topic) -> None:
+    from google.cloud import pubsub_v1
+
+    calls = 0
+
+    def factory() -> pubsub_v1.SubscriberClient:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("Your default credentials were not found")
+        return pubsub_v1.SubscriberClient()
+
+    async with listening(topic.subscription, client_factory=factory, reconnect_max_s=0.2) as h:
+        await publish(topic, notices.custom("host_error", "w"))
+        await h.wait_count(1)
+    assert calls == 2
