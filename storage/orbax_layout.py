@@ -4,10 +4,10 @@ A host snapshot is a tree of numpy arrays, and the layout ``PyTreeCheckpointHand
 use_compression=False)`` gives it is simple: per array a zarr v2 directory named by its key path joined with
 dots, holding ``.zarray`` and one chunk file with the array's raw C-order bytes; ``_METADATA`` lists the tree;
 ``_CHECKPOINT_METADATA`` says which handler reads it. Writing those files ourselves costs one sequential write
-per array (no event loop, no temporary directory, no per-chunk locks), and the CRC32C of each file comes
-from the array in memory rather than from reading the file back. Plain ``orbax.checkpoint`` restores the
-result (a test checks it against the installed Orbax). Trees this writer does not cover (exotic dtypes, empty
-arrays, keys with dots or slashes) go through Orbax itself.
+per array and one concurrent round of fsyncs (no event loop, no temporary directory, no per-chunk locks), and
+the CRC32C of each file comes from the array in memory rather than from reading the file back. Plain
+``orbax.checkpoint`` restores the result (a test compares it with what the installed Orbax writes). Trees this
+writer does not cover (exotic dtypes, empty arrays, keys with dots or slashes) go through Orbax itself.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,30 @@ def _write_file(path: Path, data: bytes | memoryview) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         _write_all(fd, memoryview(data))
-        os.fsync(fd)
     finally:
         os.close(fd)
     return len(data)
+
+
+def fsync_all(paths: list[Path], *, workers: int = 16) -> None:
+    """fsync files and directories concurrently.
+
+    One after another, each fsync waits for its own journal commit (about 5 ms on the ext4 here, so hundreds
+    of arrays would cost seconds); issued together, the file system folds them into a few group commits.
+    """
+
+    def sync(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    if not paths:
+        return
+    with ThreadPoolExecutor(max_workers=min(workers, len(paths)), thread_name_prefix="fsync") as pool:
+        for future in [pool.submit(sync, p) for p in paths]:
+            future.result()
 
 
 def _crc_of_array(array: np.ndarray) -> int:
@@ -92,8 +113,10 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
     """
     state_dir.mkdir()
     entries: list[FileEntry] = []
+    written: list[Path] = [state_dir.parent, state_dir]
 
     def add(path: Path, size: int, crc: int) -> None:
+        written.append(path)
         entries.append(FileEntry(path=path.relative_to(root).as_posix(), size=size, crc32c=crc))
 
     tree_metadata: dict[str, Any] = {}
@@ -119,7 +142,7 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
         chunk = directory / (".".join("0" for _ in array.shape) or "0")
         crc = _crc_of_array(array)
         add(chunk, _write_file(chunk, memoryview(array.reshape(-1).view(np.uint8).data)), crc)
-        _fsync_dir(directory)
+        written.append(directory)
         tuple_key = "(" + ", ".join(repr(str(k)) for k in key) + ("," if len(key) == 1 else "") + ")"
         tree_metadata[tuple_key] = {
             "key_metadata": [{"key": str(k), "key_type": 1 if isinstance(k, int) else 2} for k in key],
@@ -144,13 +167,5 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
     for name, document in (("_METADATA", metadata), ("_CHECKPOINT_METADATA", checkpoint_metadata)):
         data = json.dumps(document).encode()
         add(state_dir / name, _write_file(state_dir / name, data), int(google_crc32c.value(data)))
-    _fsync_dir(state_dir)
+    fsync_all(written)  # every file and every directory entry is durable before the manifest is written
     return entries
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
