@@ -15,6 +15,7 @@ import anyio.to_thread
 import notices
 import pytest
 from conftest import Topic
+from metadata_server import FakeMetadataServer
 
 from runtime import (
     CheckpointCommitted,
@@ -23,6 +24,7 @@ from runtime import (
     Event,
     MaintenanceCompleted,
     MaintenanceScheduled,
+    MaintenanceStarted,
     MeshChanged,
     MeshPolicy,
     Preempted,
@@ -55,11 +57,11 @@ def runtime_for(topic: Topic, tmp_path: Path, **overrides: Any) -> ElasticRuntim
     return ElasticRuntime(demo_job(global_batch=24, features=16, hidden=64), config=config, mesh_policy=policy)
 
 
-def first(events: list[Event], kind: type[Any], **match: Any) -> Any:
+def first(events: list[Event], cls: type[Any], /, **match: Any) -> Any:
     for event in events:
-        if isinstance(event, kind) and all(getattr(event, k) == v for k, v in match.items()):
+        if isinstance(event, cls) and all(getattr(event, k) == v for k, v in match.items()):
             return event
-    raise AssertionError(f"no {kind.__name__} with {match} in the event log")
+    raise AssertionError(f"no {cls.__name__} with {match} in the event log")
 
 
 async def run_with(rt: ElasticRuntime, steps: int, scenario: Any) -> None:
@@ -178,3 +180,47 @@ async def test_preemption_asks_for_an_emergency_checkpoint_at_once(topic: Topic,
     assert committed.wall_time - preempted.wall_time < 30
     moved = first(events, MeshChanged)
     assert moved.reason.startswith("drain worker-1") and not set(DRAINED) & set(moved.devices)
+
+
+async def test_metadata_server_warning_drains_this_vm_at_once(tmp_path: Path) -> None:
+    """``metadata_host`` alone turns the watcher on; its 60-second warning drains the VM's devices now."""
+    with FakeMetadataServer() as server:
+        config = RuntimeConfig(
+            run_dir=str(tmp_path),
+            metadata_host=server.host,
+            instance_devices={"meta-vm": DRAINED},
+            scale_up_poll_s=0.2,
+            precompile=False,
+            disk_every=10_000,
+            checkpoint_on_finish=False,
+        )
+        policy = MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2)
+        rt = ElasticRuntime(demo_job(global_batch=24, features=16, hidden=64), config=config, mesh_policy=policy)
+        seen: list[Event] = []
+
+        @rt.on(Event, priority=-1)
+        async def record(event: Event, ctx: object) -> None:
+            seen.append(event)
+
+        async def until(predicate: Any) -> None:
+            with anyio.fail_after(30):
+                while not any(predicate(e) for e in seen):
+                    await anyio.sleep(0.02)
+
+        async def scenario() -> None:
+            await until(lambda e: type(e).__name__ == "StepCompleted")
+            server.set("instance/maintenance-event", b"MIGRATE_ON_HOST_MAINTENANCE")
+            await until(lambda e: isinstance(e, MeshChanged))
+            server.set("instance/maintenance-event", b"NONE")
+            await until(lambda e: isinstance(e, MeshChanged) and set(DRAINED) <= set(e.devices))
+
+        await run_with(rt, 100, scenario)
+
+    events = read_events(tmp_path / "events.jsonl")
+    started = first(events, MaintenanceStarted, instance="meta-vm", kind="MIGRATE_ON_HOST_MAINTENANCE")
+    assert first(events, SaveCheckpoint).wall_time >= started.wall_time
+    drained = first(events, MeshChanged)
+    assert drained.reason.startswith("drain meta-vm") and not set(DRAINED) & set(drained.devices)
+    assert first(events, CheckpointCommitted, tier="disk").wall_time > started.wall_time
+    completed = first(events, MaintenanceCompleted, instance="meta-vm")
+    assert [e for e in events if isinstance(e, MeshChanged) and e.wall_time > completed.wall_time]
