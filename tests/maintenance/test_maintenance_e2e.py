@@ -105,7 +105,7 @@ async def test_scheduled_maintenance_checkpoints_and_drains_before_the_window(to
     async def scenario() -> None:
         await until(lambda e: type(e).__name__ == "StepCompleted" and e.step >= 3)
         now = time.time()
-        window["start"] = now + 4.0
+        window["start"] = now + 5.0  # room for a loaded machine: delivery, checkpoint and drain must fit
         data = notices.upcoming(name="worker-1", instance_id="101", start=window["start"], end=now + 600, issued=now)
         await anyio.to_thread.run_sync(topic.publish, data)
         # Someone else's maintenance is none of ours.
