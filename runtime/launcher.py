@@ -117,6 +117,8 @@ class LaunchConfig:
         heartbeat_interval_s, heartbeat_timeout_s, hang_timeout_s: see :class:`HeartbeatMonitor`.
         strategy: "reform" (in-process re-forming, falling back to "restart") or "restart" always.
         form_timeout_s: how long a new group may take to form before its stragglers are replaced.
+        spawn_timeout_s: how long a re-forming waits for replacements before going on with ``min_nprocs``.
+        start_timeout_s: how long the first group may take to start.
         max_failures: failures the run survives.
         run_dir: event log, worker logs and ``summary.json``; a temporary directory when unset.
         replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<pid>``.
@@ -136,6 +138,7 @@ class LaunchConfig:
     strategy: str = "reform"
     form_timeout_s: float = 20.0
     spawn_timeout_s: float = 60.0
+    start_timeout_s: float = 120.0
     max_failures: int = 10
     run_dir: str | None = None
     replica_dir: str | None = None
@@ -402,6 +405,20 @@ class Controller:
                 await anyio.sleep(0.05)  # let near-simultaneous losses arrive: one re-forming for all
                 lost, self._requests = self._requests, set()
                 await self._regroup(lost, self._request_reason, self._request_strategy)
+            elif self._can_grow():
+                await self._form(reason="a spare is ready", strategy="grow")
+
+    def _can_grow(self) -> bool:
+        """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
+        ready = any(p.spare and not p.gone and p.hello is not None for p in self.procs.values())
+        return (
+            ready
+            and len(self.members) < self.config.nprocs
+            and self._recovery is None
+            and self._restored
+            and not self._stopping
+            and self.group_step + 5 < self.target_steps
+        )
 
     # --- processes -----------------------------------------------------------------------------------------
 
@@ -692,7 +709,9 @@ class Controller:
                     self.monitor.forget(worker)
                 self.result.survivor_restarts += len(survivors)
                 survivors = []
-            recruits = await self._recruit(survivors)
+            recruits = await self._recruit(
+                survivors, self.config.start_timeout_s if strategy == "start" else self.config.spawn_timeout_s
+            )
             members = self._seat(survivors, recruits)
             self._requests.clear()
             self.generation += 1
@@ -702,6 +721,9 @@ class Controller:
                 proc = self.procs[worker]
                 proc.spare, proc.joined, proc.finished = False, None, None
                 self.monitor.expect_progress(worker, False)
+            # Growing is planned: every member re-forms after committing the same step, so no collective is
+            # cut off; after a failure the group re-forms now (in-flight steps are abandoned).
+            at_step = max(self.procs[w].step for w in survivors) + 3 if strategy == "grow" and survivors else -1
             port = free_port()
             self._services.append(start_coordination_service(port, len(members)))
             coordinator = f"127.0.0.1:{port}"
@@ -713,6 +735,7 @@ class Controller:
                     num_processes=len(members),
                     read_files=strategy != "reform",
                     faults=self.config.worker_faults.get(process_id, "") if strategy == "start" else "",
+                    at_step=at_step,
                 )
                 await self._send(self.procs[worker], form)
             if self._kill_during_recovery is not None and strategy != "start":
@@ -747,11 +770,11 @@ class Controller:
                 seats[i] = queue.pop(0)
         return [w for w in seats if w is not None] + queue
 
-    async def _recruit(self, survivors: list[int]) -> list[int]:
+    async def _recruit(self, survivors: list[int], timeout_s: float) -> list[int]:
         """Enough spares (started now if needed) to fill the group around ``survivors``; waits for their Hello."""
         need = self.config.nprocs - len(survivors)
         chosen: list[int] = []
-        deadline = time.monotonic() + self.config.spawn_timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(chosen) < need:
             ready = [
                 p.worker
@@ -769,7 +792,7 @@ class Controller:
                 assert self.config.min_nprocs is not None
                 if len(survivors) + len(chosen) >= self.config.min_nprocs:
                     break  # go on smaller; the next re-forming grows the group back
-                raise LaunchError(f"only {len(survivors) + len(chosen)} workers after {self.config.spawn_timeout_s} s")
+                raise LaunchError(f"only {len(survivors) + len(chosen)} workers ready after {timeout_s} s")
             with anyio.move_on_after(0.1):
                 await self._wake.wait()
             self._wake = anyio.Event()
@@ -799,6 +822,19 @@ class Controller:
         restored_from = "init" if source.tier == "none" else source.tier
         if any(j is not None and j.best_step < step for j in joined):
             restored_from += "+peer"
+        for gap in range(self.group_step + 1, step + 1):
+            # Committed by the member(s) restored from before the old group could report them all: the new
+            # group continues from them, so they count as the group's committed steps.
+            await self.bus.publish(
+                StepCompleted(
+                    step=gap,
+                    source="controller",
+                    duration_s=0.0,
+                    mesh_shape={"data": len(self.members), "model": self.config.local_devices},
+                    data_position=gap,
+                )
+            )
+        self.high_water = max(self.high_water, step)
         self.group_step = step
         for worker in members:
             self.procs[worker].step = step

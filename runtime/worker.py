@@ -152,6 +152,7 @@ class Worker:
         self.batch_shardings: Any = None
         self.state: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self._deferred: Form | None = None  # a planned re-forming, due after its ``at_step``
         self.replicas.on_write.append(lambda step: _die() if step == self.faults.replica else None)
 
     # --- the loop ----------------------------------------------------------------------------------------
@@ -206,6 +207,7 @@ class Worker:
         from runtime.compiler import StepCompiler
 
         started = time.monotonic()
+        self._deferred = None
         if form.faults:
             self.faults = _Faults.parse(form.faults)
         if self.initialized:
@@ -297,8 +299,13 @@ class Worker:
         assert self.ram is not None
         position = self.ram.data_position
         while self.step < target:
+            if self._deferred is not None and self.step >= self._deferred.at_step:
+                form, self._deferred = self._deferred, None
+                return form
             if not self.link.inbox.empty():
-                return self.link.inbox.get()
+                message = self.link.inbox.get()
+                if not self._defer(message):
+                    return message
             future = self._pool.submit(self._run_step, self.state, position, self.step + 1)
             outcome = self._await(future)
             if isinstance(outcome, Message):
@@ -320,7 +327,7 @@ class Worker:
             try:
                 return future.result(timeout=0.02)
             except FutureTimeout:
-                if self.link.inbox.empty():
+                if self.link.inbox.empty() or self._defer_head():
                     continue
             except Exception as exc:
                 log.error("step %d failed: %s: %s; waiting for the group to re-form", self.step + 1, type(exc), exc)
@@ -335,6 +342,21 @@ class Worker:
                 return self.link.inbox.get()
             except Exception:
                 return self.link.inbox.get()
+
+    def _defer(self, message: Form | Restore | Stop) -> bool:
+        """Keep a planned Form (``at_step`` ahead) for its step boundary; True if ``message`` was kept."""
+        if isinstance(message, Form) and message.at_step > self.step:
+            self._deferred = message
+            return True
+        return False
+
+    def _defer_head(self) -> bool:
+        """While a step runs: take a planned Form off the inbox (the step must finish); True if one was."""
+        with self.link.inbox.mutex:
+            head = self.link.inbox.queue[0] if self.link.inbox.queue else None
+        if isinstance(head, Form) and head.at_step > self.step:
+            return self._defer(self.link.inbox.get())
+        return False
 
     def _run_step(self, state: PyTree, position: int, step: int) -> tuple[PyTree, float]:
         import jax

@@ -145,3 +145,26 @@ def test_forced_restart_strategy_restores_from_shm(tmp_path: Path, reference: Pa
     assert recovery["restored_from"].startswith("shm")
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)
+
+
+def test_shrink_to_min_nprocs_then_grow_back_at_a_step_boundary(tmp_path: Path, reference: Path) -> None:
+    # No warm spare, and too little time to start one: the group goes on with 2 workers (min_nprocs), and
+    # grows back to 3 at a planned step boundary once the new process is up.
+    # Steps slowed to 0.25 s so that the new process (2-5 s to import JAX here) is up before the run ends.
+    result, events = run(
+        tmp_path,
+        kills=[Kill(5, 1)],
+        spares=0,
+        min_nprocs=2,
+        spawn_timeout_s=0.3,
+        extra_env={"ELASTIC_STEP_DELAY_S": "0.25"},
+    )
+    assert result.ok and result.step == STEPS
+    assert result.world_size_history == [3, 2, 3]
+    assert result.strategies == ["start", "reform", "grow"]
+    assert_no_committed_step_lost(events)
+    # Some steps ran with the batch split 2 ways instead of 3: equal up to float reassociation.
+    with np.load(tmp_path / "final.npz") as got, np.load(reference) as want:
+        for key in want.files:
+            scale = float(np.max(np.abs(want[key]))) or 1.0
+            assert float(np.max(np.abs(got[key] - want[key]))) / scale <= 1e-5, key
