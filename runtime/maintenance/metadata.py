@@ -15,15 +15,18 @@ timeout passes, with the value's ``ETag``. Keys:
 
 What the VM sees is what it reports: only transitions are published, so a value that stays put is not
 announced twice; the first value read counts as a transition from "nothing".
-The HTTP calls are blocking ``urllib`` calls in worker threads, abandoned on cancellation (each is bounded
-by its own timeout), because the poll must not hold the event loop.
+The HTTP calls are blocking ``urllib`` calls, each in a daemon thread of its own that is left behind on
+cancellation (it ends by its own timeout), because a long poll must neither hold the event loop nor delay
+its shutdown.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import random
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -31,7 +34,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
-import anyio.to_thread
+import anyio.from_thread
+import anyio.lowlevel
 
 from runtime.errors import ElasticRuntimeError, NoticeMalformed
 from runtime.events import (
@@ -95,6 +99,34 @@ def _no_notifications(status: int, body: bytes) -> bool:
 def backoff(attempt: int, *, first: float = 0.2, most: float = 10.0, jitter: float = 0.1) -> float:
     """Exponential backoff with jitter: ``first * 2**(attempt-1)`` capped at ``most``, plus up to ``jitter``."""
     return min(most, first * 2 ** max(attempt - 1, 0)) + random.uniform(0, jitter)
+
+
+async def run_in_daemon_thread(fetch: Fetch, url: str, timeout: float) -> HttpResponse:
+    """Run the blocking ``fetch`` in a daemon thread of its own and wait for it, cancellably.
+
+    Not anyio's worker threads: an abandoned long poll would keep one of them busy for up to
+    ``timeout_sec``, and the event loop waits for its worker threads when it closes, so a run (or
+    ``elastic-runtime listen``) would hang at exit for up to a minute. A daemon thread is simply left behind.
+    """
+    token = anyio.lowlevel.current_token()
+    done = anyio.Event()
+    outcome: list[HttpResponse | BaseException] = []
+
+    def work() -> None:
+        try:
+            outcome.append(fetch(url, timeout))
+        except BaseException as exc:  # handed to the waiting task, which re-raises it
+            outcome.append(exc)
+        # RuntimeError: the loop has closed; nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
+            anyio.from_thread.run_sync(done.set, token=token)
+
+    threading.Thread(target=work, name="metadata-poll", daemon=True).start()
+    await done.wait()
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 class NoticeTracker:
@@ -222,7 +254,7 @@ class MetadataWatcher:
     async def _get(self, key: str, query: dict[str, str], *, timeout: float) -> HttpResponse:
         url = self.base + key + ("?" + urllib.parse.urlencode(query) if query else "")
         self.polls += 1
-        return await anyio.to_thread.run_sync(self.fetch, url, timeout, abandon_on_cancel=True)
+        return await run_in_daemon_thread(self.fetch, url, timeout)
 
     async def _watch(self, key: str, tracker: NoticeTracker, ctx: SourceContext) -> None:
         etag = ""

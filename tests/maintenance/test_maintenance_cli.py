@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import notices
+import pytest
 from conftest import Topic
+from metadata_server import FakeMetadataServer
 
 CLI = str(Path(sys.executable).with_name("elastic-runtime"))
 
@@ -41,7 +43,17 @@ def test_listen_prints_one_line_per_notice(topic: Topic) -> None:
     assert "Preempted instance=worker-6 kind=PREEMPTED" in line
 
 
-def test_listen_refuses_a_bad_subscription() -> None:
-    done = listen("--subscription", "my-subscription")
-    assert done.returncode == 2
-    assert "projects/P/subscriptions/S" in done.stderr
+def test_listen_refuses_a_bad_subscription(capsys: pytest.CaptureFixture[str]) -> None:
+    from runtime.cli import main
+
+    assert main(["listen", "--subscription", "my-subscription"]) == 2
+    assert "projects/P/subscriptions/S" in capsys.readouterr().err
+    assert main(["listen"]) == 2
+
+
+def test_listen_watches_a_metadata_server() -> None:
+    with FakeMetadataServer() as server:
+        server.set("instance/preempted", b"TRUE")
+        done = listen("--metadata-host", server.host, "--count", "1", "--timeout", "60")
+    assert done.returncode == 0, done.stderr
+    assert "Preempted instance=meta-vm kind=PREEMPTED" in done.stdout
