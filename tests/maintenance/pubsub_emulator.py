@@ -83,22 +83,23 @@ class PubSubEmulator:
         self.stop()
         raise RuntimeError(f"the emulator did not answer on {self.host} within {timeout} s: {self.log_tail()}")
 
-    def stop(self) -> None:
+    def stop(self, *, crash: bool = False) -> None:
+        """Stop the emulator: SIGTERM (SIGKILL after 5 s), or at once with SIGKILL when ``crash``."""
         process, self.process = self.process, None
         if process is None or process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
+            os.killpg(process.pid, signal.SIGKILL if crash else signal.SIGTERM)
         try:
-            process.wait(timeout=10)
+            process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
 
     def restart(self) -> None:
-        """Stop and start again on the same port. The emulator keeps nothing: topics are gone after it."""
-        self.stop()
+        """Crash (SIGKILL) and start again on the same port. The emulator keeps nothing: topics are gone."""
+        self.stop(crash=True)
         self.start()
 
     def log_tail(self, lines: int = 20) -> str:
