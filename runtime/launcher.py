@@ -70,6 +70,7 @@ from runtime.wire import (
     Message,
     Restore,
     Stop,
+    Warm,
     decode_from_worker,
     encode,
 )
@@ -190,6 +191,7 @@ class _Proc:
     step: int = 0
     generation: int = 0
     gone: bool = False
+    warmed: bool = False  # was sent Warm
 
 
 @dataclass
@@ -547,6 +549,8 @@ class Controller:
         if self._stopping:
             await self._send(proc, Stop(reason="the run is over"))
             return proc
+        if self._restored:
+            await self._warm_spares()
         if self.target_steps < 0:
             self.target_steps = message.target_steps
         self.monitor.register(proc.worker)
@@ -682,6 +686,13 @@ class Controller:
         self._request_reason = reason
         self._request_strategy = strategy or self._request_strategy
         self._wake.set()
+
+    async def _warm_spares(self) -> None:
+        """Idle spares compile the step once now, rather than when they are needed."""
+        for proc in self.procs.values():
+            if proc.spare and not proc.gone and proc.hello is not None and not proc.warmed:
+                proc.warmed = True
+                await self._send(proc, Warm())
 
     def _top_up_spares(self) -> None:
         alive_spares = [p for p in self.procs.values() if p.spare and not p.gone and p.popen.poll() is None]
@@ -851,6 +862,7 @@ class Controller:
         self._restored = True
         for worker in members:
             self.monitor.expect_progress(worker, True)
+        await self._warm_spares()
         self.result.world_size_history.append(len(members))
         self.result.strategies.append(strategy)
         seconds = time.monotonic() - started

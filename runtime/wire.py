@@ -34,6 +34,7 @@ __all__ = [
     "MalformedMessage",
     "Restore",
     "Stop",
+    "Warm",
     "WorkerMessage",
     "decode_from_controller",
     "decode_from_worker",
@@ -124,6 +125,10 @@ class Restore(Message, frozen=True, kw_only=True):
     target_steps: int
 
 
+class Warm(Message, frozen=True, kw_only=True):
+    """A spare with nothing to do: compile the step once on a local backend, so that joining later is quick."""
+
+
 class Stop(Message, frozen=True, kw_only=True):
     """Exit now; ``reason`` is logged."""
 
@@ -131,7 +136,7 @@ class Stop(Message, frozen=True, kw_only=True):
 
 
 WorkerMessage = Union[Hello, Heartbeat, Joined, Finished]  # noqa: UP007 - msgspec needs a Union object
-ControllerMessage = Union[Form, Restore, Stop]  # noqa: UP007
+ControllerMessage = Union[Form, Restore, Warm, Stop]  # noqa: UP007
 
 
 class MalformedMessage(ValueError):
@@ -157,10 +162,10 @@ def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Finished:
     return message
 
 
-def decode_from_controller(line: bytes) -> Form | Restore | Stop:
+def decode_from_controller(line: bytes) -> Form | Restore | Warm | Stop:
     """Decode one line the controller sent. Raises MalformedMessage naming what was wrong."""
     try:
-        message: Form | Restore | Stop = _from_controller.decode(line)
+        message: Form | Restore | Warm | Stop = _from_controller.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
     return message

@@ -57,12 +57,15 @@ from runtime.wire import (
     Message,
     Restore,
     Stop,
+    Warm,
     decode_from_controller,
     encode,
 )
 from storage.peer import Replica, ReplicaFiles, broadcast_state, host_copy
 
 log = logging.getLogger(__name__)
+
+Inbound = Form | Restore | Warm | Stop
 
 # How long a step still running when the group re-forms may take to finish before it is abandoned.
 _ABANDON_GRACE_S = 0.2
@@ -102,7 +105,7 @@ class _Link:
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.inbox: queue.Queue[Form | Restore | Stop] = queue.Queue()
+        self.inbox: queue.Queue[Inbound] = queue.Queue()
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="controller-reader", daemon=True).start()
 
@@ -161,7 +164,7 @@ class Worker:
         """Handle controller messages until told to stop; returns the exit code."""
         self.link.send(Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps))
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
-        pending: Form | Restore | Stop | None = None
+        pending: Inbound | None = None
         while True:
             message = pending if pending is not None else self.link.inbox.get()
             pending = None
@@ -177,6 +180,10 @@ class Worker:
                         pending = self._train(message.target_steps)
                 case Restore():
                     log.info("stale restore for generation %d ignored", message.generation)
+                case Warm() if not self.initialized:
+                    self._warm()
+                case Warm():
+                    pass
                 case Stop(reason=reason):
                     log.info("worker %d stops: %s", self.worker, reason)
                     return 0
@@ -247,6 +254,28 @@ class Worker:
             )
         )
 
+    def _warm(self) -> None:
+        """Trace and compile the step once on a local, non-distributed backend, then drop that backend.
+
+        The first compile in a process pays for loading and initializing XLA's compiler and JAX's tracing
+        machinery (seconds here); a spare that paid it while idle joins a re-forming group sooner.
+        """
+        import jax
+        import jax.extend.backend
+
+        from runtime.compiler import StepCompiler
+
+        started = time.monotonic()
+        try:
+            devices = jax.local_devices()
+            mesh = jax.sharding.Mesh(np.array(devices).reshape(1, -1), ("data", "model"))
+            StepCompiler(self.job, self.template, self.job.data.batch(0)).get(mesh)
+        except Exception as exc:  # only an optimization: a spare that cannot warm up joins cold
+            log.warning("warm-up failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            jax.extend.backend.clear_backends()
+        log.info("warmed up in %.3f s", time.monotonic() - started)
+
     def _best_local(self, read_files: bool) -> tuple[int, str]:
         if self.ram is not None:
             return self.ram.step, "ram"
@@ -294,7 +323,7 @@ class Worker:
 
     # --- training ----------------------------------------------------------------------------------------
 
-    def _train(self, target: int) -> Form | Restore | Stop | None:
+    def _train(self, target: int) -> Inbound | None:
         """Run steps until ``target``, or until the controller sends something; returns that message."""
         assert self.ram is not None
         position = self.ram.data_position
@@ -321,7 +350,7 @@ class Worker:
         self._finish(target)
         return None
 
-    def _await(self, future: Future[tuple[PyTree, float]]) -> tuple[PyTree, float] | Form | Restore | Stop | None:
+    def _await(self, future: Future[tuple[PyTree, float]]) -> tuple[PyTree, float] | Inbound | None:
         """The step's result; a controller message if one came while the step hung; None if the step raised."""
         while True:
             try:
@@ -343,7 +372,7 @@ class Worker:
             except Exception:
                 return self.link.inbox.get()
 
-    def _defer(self, message: Form | Restore | Stop) -> bool:
+    def _defer(self, message: Inbound) -> bool:
         """Keep a planned Form (``at_step`` ahead) for its step boundary; True if ``message`` was kept."""
         if isinstance(message, Form) and message.at_step > self.step:
             self._deferred = message
