@@ -1,0 +1,96 @@
+"""The drain scheduler's timing rules, with a recording stand-in for the runtime context and a fake clock.
+
+The real chain (real runtime, real emulator, real re-mesh) is in test_maintenance_e2e.py; these cover the
+cases a run rarely meets: a window moved before its drain, a maintenance completed before its drain, a drain
+that leaves no mesh, an instance without devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from handlers.maintenance import DrainScheduler, devices_of
+from runtime.config import RuntimeConfig
+from runtime.errors import MeshUnavailable
+from runtime.events import Drain, MaintenanceCompleted
+
+pytestmark = pytest.mark.anyio
+
+
+class Recorder:
+    """Records what the scheduler asks of the runtime."""
+
+    def __init__(self, *, fits: bool = True) -> None:
+        self.config = RuntimeConfig(instance_devices={"w-0": (0, 1), "w-1": (2, 3), "t1v-n-ab-w-*": (4, 5)})
+        self.mesh_devices: tuple[int, ...] = (0, 1, 2, 3, 4, 5)
+        self.cordoned: set[int] = set()
+        self.remeshed: list[str] = []
+        self.fits = fits
+        self.policy = self
+
+    def cordon(self, devices: tuple[int, ...]) -> None:
+        self.cordoned |= set(devices)
+
+    def uncordon(self, devices: tuple[int, ...]) -> None:
+        self.cordoned -= set(devices)
+
+    async def healthy_devices(self) -> list[int]:
+        return [d for d in self.mesh_devices if d not in self.cordoned]
+
+    def fit(self, devices: list[int]) -> Any:
+        if not self.fits:
+            raise MeshUnavailable("too few devices")
+        return devices
+
+    def remesh(self, mesh: Any, reason: str = "") -> None:
+        self.remeshed.append(reason)
+        self.mesh_devices = tuple(mesh)
+
+
+def test_devices_of_exact_and_glob() -> None:
+    mapping = {"w-0": (0,), "t1v-n-ab-w-*": (4, 5)}
+    assert devices_of("w-0", mapping) == (0,)
+    assert devices_of("t1v-n-ab-w-3", mapping) == (4, 5)
+    assert devices_of("w-9", mapping) == ()
+
+
+async def test_a_moved_window_replaces_the_pending_drain() -> None:
+    now = [1000.0]
+    scheduler, ctx = DrainScheduler(clock=lambda: now[0]), Recorder()
+    await scheduler.plan(Drain(instance="w-1", deadline=1010.0, reason="first"), ctx)
+    await scheduler.plan(Drain(instance="w-1", deadline=1100.0, reason="moved"), ctx)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run, ctx)
+        now[0] = 1050.0  # past the first deadline, before the moved one
+        scheduler._wake.set()
+        await anyio.sleep(0.05)
+        assert ctx.remeshed == []
+        now[0] = 1100.0
+        scheduler._wake.set()
+        await anyio.sleep(0.05)
+        tg.cancel_scope.cancel()
+    assert ctx.remeshed == ["drain w-1: moved"]
+    assert ctx.cordoned == {2, 3}
+
+
+async def test_completion_before_the_drain_cancels_it_and_readmits_after_it() -> None:
+    now = [1000.0]
+    scheduler, ctx = DrainScheduler(clock=lambda: now[0]), Recorder()
+    await scheduler.plan(Drain(instance="w-0", deadline=2000.0), ctx)
+    await scheduler.readmit(MaintenanceCompleted(instance="w-0"), ctx)
+    assert scheduler.pending == {} and ctx.cordoned == set()
+    await scheduler.plan(Drain(instance="t1v-n-ab-w-2", deadline=None), ctx)
+    assert ctx.cordoned == {4, 5} and ctx.remeshed == ["drain t1v-n-ab-w-2: "]
+    await scheduler.readmit(MaintenanceCompleted(instance="t1v-n-ab-w-2"), ctx)
+    assert ctx.cordoned == set()
+
+
+async def test_a_drain_that_leaves_no_mesh_keeps_the_current_one() -> None:
+    scheduler, ctx = DrainScheduler(), Recorder(fits=False)
+    await scheduler.plan(Drain(instance="w-0"), ctx)
+    assert ctx.remeshed == [] and ctx.cordoned == set() and scheduler.drained == set()
+    await scheduler.plan(Drain(instance="w-unknown"), ctx)
+    assert ctx.remeshed == [] and ctx.cordoned == set()
