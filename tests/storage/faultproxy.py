@@ -73,6 +73,10 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
 
+    def reseed(self, seed: int) -> None:
+        with self._lock:
+            self._random = random.Random(seed)
+
     def start(self) -> FaultProxy:
         self._thread.start()
         return self

@@ -254,3 +254,24 @@ def test_ram_dir_mirror_survives_a_restart(tmp_path: Path) -> None:
             np.testing.assert_array_equal(a, b)
     finally:
         shutil.rmtree(ram_dir, ignore_errors=True)
+
+
+def test_corrupt_newest_disk_checkpoint_falls_back_with_an_event(tmp_path: Path) -> None:
+    first = ElasticRuntime(job(), config=config(tmp_path, disk_every=5, keep=5), mesh_policy=MeshPolicy(MESH))
+    first.run(10)
+    assert first.checkpointer is not None and first.checkpointer.disk is not None
+    disk = first.checkpointer.disk
+    assert [i.step for i in disk.list(timeout=10)] == [10, 5]
+    bad = disk.path_of(10) / max(disk.manifest(10).files, key=lambda f: f.size).path
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    bad.write_bytes(bytes(data))
+    second = ElasticRuntime(
+        job(), config=config(tmp_path / "2", checkpoint_dir=str(disk.root)), mesh_policy=MeshPolicy(MESH)
+    )
+    second.at_step_boundary(lambda n: second.context.restore("disk") if n == 1 else None)
+    result = second.run(12)
+    corrupt = events_of(result.events_path, CheckpointCorrupt)
+    assert len(corrupt) == 1 and corrupt[0].tier == "disk" and str(bad) == corrupt[0].path  # type: ignore[attr-defined]
+    restored = events_of(result.events_path, StateRestored)
+    assert restored[0].step == 5 and restored[0].restored_from == "disk"  # type: ignore[attr-defined]

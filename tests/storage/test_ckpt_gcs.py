@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from conftest import client_for, small_state
 from faultproxy import FaultProxy
 
@@ -43,3 +44,26 @@ def test_uploads_commit_through_30_percent_faults(tmp_path: Path, gcs_uri: str, 
     assert restored.step == 3 and restored.data_position == 4 and restored.metadata == {"rng": [3, 7]}
     for a, b in zip(jax.tree.leaves(restored.tree), jax.tree.leaves(small_state(3)), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_resumable_uploads_commit_through_faults(
+    tmp_path: Path, gcs_uri: str, fault_proxy: FaultProxy, seed: int
+) -> None:
+    # Files above chunk_size go as resumable uploads (several requests each); faults may hit any of them.
+    big = {"w": np.arange(3 << 18, dtype=np.float32), "b": np.ones(7, np.float32)}  # a 3 MiB file: 3 pieces
+    info = DiskTier(tmp_path / "disk").save(
+        HostSnapshot(step=4, data_position=5, tree=big, nbytes=0, seconds=0.0, metadata={}), timeout=60
+    )
+    fault_proxy.reseed(seed)
+    fault_proxy.rate = 0.3
+    fault_proxy.faults = ("error", "drop", "drop_after")
+    gcs = GcsTier(
+        gcs_uri, client=client_for(fault_proxy.url), chunk_size=1 << 20, max_attempts=30, sleep=lambda s: None
+    )
+    gcs.upload(info.location, timeout=120)
+    assert sum("uploadType=resumable" in seen for seen in fault_proxy.seen) >= 3
+    assert sum(fault_proxy.injected.values()) >= 1 and gcs.retries >= 1
+    fault_proxy.rate = 0.0
+    restored = gcs.restore(4, None, timeout=60)
+    np.testing.assert_array_equal(restored.tree["w"], big["w"])
