@@ -71,6 +71,14 @@ BENCHMARKS = [
         "runtime goodput >= 95%, checkpoint-and-restart reported beside it",
         lambda r: r["runtime"]["goodput"] >= 0.95,
     ),
+    Benchmark(
+        "notices",
+        "Maintenance notices",
+        "bench_notice_latency.py",
+        ("--messages", "300", "--rate", "20"),
+        "notice-to-event latency p99 <= 1 s (from the publisher's call, steady and burst)",
+        lambda r: max(r["steady_p99_ms_from_publisher_call"], r["burst_p99_ms_from_publisher_call"]) <= 1000,
+    ),
 ]
 
 
