@@ -114,9 +114,23 @@ def _orbax_name(key: tuple[KeyPart, ...]) -> str:
     return ".".join(str(k) for k in key)
 
 
+def _inside(root: Path, entry: FileEntry) -> Path:
+    """``root / entry.path``, refusing one that resolves outside ``root`` (a planted symlink).
+
+    Raises:
+        CheckpointInvalid: the file, or a directory on its way, links out of the checkpoint.
+    """
+    path = root / entry.path
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+        reason = f"{entry.path} resolves outside the checkpoint"
+        raise CheckpointInvalid(f"{path}: {reason}", path=str(path), reason=reason)
+    return path
+
+
 def verify_file(root: Path, entry: FileEntry) -> None:
     """Raises CheckpointInvalid when the file under ``root`` is missing, of another size or another CRC32C."""
-    path = root / entry.path
+    path = _inside(root, entry)
     try:
         size, crc = mf.crc32c_file(path)
     except FileNotFoundError as exc:
@@ -232,7 +246,7 @@ def _zarr_dtype(name: str) -> np.dtype[Any]:
 
 
 def _read_verified(root: Path, entry: FileEntry) -> bytes:
-    path = root / entry.path
+    path = _inside(root, entry)
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -243,7 +257,7 @@ def _read_verified(root: Path, entry: FileEntry) -> bytes:
 
 def _read_into(root: Path, entry: FileEntry, target: memoryview) -> None:
     """Fill ``target`` from the file, CRC32C-checking what was read; a short or long file is invalid."""
-    path = root / entry.path
+    path = _inside(root, entry)
     checksum = google_crc32c.Checksum()
     total = 0
     try:

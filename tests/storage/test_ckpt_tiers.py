@@ -234,3 +234,17 @@ def test_direct_writer_writes_what_orbax_writes(tmp_path: Path) -> None:
         assert mf.crc32c_file(ours / entry.path) == (entry.size, entry.crc32c)
     with ocp.PyTreeCheckpointer() as checkpointer:
         same(checkpointer.restore(ours / "state"), tree)
+
+
+def test_disk_symlink_out_of_the_checkpoint_is_rejected(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path / "ckpt")
+    disk.save(snapshot(1), timeout=30)
+    entry = max(disk.manifest(1).files, key=lambda f: f.size)
+    outside = tmp_path / "elsewhere"
+    outside.write_bytes((disk.path_of(1) / entry.path).read_bytes())  # even the right bytes
+    (disk.path_of(1) / entry.path).unlink()
+    (disk.path_of(1) / entry.path).symlink_to(outside)
+    with pytest.raises(CheckpointInvalid, match="resolves outside"):
+        disk.restore(1, None, timeout=30)
+    with pytest.raises(CheckpointInvalid, match="resolves outside"):
+        disk.verify(1, timeout=30)
