@@ -86,6 +86,7 @@ def run(megabytes: int, repeats: int, directory: Path) -> dict[str, Any]:
         for k in (
             "raw_write_s",
             "ours_block_s",
+            "ours_copy_s",
             "ours_disk_commit_s",
             "orbax_block_s",
             "orbax_commit_s",
@@ -112,6 +113,7 @@ def run(megabytes: int, repeats: int, directory: Path) -> dict[str, Any]:
             ram.capture(state, step=r, data_position=r, metadata={})
             results["ours_block_s"].append(time.perf_counter() - started)
             snapshot = ram.latest(None, timeout=300)
+            results["ours_copy_s"].append(snapshot.seconds)
             started = time.perf_counter()
             disk.save(snapshot, timeout=600)
             results["ours_disk_commit_s"].append(time.perf_counter() - started)
@@ -176,10 +178,11 @@ def markdown(report: dict[str, Any]) -> str:
     ms = 1000.0
     rows = [
         ("blocking time per save, ours (RAM capture)", f"{m['ours_block_s'] * ms:.1f} ms"),
+        ("host copy finished in the background, ours (not blocking)", f"{m['ours_copy_s'] * ms:.1f} ms"),
         ("blocking time per save, Orbax async CheckpointManager", f"{m['orbax_block_s'] * ms:.1f} ms"),
         ("ratio ours / Orbax (goal <= 1.0)", f"{report['ratio_block_ours_vs_orbax']:.2f}x"),
         ("raw sequential write + fsync, same directory", f"{report['raw_write_gbps']:.2f} GB/s"),
-        ("disk tier commit (Orbax write + CRC32C + manifest)", f"{report['ours_disk_gbps']:.2f} GB/s"),
+        ("disk tier commit (Orbax layout, CRC32C, manifest, all fsynced)", f"{report['ours_disk_gbps']:.2f} GB/s"),
         ("disk commit / raw bandwidth (goal >= 70%)", f"{report['ratio_disk_vs_raw'] * 100:.0f}%"),
         ("Orbax async save, start to finished (reference)", f"{report['orbax_commit_gbps']:.2f} GB/s"),
         ("restore onto devices: RAM", f"{m['restore_ram_s'] * ms:.1f} ms"),
