@@ -72,6 +72,19 @@ BENCHMARKS = [
         lambda r: r["runtime"]["goodput"] >= 0.95,
     ),
     Benchmark(
+        "checkpoint",
+        "Checkpointing",
+        "bench_checkpoint.py",
+        ("--mb", "256", "--repeats", "5"),
+        "blocking <= 1.0x Orbax async; disk commit >= 70% of raw write; restore: disk >= 5x RAM, <= 1.0x Orbax",
+        lambda r: (
+            r["blocking_ratio_ours_to_orbax"] <= 1.0
+            and r["disk_commit_to_raw"] >= 0.7
+            and r["restore_disk_to_ram"] >= 5
+            and r["restore_disk_to_orbax"] <= 1.0
+        ),
+    ),
+    Benchmark(
         "notices",
         "Maintenance notices",
         "bench_notice_latency.py",
