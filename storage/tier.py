@@ -113,10 +113,14 @@ def rebuild_tree(manifest: Manifest, arrays: dict[tuple[KeyPart, ...], np.ndarra
         entry = by_key.get(key)
         if entry is None:
             raise SnapshotUnavailable(f"checkpoint of step {manifest.step} has no array at {key}")
-        if tuple(np.shape(leaf)) != entry.shape or np.dtype(leaf.dtype).name != entry.dtype:
+        # A template leaf without a dtype (a Python scalar) is checked by shape only.
+        dtype = getattr(leaf, "dtype", None)
+        shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
+        if shape != entry.shape or (dtype is not None and np.dtype(dtype).name != entry.dtype):
+            held = "?" if dtype is None else np.dtype(dtype).name
             raise SnapshotUnavailable(
                 f"checkpoint of step {manifest.step} holds {entry.dtype}{list(entry.shape)} at {key}, "
-                f"the state has {np.dtype(leaf.dtype).name}{list(np.shape(leaf))}"
+                f"the state has {held}{list(shape)}"
             )
         out.append(arrays[key])
     if len(with_path) != len(manifest.leaves):

@@ -248,3 +248,14 @@ def test_disk_symlink_out_of_the_checkpoint_is_rejected(tmp_path: Path) -> None:
         disk.restore(1, None, timeout=30)
     with pytest.raises(CheckpointInvalid, match="resolves outside"):
         disk.verify(1, timeout=30)
+
+
+def test_templates_may_be_abstract_or_python_scalars(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path)
+    disk.save(snapshot(2), timeout=30)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), small_state(0))
+    same(disk.restore(2, abstract, timeout=30).tree, small_state(2))
+    scalar_like = small_state(0)
+    scalar_like["opt"][1] = 0  # type: ignore[index]  # a Python int where the job keeps a counter
+    restored = disk.restore(2, scalar_like, timeout=30)
+    assert restored.tree["opt"][1] == 2
