@@ -275,3 +275,27 @@ def test_corrupt_newest_disk_checkpoint_falls_back_with_an_event(tmp_path: Path)
     assert len(corrupt) == 1 and corrupt[0].tier == "disk" and str(bad) == corrupt[0].path  # type: ignore[attr-defined]
     restored = events_of(result.events_path, StateRestored)
     assert restored[0].step == 5 and restored[0].restored_from == "disk"  # type: ignore[attr-defined]
+
+
+def test_save_request_to_gcs_goes_through_disk_and_unknown_tiers_are_skipped(tmp_path: Path, gcs_uri: str) -> None:
+    cfg = config(tmp_path, disk_every=1000, gcs_every=1000, gcs_uri=gcs_uri, checkpoint_on_finish=False)
+    rt = ElasticRuntime(job(), config=cfg, mesh_policy=MeshPolicy(MESH))
+
+    @rt.on(StepCompleted)
+    async def ask(event: StepCompleted, ctx: RuntimeContext) -> None:
+        if event.step == 4:
+            await ctx.request_checkpoint(tiers=("gcs", "tape"), reason="preemption notice")
+
+    async def settle(next_step: int) -> None:
+        if next_step == 9:  # let the request land before the run ends
+            assert rt.checkpointer is not None
+            await anyio.sleep(0.2)
+            await anyio.to_thread.run_sync(rt.checkpointer.wait, 60)
+
+    rt.at_step_boundary(settle)
+    result = rt.run(10)
+    committed = events_of(result.events_path, CheckpointCommitted)
+    assert [e.tier for e in committed] == ["disk", "gcs"]  # type: ignore[attr-defined]
+    assert committed[0].step == committed[1].step
+    skipped = events_of(result.events_path, CheckpointSkipped)
+    assert [(e.tier, e.reason) for e in skipped] == [("tape", "no such tier")]  # type: ignore[attr-defined]
