@@ -61,6 +61,8 @@ class PubSubListener:
         max_messages: flow control: messages outstanding (received, not yet acked) at most.
         max_bytes: flow control: bytes outstanding at most.
         reconnect_max_s: longest wait between two attempts to open the stream.
+        healthy_stream_s: a stream that lived this long before it broke is reopened at once, with the
+            backoff reset.
         client_factory: builds the ``SubscriberClient`` (in a worker thread); the default honours
             ``PUBSUB_EMULATOR_HOST``.
         on_message: called in the loop with (message id, publish time, receive time) of every message received,
@@ -75,6 +77,7 @@ class PubSubListener:
         max_messages: int = 100,
         max_bytes: int = 10 * 1024 * 1024,
         reconnect_max_s: float = 30.0,
+        healthy_stream_s: float = 60.0,
         client_factory: Callable[[], pubsub_v1.SubscriberClient] = pubsub_v1.SubscriberClient,
         on_message: Callable[[str, float, float], None] | None = None,
     ) -> None:
@@ -86,6 +89,8 @@ class PubSubListener:
         self.intake = intake or NoticeIntake()
         self.flow_control = pubsub_v1.types.FlowControl(max_messages=max_messages, max_bytes=max_bytes)
         self.reconnect_max_s = reconnect_max_s
+        self.healthy_stream_s = healthy_stream_s
+        self._last_stream_s = 0.0
         self.client_factory = client_factory
         self.on_message = on_message
         self.streams_opened = 0
@@ -96,16 +101,27 @@ class PubSubListener:
         """Listen until cancelled, reopening the stream whenever it breaks."""
         self._tracker.attach(ctx)
         try:
-            retrying = AsyncRetrying(
-                retry=retry_if_exception_type(StreamBroken),
-                wait=wait_exponential(multiplier=0.2, max=self.reconnect_max_s) + wait_random(0, 0.2),
-                before_sleep=self._log_retry,
-            )
-            async for attempt in retrying:
-                with attempt:
-                    await self._stream(ctx)
+            while True:
+                # A fresh policy after each stream that lived long: its break is news, not the next failure
+                # of a series, so it is reopened at once and the backoff starts from the beginning.
+                retrying = AsyncRetrying(
+                    retry=retry_if_exception_type(StreamBroken),
+                    stop=self._lived_long,
+                    wait=wait_exponential(multiplier=0.2, max=self.reconnect_max_s) + wait_random(0, 0.2),
+                    before_sleep=self._log_retry,
+                    reraise=True,
+                )
+                try:
+                    async for attempt in retrying:
+                        with attempt:
+                            await self._stream(ctx)
+                except StreamBroken as exc:
+                    log.warning("Pub/Sub %s after %.0f s; reopening now", exc, self._last_stream_s)
         finally:
             self._tracker.detach(ctx)
+
+    def _lived_long(self, state: RetryCallState) -> bool:
+        return self._last_stream_s >= self.healthy_stream_s
 
     def _log_retry(self, state: RetryCallState) -> None:
         outcome = state.outcome
@@ -130,6 +146,8 @@ class PubSubListener:
         except Exception as exc:  # no credentials, bad endpoint: retried like a broken stream, never fatal
             raise StreamBroken(f"cannot create a Pub/Sub client for {self.subscription}: {exc}") from exc
         future: Any = None
+        self._last_stream_s = 0.0
+        opened = time.monotonic()
         try:
             try:
                 future = await anyio.to_thread.run_sync(
@@ -146,6 +164,8 @@ class PubSubListener:
             error = future.exception()
             raise StreamBroken(f"streaming pull on {self.subscription} ended: {error}") from error
         finally:
+            if future is not None:
+                self._last_stream_s = time.monotonic() - opened
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_close, future, client)
 

@@ -374,3 +374,23 @@ async def test_a_client_that_cannot_be_created_is_retried_not_fatal(topic: Topic
         await publish(topic, notices.custom("host_error", "w"))
         await h.wait_count(1)
     assert calls == 2
+
+
+async def test_a_stream_that_breaks_after_a_healthy_life_is_reopened_at_once(
+    topic: Topic, pubsub_clients: tuple[Any, Any]
+) -> None:
+    _, subscriber = pubsub_clients
+    async with listening(topic.subscription, reconnect_max_s=0.5, healthy_stream_s=1.0) as h:
+        await publish(topic, notices.custom("host_error", "first"))
+        await h.wait_count(1)
+        await anyio.sleep(1.0)  # the stream has now lived long enough to count as healthy
+        await anyio.to_thread.run_sync(lambda: subscriber.delete_subscription(subscription=topic.subscription))
+        await h.wait_for(lambda _: h.listener.streams_opened >= 2, timeout=30)
+        await anyio.to_thread.run_sync(
+            lambda: subscriber.create_subscription(name=topic.subscription, topic=topic.topic)
+        )
+        deadline = time.monotonic() + 30
+        while len(h.events) < 2 and time.monotonic() < deadline:
+            await publish(topic, notices.custom("host_error", f"again-{len(h.events)}"))
+            await anyio.sleep(0.5)
+    assert len(h.events) >= 2
