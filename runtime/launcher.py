@@ -264,6 +264,18 @@ def start_coordination_service(port: int, num_processes: int, *, heartbeat_timeo
     )
 
 
+def _first_leaf(group: BaseExceptionGroup[Any], kind: type[BaseException]) -> BaseException | None:
+    """The first exception of type ``kind`` in a (nested) exception group."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_leaf(exc, kind)
+            if found is not None:
+                return found
+        elif isinstance(exc, kind):
+            return exc
+    return None
+
+
 def _stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (SIGSTOP): alive, silent, and making no progress."""
     try:
@@ -305,7 +317,6 @@ class Controller:
         self._kills = sorted(config.kills, key=lambda k: k.step)
         self._kill_during_recovery = config.kill_during_recovery
         self._kill_times: dict[int, float] = {}
-        self._faults_used: set[int] = set()
         # Every generation's coordination service stays up until the run ends: stopping one while a live
         # worker's client is still attached makes that client terminate its process.
         self._services: list[Any] = []
@@ -336,7 +347,14 @@ class Controller:
     # --- running -------------------------------------------------------------------------------------------
 
     def run(self) -> LaunchResult:
-        return anyio.run(self.run_async)
+        """Run in a new event loop. Raises LaunchError (unwrapped from the task group) when it cannot go on."""
+        try:
+            return anyio.run(self.run_async)
+        except BaseExceptionGroup as group:
+            error = _first_leaf(group, LaunchError)
+            if error is not None:
+                raise error from group
+            raise
 
     async def run_async(self) -> LaunchResult:
         """Run the group to completion. Raises LaunchError when it cannot go on."""
@@ -394,6 +412,11 @@ class Controller:
                 shutil.rmtree(self.replica_dir, ignore_errors=True)
         self.result.step = self.group_step
         self.result.target_steps = self.target_steps
+        digests = {self.result.digests.get(w) for w in self.members}
+        if self.result.ok and len(digests) != 1:
+            # Replicas must agree bit for bit; if they do not, the run's result cannot be trusted.
+            log.error("members %s finished with different states: %s", self.members, self.result.digests)
+            self.result.ok, self.result.reason = False, "replicas diverged"
         (self.run_dir / "summary.json").write_text(json.dumps(self.result.__dict__, default=str))
         return self.result
 
@@ -735,8 +758,8 @@ class Controller:
             # Growing is planned: every member re-forms after committing the same step, so no collective is
             # cut off; after a failure the group re-forms now (in-flight steps are abandoned).
             at_step = max(self.procs[w].step for w in survivors) + 3 if strategy == "grow" and survivors else -1
-            port = free_port()
-            self._services.append(start_coordination_service(port, len(members)))
+            port, service = self._new_service(len(members))
+            self._services.append(service)
             coordinator = f"127.0.0.1:{port}"
             for process_id, worker in enumerate(members):
                 form = Form(
@@ -780,6 +803,16 @@ class Controller:
             if worker is None and queue:
                 seats[i] = queue.pop(0)
         return [w for w in seats if w is not None] + queue
+
+    def _new_service(self, num_processes: int, attempts: int = 5) -> tuple[int, Any]:
+        """A coordination service on a free port; another port if the chosen one was taken meanwhile."""
+        for attempt in range(attempts):
+            port = free_port()
+            try:
+                return port, start_coordination_service(port, num_processes)
+            except Exception as exc:  # port taken between free_port() and the bind (shared machine)
+                log.warning("coordination service on port %d failed (attempt %d): %s", port, attempt + 1, exc)
+        raise LaunchError(f"could not start a coordination service in {attempts} attempts")
 
     async def _recruit(self, survivors: list[int], timeout_s: float) -> list[int]:
         """Enough spares (started now if needed) to fill the group around ``survivors``; waits for their Hello."""

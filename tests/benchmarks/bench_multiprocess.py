@@ -93,7 +93,9 @@ def launch_cli(run_dir: Path, disk: Path, steps: int, extra: list[str]) -> int:
         "--",
         *worker_command(steps),
     ]
-    return subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False).returncode
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(run_dir.parent / f"{run_dir.name}.out", "wb") as out:
+        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
 
 
 def full_restart(root: Path, repeats: int, kill_at: int = 20, steps: int = 40) -> dict[str, Any]:
@@ -110,7 +112,7 @@ def full_restart(root: Path, repeats: int, kill_at: int = 20, steps: int = 40) -
             e.step or 0 for e in read_events(base / "first" / "events.jsonl") if isinstance(e, StepCompleted)
         )
         second = launch_cli(base / "second", disk, steps, [])
-        assert second == 0, "the restarted run should finish"
+        assert second == 0, f"the restarted run failed: see {base}"
         events = read_events(base / "second" / "events.jsonl")
         restored = next(e for e in events if isinstance(e, StateRestored) or type(e).__name__ == "GroupFormed")
         restore_step = restored.step or 0
@@ -179,8 +181,10 @@ def main() -> int:
         print(json.dumps(results["full_restart"]), flush=True)
         results["heartbeats"] = heartbeat_cost(root)
         print(json.dumps(results["heartbeats"]), flush=True)
-    finally:
         shutil.rmtree(root, ignore_errors=True)
+    except BaseException:
+        print(f"failed; run directories kept under {root}", file=sys.stderr)
+        raise
     results["seconds"] = round(time.time() - started, 1)
     print(json.dumps(results))
     if args.json:

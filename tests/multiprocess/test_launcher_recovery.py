@@ -36,6 +36,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run(tmp_path: Path, **kwargs: Any) -> tuple[Any, list[Any]]:
     result = run_group(processes=NPROCS, steps=STEPS, run_dir=tmp_path, **kwargs)
+    # Every member of the final group holds the same state: one digest, reported by each of them.
+    assert len(result.digests) >= NPROCS and len(set(result.digests.values())) == 1, result.digests
     return result, read_events(tmp_path / "events.jsonl")
 
 
