@@ -113,16 +113,23 @@ def render_value(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
-def existing_sections(path: Path) -> dict[str, list[str]]:
-    """The body of each ``## title`` section of an earlier docs/benchmarks.md."""
+MARKER = "<!-- Everything below is written by `make bench` (tests/benchmarks/run_all.py); edit above it. -->"
+
+
+def split_document(path: Path) -> tuple[list[str], dict[str, list[str]]]:
+    """The hand-written part of docs/benchmarks.md, and the body of each generated ``### title`` section."""
+    text = path.read_text().splitlines() if path.exists() else []
+    if MARKER not in text:
+        return text, {}
+    cut = text.index(MARKER)
     sections: dict[str, list[str]] = {}
     current: list[str] | None = None
-    for line in path.read_text().splitlines() if path.exists() else []:
-        if line.startswith("## "):
-            current = sections[line[3:]] = []
+    for line in text[cut + 1 :]:
+        if line.startswith("### "):
+            current = sections[line[4:]] = []
         elif current is not None:
             current.append(line)
-    return {title: body[:-1] if body and not body[-1] else body for title, body in sections.items()}
+    return text[:cut], {title: body[:-1] if body and not body[-1] else body for title, body in sections.items()}
 
 
 def run(bench: Benchmark) -> tuple[dict[str, Any] | None, str, float]:
@@ -143,16 +150,23 @@ def main() -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     args = parser.parse_args()
     chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only]
+    out = Path(args.out)
+    handwritten, sections = split_document(out)  # --only keeps the other benchmarks' last figures
+    while handwritten and not handwritten[-1]:
+        handwritten.pop()
     lines = [
-        "# Benchmarks",
+        *handwritten,
         "",
-        "Written by `make bench` (`tests/benchmarks/run_all.py`). Every figure comes with what it was compared",
-        "with in the same run and the command that measured it. These machines are shared and noisy: the",
-        "figures are medians and ratios, and a rerun moves them by several percent.",
+        MARKER,
+        "",
+        "## Latest `make bench` run",
+        "",
+        "Every benchmark of the project, run one after another by `make bench`. Each figure comes with what it",
+        "was compared with in the same run and the command that measured it. These machines are shared and",
+        "noisy: the figures are medians and ratios, and a rerun moves them by several percent.",
         "",
         f"Machine: {machine()}.",
     ]
-    sections = existing_sections(Path(args.out))  # --only keeps the other benchmarks' last figures
     failed = 0
     for bench in chosen:
         print(f"running {bench.name} ...", file=sys.stderr, flush=True)
@@ -174,8 +188,8 @@ def main() -> int:
         sections[bench.title] = section
     for bench in BENCHMARKS:
         if bench.title in sections:
-            lines += ["", f"## {bench.title}", *sections[bench.title]]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+            lines += ["", f"### {bench.title}", *sections[bench.title]]
+    out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 1 if failed else 0
 
