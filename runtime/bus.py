@@ -193,6 +193,8 @@ class EventBus:
             try:
                 event = receive.receive_nowait()
             except anyio.WouldBlock:
+                if self.event_log is not None:
+                    self.event_log.flush()  # idle: what was dispatched reaches the file now
                 try:
                     event = await receive.receive()
                 except anyio.EndOfStream:
