@@ -68,9 +68,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # --- checkpointing (storage/; owner: the storage issue) --------------------------------------------
     ram_dir: str | None = None
     checkpoint_dir: str | None = None
-    disk_every: int = 10
+    disk_every: int = 100
     gcs_uri: str | None = None
-    gcs_every: int = 100
+    gcs_every: int = 1000
     gcs_workers: int = 8
     keep: int = 3
     checkpoint_timeout_s: float = 600.0

@@ -16,7 +16,7 @@ def test_defaults_ram_and_disk_under_the_run_dir_gcs_off(tmp_path: Path) -> None
     checkpointer = TieredCheckpointer.from_config(RuntimeConfig(run_dir=str(tmp_path)), RamTier())
     assert checkpointer is not None and checkpointer.gcs is None and checkpointer.shm is None
     assert checkpointer.disk is not None and checkpointer.disk.root == tmp_path / "checkpoints"
-    assert (checkpointer.disk_every, checkpointer.gcs_every, checkpointer.keep) == (10, 100, 3)
+    assert (checkpointer.disk_every, checkpointer.gcs_every, checkpointer.keep) == (100, 1000, 3)
     assert TieredCheckpointer.from_config(RuntimeConfig(), RamTier()) is None  # nowhere to write
     assert TieredCheckpointer.from_config(RuntimeConfig(run_dir=str(tmp_path), checkpoint_dir=""), RamTier()) is None
 
