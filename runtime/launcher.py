@@ -369,10 +369,18 @@ class Controller:
                     await self.bus.run()
                     bus_done.set()
 
+                helpers = anyio.CancelScope()
+
+                async def run_helpers() -> None:
+                    # The wire, the monitor and the reaper publish events: they end before the bus closes.
+                    with helpers:
+                        async with anyio.create_task_group() as inner:
+                            inner.start_soon(listener.serve, self._serve)
+                            inner.start_soon(watch, self.monitor, self._on_verdict)
+                            inner.start_soon(self._reap)
+
                 tg.start_soon(run_bus)
-                tg.start_soon(listener.serve, self._serve)
-                tg.start_soon(watch, self.monitor, self._on_verdict)
-                tg.start_soon(self._reap)
+                tg.start_soon(run_helpers)
                 try:
                     for _ in range(self.config.nprocs + self.config.spares):
                         self._spawn()
@@ -387,6 +395,7 @@ class Controller:
                         self.monitor.forget(worker)
                     with anyio.CancelScope(shield=True):
                         await self._stop_all(reason or "run finished")
+                        helpers.cancel()
                         for service in self._services:
                             await anyio.to_thread.run_sync(service.shutdown)
                         finished = RunFinished(
@@ -471,8 +480,14 @@ class Controller:
         logfile.close()
         proc = _Proc(worker=worker, popen=popen)
         self.procs[worker] = proc
-        self.bus.publish_nowait(WorkerStarted(source="controller", worker=worker, pid=popen.pid, spare=True))
+        self._publish_nowait(WorkerStarted(source="controller", worker=worker, pid=popen.pid, spare=True))
         return proc
+
+    def _publish_nowait(self, event: Event) -> None:
+        try:
+            self.bus.publish_nowait(event)
+        except BusClosed:  # the run is over; nothing reads events any more
+            log.debug("after the bus closed, dropped %s", type(event).__name__)
 
     def kill(self, worker: int, sig: str, reason: str) -> None:
         proc = self.procs.get(worker)
@@ -480,7 +495,7 @@ class Controller:
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.popen.pid, getattr(signal, f"SIG{sig}"))
-        self.bus.publish_nowait(
+        self._publish_nowait(
             WorkerKilled(step=self.group_step, source="controller", worker=worker, signal=sig, reason=reason)
         )
 
@@ -701,7 +716,7 @@ class Controller:
             self._recovery = _Recovery(
                 cause=reason, started=time.monotonic(), failed_step=self.group_step + 1, lost=set(lost)
             )
-            self.bus.publish_nowait(
+            self._publish_nowait(
                 RecoveryStarted(
                     step=self.group_step + 1, source="controller", cause=reason, last_committed_step=self.group_step
                 )
