@@ -758,6 +758,8 @@ class Controller:
                     self.monitor.forget(worker)
                 self.result.survivor_restarts += len(survivors)
                 survivors = []
+            elif strategy == "reform" and not survivors:
+                strategy = "restart"  # nobody left to re-form with: the state must come from the replica files
             recruits = await self._recruit(
                 survivors, self.config.start_timeout_s if strategy == "start" else self.config.spawn_timeout_s
             )

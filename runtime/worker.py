@@ -79,6 +79,7 @@ def is_worker() -> bool:
 @dataclass(frozen=True)
 class _Faults:
     midstep: int | None = None
+    hang: int | None = None
     replica: int | None = None
 
     @classmethod
@@ -86,8 +87,8 @@ class _Faults:
         values: dict[str, int] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             kind, _, step = item.partition("@")
-            if kind not in ("midstep", "replica") or not step.isdigit():
-                raise ValueError(f"faults: cannot parse {item!r} (want midstep@STEP or replica@STEP)")
+            if kind not in ("midstep", "replica", "hang") or not step.isdigit():
+                raise ValueError(f"faults: cannot parse {item!r} (want midstep@, replica@ or hang@STEP)")
             values[kind] = int(step)
         return cls(**values)
 
@@ -394,6 +395,8 @@ class Worker:
         batch = self._place(self.job.data.batch(position), self.batch_shardings)
         new_state, _metrics = self.compiled(state, batch)
         jax.block_until_ready(new_state)
+        if self.faults.hang == step:
+            threading.Event().wait()  # a deadlock in the step: heartbeats go on, progress stops
         if self.faults.midstep == step:
             _die()  # computed but not committed: the new state must not count
         if self.step_delay_s:

@@ -170,3 +170,17 @@ def test_shrink_to_min_nprocs_then_grow_back_at_a_step_boundary(tmp_path: Path, 
         for key in want.files:
             scale = float(np.max(np.abs(want[key]))) or 1.0
             assert float(np.max(np.abs(got[key] - want[key]))) / scale <= 1e-5, key
+
+
+def test_a_deadlocked_step_is_detected_as_a_hang(tmp_path: Path, reference: Path) -> None:
+    # Process 1's step 12 blocks forever while its heartbeat thread goes on: no progress. Its peers
+    # wait in the collective and stop progressing too, so any of them may be judged hung first; whoever is
+    # replaced, the group recovers with no committed step lost.
+    result, events = run(tmp_path, worker_faults={1: "hang@12"}, hang_timeout_s=2.0, kills=[])
+    assert result.ok and result.step == STEPS
+    hung = [e for e in events if isinstance(e, WorkerHung)]
+    # The hung worker stopped after computing step 12 (not committed: 11); its peers committed 12 and wait.
+    assert hung and all(e.message.startswith(("no progress past step 11", "no progress past step 12")) for e in hung)
+    assert all(e.stalled_s >= 2.0 for e in hung)
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
