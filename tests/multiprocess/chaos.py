@@ -1,9 +1,9 @@
 """Chaos loop for the multi-process mode (``make chaos``; not collected by pytest).
 
 Each round kills real worker processes at random steps with random signals (kill -9 or SIGSTOP), sometimes
-a second one while the group re-forms, sometimes from inside a worker mid-step or mid-replica-write, and
-checks the final state against a fault-free run (bitwise: every recovery keeps the full world size) and the
-event log for lost committed steps.
+a second one while the group re-forms, sometimes from inside a worker mid-step or mid-replica-write, or
+deadlocks a worker's step, and checks the final state against a fault-free run (bitwise: every recovery
+keeps the full world size) and the event log for lost committed steps.
 
     .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1]
 """
@@ -32,7 +32,7 @@ STEPS = 40
 
 
 def plan(rng: random.Random) -> dict[str, Any]:
-    kind = rng.choice(["kill", "kill", "stop", "two", "during-recovery", "midstep", "replica"])
+    kind = rng.choice(["kill", "kill", "stop", "two", "during-recovery", "midstep", "replica", "hang"])
     step = rng.randrange(3, STEPS - 8)
     pid = rng.randrange(NPROCS)
     match kind:
@@ -46,6 +46,8 @@ def plan(rng: random.Random) -> dict[str, Any]:
             return {"kills": [Kill(step, pid)], "kill_during_recovery": rng.randrange(NPROCS)}
         case "midstep":
             return {"kills": [], "worker_faults": {pid: f"midstep@{step}"}}
+        case "hang":
+            return {"kills": [], "worker_faults": {pid: f"hang@{step}"}, "hang_timeout_s": 2.0}
         case _:
             return {"kills": [], "worker_faults": {pid: f"replica@{step}"}}
 
