@@ -1,25 +1,33 @@
-"""A training script for ``elastic-runtime launch``: the demo model, trained by every worker process.
+"""One training script for both modes: run it directly, or as N worker processes under the launcher.
 
-elastic-runtime launch --nprocs 3 -- python examples/multiprocess_train.py --steps 60
+    python examples/multiprocess_train.py --steps 60                      # one process
+    elastic-runtime launch --nprocs 3 -- python examples/multiprocess_train.py --steps 60
+
+Under ``elastic-runtime launch`` each process becomes one worker of a ``jax.distributed`` group (the
+``data`` axis spans processes, ``model`` the devices inside each), the controller supervises them, and
+``run`` does not return in the workers: the controller reports the result.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from runtime import ElasticRuntime, MeshPolicy
 from runtime.demo_model import demo_job
-from runtime.worker import run_worker
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=96)
     args = parser.parse_args()
     job = demo_job(global_batch=args.global_batch, features=args.features, hidden=args.hidden)
-    run_worker(job, steps=args.steps)
+    # Single-process layout; under the launcher the worker builds the multi-process mesh itself.
+    runtime = ElasticRuntime(job, mesh_policy=MeshPolicy({"data": 1, "model": 1}))
+    result = runtime.run(args.steps)
+    print(f"trained {result.step} steps, loss {result.loss:.5f}")
 
 
 if __name__ == "__main__":

@@ -48,14 +48,15 @@ def run_group(
     kills: list[Any],
     strategy: str = "reform",
     printer: Any = None,
+    command: list[str] | None = None,
     **extra: Any,
 ) -> Any:
-    """Run the demo job as a launched group; returns the controller's LaunchResult."""
+    """Run the demo job (or ``command``) as a launched group; returns the controller's LaunchResult."""
     from runtime.events import Event
     from runtime.launcher import Controller, LaunchConfig
 
     config = LaunchConfig(
-        command=worker_command(steps),
+        command=command or worker_command(steps),
         nprocs=processes,
         run_dir=str(run_dir),
         result_path=str(run_dir / "final.npz"),

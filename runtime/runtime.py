@@ -143,7 +143,18 @@ class ElasticRuntime:
     # --- running ---------------------------------------------------------------------------------------
 
     def run(self, steps: int) -> RunResult:
-        """Run to ``steps`` committed steps in a new event loop (for ordinary scripts)."""
+        """Run to ``steps`` committed steps in a new event loop (for ordinary scripts).
+
+        Under ``elastic-runtime launch`` this process is one worker of a multi-process group: the job runs
+        as that worker (``runtime.worker.run_worker``) and the process exits when the group is done, so
+        ``run`` does not return there; the controller keeps the run's record and handlers.
+        """
+        # --- multi-process mode (issue 6): the same script runs under `elastic-runtime launch` ---
+        from runtime.worker import is_worker, run_worker
+
+        if is_worker():
+            run_worker(self.job, steps)
+        # --- end multi-process mode ---
         return anyio.run(self.run_async, steps)
 
     async def run_async(self, steps: int) -> RunResult:

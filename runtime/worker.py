@@ -470,8 +470,9 @@ def _leaves(tree: PyTree) -> list[Any]:
 def run_worker(job: TrainJob, steps: int) -> NoReturn:
     """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
 
-    Call it before touching any JAX device: it configures the CPU device count, gloo collectives and
-    recoverability first. Exits the process (``os._exit``) when the controller says stop.
+    ``ElasticRuntime.run`` calls it when the process was started by ``elastic-runtime launch``. It drops any
+    backend the script created, then configures the CPU device count, gloo collectives and recoverability.
+    Exits the process (``os._exit``) when the controller says stop.
 
     Raises:
         RuntimeError: not started by ``elastic-runtime launch`` (no controller address in the environment).
@@ -479,8 +480,12 @@ def run_worker(job: TrainJob, steps: int) -> NoReturn:
     if not is_worker():
         raise RuntimeError(f"run_worker needs {ENV_CONTROLLER}: start the script with `elastic-runtime launch`")
     import jax
+    import jax.extend.backend
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    # The script may have touched a device already (a default mesh policy does): that local backend must go
+    # before the device count is set and the process joins a group.
+    jax.extend.backend.clear_backends()
     jax.config.update("jax_num_cpu_devices", int(os.environ.get(ENV_LOCAL_DEVICES, "2")))
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Without it the coordination service ends every survivor when one process dies.

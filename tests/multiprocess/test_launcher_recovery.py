@@ -7,6 +7,7 @@ demo model. Every recovery here keeps the group at full size, so the final state
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -182,5 +183,16 @@ def test_a_deadlocked_step_is_detected_as_a_hang(tmp_path: Path, reference: Path
     # The hung worker stopped after computing step 12 (not committed: 11); its peers committed 12 and wait.
     assert hung and all(e.message.startswith(("no progress past step 11", "no progress past step 12")) for e in hung)
     assert all(e.stalled_s >= 2.0 for e in hung)
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
+
+
+def test_an_ordinary_elastic_runtime_script_runs_under_the_launcher(tmp_path: Path, reference: Path) -> None:
+    # examples/multiprocess_train.py is a single-process ElasticRuntime script; launched, each process is a
+    # worker. Same model and data as the reference, so the result is bitwise the same, kill included.
+    script = Path(__file__).parents[2] / "examples" / "multiprocess_train.py"
+    command = [sys.executable, str(script), "--steps", str(STEPS)]
+    result, events = run(tmp_path, kills=[Kill(10, 2)], command=command)
+    assert result.ok and result.strategies == ["start", "reform"]
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)
