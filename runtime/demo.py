@@ -32,6 +32,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--fault-at", type=int, default=None, help="step at which a slice is lost (default steps/3)")
     parser.add_argument("--repair-at", type=int, default=None, help="step at which it returns (default 2*steps/3)")
     parser.add_argument("--no-fault", action="store_true", help="run without injecting a fault")
+    parser.add_argument(
+        "--fault-schedule",
+        metavar="ITEMS",
+        help="faults to inject instead, e.g. 'lose-slice:1@50,repair-slice:1@120,lose-device:0@30s' "
+        "(ACTION:TARGET@STEP or @SECONDSs; TARGET an index or 'random')",
+    )
+    parser.add_argument("--fault-every", type=float, metavar="S", help="lose a random slice every S seconds")
+    parser.add_argument("--repair-after", type=float, default=20.0, metavar="S", help="with --fault-every (default 20)")
     parser.add_argument("--run-dir", default=None, help="where to write events.jsonl (default runs/demo-<time>)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--verify", action="store_true", help="compare with a fault-free run of the same length")
@@ -131,6 +139,7 @@ def main(args: argparse.Namespace) -> int:
     jax.config.update("jax_num_cpu_devices", args.devices)
     from runtime import ElasticRuntime, Event, FaultInjector, MeshPolicy, RuntimeConfig, read_events
     from runtime.demo_model import demo_job
+    from runtime.faults import FaultSchedule
     from runtime.summary import summarize
 
     if len(jax.devices()) < 2 * SLICE_SIZE:
@@ -148,15 +157,25 @@ def main(args: argparse.Namespace) -> int:
     config = RuntimeConfig(run_dir=str(run_dir), scale_up_poll_s=0.1)
     job = demo_job(global_batch=global_batch)
     injector = FaultInjector()
-    lost = tuple(range((slices - 1) * SLICE_SIZE, slices * SLICE_SIZE))
-    if not args.no_fault:
-        injector.lose_devices(fault_at, lost).repair(repair_at, lost)
+    devices = len(jax.devices())
+    try:
+        if args.fault_every:
+            schedule = FaultSchedule.every(
+                args.fault_every, repair_after_s=args.repair_after, slice_size=SLICE_SIZE, devices=devices
+            )
+        else:
+            default = f"lose-slice:{slices - 1}@{fault_at},repair-slice:{slices - 1}@{repair_at}"
+            text = "" if args.no_fault else (args.fault_schedule or default)
+            schedule = FaultSchedule.parse(text, slice_size=SLICE_SIZE, devices=devices)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     say = (lambda *a: None) if args.quiet else print
-    say(f"elastic-runtime demo: {steps} steps on {len(jax.devices())} CPU devices, mesh {policy.target_shape}")
-    if not args.no_fault:
-        say(f"  slice {slices - 1} (devices {list(lost)}) is lost at step {fault_at} and returns at step {repair_at}")
+    say(f"elastic-runtime demo: {steps} steps on {devices} CPU devices, mesh {policy.target_shape}")
+    say(f"  faults (slices of {SLICE_SIZE} devices): {schedule}")
 
     runtime = ElasticRuntime(job, config=config, mesh_policy=policy, injector=injector)
+    runtime.at_step_boundary(schedule.hook(injector))
     if not args.quiet:
         runtime.subscribe(Event, ProgressPrinter(), priority=-100)
     started = time.monotonic()

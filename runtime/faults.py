@@ -12,7 +12,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jax.errors import JaxRuntimeError
 
@@ -108,6 +108,12 @@ class ScheduledAction:
     target: int
     step: int | None = None
     seconds: float | None = None  # of training, since the schedule was started
+    repeat_s: float | None = None  # applied again this many seconds later, and so on
+
+    def __str__(self) -> str:
+        target = "random" if self.target < 0 else str(self.target)
+        when = f"{self.step}" if self.step is not None else f"{self.seconds:g}s"
+        return f"{self.action}:{target}@{when}" + (f" (every {self.repeat_s:g}s)" if self.repeat_s else "")
 
     def due(self, step: int, elapsed: float) -> bool:
         return (self.step is not None and step >= self.step) or (self.seconds is not None and elapsed >= self.seconds)
@@ -120,7 +126,7 @@ class FaultSchedule:
     repair-device; TARGET an index or ``random`` (lose: a slice or device not yet lost; repair: the oldest
     random loss); WHEN a
     step (``120``) or seconds of training (``90s``). Example: ``lose-slice:3@100,repair-slice:3@200``.
-    ``every(period_s, repair_after_s, until_s)`` builds the periodic schedule of the goodput benchmark.
+    ``every(period_s, repair_after_s=...)`` builds the periodic schedule of the goodput benchmark.
     """
 
     def __init__(self, actions: Iterable[ScheduledAction], *, slice_size: int, devices: int, seed: int = 0) -> None:
@@ -156,16 +162,19 @@ class FaultSchedule:
 
     @classmethod
     def every(
-        cls, period_s: float, *, repair_after_s: float, until_s: float, slice_size: int, devices: int, seed: int = 0
+        cls, period_s: float, *, repair_after_s: float, slice_size: int, devices: int, seed: int = 0
     ) -> FaultSchedule:
         """Lose a random slice every ``period_s`` seconds of training and repair it ``repair_after_s`` later."""
-        actions = []
-        at = period_s
-        while at < until_s:
-            actions.append(ScheduledAction("lose-slice", -1, seconds=at))
-            actions.append(ScheduledAction("repair-slice", -1, seconds=at + repair_after_s))
-            at += period_s
+        if not 0 < repair_after_s < period_s:
+            raise ValueError(f"repair_after_s={repair_after_s} must be between 0 and period_s={period_s}")
+        actions = [
+            ScheduledAction("lose-slice", -1, seconds=period_s, repeat_s=period_s),
+            ScheduledAction("repair-slice", -1, seconds=period_s + repair_after_s, repeat_s=period_s),
+        ]
         return cls(actions, slice_size=slice_size, devices=devices, seed=seed)
+
+    def __str__(self) -> str:
+        return ", ".join(str(action) for action in self.pending) or "none"
 
     def hook(
         self, injector: FaultInjector, clock: Callable[[], float] = time.monotonic, start: float | None = None
@@ -183,6 +192,8 @@ class FaultSchedule:
             for action in [a for a in self.pending if a.due(step, elapsed)]:
                 self.pending.remove(action)
                 self._apply(action, injector)
+                if action.repeat_s is not None and action.seconds is not None:
+                    self.pending.append(replace(action, seconds=action.seconds + action.repeat_s))
 
         return apply
 

@@ -44,8 +44,8 @@ def test_schedule_text_by_step_and_by_time() -> None:
 
 
 def test_periodic_random_slices_are_repaired_in_order() -> None:
-    schedule = FaultSchedule.every(60, repair_after_s=20, until_s=180, slice_size=2, devices=8, seed=1)
-    assert len(schedule.pending) == 4  # losses at 60 s and 120 s, each with its repair
+    schedule = FaultSchedule.every(60, repair_after_s=20, slice_size=2, devices=8, seed=1)
+    assert str(schedule) == "lose-slice:random@60s (every 60s), repair-slice:random@80s (every 60s)"
     injector = FaultInjector()
     now = [0.0]
     hook = schedule.hook(injector, clock=lambda: now[0])
@@ -56,6 +56,12 @@ def test_periodic_random_slices_are_repaired_in_order() -> None:
     assert len(lost) == 2 and min(lost) % 2 == 0 and max(lost) == min(lost) + 1
     now[0] = 81
     hook(3)
+    assert injector.dead == frozenset()
+    now[0] = 121  # and again, a minute later
+    hook(4)
+    assert len(injector.dead) == 2
+    now[0] = 141
+    hook(5)
     assert injector.dead == frozenset()
 
 

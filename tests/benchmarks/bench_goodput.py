@@ -43,9 +43,7 @@ def child_runtime(steps: int, run_dir: str, fault_every: float, repair_after: fl
     policy = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=SLICE_SIZE)
     injector = FaultInjector()
     runtime = ElasticRuntime(demo_job(), config=RuntimeConfig(run_dir=run_dir), mesh_policy=policy, injector=injector)
-    schedule = FaultSchedule.every(
-        fault_every, repair_after_s=repair_after, until_s=10**6, slice_size=SLICE_SIZE, devices=8
-    )
+    schedule = FaultSchedule.every(fault_every, repair_after_s=repair_after, slice_size=SLICE_SIZE, devices=8)
     runtime.at_step_boundary(schedule.hook(injector, clock=time.time, start=t0))  # the supervisor's clock
 
     @runtime.on(StepCompleted)
