@@ -29,6 +29,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         device_poll_s: interval of device health polls while waiting.
         scale_up_poll_s: interval of the watch for returning devices; unset turns scale-up off.
         precompile: compile the step for likely degraded meshes in the background.
+        event_batch_s: steps run back to back in the worker thread for up to this long before their events
+            are published (a handler's command interrupts at once); 0 publishes after every step.
 
     Checkpointing (``storage/``; see docs/storage.md):
         ram_dir: mirror every RAM snapshot into this directory (e.g. under ``/dev/shm``) so that it survives a
@@ -65,6 +67,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     device_poll_s: float = 0.5
     scale_up_poll_s: float | None = 1.0
     precompile: bool = True
+    event_batch_s: float = 0.05
     # --- checkpointing (storage/; owner: the storage issue) --------------------------------------------
     ram_dir: str | None = None
     checkpoint_dir: str | None = None
@@ -98,6 +101,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             "device_wait_s": self.device_wait_s >= 0,
             "device_poll_s": self.device_poll_s > 0,
             "scale_up_poll_s": self.scale_up_poll_s is None or self.scale_up_poll_s > 0,
+            "event_batch_s": self.event_batch_s >= 0,
         }
         for name, ok in checks.items():
             if not ok:

@@ -9,8 +9,10 @@ with :class:`StepError`. Nothing is retried behind the user's back.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -94,6 +96,10 @@ class RestoreSource(Protocol):
         ...
 
 
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
 class _StepDone(NamedTuple):
     state: PyTree
     loss: float | None
@@ -152,7 +158,9 @@ class StepExecutor:
         self.ram.failure_listeners.append(self._snapshot_failed)
         # Where a restore looks, fastest first. The storage tiers append themselves after RAM.
         self.restore_sources: list[RestoreSource] = [self.ram]
-        self._from_threads: deque[Event] = deque()  # events raised in copy threads, published at boundaries
+        # Events raised in worker threads (steps, snapshot copies), published by the loop in order.
+        self._from_threads: deque[Event] = deque()
+        self._attention = threading.Event()  # set when a command waits: the step thread returns to the loop
         self._inbox_send: MemoryObjectSendStream[Command]
         self._inbox: MemoryObjectReceiveStream[Command]
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[Command](math.inf)
@@ -181,6 +189,7 @@ class StepExecutor:
 
     def send(self, command: Command) -> None:
         self._inbox_send.send_nowait(command)
+        self._attention.set()  # the worker thread stops after its current step
 
     @property
     def recovering(self) -> bool:
@@ -195,7 +204,7 @@ class StepExecutor:
             while self.step < steps:
                 await self._boundary()
                 if self.step < steps:
-                    await self._one_step()
+                    await self._run_steps(steps)
             self.ram.wait()
             await self._publish_from_threads()
         finally:
@@ -238,10 +247,7 @@ class StepExecutor:
         return jax.block_until_ready(placed)
 
     async def _boundary(self) -> None:
-        for hook in self.hooks:
-            result = hook(self.step + 1)
-            if result is not None:
-                await result
+        """Apply the commands handlers sent; wait for them while paused or recovering."""
         while True:
             recovery = self._recovery
             blocked = self.paused or (recovery is not None and not recovery.resumed)
@@ -340,26 +346,56 @@ class StepExecutor:
             )
         )
 
-    async def _one_step(self) -> None:
-        assert self.mesh is not None and self.compiler is not None
-        step = self.step + 1
+    async def _run_steps(self, target: int) -> None:
+        """Run steps in the worker thread until ``target``, a failure, a command, or ``event_batch_s``.
+
+        Steps run back to back in one thread: a thread hop per step costs more than the runtime's own work
+        on a small model. Their events are published when the thread returns, stamped with commit times.
+        """
+        assert self.mesh is not None
         mesh = self.mesh
-        snapshot = self.config.snapshot_every > 0 and self.ram.due(step)
-        try:
-            done = await anyio.to_thread.run_sync(self._run_step, self.state, step, mesh, self.data_position, snapshot)
-        except Exception as exc:
-            await self._on_failure(exc, step, mesh)
-            return
+        hooks_here = all(not _is_async(hook) for hook in self.hooks)
+        if not hooks_here:  # async hooks need the loop: one step per hop
+            for hook in self.hooks:
+                result = hook(self.step + 1)
+                if result is not None:
+                    await result
+            target = self.step + 1
+        failure = await anyio.to_thread.run_sync(self._steps_in_thread, mesh, target, hooks_here)
+        await self._publish_from_threads()
+        if failure is not None:
+            await self._on_failure(failure[1], failure[0], mesh)
+
+    def _steps_in_thread(self, mesh: Mesh, target: int, run_hooks: bool) -> tuple[int, Exception] | None:
+        """Worker thread: commit steps until ``target``; returns (step, error) if one failed."""
+        self._attention.clear()
+        deadline = time.perf_counter() + self.config.event_batch_s
+        while True:
+            step = self.step + 1
+            try:
+                if run_hooks:
+                    for hook in self.hooks:
+                        hook(step)
+                done = self._run_step(self.state, step, mesh, self.data_position)
+            except Exception as exc:
+                return step, exc
+            self._commit(done, step, mesh)
+            if self.step >= target or self._attention.is_set() or time.perf_counter() >= deadline:
+                return None
+
+    def _commit(self, done: _StepDone, step: int, mesh: Mesh) -> None:
+        """The step's new state replaces the old one; its events wait in ``_from_threads``."""
         self.state, self.step, self.loss = done.state, step, done.loss
         self.data_position += 1
         self.high_water = max(self.high_water, step)
-        await self.bus.publish(
+        shape = mesh_shape(mesh)
+        self._from_threads.append(
             StepCompleted(
                 step=step,
                 source="executor",
                 duration_s=done.seconds,
                 loss=done.loss,
-                mesh_shape=mesh_shape(mesh),
+                mesh_shape=shape,
                 data_position=self.data_position,
                 data_s=done.data_s,
                 snapshot_wait_s=done.snapshot_wait_s,
@@ -368,7 +404,7 @@ class StepExecutor:
         recovery = self._recovery
         if recovery is not None:
             self._recovery = None
-            await self.bus.publish(
+            self._from_threads.append(
                 RecoveryCompleted(
                     step=step,
                     source="executor",
@@ -377,21 +413,21 @@ class StepExecutor:
                     recovery_s=time.monotonic() - recovery.started,
                     lost_steps=recovery.lost_steps,
                     restored_from=recovery.restored_from,
-                    mesh_shape=mesh_shape(mesh),
+                    mesh_shape=shape,
                 )
             )
-        await self._publish_from_threads()
+        if self.config.snapshot_every > 0 and self.ram.due(step):  # after StepCompleted, so it is logged first
+            self.ram.capture(done.state, step=step, data_position=self.data_position, metadata={"mesh": shape})
 
-    def _run_step(self, state: PyTree, step: int, mesh: Mesh, position: int, snapshot: bool) -> _StepDone:
-        """One step, in a worker thread: the user's data loading, tracing and step all run here.
-
-        One thread hop per step: the snapshot capture starts here too, once the step has succeeded.
-        """
+    def _run_step(self, state: PyTree, step: int, mesh: Mesh, position: int) -> _StepDone:
+        """One step, in the worker thread: the user's data loading, tracing and step all run here."""
         assert self.compiler is not None
         loading = time.perf_counter()
         host_batch = self.job.data.batch(position)
         data_s = time.perf_counter() - loading
         compiled = self.compiler.get(mesh)
+        waiting = time.perf_counter()
+        self.ram.wait()  # the previous snapshot's copy, if it is still running: at most one in flight
         started = time.perf_counter()
         batch = jax.device_put(host_batch, self.compiler.batch_shardings(mesh))
         new_state, metrics = compiled(state, batch)
@@ -400,10 +436,7 @@ class StepExecutor:
             self.injector.check(step, device_ids(mesh))
         loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
         loss_value = None if loss is None else float(np.asarray(loss))
-        finished = time.perf_counter()
-        if snapshot:
-            self.ram.capture(new_state, step=step, data_position=position + 1, metadata={"mesh": mesh_shape(mesh)})
-        return _StepDone(new_state, loss_value, finished - started, data_s, time.perf_counter() - finished)
+        return _StepDone(new_state, loss_value, time.perf_counter() - started, data_s, started - waiting)
 
     def _snapshot_done(self, snap: HostSnapshot) -> None:
         self._from_threads.append(

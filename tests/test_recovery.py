@@ -258,7 +258,10 @@ def test_recovery_waits_for_devices_that_come_back(tmp_path: Path, reference: di
 
 
 def test_pause_holds_the_executor_until_resume(tmp_path: Path) -> None:
-    runtime = ElasticRuntime(small_job(), config=config(tmp_path), mesh_policy=LAYOUTS["data4-with-spares"])
+    # Events per step (no batching), so the handler's pause lands at the next boundary.
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, event_batch_s=0.0), mesh_policy=LAYOUTS["data4-with-spares"]
+    )
 
     @runtime.on(StepCompleted)
     async def pause_at_five(event: StepCompleted, ctx: Any) -> None:
@@ -278,6 +281,31 @@ def test_pause_holds_the_executor_until_resume(tmp_path: Path) -> None:
     commits = {e.step: e.mono_time for e in read_events(tmp_path / "events.jsonl") if isinstance(e, StepCompleted)}
     assert sorted(commits) == list(range(1, 11))
     assert max(b - a for a, b in zip(list(commits.values()), list(commits.values())[1:], strict=False)) >= 0.4
+
+
+def test_a_command_interrupts_a_batch_of_steps_at_once(tmp_path: Path) -> None:
+    # Steps run back to back in the worker thread for up to event_batch_s; a command must not wait for that.
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, event_batch_s=60.0), mesh_policy=LAYOUTS["data4-with-spares"]
+    )
+    paused_at: list[int] = []
+
+    class PauseSoon:
+        async def run(self, ctx: Any) -> None:
+            while ctx.step < 5:
+                await anyio.sleep(0.001)
+            ctx.pause("now")
+            paused_at.append(ctx.step)
+            await anyio.sleep(0.3)
+            held = ctx.step
+            ctx.resume("go on")
+            paused_at.append(held)
+
+    runtime.add_component(PauseSoon())
+    result = runtime.run(400)
+    assert result.step == 400
+    requested, held = paused_at
+    assert held <= requested + 1  # the thread stopped after the step it was running
 
 
 def test_too_many_failures_end_the_run(tmp_path: Path) -> None:
