@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn, Protocol
 
@@ -161,6 +162,9 @@ class StepExecutor:
         # Events raised in worker threads (steps, snapshot copies), published by the loop in order.
         self._from_threads: deque[Event] = deque()
         self._attention = threading.Event()  # set when a command waits: the step thread returns to the loop
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
+        self._prefetched: tuple[int, Future[PyTree]] | None = None
+        self._hooked = 0  # the step whose boundary hooks have run
         self._inbox_send: MemoryObjectSendStream[Command]
         self._inbox: MemoryObjectReceiveStream[Command]
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[Command](math.inf)
@@ -209,6 +213,7 @@ class StepExecutor:
             await self._publish_from_threads()
         finally:
             self.ram.close()
+            self._loader.shutdown(wait=True, cancel_futures=True)
         state = await anyio.to_thread.run_sync(jax.device_get, self.state)
         return RunResult(
             state=state,
@@ -248,6 +253,7 @@ class StepExecutor:
 
     async def _boundary(self) -> None:
         """Apply the commands handlers sent; wait for them while paused or recovering."""
+        self._attention.clear()  # before draining: a command sent after this stops the next batch of steps
         while True:
             recovery = self._recovery
             blocked = self.paused or (recovery is not None and not recovery.resumed)
@@ -356,26 +362,35 @@ class StepExecutor:
         mesh = self.mesh
         hooks_here = all(not _is_async(hook) for hook in self.hooks)
         if not hooks_here:  # async hooks need the loop: one step per hop
-            for hook in self.hooks:
-                result = hook(self.step + 1)
-                if result is not None:
-                    await result
             target = self.step + 1
+            if self._hooked != target:
+                self._hooked = target
+                for hook in self.hooks:
+                    result = hook(target)
+                    if result is not None:
+                        await result
+                if self._attention.is_set():
+                    return  # a hook asked for something: the boundary applies it before the step runs
         failure = await anyio.to_thread.run_sync(self._steps_in_thread, mesh, target, hooks_here)
         await self._publish_from_threads()
         if failure is not None:
             await self._on_failure(failure[1], failure[0], mesh)
 
     def _steps_in_thread(self, mesh: Mesh, target: int, run_hooks: bool) -> tuple[int, Exception] | None:
-        """Worker thread: commit steps until ``target``; returns (step, error) if one failed."""
-        self._attention.clear()
+        """Worker thread: commit steps until ``target``; returns (step, error) if one failed.
+
+        Hooks run once per step number, before it; if one sends a command, the thread returns first.
+        """
         deadline = time.perf_counter() + self.config.event_batch_s
         while True:
             step = self.step + 1
             try:
-                if run_hooks:
+                if run_hooks and self._hooked != step:
+                    self._hooked = step
                     for hook in self.hooks:
                         hook(step)
+                    if self._attention.is_set():
+                        return None
                 done = self._run_step(self.state, step, mesh, self.data_position)
             except Exception as exc:
                 return step, exc
@@ -420,10 +435,14 @@ class StepExecutor:
             self.ram.capture(done.state, step=step, data_position=self.data_position, metadata={"mesh": shape})
 
     def _run_step(self, state: PyTree, step: int, mesh: Mesh, position: int) -> _StepDone:
-        """One step, in the worker thread: the user's data loading, tracing and step all run here."""
+        """One step, in the worker thread: the user's data loading, tracing and step all run here.
+
+        The next batch is loaded in the background while this step computes (``data.batch`` runs in one
+        other thread, one call at a time); ``data_s`` is only the time this step waited for its batch.
+        """
         assert self.compiler is not None
         loading = time.perf_counter()
-        host_batch = self.job.data.batch(position)
+        host_batch = self._batch(position)
         data_s = time.perf_counter() - loading
         compiled = self.compiler.get(mesh)
         waiting = time.perf_counter()
@@ -431,12 +450,22 @@ class StepExecutor:
         started = time.perf_counter()
         batch = jax.device_put(host_batch, self.compiler.batch_shardings(mesh))
         new_state, metrics = compiled(state, batch)
+        self._prefetched = (position + 1, self._loader.submit(self.job.data.batch, position + 1))
         jax.block_until_ready(new_state)
         if self.injector is not None:
             self.injector.check(step, device_ids(mesh))
         loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
         loss_value = None if loss is None else float(np.asarray(loss))
         return _StepDone(new_state, loss_value, time.perf_counter() - started, data_s, started - waiting)
+
+    def _batch(self, position: int) -> PyTree:
+        """The batch at ``position``: the prefetched one if it is that position, else loaded now."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == position:
+            return prefetched[1].result()  # a loading error surfaces here, in the step that needs it
+        if prefetched is not None:  # after a restore the position moved: drop it, one call at a time
+            wait([prefetched[1]])
+        return self.job.data.batch(position)
 
     def _snapshot_done(self, snap: HostSnapshot) -> None:
         self._from_threads.append(

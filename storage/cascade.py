@@ -186,12 +186,23 @@ class TieredCheckpointer:
         """
         try:
             await anyio.to_thread.run_sync(self.wait, self.timeout_s)
+            if self.shm is not None:  # the mirror skipped the last snapshot if it was still copying one
+                await anyio.to_thread.run_sync(self._mirror_final)
+                await anyio.to_thread.run_sync(self.wait, self.timeout_s)
             if self.save_on_finish and self.disk is not None:
                 await anyio.to_thread.run_sync(self._commit_final)
                 await anyio.to_thread.run_sync(self.wait, self.timeout_s)
         except TimeoutError as exc:
             log.warning("checkpoints at the end of the run: %s", exc)
         await self._flush(ctx)
+
+    def _mirror_final(self) -> None:
+        try:
+            final = self.ram.latest(None, self.timeout_s)
+        except SnapshotUnavailable:
+            return
+        if self._shm_step < final.step:
+            self._submit_shm(final)
 
     def _commit_final(self) -> None:
         assert self.disk is not None

@@ -5,9 +5,10 @@ its own process started by this script, and lose a slice every 60 s of wall time
 
 - runtime: ``ElasticRuntime`` with its defaults (RAM snapshot every step, disk tier), the slice lost through
   the fault injector and given back 20 s later; recovery happens in-process;
-- checkpoint-restart: a plain JAX loop with Orbax's async ``CheckpointManager`` saving every ``--save-every``
-  steps; at each fault the process is killed (SIGKILL) and started again, restoring the newest checkpoint
-  (on the full mesh: the baseline gets its hardware back at once, in its favour).
+- checkpoint-restart: a plain JAX loop (loading the next batch in the background, as the runtime does) with
+  Orbax's async ``CheckpointManager`` saving every ``--save-every`` steps; at each fault the process is
+  killed (SIGKILL) and started again, restoring the newest checkpoint (on the full mesh: the baseline gets
+  its hardware back at once, in its favour).
 
 Goodput = the computation time of the steps that count (the last run of each step) / wall time from the
 first process start to the end of the last one. Each job prints one line per step; this script reads them.
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +87,14 @@ def child_restart(steps: int, ckpt_dir: str, save_every: int) -> None:
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), job.init(), state_sharding
         )
         state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+    # The next batch loads in the background while a step computes, as the runtime does.
+    loader = ThreadPoolExecutor(max_workers=1)
+    upcoming = loader.submit(job.data.batch, start)
     for step in range(start + 1, steps + 1):
-        host_batch = job.data.batch(step - 1)  # data loading is not step time, as in the runtime's accounting
+        host_batch = upcoming.result()  # data loading is not step time, as in the runtime's accounting
         began = time.perf_counter()
         state, metrics = step_fn(state, jax.device_put(host_batch, batch_sharding))
+        upcoming = loader.submit(job.data.batch, step)
         float(metrics["loss"])
         print(f"step {step} {time.perf_counter() - began:.6f}", flush=True)
         manager.save(step, args=ocp.args.StandardSave(state))

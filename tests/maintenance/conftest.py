@@ -8,15 +8,12 @@ it is missing the Pub/Sub tests skip with a reason that says so; set ``ELASTIC_R
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from pubsub_emulator import EmulatorMissing, PubSubEmulator
-
-PROJECT = "elastic-test"
+from pubsub_support import PROJECT, Topic, make_topic  # noqa: F401 - used by the fixtures
 
 
 def _missing(reason: str) -> None:
@@ -40,29 +37,6 @@ def pubsub_emulator() -> Iterator[PubSubEmulator]:
             yield emulator
         finally:
             emulator.stop()
-
-
-@dataclass
-class Topic:
-    """A topic with one subscription on the emulator, and a publisher for it."""
-
-    project: str
-    topic: str
-    subscription: str
-    publisher: Any
-
-    def publish(self, data: bytes, **attributes: str) -> str:
-        message_id: str = self.publisher.publish(self.topic, data, **attributes).result(timeout=30)
-        return message_id
-
-
-def make_topic(publisher: Any, subscriber: Any, name: str | None = None) -> Topic:
-    name = name or f"t{uuid.uuid4().hex[:12]}"
-    topic = publisher.topic_path(PROJECT, name)
-    subscription = subscriber.subscription_path(PROJECT, f"{name}-sub")
-    publisher.create_topic(name=topic)
-    subscriber.create_subscription(name=subscription, topic=topic, ack_deadline_seconds=10)
-    return Topic(PROJECT, topic, subscription, publisher)
 
 
 @pytest.fixture(scope="session")

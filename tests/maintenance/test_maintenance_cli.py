@@ -10,8 +10,8 @@ from pathlib import Path
 
 import notices
 import pytest
-from conftest import Topic
 from metadata_server import FakeMetadataServer
+from pubsub_support import Topic
 
 CLI = str(Path(sys.executable).with_name("elastic-runtime"))
 

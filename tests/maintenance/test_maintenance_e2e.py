@@ -14,8 +14,8 @@ import anyio
 import anyio.to_thread
 import notices
 import pytest
-from conftest import Topic
 from metadata_server import FakeMetadataServer
+from pubsub_support import Topic
 
 from runtime import (
     CheckpointCommitted,

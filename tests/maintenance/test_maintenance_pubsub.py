@@ -12,8 +12,8 @@ import anyio
 import anyio.to_thread
 import notices
 import pytest
-from conftest import Topic, make_topic
 from pubsub_emulator import PubSubEmulator
+from pubsub_support import Topic, make_topic
 
 from runtime.bus import EventBus
 from runtime.events import (

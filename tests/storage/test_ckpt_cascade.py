@@ -13,8 +13,8 @@ import anyio
 import jax
 import numpy as np
 import pytest
-from conftest import client_for
 from faultproxy import FaultProxy
+from gcs_support import client_for
 from tests_storage_helpers import snapshot
 
 from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, read_events

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BUCKET, Emulator, client_for
 from faultproxy import FaultProxy
+from gcs_support import BUCKET, Emulator, client_for
 
 from storage import manifest as mf
 from storage.disk import DiskTier

@@ -7,8 +7,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import client_for, small_state
 from faultproxy import FaultProxy
+from gcs_support import client_for, small_state
 
 from storage.disk import DiskTier
 from storage.gcs import GcsTier

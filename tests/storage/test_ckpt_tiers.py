@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import BUCKET, small_state
+from gcs_support import BUCKET, small_state
 
 from runtime.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from storage import manifest as mf

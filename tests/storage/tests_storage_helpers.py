@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import small_state
+from gcs_support import small_state
 
 from storage.ram import HostSnapshot
 
