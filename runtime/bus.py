@@ -206,6 +206,11 @@ class EventBus:
             if self.dispatched % _DISPATCH_BATCH == 0:
                 await anyio.lowlevel.checkpoint()
 
+    async def join(self) -> None:
+        """Wait until every event published so far, and any it led to, has been dispatched."""
+        while self.pending or self._work or self._running is not None:
+            await anyio.sleep(0.001)
+
     async def close(self) -> None:
         """Refuse new events; :meth:`run` returns once the pending ones are dispatched."""
         self._closed = True

@@ -399,11 +399,14 @@ class StepExecutor:
                 return None
 
     def _commit(self, done: _StepDone, step: int, mesh: Mesh) -> None:
-        """The step's new state replaces the old one; its events wait in ``_from_threads``."""
-        self.state, self.step, self.loss = done.state, step, done.loss
-        self.data_position += 1
-        self.high_water = max(self.high_water, step)
+        """The step's new state replaces the old one; its events wait in ``_from_threads``.
+
+        The snapshot copy starts before ``self.step`` moves on, so whoever reads ``ctx.step == N`` (a handler
+        asking for a checkpoint) finds the snapshot of N at least in flight; StepCompleted is queued before
+        it, so the log shows the commit before its snapshot.
+        """
         shape = mesh_shape(mesh)
+        position = self.data_position + 1
         self._from_threads.append(
             StepCompleted(
                 step=step,
@@ -411,7 +414,7 @@ class StepExecutor:
                 duration_s=done.seconds,
                 loss=done.loss,
                 mesh_shape=shape,
-                data_position=self.data_position,
+                data_position=position,
                 data_s=done.data_s,
                 snapshot_wait_s=done.snapshot_wait_s,
             )
@@ -431,8 +434,11 @@ class StepExecutor:
                     mesh_shape=shape,
                 )
             )
-        if self.config.snapshot_every > 0 and self.ram.due(step):  # after StepCompleted, so it is logged first
-            self.ram.capture(done.state, step=step, data_position=self.data_position, metadata={"mesh": shape})
+        if self.config.snapshot_every > 0 and self.ram.due(step):
+            self.ram.capture(done.state, step=step, data_position=position, metadata={"mesh": shape})
+        self.state, self.loss, self.data_position = done.state, done.loss, position
+        self.high_water = max(self.high_water, step)
+        self.step = step  # last: the step counts as committed once everything above is in place
 
     def _run_step(self, state: PyTree, step: int, mesh: Mesh, position: int) -> _StepDone:
         """One step, in the worker thread: the user's data loading, tracing and step all run here.

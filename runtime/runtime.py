@@ -180,6 +180,7 @@ class ElasticRuntime:
                 finished = RunFinished(source="runtime", ok=False, reason="cancelled")
                 try:
                     result = await self.executor.run(steps)
+                    await self.bus.join()  # handlers of the last steps' events may still ask for a checkpoint
                     for component in self.components:
                         finish = getattr(component, "finish", None)
                         if finish is not None:
