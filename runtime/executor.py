@@ -209,7 +209,7 @@ class StepExecutor:
                 await self._boundary()
                 if self.step < steps:
                     await self._run_steps(steps)
-            self.ram.wait()
+            await anyio.to_thread.run_sync(self.ram.wait)  # the last snapshot, before the tiers finish
             await self._publish_from_threads()
         finally:
             self.ram.close()
