@@ -14,7 +14,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -161,7 +160,3 @@ def mesh_shape(mesh: Mesh) -> dict[str, int]:
 
 def device_ids(mesh: Mesh) -> tuple[int, ...]:
     return tuple(sorted(int(d.id) for d in mesh.devices.flat))
-
-
-def all_devices() -> list[Any]:
-    return list(jax.devices())
