@@ -3,6 +3,9 @@
 A recovery onto a mesh whose step is already compiled does not wait for XLA. The runtime asks for the
 likely degraded meshes in the background (see ``MeshPolicy.likely_meshes``); a request for a mesh whose
 compile is under way waits for that compile instead of starting a second one.
+
+With ``host_copy`` the compiled step returns a third output, the new state in host memory (see
+``storage.ram``): the RAM snapshot of every step is then made by XLA inside the step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.job import PyTree, TrainJob
 from runtime.mesh import mesh_key
+from storage.ram import host_shardings
 
 
 def _is_spec(x: Any) -> bool:
@@ -35,8 +39,9 @@ def abstract(tree: PyTree) -> PyTree:
 class StepCompiler:
     """Holds the user's step compiled for each mesh it ran or may run on. Thread-safe."""
 
-    def __init__(self, job: TrainJob, state_example: PyTree, batch_example: PyTree) -> None:
+    def __init__(self, job: TrainJob, state_example: PyTree, batch_example: PyTree, *, host_copy: bool = False) -> None:
         self.job = job
+        self.host_copy = host_copy
         self._state_abstract = abstract(state_example)
         self._batch_abstract = abstract(batch_example)
         self._lock = threading.Lock()
@@ -78,9 +83,22 @@ class StepCompiler:
 
     def _compile(self, mesh: Mesh) -> Any:
         state_sharding = self.state_shardings(mesh)
-        jitted = jax.jit(
-            self.job.step,
-            in_shardings=(state_sharding, self.batch_shardings(mesh)),
-            out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
-        )
+        outputs: tuple[Any, ...] = (state_sharding, NamedSharding(mesh, PartitionSpec()))
+        step: Any = self.job.step
+        if self.host_copy:
+            step = _with_host_copy(step, state_sharding)
+            outputs += (host_shardings(state_sharding, self._state_abstract),)
+        jitted = jax.jit(step, in_shardings=(state_sharding, self.batch_shardings(mesh)), out_shardings=outputs)
         return jitted.lower(self._state_abstract, self._batch_abstract).compile()
+
+
+def _with_host_copy(step: Any, state_sharding: PyTree) -> Any:
+    """``step`` returning the new state a second time, for a host-memory output."""
+
+    def step_and_copy(state: PyTree, batch: PyTree) -> tuple[PyTree, Any, PyTree]:
+        new_state, metrics = step(state, batch)
+        # Pinned, so that the host copy's layout does not propagate into how the step itself computes.
+        new_state = jax.lax.with_sharding_constraint(new_state, state_sharding)
+        return new_state, metrics, new_state
+
+    return step_and_copy

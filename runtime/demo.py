@@ -76,10 +76,8 @@ class ProgressPrinter:
         self._last = 0.0
 
     async def __call__(self, event: Any, ctx: Any) -> None:
-        from runtime.events import SnapshotTaken, StepCompleted
+        from runtime.events import StepCompleted
 
-        if isinstance(event, SnapshotTaken):
-            return
         if isinstance(event, StepCompleted):
             now = time.monotonic()
             if now - self._last < self.every_s:

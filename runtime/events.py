@@ -40,7 +40,6 @@ __all__ = [
     "SaveCheckpoint",
     "ScaleUpAvailable",
     "SliceLost",
-    "SnapshotTaken",
     "StateRestored",
     "StepCompleted",
     "StepFailed",
@@ -89,8 +88,9 @@ class RunFinished(Event, frozen=True, kw_only=True):
 class StepCompleted(Event, frozen=True, kw_only=True):
     """Step ``step`` committed: its new state replaced the old one. ``step`` counts committed steps.
 
-    ``duration_s`` is the step's computation; ``data_s`` the time spent loading its batch; ``snapshot_wait_s``
-    the time the step waited for the previous RAM snapshot copy to finish (normally 0).
+    ``duration_s`` is the step's computation; ``data_s`` the time spent loading its batch. ``snapshot`` says
+    the RAM tier holds the state after this step; ``snapshot_wait_s`` is how long training waited for that
+    copy after the step (0 when it is compiled into the step, as with a snapshot every step).
     """
 
     duration_s: float
@@ -98,15 +98,8 @@ class StepCompleted(Event, frozen=True, kw_only=True):
     mesh_shape: dict[str, int]
     data_position: int
     data_s: float = 0.0
+    snapshot: bool = False
     snapshot_wait_s: float = 0.0
-
-
-class SnapshotTaken(Event, frozen=True, kw_only=True):
-    """A host-memory copy of the state after ``step`` is complete and usable for restore."""
-
-    tier: str = "ram"
-    bytes: int
-    seconds: float
 
 
 # --- failures -----------------------------------------------------------------------------------------

@@ -39,7 +39,6 @@ from runtime.events import (
     RecoveryFailed,
     RecoveryStarted,
     RunStarted,
-    SnapshotTaken,
     StateRestored,
     StepCompleted,
     StepFailed,
@@ -106,7 +105,8 @@ class _StepDone(NamedTuple):
     loss: float | None
     seconds: float  # the step's computation
     data_s: float  # loading its batch
-    snapshot_wait_s: float  # waiting for the previous snapshot copy before starting this one
+    snapshot_wait_s: float  # copying the state to host memory after the step (0 when the step did it)
+    host: PyTree | None  # the state in host memory, when this step is snapshotted
 
 
 @dataclass
@@ -155,7 +155,6 @@ class StepExecutor:
         self.injector = injector
         self.hooks: list[BoundaryHook] = []
         self.ram = RamTier(every=max(config.snapshot_every, 1))
-        self.ram.listeners.append(self._snapshot_done)
         self.ram.failure_listeners.append(self._snapshot_failed)
         # Where a restore looks, fastest first. The storage tiers append themselves after RAM.
         self.restore_sources: list[RestoreSource] = [self.ram]
@@ -209,10 +208,8 @@ class StepExecutor:
                 await self._boundary()
                 if self.step < steps:
                     await self._run_steps(steps)
-            await anyio.to_thread.run_sync(self.ram.wait)  # the last snapshot, before the tiers finish
             await self._publish_from_threads()
         finally:
-            self.ram.close()
             self._loader.shutdown(wait=True, cancel_futures=True)
         state = await anyio.to_thread.run_sync(jax.device_get, self.state)
         return RunResult(
@@ -228,7 +225,9 @@ class StepExecutor:
         healthy = await anyio.to_thread.run_sync(self.health.healthy)
         mesh = self.policy.fit(healthy)
         self._initial = self.job.init()
-        self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0))
+        # Snapshotting every step, the copy to host memory is compiled into the step itself.
+        fused = self.config.snapshot_every == 1
+        self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0), host_copy=fused)
         self._set_mesh(mesh)
         self.state = await anyio.to_thread.run_sync(self._place, self._initial, mesh)
         await self.bus.publish(
@@ -401,12 +400,14 @@ class StepExecutor:
     def _commit(self, done: _StepDone, step: int, mesh: Mesh) -> None:
         """The step's new state replaces the old one; its events wait in ``_from_threads``.
 
-        The snapshot copy starts before ``self.step`` moves on, so whoever reads ``ctx.step == N`` (a handler
-        asking for a checkpoint) finds the snapshot of N at least in flight; StepCompleted is queued before
-        it, so the log shows the commit before its snapshot.
+        The snapshot is committed before ``self.step`` moves on, so whoever reads ``ctx.step == N`` (a handler
+        asking for a checkpoint) finds the snapshot of N in the RAM tier.
         """
         shape = mesh_shape(mesh)
         position = self.data_position + 1
+        if done.host is not None:
+            wait = done.snapshot_wait_s
+            self.ram.commit(done.host, step=step, data_position=position, metadata={"mesh": shape}, seconds=wait)
         self._from_threads.append(
             StepCompleted(
                 step=step,
@@ -416,6 +417,7 @@ class StepExecutor:
                 mesh_shape=shape,
                 data_position=position,
                 data_s=done.data_s,
+                snapshot=done.host is not None,
                 snapshot_wait_s=done.snapshot_wait_s,
             )
         )
@@ -434,8 +436,6 @@ class StepExecutor:
                     mesh_shape=shape,
                 )
             )
-        if self.config.snapshot_every > 0 and self.ram.due(step):
-            self.ram.capture(done.state, step=step, data_position=position, metadata={"mesh": shape})
         self.state, self.loss, self.data_position = done.state, done.loss, position
         self.high_water = max(self.high_water, step)
         self.step = step  # last: the step counts as committed once everything above is in place
@@ -451,18 +451,20 @@ class StepExecutor:
         host_batch = self._batch(position)
         data_s = time.perf_counter() - loading
         compiled = self.compiler.get(mesh)
-        waiting = time.perf_counter()
-        self.ram.wait()  # the previous snapshot's copy, if it is still running: at most one in flight
         started = time.perf_counter()
         batch = jax.device_put(host_batch, self.compiler.batch_shardings(mesh))
-        new_state, metrics = compiled(state, batch)
+        new_state, metrics, *fused = compiled(state, batch)
         self._prefetched = (position + 1, self._loader.submit(self.job.data.batch, position + 1))
-        jax.block_until_ready(new_state)
+        jax.block_until_ready((new_state, fused))  # the host copy too: a snapshot is whole or absent
         if self.injector is not None:
             self.injector.check(step, device_ids(mesh))
         loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
         loss_value = None if loss is None else float(np.asarray(loss))
-        return _StepDone(new_state, loss_value, time.perf_counter() - started, data_s, started - waiting)
+        seconds = time.perf_counter() - started
+        host = fused[0] if fused else None
+        if host is None and self.config.snapshot_every > 0 and self.ram.due(step):
+            host = self.ram.copy_to_host(new_state, step=step)  # None when the copy failed (reported as an event)
+        return _StepDone(new_state, loss_value, seconds, data_s, time.perf_counter() - started - seconds, host)
 
     def _batch(self, position: int) -> PyTree:
         """The batch at ``position``: the prefetched one if it is that position, else loaded now."""
@@ -472,11 +474,6 @@ class StepExecutor:
         if prefetched is not None:  # after a restore the position moved: drop it, one call at a time
             wait([prefetched[1]])
         return self.job.data.batch(position)
-
-    def _snapshot_done(self, snap: HostSnapshot) -> None:
-        self._from_threads.append(
-            SnapshotTaken(step=snap.step, source="ram", tier="ram", bytes=snap.nbytes, seconds=snap.seconds)
-        )
 
     def _snapshot_failed(self, step: int, exc: BaseException) -> None:
         reason = f"host copy failed: {type(exc).__name__}: {exc}"

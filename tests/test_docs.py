@@ -17,7 +17,7 @@ import runtime.group_events as gev
 ROOT = Path(__file__).resolve().parent.parent
 
 GROUPS: list[tuple[str, ModuleType, list[str]]] = [
-    ("Run progress", ev, ["RunStarted", "RunFinished", "StepCompleted", "SnapshotTaken"]),
+    ("Run progress", ev, ["RunStarted", "RunFinished", "StepCompleted"]),
     ("Failures (all derive from `Failure`)", ev, [
         "Failure", "StepFailed", "DeviceLost", "SliceLost", "ProcessLost", "WorkerLost", "WorkerHung",
         "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt", "MalformedNotice", "RecoveryFailed",

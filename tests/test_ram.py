@@ -1,16 +1,17 @@
-"""The RAM tier: complete, double-buffered host snapshots; a failed copy keeps the previous one."""
+"""The RAM tier: complete host snapshots, copied once per piece of state; a failed copy keeps the previous one."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from runtime.compiler import shardings_for
 from runtime.errors import SnapshotUnavailable
 from runtime.mesh import MeshPolicy
-from storage.ram import HostSnapshot, RamTier
+from storage.ram import HostSnapshot, RamTier, host_sharding
 
 
 def sharded_state(value: float) -> dict[str, jax.Array]:
@@ -34,7 +35,6 @@ def test_a_snapshot_holds_the_full_state_step_and_data_position() -> None:
     np.testing.assert_array_equal(snap.tree["r"], np.asarray(state["r"]))
     assert snap.nbytes == 8 * 16 * 4 + 3 * 4
     assert seen == [snap]
-    ram.close()
 
 
 def test_snapshots_are_independent_copies() -> None:
@@ -44,7 +44,6 @@ def test_snapshots_are_independent_copies() -> None:
     ram.capture(sharded_state(2.0), step=2, data_position=2, metadata={})
     second = ram.latest()
     assert first.tree["r"][0] == 1.0 and second.tree["r"][0] == 2.0  # the first was not overwritten
-    ram.close()
 
 
 def test_a_failed_copy_leaves_the_previous_snapshot_and_is_reported() -> None:
@@ -52,21 +51,18 @@ def test_a_failed_copy_leaves_the_previous_snapshot_and_is_reported() -> None:
     failures: list[tuple[int, str]] = []
     ram.failure_listeners.append(lambda step, exc: failures.append((step, str(exc))))
     ram.capture(sharded_state(1.0), step=1, data_position=1, metadata={})
-    ram.wait()
     deleted = sharded_state(2.0)
     deleted["w"].delete()  # the copy of this state must fail, as if its device had died
     ram.capture(deleted, step=2, data_position=2, metadata={})
     snap = ram.latest()
     assert snap.step == 1 and snap.tree["r"][0] == 1.0
     assert len(failures) == 1 and failures[0][0] == 2 and "deleted" in failures[0][1]
-    ram.close()
 
 
 def test_no_snapshot_yet_is_an_error() -> None:
     ram = RamTier()
     with pytest.raises(SnapshotUnavailable):
         ram.latest()
-    ram.close()
 
 
 def test_cadence() -> None:
@@ -74,4 +70,27 @@ def test_cadence() -> None:
     assert [s for s in range(1, 10) if ram.due(s)] == [3, 6, 9]
     with pytest.raises(ValueError, match="cadence"):
         RamTier(every=0)
-    ram.close()
+
+
+def test_the_host_copy_holds_each_piece_once() -> None:
+    mesh = MeshPolicy({"data": 4, "model": 2}).fit(jax.devices())
+    cases = {  # (device spec, shape) -> host spec: replicated axes go to the first dimension they divide
+        (P(None, "model"), (256, 64)): P("data", "model"),
+        (P("model"), (64,)): P(("model", "data")),
+        (P(), (6, 8)): P("model", "data"),  # 6 does not divide by 4, so "data" takes the second dimension
+        (P(), (3,)): P(None),  # nothing divides: replicated, still correct
+    }
+    for (spec, shape), expected in cases.items():
+        sharding = host_sharding(NamedSharding(mesh, spec), shape)
+        assert sharding.memory_kind == "pinned_host"
+        assert sharding.spec == expected, (spec, shape, sharding.spec)
+
+
+def test_a_snapshot_is_numpy_only_when_read_and_matches_the_state() -> None:
+    ram = RamTier()
+    state = sharded_state(3.0)
+    ram.capture(state, step=1, data_position=1, metadata={})
+    snap = ram.latest()
+    assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(snap._tree))  # not assembled yet
+    assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(snap.tree))
+    np.testing.assert_array_equal(snap.tree["w"], np.asarray(state["w"]))

@@ -144,11 +144,7 @@ def test_full_disk_fails_the_save_not_the_run(tmp_path: Path, tiny_tmpfs: Path) 
         assert rt.checkpointer is not None
         checkpointer = rt.checkpointer
 
-        def settle() -> None:
-            rt.executor.ram.wait(30)
-            checkpointer.wait(30)
-
-        await anyio.to_thread.run_sync(settle)
+        await anyio.to_thread.run_sync(checkpointer.wait, 30)
 
     rt.at_step_boundary(pace)
     result = rt.run(10)
