@@ -21,6 +21,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     Attributes:
         run_dir: where the event log (``events.jsonl``) is written; no log file when unset.
         snapshot_every: RAM snapshot cadence in steps; 0 turns snapshots off (recovery then restarts at 0).
+        snapshot_mtbf_s: the expected mean time between failures; when set, the RAM snapshot cadence follows
+            the Young-Daly interval sqrt(2 * copy cost * MTBF), measured as the run goes (``runtime.cadence``):
+            fewer copies, a few steps re-done after a failure. ``snapshot_every`` is the first cadence.
         handler_timeout_s: how long one handler call may run before it is cancelled.
         max_pending_events: bound of the bus queue.
         recovery_timeout_s: how long the executor waits for handlers to finish a recovery.
@@ -59,6 +62,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     run_dir: str | None = None
     snapshot_every: int = 1
+    snapshot_mtbf_s: float | None = None
     handler_timeout_s: float = 30.0
     max_pending_events: int = 65536
     recovery_timeout_s: float = 60.0
@@ -94,6 +98,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def __post_init__(self) -> None:
         checks = {
             "snapshot_every": self.snapshot_every >= 0,
+            "snapshot_mtbf_s": self.snapshot_mtbf_s is None or self.snapshot_mtbf_s > 0,
             "handler_timeout_s": self.handler_timeout_s > 0,
             "max_pending_events": self.max_pending_events >= 1,
             "recovery_timeout_s": self.recovery_timeout_s > 0,

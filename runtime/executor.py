@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from jax.sharding import Mesh
 
 from runtime.bus import EventBus
+from runtime.cadence import SnapshotCadence
 from runtime.classify import classify
 from runtime.compiler import StepCompiler
 from runtime.config import RuntimeConfig
@@ -154,7 +155,8 @@ class StepExecutor:
         self.health = health
         self.injector = injector
         self.hooks: list[BoundaryHook] = []
-        self.ram = RamTier(every=max(config.snapshot_every, 1))
+        self.ram = RamTier()
+        self.cadence = SnapshotCadence(max(config.snapshot_every, 1), config.snapshot_mtbf_s)
         self.ram.failure_listeners.append(self._snapshot_failed)
         # Where a restore looks, fastest first. The storage tiers append themselves after RAM.
         self.restore_sources: list[RestoreSource] = [self.ram]
@@ -226,7 +228,7 @@ class StepExecutor:
         mesh = self.policy.fit(healthy)
         self._initial = self.job.init()
         # Snapshotting every step, the copy to host memory is compiled into the step itself.
-        fused = self.config.snapshot_every == 1
+        fused = self.config.snapshot_every == 1 and self.config.snapshot_mtbf_s is None
         self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0), host_copy=fused)
         self._set_mesh(mesh)
         self.state = await anyio.to_thread.run_sync(self._place, self._initial, mesh)
@@ -339,6 +341,7 @@ class StepExecutor:
         self.state = await anyio.to_thread.run_sync(self._place, tree, self.mesh)
         lost = self.high_water - step
         self.step, self.data_position = step, position
+        self.cadence.restarted(step)
         if self._recovery is not None:
             self._recovery.restored_from, self._recovery.lost_steps = origin, lost
         await self.bus.publish(
@@ -461,10 +464,14 @@ class StepExecutor:
         loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
         loss_value = None if loss is None else float(np.asarray(loss))
         seconds = time.perf_counter() - started
-        host = fused[0] if fused else None
-        if host is None and self.config.snapshot_every > 0 and self.ram.due(step):
-            host = self.ram.copy_to_host(new_state, step=step)  # None when the copy failed (reported as an event)
-        return _StepDone(new_state, loss_value, seconds, data_s, time.perf_counter() - started - seconds, host)
+        host, copy_s = (fused[0] if fused else None), 0.0
+        self.cadence.stepped(seconds)
+        if host is None and self.config.snapshot_every > 0 and self.cadence.due(step):
+            copied = self.ram.copy_to_host(new_state, step=step)  # None when the copy failed (reported as an event)
+            if copied is not None:
+                host, copy_s = copied
+                self.cadence.taken(step, copy_s)
+        return _StepDone(new_state, loss_value, seconds, data_s, copy_s, host)
 
     def _batch(self, position: int) -> PyTree:
         """The batch at ``position``: the prefetched one if it is that position, else loaded now."""

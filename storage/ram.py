@@ -99,10 +99,8 @@ def host_shardings(shardings: PyTree, shapes: PyTree) -> PyTree:
 
 
 class RamTier:
-    """Keeps the newest complete host copy of the state.
-
-    Args:
-        every: take a snapshot every ``every`` committed steps (1: every step).
+    """Keeps the newest complete host copy of the state. Which steps are copied is the caller's choice
+    (the executor's: ``runtime.cadence``).
 
     ``listeners`` are called in the training thread with each committed snapshot (keep them short: hand the
     snapshot to your own thread or queue); ``failure_listeners`` with the step and error of a failed copy.
@@ -110,18 +108,12 @@ class RamTier:
 
     name = "ram"
 
-    def __init__(self, every: int = 1) -> None:
-        if every < 1:
-            raise ValueError(f"snapshot cadence must be >= 1 step, got {every}")
-        self.every = every
+    def __init__(self) -> None:
         self.listeners: list[Callable[[HostSnapshot], None]] = []
         self.failure_listeners: list[Callable[[int, BaseException], None]] = []
         self._lock = threading.Lock()
         self._committed: HostSnapshot | None = None
         self._copies: dict[Any, Any] = {}  # host shardings -> the jitted copy into them
-
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
 
     def capture(self, state: PyTree, *, step: int, data_position: int, metadata: dict[str, Any]) -> None:
         """Copy ``state`` (device arrays) to host memory and commit it; blocks until the copy is complete.
@@ -129,22 +121,25 @@ class RamTier:
         Never raises: a copy that fails (its arrays were lost with a device) is reported to
         ``failure_listeners`` and the previous snapshot stays the committed one.
         """
-        started = time.perf_counter()
-        host = self.copy_to_host(state, step=step)
-        if host is not None:
-            seconds = time.perf_counter() - started
+        copied = self.copy_to_host(state, step=step)
+        if copied is not None:
+            host, seconds = copied
             self.commit(host, step=step, data_position=data_position, metadata=metadata, seconds=seconds)
 
-    def copy_to_host(self, state: PyTree, *, step: int) -> PyTree | None:
-        """``state`` copied into host memory (complete on return), or None if the copy failed (reported)."""
+    def copy_to_host(self, state: PyTree, *, step: int) -> tuple[PyTree, float] | None:
+        """``state`` copied into host memory (complete on return) and the seconds the copy took, not counting
+        its compile on a new layout; None if the copy failed (reported)."""
         try:
             leaves, treedef = jax.tree.flatten(state)
             target = tuple(host_sharding(leaf.sharding, leaf.shape) for leaf in leaves)
             copy = self._copies.get((treedef, target))
             if copy is None:
                 out = jax.tree.unflatten(treedef, target)
-                copy = self._copies[(treedef, target)] = jax.jit(lambda tree: tree, out_shardings=out)
-            return jax.block_until_ready(copy(state))
+                copy = jax.jit(lambda tree: tree, out_shardings=out).lower(state).compile()
+                self._copies[(treedef, target)] = copy
+            started = time.perf_counter()
+            host = jax.block_until_ready(copy(state))
+            return host, time.perf_counter() - started
         except Exception as exc:
             self._report(step, exc)
             return None

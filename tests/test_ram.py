@@ -65,13 +65,6 @@ def test_no_snapshot_yet_is_an_error() -> None:
         ram.latest()
 
 
-def test_cadence() -> None:
-    ram = RamTier(every=3)
-    assert [s for s in range(1, 10) if ram.due(s)] == [3, 6, 9]
-    with pytest.raises(ValueError, match="cadence"):
-        RamTier(every=0)
-
-
 def test_the_host_copy_holds_each_piece_once() -> None:
     mesh = MeshPolicy({"data": 4, "model": 2}).fit(jax.devices())
     cases = {  # (device spec, shape) -> host spec: replicated axes go to the first dimension they divide

@@ -1,0 +1,72 @@
+"""Snapshot cadence: fixed, or the Young-Daly interval for an expected failure rate; a sparse snapshot still
+restores exactly."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from runtime import (
+    ElasticRuntime,
+    FaultInjector,
+    MeshPolicy,
+    RecoveryCompleted,
+    RuntimeConfig,
+    StepCompleted,
+    read_events,
+)
+from runtime.cadence import SnapshotCadence
+from runtime.demo import compare_states
+from runtime.demo_model import demo_job
+
+
+def test_a_fixed_cadence_snapshots_every_k_steps_and_counts_from_a_restart() -> None:
+    cadence = SnapshotCadence(3)
+    due = []
+    for step in range(1, 10):
+        if cadence.due(step):
+            due.append(step)
+            cadence.taken(step, copy_s=0.001)
+    assert due == [3, 6, 9] and cadence.every == 3  # no MTBF: measurements change nothing
+    cadence.restarted(4)
+    assert not cadence.due(6) and cadence.due(7)
+
+
+def test_with_an_mtbf_the_cadence_is_the_young_daly_interval_in_steps() -> None:
+    cadence = SnapshotCadence(1, mtbf_s=60.0)
+    assert cadence.due(1)
+    cadence.stepped(0.01)
+    cadence.taken(1, copy_s=0.002)
+    assert cadence.every == round(math.sqrt(2 * 0.002 * 60.0) / 0.01)  # 0.49 s of training: 49 steps
+    assert not cadence.due(49) and cadence.due(50)
+    for _ in range(50):  # the copy got cheaper: snapshots come more often
+        cadence.stepped(0.01)
+        cadence.taken(50, copy_s=0.0005)
+    assert cadence.every == round(math.sqrt(2 * 0.0005 * 60.0) / 0.01)
+
+
+@pytest.mark.parametrize(("every", "mtbf"), [(0, None), (1, 0.0), (1, -5.0)])
+def test_impossible_cadences_are_refused(every: int, mtbf: float | None) -> None:
+    with pytest.raises(ValueError):
+        SnapshotCadence(every, mtbf)
+
+
+def test_a_sparse_snapshot_restores_exactly_and_the_redone_steps_are_counted(tmp_path: Path) -> None:
+    job = lambda: demo_job(global_batch=24, features=16, hidden=64)  # noqa: E731
+    policy = MeshPolicy({"data": 4, "model": 1}, global_batch=24)  # 4 spare devices: the mesh keeps its shape
+    steps, fault = 40, 20
+    reference = ElasticRuntime(job(), config=RuntimeConfig(precompile=False), mesh_policy=policy).run(steps)
+    # An MTBF of a day makes the interval minutes long: only the first step (before any copy was measured)
+    # is snapshotted, and the fault at step 20 goes back to it.
+    config = RuntimeConfig(run_dir=str(tmp_path), snapshot_mtbf_s=86400.0, scale_up_poll_s=None, precompile=False)
+    injector = FaultInjector().lose_devices(fault, [2])
+    result = ElasticRuntime(job(), config=config, mesh_policy=policy, injector=injector).run(steps)
+    events = read_events(tmp_path / "events.jsonl")
+    completed = [e for e in events if isinstance(e, StepCompleted)]
+    assert [e.step for e in completed if e.snapshot] == [1]
+    [recovery] = [e for e in events if isinstance(e, RecoveryCompleted)]
+    assert (recovery.failed_step, recovery.restored_from, recovery.lost_steps) == (fault, "ram", fault - 2)
+    assert [e.step for e in completed] == [*range(1, fault), *range(2, steps + 1)]  # steps 2..19 done twice
+    assert compare_states(result.state, reference.state, bitwise=True)["match"]
