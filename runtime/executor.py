@@ -212,6 +212,7 @@ class StepExecutor:
                     await self._run_steps(steps)
             await self._publish_from_threads()
         finally:
+            self.ram.close()
             self._loader.shutdown(wait=True, cancel_futures=True)
         state = await anyio.to_thread.run_sync(jax.device_get, self.state)
         return RunResult(

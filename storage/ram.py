@@ -3,9 +3,10 @@
 The copy is made by XLA, not by Python: the state is placed in the devices' ``pinned_host`` memory, sharded
 so that each device writes a distinct piece and replicated data is copied once. The executor fuses that
 copy into the compiled step when it snapshots every step (on an accelerator a DMA overlapped with the step;
-on CPU devices a copy spread over the device threads, a few percent of the demo's step); otherwise
-``capture`` runs it as a small compiled copy after the step. Copying in Python instead, shard by shard into
-numpy, cost 1.5 ms a step on the demo model and competed with XLA for the cores.
+on CPU devices a copy spread over the device threads, about 10% of the demo's step on 2 cores); otherwise a
+small compiled copy runs after the due step (``copy_to_host``, synchronous; ``capture``, which runs it in a
+background thread and commits when it completes). Copying in Python instead, shard by shard into numpy, cost
+1.5 ms a step on the demo model and competed with XLA for the cores.
 
 A snapshot is committed only once its arrays are complete, so the committed one is always whole: a failed
 copy leaves the previous one in place. Host arrays are turned into numpy only when someone reads the
@@ -19,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -102,7 +104,7 @@ class RamTier:
     """Keeps the newest complete host copy of the state. Which steps are copied is the caller's choice
     (the executor's: ``runtime.cadence``).
 
-    ``listeners`` are called in the training thread with each committed snapshot (keep them short: hand the
+    ``listeners`` are called with each committed snapshot, in the thread that completed it (keep them short: hand the
     snapshot to your own thread or queue); ``failure_listeners`` with the step and error of a failed copy.
     """
 
@@ -113,36 +115,60 @@ class RamTier:
         self.failure_listeners: list[Callable[[int, BaseException], None]] = []
         self._lock = threading.Lock()
         self._committed: HostSnapshot | None = None
-        self._copies: dict[Any, Any] = {}  # host shardings -> the jitted copy into them
-
-    def capture(self, state: PyTree, *, step: int, data_position: int, metadata: dict[str, Any]) -> None:
-        """Copy ``state`` (device arrays) to host memory and commit it; blocks until the copy is complete.
-
-        Never raises: a copy that fails (its arrays were lost with a device) is reported to
-        ``failure_listeners`` and the previous snapshot stays the committed one.
-        """
-        copied = self.copy_to_host(state, step=step)
-        if copied is not None:
-            host, seconds = copied
-            self.commit(host, step=step, data_position=data_position, metadata=metadata, seconds=seconds)
+        self._copies: dict[Any, Any] = {}  # (tree structure, host shardings) -> the compiled copy
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ram-snapshot")
+        self._in_flight: Future[None] | None = None
 
     def copy_to_host(self, state: PyTree, *, step: int) -> tuple[PyTree, float] | None:
         """``state`` copied into host memory (complete on return) and the seconds the copy took, not counting
         its compile on a new layout; None if the copy failed (reported)."""
         try:
-            leaves, treedef = jax.tree.flatten(state)
-            target = tuple(host_sharding(leaf.sharding, leaf.shape) for leaf in leaves)
-            copy = self._copies.get((treedef, target))
-            if copy is None:
-                out = jax.tree.unflatten(treedef, target)
-                copy = jax.jit(lambda tree: tree, out_shardings=out).lower(state).compile()
-                self._copies[(treedef, target)] = copy
+            copy = self._compiled_copy(state)
             started = time.perf_counter()
             host = jax.block_until_ready(copy(state))
             return host, time.perf_counter() - started
         except Exception as exc:
             self._report(step, exc)
             return None
+
+    def capture(self, state: PyTree, *, step: int, data_position: int, metadata: dict[str, Any]) -> None:
+        """Copy ``state`` (device arrays) to host memory in the background; it is committed once complete.
+
+        Returns at once (the training loop goes on meanwhile; jax arrays are immutable, so the state cannot
+        change under the copy); waits first for a copy still in flight, so at most one runs. Never raises: a
+        copy that fails (its arrays were lost with a device) is reported to ``failure_listeners`` and the
+        previous snapshot stays the committed one.
+        """
+        self.wait()
+        started = time.perf_counter()
+
+        def copy() -> None:
+            copied = self.copy_to_host(state, step=step)  # on CPU devices XLA runs this copy inline: not here
+            if copied is not None:
+                seconds = time.perf_counter() - started
+                self.commit(copied[0], step=step, data_position=data_position, metadata=metadata, seconds=seconds)
+
+        self._in_flight = self._pool.submit(copy)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the copy ``capture`` started, if any."""
+        if self._in_flight is not None:
+            self._in_flight.result(timeout)
+            self._in_flight = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _compiled_copy(self, state: PyTree) -> Any:
+        leaves, treedef = jax.tree.flatten(state)
+        target = tuple(host_sharding(leaf.sharding, leaf.shape) for leaf in leaves)
+        copy = self._copies.get((treedef, target))
+        if copy is None:
+            out = jax.tree.unflatten(treedef, target)
+            copy = self._copies[(treedef, target)] = (
+                jax.jit(lambda tree: tree, out_shardings=out).lower(state).compile()
+            )
+        return copy
 
     def commit(
         self, host: PyTree, *, step: int, data_position: int, metadata: dict[str, Any], seconds: float = 0.0
@@ -168,13 +194,14 @@ class RamTier:
             listener(step, exc)
 
     def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
-        """The newest complete snapshot.
+        """The newest complete snapshot, after the copy ``capture`` started (if any) has finished.
 
-        ``like`` and ``timeout`` are accepted for the restore-source protocol; RAM needs neither.
+        ``like`` is accepted for the restore-source protocol; RAM needs no template.
 
         Raises:
             SnapshotUnavailable: no snapshot has completed yet.
         """
+        self.wait(timeout)
         with self._lock:
             snapshot = self._committed
         if snapshot is None:

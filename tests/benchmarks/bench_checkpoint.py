@@ -1,8 +1,8 @@
 """Checkpointing, side by side in one run on the same 256 MiB state: our tiers against Orbax and the raw disk.
 
-Blocking time per save is what training waits for. Ours: RamTier.capture, which hands the device arrays to the
-copy thread (on an accelerator it also starts their device-to-host transfers); the disk write then runs from
-that host copy in the background. Orbax: an async CheckpointManager.save with StandardSave, which returns
+Blocking time per save is what training waits for. Ours: RamTier.capture, which hands the state to a thread
+that runs the compiled copy into pinned_host memory; the disk write then runs from that host copy in the
+background. Orbax: an async CheckpointManager.save with StandardSave, which returns
 after its own device-to-host copy.
 
 Disk commit throughput is state bytes over the time of DiskTier.save from the host snapshot: the arrays in
