@@ -110,6 +110,28 @@ class _StepDone(NamedTuple):
     host: PyTree | None  # the state in host memory, when this step is snapshotted
 
 
+class _InFlight(NamedTuple):
+    """A step dispatched to the devices and not yet committed."""
+
+    step: int
+    position: int  # the data position its batch came from
+    new_state: PyTree
+    metrics: Any
+    host: PyTree | None  # the host copy compiled into the step, if any
+    dispatched: float  # perf_counter when its program was queued
+    data_s: float
+
+
+def _drain(flight: _InFlight | None) -> None:
+    """Wait for a step dispatched on top of one that failed, so that nothing runs on the devices during
+    recovery. Its own result, and its error if any, are dropped: it was computed from a failed step."""
+    if flight is not None:
+        try:
+            jax.block_until_ready(flight.new_state)
+        except Exception as exc:
+            log.debug("dropped step %d, dispatched after a failed one: %s", flight.step, exc)
+
+
 @dataclass
 class _Recovery:
     cause: str
@@ -382,24 +404,45 @@ class StepExecutor:
     def _steps_in_thread(self, mesh: Mesh, target: int, run_hooks: bool) -> tuple[int, Exception] | None:
         """Worker thread: commit steps until ``target``; returns (step, error) if one failed.
 
-        Hooks run once per step number, before it; if one sends a command, the thread returns first.
+        One step stays in flight: step N+1 is dispatched (its batch loaded, its program queued on the
+        devices) before step N's results are awaited and committed, so that loading, dispatch and the
+        bookkeeping of a commit overlap with the devices' work instead of leaving them idle. Step N+1 reads
+        N's output; when N fails, N+1 is awaited and dropped. Hooks run once per step number, before it is
+        dispatched; once a command is waiting, nothing more is dispatched and the thread returns after
+        committing the step in flight.
         """
         deadline = time.perf_counter() + self.config.event_batch_s
+        flight: _InFlight | None = None
+        ready = 0.0  # when the previous step's results were complete
         while True:
-            step = self.step + 1
-            try:
-                if run_hooks and self._hooked != step:
-                    self._hooked = step
-                    for hook in self.hooks:
-                        hook(step)
-                    if self._attention.is_set():
-                        return None
-                done = self._run_step(self.state, step, mesh, self.data_position)
-            except Exception as exc:
-                return step, exc
-            self._commit(done, step, mesh)
-            if self.step >= target or self._attention.is_set() or time.perf_counter() >= deadline:
-                return None
+            following: _InFlight | None = None
+            error: tuple[int, Exception] | None = None
+            step = (flight.step if flight is not None else self.step) + 1
+            in_time = flight is None or time.perf_counter() < deadline  # a batch has at least one step
+            if step <= target and in_time and not self._attention.is_set():
+                state, position = (
+                    (flight.new_state, flight.position + 1) if flight is not None else (self.state, self.data_position)
+                )
+                try:
+                    if run_hooks and self._hooked != step:
+                        self._hooked = step
+                        for hook in self.hooks:
+                            hook(step)
+                    if not self._attention.is_set():
+                        following = self._dispatch(state, step, mesh, position)
+                except Exception as exc:
+                    error = (step, exc)  # reported once the step in flight is committed
+            if flight is not None:
+                try:
+                    done = self._finish(flight, mesh, ready)
+                except Exception as exc:
+                    _drain(following)
+                    return flight.step, exc
+                ready = time.perf_counter()
+                self._commit(done, flight.step, mesh)
+            if error is not None or following is None:
+                return error
+            flight = following
 
     def _commit(self, done: _StepDone, step: int, mesh: Mesh) -> None:
         """The step's new state replaces the old one; its events wait in ``_from_threads``.
@@ -444,35 +487,41 @@ class StepExecutor:
         self.high_water = max(self.high_water, step)
         self.step = step  # last: the step counts as committed once everything above is in place
 
-    def _run_step(self, state: PyTree, step: int, mesh: Mesh, position: int) -> _StepDone:
-        """One step, in the worker thread: the user's data loading, tracing and step all run here.
+    def _dispatch(self, state: PyTree, step: int, mesh: Mesh, position: int) -> _InFlight:
+        """Load the step's batch and queue the compiled step on the devices; does not wait for it.
 
-        The next batch is loaded in the background while this step computes (``data.batch`` runs in one
-        other thread, one call at a time); ``data_s`` is only the time this step waited for its batch.
+        The next batch is loaded in the background meanwhile (``data.batch`` runs in one other thread, one
+        call at a time); ``data_s`` is only the time this step waited for its batch.
         """
         assert self.compiler is not None
         loading = time.perf_counter()
         host_batch = self._batch(position)
         data_s = time.perf_counter() - loading
         compiled = self.compiler.get(mesh)
-        started = time.perf_counter()
+        dispatched = time.perf_counter()
         batch = jax.device_put(host_batch, self.compiler.batch_shardings(mesh))
         new_state, metrics, *fused = compiled(state, batch)
         self._prefetched = (position + 1, self._loader.submit(self.job.data.batch, position + 1))
-        jax.block_until_ready((new_state, fused))  # the host copy too: a snapshot is whole or absent
+        host = fused[0] if fused else None
+        return _InFlight(step, position, new_state, metrics, host, dispatched, data_s)
+
+    def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float) -> _StepDone:
+        """Wait for a dispatched step; its duration runs from when the devices could start it to its results."""
+        jax.block_until_ready((flight.new_state, flight.host))  # the host copy too: a snapshot is whole or absent
         if self.injector is not None:
-            self.injector.check(step, device_ids(mesh))
+            self.injector.check(flight.step, device_ids(mesh))
+        metrics = flight.metrics
         loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
         loss_value = None if loss is None else float(np.asarray(loss))
-        seconds = time.perf_counter() - started
-        host, copy_s = (fused[0] if fused else None), 0.0
+        seconds = time.perf_counter() - max(flight.dispatched, previous_ready)
+        host, copy_s = flight.host, 0.0
         self.cadence.stepped(seconds)
-        if host is None and self.config.snapshot_every > 0 and self.cadence.due(step):
-            copied = self.ram.copy_to_host(new_state, step=step)  # None when the copy failed (reported as an event)
+        if host is None and self.config.snapshot_every > 0 and self.cadence.due(flight.step):
+            copied = self.ram.copy_to_host(flight.new_state, step=flight.step)  # None: failed, reported as an event
             if copied is not None:
                 host, copy_s = copied
-                self.cadence.taken(step, copy_s)
-        return _StepDone(new_state, loss_value, seconds, data_s, copy_s, host)
+                self.cadence.taken(flight.step, copy_s)
+        return _StepDone(flight.new_state, loss_value, seconds, flight.data_s, copy_s, host)
 
     def _batch(self, position: int) -> PyTree:
         """The batch at ``position``: the prefetched one if it is that position, else loaded now."""

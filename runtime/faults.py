@@ -40,7 +40,9 @@ class FaultInjector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: list[DeviceFault | DeviceRepair] = []
-        self._dead: dict[int, str] = {}  # device id -> status it fails with
+        # device id -> (status it fails with, first step that fails on it). A step already running when a
+        # fault is applied for a later step (the executor keeps one in flight) still completes.
+        self._dead: dict[int, tuple[str, int]] = {}
 
     def lose_devices(self, at_step: int, devices: Iterable[int], status: str = "DATA_LOSS") -> FaultInjector:
         with self._lock:
@@ -56,9 +58,10 @@ class FaultInjector:
             self._pending.append(DeviceRepair(at_step, tuple(devices)))
         return self
 
-    def kill_now(self, devices: Iterable[int], status: str = "DATA_LOSS") -> None:
+    def kill_now(self, devices: Iterable[int], status: str = "DATA_LOSS", from_step: int = 0) -> None:
+        """Kill ``devices`` now: steps from ``from_step`` on (0: every step checked from now) fail on them."""
         with self._lock:
-            self._dead.update(dict.fromkeys(devices, status))
+            self._dead.update(dict.fromkeys(devices, (status, from_step)))
 
     def repair_now(self, devices: Iterable[int]) -> None:
         with self._lock:
@@ -81,7 +84,7 @@ class FaultInjector:
             self._pending = [item for item in self._pending if item.at_step > step]
             for item in sorted(due, key=lambda i: i.at_step):
                 if isinstance(item, DeviceFault):
-                    self._dead.update(dict.fromkeys(item.devices, item.status))
+                    self._dead.update(dict.fromkeys(item.devices, (item.status, item.at_step)))
                 else:
                     for device in item.devices:
                         self._dead.pop(device, None)
@@ -89,8 +92,8 @@ class FaultInjector:
     def check(self, step: int, device_ids: Iterable[int]) -> None:
         """Raise the error a real runtime raises if step ``step`` ran on a dead device."""
         with self._lock:
-            hit = sorted(d for d in device_ids if d in self._dead)
-            status = self._dead[hit[0]] if hit else ""
+            hit = sorted(d for d in device_ids if d in self._dead and self._dead[d][1] <= step)
+            status = self._dead[hit[0]][0] if hit else ""
         if hit:
             raise JaxRuntimeError(f"{status}: device(s) {hit} stopped responding during step {step} (injected)")
 
@@ -191,13 +194,13 @@ class FaultSchedule:
             elapsed = now - self._started
             for action in [a for a in self.pending if a.due(step, elapsed)]:
                 self.pending.remove(action)
-                self._apply(action, injector)
+                self._apply(action, injector, step)
                 if action.repeat_s is not None and action.seconds is not None:
                     self.pending.append(replace(action, seconds=action.seconds + action.repeat_s))
 
         return apply
 
-    def _apply(self, action: ScheduledAction, injector: FaultInjector) -> None:
+    def _apply(self, action: ScheduledAction, injector: FaultInjector, step: int) -> None:
         size = self.slice_size if action.action.endswith("slice") else 1
         if action.target >= 0:
             devices = tuple(range(action.target * size, (action.target + 1) * size))
@@ -213,6 +216,6 @@ class FaultSchedule:
         else:
             return
         if action.action.startswith("lose"):
-            injector.kill_now(devices)
+            injector.kill_now(devices, from_step=step)  # the step about to run, not one already running
         else:
             injector.repair_now(devices)

@@ -17,6 +17,7 @@ overwritten: one handed to a reader stays valid for as long as the reader holds 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -174,7 +175,7 @@ class RamTier:
         self, host: PyTree, *, step: int, data_position: int, metadata: dict[str, Any], seconds: float = 0.0
     ) -> None:
         """Make ``host`` (complete host-memory arrays of the state after ``step``) the committed snapshot."""
-        nbytes = sum(int(leaf.nbytes) for leaf in jax.tree.leaves(host))
+        nbytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(host))
         snapshot = HostSnapshot(
             step=step,
             data_position=data_position,
@@ -184,7 +185,9 @@ class RamTier:
             metadata=dict(metadata),
         )
         with self._lock:
-            self._committed = snapshot
+            replaced, self._committed = self._committed, snapshot
+        if replaced is not None:  # freeing its buffers takes a while: not in the training thread
+            self._pool.submit(_release, replaced)
         for listener in self.listeners:
             listener(snapshot)
 
@@ -207,3 +210,8 @@ class RamTier:
         if snapshot is None:
             raise SnapshotUnavailable("the RAM tier holds no snapshot yet")
         return snapshot
+
+
+def _release(snapshot: HostSnapshot) -> None:
+    """Drops the last reference to a replaced snapshot (unless a reader still holds it), in the pool thread."""
+    del snapshot

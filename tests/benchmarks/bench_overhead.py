@@ -36,7 +36,7 @@ WARMUP = 20
 POLICY = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=2)
 
 
-def bare_loop(steps: int, host_copy: bool = False) -> float:
+def bare_loop(steps: int, host_copy: bool = False, pipelined: bool = False) -> float:
     job = demo_job()
     mesh = POLICY.fit(jax.devices())
     state_sharding = shardings_for(job.state_specs, mesh)
@@ -49,13 +49,20 @@ def bare_loop(steps: int, host_copy: bool = False) -> float:
         outputs += (host_shardings(state_sharding, state),)
     step = jax.jit(fn, in_shardings=(state_sharding, batch_sharding), out_shardings=outputs)
     times = []
+    previous: Any = None
+    started = time.perf_counter()
     for position in range(steps):
-        started = time.perf_counter()
         batch = jax.device_put(job.data.batch(position), batch_sharding)
         state, metrics, *host = step(state, batch)
+        if pipelined:  # read the previous step's loss while this one computes
+            metrics, previous = previous, (metrics, host)
+            if metrics is None:
+                continue
+            metrics, host = metrics
         float(metrics["loss"])
         jax.block_until_ready(host)
         times.append(time.perf_counter() - started)
+        started = time.perf_counter()
     return float(np.median(times[WARMUP:]))
 
 
@@ -90,10 +97,14 @@ def main() -> None:
         "runtime, all defaults": {},
     }
     copy_floor = "bare JAX loop + the host copy in its step"
-    samples: dict[str, list[float]] = {"bare JAX loop": [], copy_floor: [], **{name: [] for name in variants}}
+    pipelined = "bare JAX loop, pipelined"
+    pipelined_floor = "bare JAX loop, pipelined + the host copy"
+    bare = {"bare JAX loop": {}, copy_floor: {"host_copy": True}, pipelined: {"pipelined": True},
+            pipelined_floor: {"pipelined": True, "host_copy": True}}  # fmt: skip
+    samples: dict[str, list[float]] = {name: [] for name in [*bare, *variants]}
     for _ in range(args.repeats):
-        samples["bare JAX loop"].append(bare_loop(args.steps))
-        samples[copy_floor].append(bare_loop(args.steps, host_copy=True))
+        for name, options in bare.items():
+            samples[name].append(bare_loop(args.steps, **options))
         for name, config in variants.items():
             with tempfile.TemporaryDirectory() as tmp:
                 samples[name].append(runtime_loop(args.steps, tmp, **config))
