@@ -13,9 +13,11 @@ its own process started by this script, and lose a slice every 60 s of wall time
   its hardware back at once, in its favour).
 
 Goodput = steps x reference step time / wall time from the first process start to the end of the last one.
-The reference step time is the median step of the baseline: the bare jitted step on the full mesh, measured
-in this invocation. Every other cost (startup, compiles, snapshot copies inside or outside the step, checkpoint
-saves, restarts, recoveries, re-done steps) is wall time that produced no step. Summing each job's own step
+The reference step time is the median step of the bare jitted step on the full mesh, run for 600 steps in
+its own process before and after each job (the mean of the two): the speed of this shared machine drifts
+by more than the differences measured over the minutes a job takes. Every other cost (startup, compiles,
+snapshot copies inside or outside the step, checkpoint saves, restarts, recoveries, re-done steps) is wall
+time that produced no step. Summing each job's own step
 durations instead would count a copy compiled into the runtime's step as productive.
 
     .venv/bin/python tests/benchmarks/bench_goodput.py [--steps 12000] [--fault-every 60] [--json]
@@ -34,10 +36,10 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 SLICE_SIZE = 2
+REFERENCE_STEPS = 600  # each reference run: about 5 s of bare steps
 
 
 def child_runtime(steps: int, run_dir: str, fault_every: float, repair_after: float, t0: float, mtbf: bool) -> None:
@@ -83,16 +85,16 @@ def child_restart(steps: int, ckpt_dir: str, save_every: int) -> None:
         in_shardings=(state_sharding, batch_sharding),
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
     )
-    manager = ocp.CheckpointManager(
-        ckpt_dir, options=ocp.CheckpointManagerOptions(save_interval_steps=save_every, max_to_keep=2)
-    )
-    start = manager.latest_step()
+    options = ocp.CheckpointManagerOptions(save_interval_steps=max(save_every, 1), max_to_keep=2)
+    manager = ocp.CheckpointManager(ckpt_dir, options=options) if save_every else None  # 0: the bare reference
+    start = manager.latest_step() if manager is not None else None
     if start is None:
         state, start = jax.device_put(job.init(), state_sharding), 0
     else:
         abstract = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), job.init(), state_sharding
         )
+        assert manager is not None
         state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
     # The next batch loads in the background while a step computes, as the runtime does.
     loader = ThreadPoolExecutor(max_workers=1)
@@ -104,8 +106,10 @@ def child_restart(steps: int, ckpt_dir: str, save_every: int) -> None:
         upcoming = loader.submit(job.data.batch, step)
         float(metrics["loss"])
         print(f"step {step} {time.perf_counter() - began:.6f}", flush=True)
-        manager.save(step, args=ocp.args.StandardSave(state))
-    manager.wait_until_finished()
+        if manager is not None:
+            manager.save(step, args=ocp.args.StandardSave(state))
+    if manager is not None:
+        manager.wait_until_finished()
 
 
 def supervise(command: list[str], steps: int, fault_every: float | None) -> dict[str, Any]:
@@ -165,32 +169,44 @@ def main() -> None:
     me = [sys.executable, __file__, "--steps", str(args.steps), "--fault-every", str(args.fault_every)]
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, extra in (("runtime", []), ("runtime_young_daly", ["--mtbf"])):
-            command = [*me, "--repair-after", str(args.repair_after), "--child", "runtime", "--dir", f"{tmp}/{name}"]
-            runs[name] = supervise([*command, *extra, "--t0", str(time.time())], args.steps, None)
-        runs["checkpoint_restart"] = supervise(
-            [*me, "--child", "restart", "--dir", str(Path(tmp) / "ckpt"), "--save-every", str(args.save_every)],
-            args.steps,
-            args.fault_every,
-        )
-    reference_s = statistics.median(runs["checkpoint_restart"]["durations"].values())
-    result: dict[str, Any] = {"steps": args.steps, "fault_every_s": args.fault_every, "save_every": args.save_every,
-                              "reference_step_ms": round(reference_s * 1000, 3)}  # fmt: skip
+
+        def reference() -> float:
+            """The bare step's median right now: the machine's speed drifts between jobs."""
+            command = [sys.executable, __file__, "--steps", str(REFERENCE_STEPS), "--child", "restart"]
+            run = supervise([*command, "--dir", f"{tmp}/reference", "--save-every", "0"], REFERENCE_STEPS, None)
+            return statistics.median(run["durations"].values())
+
+        jobs = {
+            "runtime": [*me, "--repair-after", str(args.repair_after), "--child", "runtime", "--dir", f"{tmp}/rt"],
+            "runtime_young_daly": [*me, "--repair-after", str(args.repair_after), "--child", "runtime", "--mtbf",
+                                   "--dir", f"{tmp}/yd"],
+            "checkpoint_restart": [*me, "--child", "restart", "--dir", f"{tmp}/ckpt", "--save-every",
+                                   str(args.save_every)],
+        }  # fmt: skip
+        before = reference()
+        for name, command in jobs.items():
+            if name == "checkpoint_restart":
+                runs[name] = supervise(command, args.steps, args.fault_every)
+            else:
+                runs[name] = supervise([*command, "--t0", str(time.time())], args.steps, None)
+            after = reference()
+            runs[name]["reference_s"], before = (before + after) / 2, after
+    result: dict[str, Any] = {"steps": args.steps, "fault_every_s": args.fault_every, "save_every": args.save_every}
     for name, run in runs.items():
-        own_median = statistics.median(run["durations"].values())
         result[name] = {
             "wall_s": round(run["wall_s"], 2),
-            "goodput": round(args.steps * reference_s / run["wall_s"], 4),
+            "goodput": round(args.steps * run["reference_s"] / run["wall_s"], 4),
             "restarts": run["restarts"],
-            "median_step_ms": round(own_median * 1000, 3),
+            "median_step_ms": round(statistics.median(run["durations"].values()) * 1000, 3),
+            "reference_step_ms": round(run["reference_s"] * 1000, 3),
         }
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"reference step {result['reference_step_ms']} ms")
         for name in runs:
             row = result[name]
-            print(f"{name:20s} goodput {row['goodput']:.1%}  wall {row['wall_s']} s  step {row['median_step_ms']} ms")
+            print(f"{name:20s} goodput {row['goodput']:.1%}  wall {row['wall_s']} s  step {row['median_step_ms']} ms"
+                  f"  reference {row['reference_step_ms']} ms")  # fmt: skip
 
 
 if __name__ == "__main__":
