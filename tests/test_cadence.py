@@ -53,20 +53,32 @@ def test_impossible_cadences_are_refused(every: int, mtbf: float | None) -> None
         SnapshotCadence(every, mtbf)
 
 
-def test_a_sparse_snapshot_restores_exactly_and_the_redone_steps_are_counted(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("cadence", "snapshotted"),
+    [
+        # A fixed cadence: every third step; the fault at step 20 goes back to step 18.
+        ({"snapshot_every": 3}, [3, 6, 9, 12, 15, 18]),
+        # An MTBF of a day makes the interval minutes long: only the first step (before any copy was
+        # measured) is snapshotted, and the fault goes back to it.
+        ({"snapshot_mtbf_s": 86400.0}, [1]),
+    ],
+)
+def test_a_sparse_snapshot_restores_exactly_and_the_redone_steps_are_counted(
+    tmp_path: Path, cadence: dict[str, float], snapshotted: list[int]
+) -> None:
     job = lambda: demo_job(global_batch=24, features=16, hidden=64)  # noqa: E731
     policy = MeshPolicy({"data": 4, "model": 1}, global_batch=24)  # 4 spare devices: the mesh keeps its shape
     steps, fault = 40, 20
     reference = ElasticRuntime(job(), config=RuntimeConfig(precompile=False), mesh_policy=policy).run(steps)
-    # An MTBF of a day makes the interval minutes long: only the first step (before any copy was measured)
-    # is snapshotted, and the fault at step 20 goes back to it.
-    config = RuntimeConfig(run_dir=str(tmp_path), snapshot_mtbf_s=86400.0, scale_up_poll_s=None, precompile=False)
+    config = RuntimeConfig(run_dir=str(tmp_path), scale_up_poll_s=None, precompile=False, **cadence)
     injector = FaultInjector().lose_devices(fault, [2])
     result = ElasticRuntime(job(), config=config, mesh_policy=policy, injector=injector).run(steps)
     events = read_events(tmp_path / "events.jsonl")
     completed = [e for e in events if isinstance(e, StepCompleted)]
-    assert [e.step for e in completed if e.snapshot] == [1]
+    restored = snapshotted[-1]
+    assert [e.step for e in completed if e.snapshot and e.step < fault] == snapshotted
     [recovery] = [e for e in events if isinstance(e, RecoveryCompleted)]
-    assert (recovery.failed_step, recovery.restored_from, recovery.lost_steps) == (fault, "ram", fault - 2)
-    assert [e.step for e in completed] == [*range(1, fault), *range(2, steps + 1)]  # steps 2..19 done twice
+    assert (recovery.failed_step, recovery.restored_from) == (fault, "ram")
+    assert recovery.lost_steps == fault - 1 - restored
+    assert [e.step for e in completed] == [*range(1, fault), *range(restored + 1, steps + 1)]  # none skipped
     assert compare_states(result.state, reference.state, bitwise=True)["match"]
