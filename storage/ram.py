@@ -56,7 +56,7 @@ class HostSnapshot:
         self.step = step
         self.data_position = data_position
         self.nbytes = nbytes
-        self.seconds = seconds  # how long training waited for the copy beyond the step itself
+        self.seconds = seconds  # how long the copy took beyond the step (0 when compiled into the step)
         self.metadata = metadata
         self._tree = tree
         self._numpy = False
@@ -105,8 +105,9 @@ class RamTier:
     """Keeps the newest complete host copy of the state. Which steps are copied is the caller's choice
     (the executor's: ``runtime.cadence``).
 
-    ``listeners`` are called with each committed snapshot, in the thread that completed it (keep them short: hand the
-    snapshot to your own thread or queue); ``failure_listeners`` with the step and error of a failed copy.
+    ``listeners`` are called with each committed snapshot, in the thread that completed it (keep them short:
+    hand the snapshot to your own thread or queue); ``failure_listeners`` with the step and error of a failed
+    copy.
     """
 
     name = "ram"
@@ -144,7 +145,8 @@ class RamTier:
         started = time.perf_counter()
 
         def copy() -> None:
-            copied = self.copy_to_host(state, step=step)  # on CPU devices XLA runs this copy inline: not here
+            # In this thread: on CPU devices XLA runs the copy in the thread that calls it.
+            copied = self.copy_to_host(state, step=step)
             if copied is not None:
                 seconds = time.perf_counter() - started
                 self.commit(copied[0], step=step, data_position=data_position, metadata=metadata, seconds=seconds)
