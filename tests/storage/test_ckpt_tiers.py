@@ -10,26 +10,15 @@ import jax
 import numpy as np
 import pytest
 from gcs_support import BUCKET, small_state
+from tests_storage_helpers import snapshot
 
 from runtime.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from storage import manifest as mf
 from storage.disk import DiskTier
 from storage.gcs import GcsTier
-from storage.ram import HostSnapshot
 from storage.tier import CheckpointTier
 
 Corrupt = Callable[[int, str, Callable[[bytes], bytes]], None]  # (step, relative path, how)
-
-
-def snapshot(step: int) -> HostSnapshot:
-    return HostSnapshot(
-        step=step,
-        data_position=10 * step,
-        tree=small_state(step),
-        nbytes=0,
-        seconds=0.0,
-        metadata={"mesh": {"data": 8}, "rng": [step, 7], "note": "ok"},
-    )
 
 
 def same(a: object, b: object) -> None:
