@@ -86,13 +86,13 @@ class StepCompiler:
         outputs: tuple[Any, ...] = (state_sharding, NamedSharding(mesh, PartitionSpec()))
         step: Any = self.job.step
         if self.host_copy:
-            step = with_host_copy(step, state_sharding)
+            step = _with_host_copy(step, state_sharding)
             outputs += (host_shardings(state_sharding, self._state_abstract),)
         jitted = jax.jit(step, in_shardings=(state_sharding, self.batch_shardings(mesh)), out_shardings=outputs)
         return jitted.lower(self._state_abstract, self._batch_abstract).compile()
 
 
-def with_host_copy(step: Any, state_sharding: PyTree) -> Any:
+def _with_host_copy(step: Any, state_sharding: PyTree) -> Any:
     """``step`` returning the new state a second time, for a host-memory output."""
 
     def step_and_copy(state: PyTree, batch: PyTree) -> tuple[PyTree, Any, PyTree]:

@@ -1,13 +1,15 @@
 """Steady-state cost of the runtime against the bare JAX loop, same model, same mesh, same process.
 
-The bare loop is what a user writes without us: the same step jitted with the same shardings, batches put
-on the mesh, the loss read back every step (as a loop that logs it does). The runtime runs the same job
-with snapshots off, with a RAM snapshot every step (both without the disk tier), and with every default on
-(RAM snapshot every step, disk every 100 steps, background compiles, the scale-up watcher). A fifth contender,
-the bare loop with the runtime's host copy compiled into its step, is the floor for any runtime that copies
-the state to host memory every step on this machine: the copy's own cost, without the runtime. Runs alternate, each
-repeated; the figure is the median time per step over the steady state (the first 20 steps, which include
-compiles, are left out), and the overhead is the ratio to the bare loop's median from the same invocation.
+The bare loop is what a user writes without us: the same step compiled with the same shardings (the
+runtime's own ``StepCompiler``), batches put on the mesh, the loss read back every step (as a loop that logs
+it does). Three more bare loops: with the runtime's host copy compiled into the step (the copy's own cost,
+the floor for any runtime that copies the state to host memory every step on this machine), pipelined
+(one step in flight, as the runtime's executor runs), and pipelined with the host copy. The runtime runs
+the same job with snapshots off, with a RAM snapshot every step (both without the disk tier), and with every
+default on (RAM snapshot every step, disk every 100 steps, background compiles, the scale-up watcher). Runs
+alternate, each repeated; the figure is the median time per step over the steady state (the first 20 steps,
+which include compiles, are left out), and the overhead is the ratio to the blocking bare loop's median from
+the same invocation.
 
     .venv/bin/python tests/benchmarks/bench_overhead.py [--steps 300] [--repeats 5] [--json]
 """
@@ -24,41 +26,37 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, StepCompleted, read_events  # noqa: E402
-from runtime.compiler import shardings_for, with_host_copy  # noqa: E402
+from runtime.compiler import StepCompiler  # noqa: E402
 from runtime.demo_model import demo_job  # noqa: E402
-from storage.ram import host_shardings  # noqa: E402
 
 WARMUP = 20
 POLICY = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=2)
 
 
 def bare_loop(steps: int, host_copy: bool = False, pipelined: bool = False) -> float:
+    """A plain loop around the runtime's own compiled step (with ``host_copy``, the one that also writes the
+    state to host memory), so that the contenders differ only in what drives the step."""
     job = demo_job()
     mesh = POLICY.fit(jax.devices())
-    state_sharding = shardings_for(job.state_specs, mesh)
-    batch_sharding = shardings_for(job.batch_spec, mesh)
-    state = jax.device_put(job.init(), state_sharding)
-    outputs: tuple[Any, ...] = (state_sharding, NamedSharding(mesh, P()))
-    fn: Any = job.step
-    if host_copy:  # exactly the copy the runtime compiles into its step
-        fn = with_host_copy(job.step, state_sharding)
-        outputs += (host_shardings(state_sharding, state),)
-    step = jax.jit(fn, in_shardings=(state_sharding, batch_sharding), out_shardings=outputs)
+    initial = job.init()
+    compiler = StepCompiler(job, initial, job.data.batch(0), host_copy=host_copy)
+    step = compiler.get(mesh)
+    batch_sharding = compiler.batch_shardings(mesh)
+    state = jax.device_put(initial, compiler.state_shardings(mesh))
     times = []
     previous: Any = None
     started = time.perf_counter()
     for position in range(steps):
         batch = jax.device_put(job.data.batch(position), batch_sharding)
         state, metrics, *host = step(state, batch)
-        if pipelined:  # read the previous step's loss while this one computes
-            metrics, previous = previous, (metrics, host)
-            if metrics is None:
+        pending = (metrics, host)
+        if pipelined:  # wait for the previous step while this one computes
+            pending, previous = previous, pending
+            if pending is None:
                 continue
-            metrics, host = metrics
+        metrics, host = pending
         float(metrics["loss"])
         jax.block_until_ready(host)
         times.append(time.perf_counter() - started)
