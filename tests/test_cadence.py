@@ -82,3 +82,18 @@ def test_a_sparse_snapshot_restores_exactly_and_the_redone_steps_are_counted(
     assert recovery.lost_steps == fault - 1 - restored
     assert [e.step for e in completed] == [*range(1, fault), *range(restored + 1, steps + 1)]  # none skipped
     assert compare_states(result.state, reference.state, bitwise=True)["match"]
+
+
+def test_a_snapshot_every_step_is_copied_inside_the_step_and_a_sparser_one_after_it(tmp_path: Path) -> None:
+    policy = MeshPolicy({"data": 4, "model": 2}, global_batch=24)
+    for every in (1, 2):
+        run_dir = tmp_path / str(every)
+        config = RuntimeConfig(run_dir=str(run_dir), snapshot_every=every, scale_up_poll_s=None, precompile=False)
+        ElasticRuntime(demo_job(global_batch=24, features=16, hidden=64), config=config, mesh_policy=policy).run(6)
+        completed = [e for e in read_events(run_dir / "events.jsonl") if isinstance(e, StepCompleted)]
+        snapshotted = [e for e in completed if e.snapshot]
+        assert [e.step for e in snapshotted] == list(range(every, 7, every))
+        if every == 1:  # compiled into the step: nothing waited for after it
+            assert all(e.snapshot_wait_s == 0.0 for e in snapshotted)
+        else:  # a separate compiled copy after each due step
+            assert all(e.snapshot_wait_s > 0.0 for e in snapshotted)
