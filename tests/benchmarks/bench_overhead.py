@@ -11,7 +11,12 @@ alternate, each repeated; the figure is the median time per step over the steady
 which include compiles, are left out), and the overhead is the ratio to the blocking bare loop's median from
 the same invocation.
 
+On 8 or more devices the mesh is data 4 x model 2, as in the demo; on fewer (one GPU, say) it is data over all
+of them. ``--batch/--features/--hidden`` scale the demo model up, so that a step on an accelerator is long
+enough to be more than dispatch.
+
     .venv/bin/python tests/benchmarks/bench_overhead.py [--steps 300] [--repeats 5] [--json]
+        [--batch 96 --features 256 --hidden 2048]
 """
 
 from __future__ import annotations
@@ -32,14 +37,20 @@ from runtime.compiler import StepCompiler  # noqa: E402
 from runtime.demo_model import demo_job  # noqa: E402
 
 WARMUP = 20
-POLICY = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=2)
+MODEL = {"global_batch": 96, "features": 256, "hidden": 2048}
+
+
+def policy() -> MeshPolicy:
+    devices = len(jax.devices())
+    axes = {"data": 4, "model": 2} if devices >= 8 else {"data": devices, "model": 1}
+    return MeshPolicy(axes, global_batch=MODEL["global_batch"], slice_size=axes["model"])
 
 
 def bare_loop(steps: int, host_copy: bool = False, pipelined: bool = False) -> float:
     """A plain loop around the runtime's own compiled step (with ``host_copy``, the one that also writes the
     state to host memory), so that the contenders differ only in what drives the step."""
-    job = demo_job()
-    mesh = POLICY.fit(jax.devices())
+    job = demo_job(**MODEL)
+    mesh = policy().fit(jax.devices())
     initial = job.init()
     compiler = StepCompiler(job, initial, job.data.batch(0), host_copy=host_copy)
     step = compiler.get(mesh)
@@ -64,8 +75,9 @@ def bare_loop(steps: int, host_copy: bool = False, pipelined: bool = False) -> f
     return float(np.median(times[WARMUP:]))
 
 
-def runtime_loop(steps: int, tmp: str, **config: Any) -> float:
-    result = ElasticRuntime(demo_job(), config=RuntimeConfig(run_dir=tmp, **config), mesh_policy=POLICY).run(steps)
+def runtime_loop(steps: int, tmp: str, **options: Any) -> float:
+    config = RuntimeConfig(run_dir=tmp, **options)
+    result = ElasticRuntime(demo_job(**MODEL), config=config, mesh_policy=policy()).run(steps)
     assert result.events_path is not None
     commits = [e.mono_time for e in read_events(result.events_path) if isinstance(e, StepCompleted)]
     return float(np.median(np.diff(commits[WARMUP:])))  # commit to commit: everything between steps counts
@@ -78,7 +90,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    for name, default in MODEL.items():
+        parser.add_argument(f"--{name.removeprefix('global_')}", type=int, default=default, dest=name)
     args = parser.parse_args()
+    MODEL.update({name: getattr(args, name) for name in MODEL})
     variants: dict[str, dict[str, Any]] = {
         "runtime, snapshots off": {
             "snapshot_every": 0,
@@ -117,6 +132,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
     else:
+        print(f"{len(jax.devices())} x {jax.devices()[0].device_kind}, model {MODEL}")
         for name, row in rows.items():
             print(f"{name:42s} {row['ms_per_step']:8.3f} ms/step  x{row['ratio_to_bare']:.4f}")
 
