@@ -4,8 +4,10 @@ A recovery onto a mesh whose step is already compiled does not wait for XLA. The
 likely degraded meshes in the background (see ``MeshPolicy.likely_meshes``); a request for a mesh whose
 compile is under way waits for that compile instead of starting a second one.
 
-With ``host_copy`` the compiled step returns a third output, the new state in host memory (see
-``storage.ram``): the RAM snapshot of every step is then made by XLA inside the step.
+With ``host_copy`` the compiled step takes a third argument and returns a third output: host-memory arrays
+of the state's layout (``host_shardings``), donated, and the new state written into them (see
+``storage.ram``). The RAM snapshot of every step is then made by XLA inside the step, into the buffers of
+a snapshot that is no longer needed (or fresh ones, ``host_buffers``), so no new host memory is taken.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -47,9 +50,32 @@ class StepCompiler:
         self._lock = threading.Lock()
         self._compiled: dict[Any, Future[Any]] = {}
         self._batch_shardings: dict[Any, PyTree] = {}
+        self._host_shardings: dict[Any, PyTree] = {}
+        self._host_buffers: dict[Any, Any] = {}
 
     def state_shardings(self, mesh: Mesh) -> PyTree:
         return shardings_for(self.job.state_specs, mesh)
+
+    def host_shardings(self, mesh: Mesh) -> PyTree:
+        """The layout of the state's copy in host memory on ``mesh`` (``storage.ram.host_shardings``)."""
+        key = mesh_key(mesh)
+        shardings = self._host_shardings.get(key)
+        if shardings is None:  # built once per mesh: this runs on every step
+            state = self.state_shardings(mesh)
+            shardings = self._host_shardings[key] = host_shardings(state, self._state_abstract)
+        return shardings
+
+    def host_buffers(self, mesh: Mesh) -> PyTree:
+        """Fresh host-memory arrays for the fused copy to write into, when no spare one is at hand."""
+        key = mesh_key(mesh)
+        make = self._host_buffers.get(key)
+        if make is None:
+
+            def zeros() -> PyTree:
+                return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._state_abstract)
+
+            make = self._host_buffers[key] = jax.jit(zeros, out_shardings=self.host_shardings(mesh))
+        return make()
 
     def batch_shardings(self, mesh: Mesh) -> PyTree:
         key = mesh_key(mesh)
@@ -83,19 +109,32 @@ class StepCompiler:
 
     def _compile(self, mesh: Mesh) -> Any:
         state_sharding = self.state_shardings(mesh)
+        inputs: tuple[Any, ...] = (state_sharding, self.batch_shardings(mesh))
         outputs: tuple[Any, ...] = (state_sharding, NamedSharding(mesh, PartitionSpec()))
-        step: Any = self.job.step
-        if self.host_copy:
-            step = _with_host_copy(step, state_sharding)
-            outputs += (host_shardings(state_sharding, self._state_abstract),)
-        jitted = jax.jit(step, in_shardings=(state_sharding, self.batch_shardings(mesh)), out_shardings=outputs)
-        return jitted.lower(self._state_abstract, self._batch_abstract).compile()
+        args: tuple[Any, ...] = (self._state_abstract, self._batch_abstract)
+        if not self.host_copy:
+            jitted = jax.jit(self.job.step, in_shardings=inputs, out_shardings=outputs)
+        else:
+            host = self.host_shardings(mesh)
+            step = _with_host_copy(self.job.step, state_sharding)
+            # keep_unused: jit would otherwise drop the unread buffers argument, and its donation with it.
+            jitted = jax.jit(
+                step,
+                in_shardings=(*inputs, host),
+                out_shardings=(*outputs, host),
+                donate_argnums=2,
+                keep_unused=True,
+            )
+            args += (self._state_abstract,)
+        return jitted.lower(*args).compile()
 
 
 def _with_host_copy(step: Any, state_sharding: PyTree) -> Any:
-    """``step`` returning the new state a second time, for a host-memory output."""
+    """``step`` returning the new state a second time, for a host-memory output; ``buffers`` (donated, of
+    the same shapes and host layout) are only there for XLA to write that output into."""
 
-    def step_and_copy(state: PyTree, batch: PyTree) -> tuple[PyTree, Any, PyTree]:
+    def step_and_copy(state: PyTree, batch: PyTree, buffers: PyTree) -> tuple[PyTree, Any, PyTree]:
+        del buffers
         new_state, metrics = step(state, batch)
         # Pinned, so that the host copy's layout does not propagate into how the step itself computes.
         new_state = jax.lax.with_sharding_constraint(new_state, state_sharding)

@@ -453,8 +453,14 @@ class StepExecutor:
         shape = mesh_shape(mesh)
         position = self.data_position + 1
         if done.host is not None:
-            wait = done.snapshot_wait_s
-            self.ram.commit(done.host, step=step, data_position=position, metadata={"mesh": shape}, seconds=wait)
+            self.ram.commit(
+                done.host,
+                step=step,
+                data_position=position,
+                metadata={"mesh": shape},
+                seconds=done.snapshot_wait_s,
+                reuse=self.compiler is not None and self.compiler.host_copy,  # fused copies write into spares
+            )
         self._from_threads.append(
             StepCompleted(
                 step=step,
@@ -497,12 +503,18 @@ class StepExecutor:
         loading = time.perf_counter()
         host_batch = self._batch(position)
         data_s = time.perf_counter() - loading
-        compiled = self.compiler.get(mesh)
+        compiler = self.compiler
+        compiled = compiler.get(mesh)
         dispatched = time.perf_counter()
-        batch = jax.device_put(host_batch, self.compiler.batch_shardings(mesh))
-        new_state, metrics, *fused = compiled(state, batch)
+        batch = jax.device_put(host_batch, compiler.batch_shardings(mesh))
+        host = None
+        if compiler.host_copy:  # the copy is written into a replaced snapshot's buffers, or fresh ones
+            buffers = self.ram.take_spare(compiler.host_shardings(mesh))
+            buffers = compiler.host_buffers(mesh) if buffers is None else buffers
+            new_state, metrics, host = compiled(state, batch, buffers)
+        else:
+            new_state, metrics = compiled(state, batch)
         self._prefetched = (position + 1, self._loader.submit(self.job.data.batch, position + 1))
-        host = fused[0] if fused else None
         return _InFlight(step, position, new_state, metrics, host, dispatched, data_s)
 
     def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float) -> _StepDone:

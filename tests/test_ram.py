@@ -1,4 +1,5 @@
-"""The RAM tier: complete host snapshots, copied once per piece of state; a failed copy keeps the previous one."""
+"""The RAM tier: complete host snapshots, copied once per piece of state; a failed copy keeps the previous one;
+the buffers of a snapshot replaced unread are reused for the next copy, never those of one someone reads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime.compiler import shardings_for
+from runtime.compiler import StepCompiler, shardings_for
+from runtime.demo_model import demo_job
 from runtime.errors import SnapshotUnavailable
 from runtime.mesh import MeshPolicy
 from storage.ram import HostSnapshot, RamTier, host_sharding
@@ -87,3 +89,65 @@ def test_a_snapshot_is_numpy_only_when_read_and_matches_the_state() -> None:
     assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(snap._tree))  # not assembled yet
     assert all(isinstance(leaf, np.ndarray) for leaf in jax.tree.leaves(snap.tree))
     np.testing.assert_array_equal(snap.tree["w"], np.asarray(state["w"]))
+
+
+def host_copy(value: float) -> dict[str, jax.Array]:
+    state = sharded_state(value)
+    return jax.device_put(state, jax.tree.map(lambda x: host_sharding(x.sharding, x.shape), state))
+
+
+def pointers(tree: dict[str, jax.Array]) -> list[int]:
+    return [shard.data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(tree) for shard in leaf.addressable_shards]
+
+
+def test_a_snapshot_replaced_unread_hands_its_buffers_back_and_a_read_one_does_not() -> None:
+    ram = RamTier()
+    first, second, third = host_copy(1.0), host_copy(2.0), host_copy(3.0)
+    layout = jax.tree.map(lambda x: x.sharding, first)
+    ram.commit(first, step=1, data_position=1, metadata={}, reuse=True)
+    ram.commit(second, step=2, data_position=2, metadata={}, reuse=True)
+    spare = ram.take_spare(layout)
+    assert spare is not None and pointers(spare) == pointers(first)
+    assert ram.take_spare(layout) is None  # handed out once
+    ram.latest().tree  # noqa: B018  step 2 is read: numpy views may share its buffers
+    ram.commit(third, step=3, data_position=3, metadata={}, reuse=True)
+    assert ram.take_spare(layout) is None
+
+
+def test_a_snapshot_still_held_by_a_reader_is_not_reused_until_dropped() -> None:
+    ram = RamTier()
+    layout = jax.tree.map(lambda x: x.sharding, host_copy(0.0))
+    ram.commit(host_copy(1.0), step=1, data_position=1, metadata={}, reuse=True)
+    held = ram.latest()  # a slower tier writing it out, say
+    ram.commit(host_copy(2.0), step=2, data_position=2, metadata={}, reuse=True)
+    assert ram.take_spare(layout) is None
+    del held
+    assert ram.take_spare(layout) is not None
+
+
+def test_a_spare_of_another_layout_is_dropped() -> None:
+    ram = RamTier()
+    ram.commit(host_copy(1.0), step=1, data_position=1, metadata={}, reuse=True)
+    ram.commit(host_copy(2.0), step=2, data_position=2, metadata={}, reuse=True)
+    smaller = MeshPolicy({"data": 2, "model": 2}).fit(jax.devices()[:4])
+    other = {"w": host_sharding(NamedSharding(smaller, P("data", "model")), (8, 16))}
+    other["r"] = host_sharding(NamedSharding(smaller, P()), (3,))
+    assert ram.take_spare(other) is None
+    assert ram.take_spare(other) is None  # and it is gone, not kept for later
+
+
+def test_the_fused_step_writes_its_host_copy_into_the_buffers_it_is_given() -> None:
+    job = demo_job(global_batch=24, features=16, hidden=64)
+    count = len(jax.devices())  # 8 CPU devices here; tests/benchmarks/gpu_check.sh runs it on one GPU too
+    axes = {"data": 4, "model": 2} if count >= 8 else {"data": count, "model": 1}
+    mesh = MeshPolicy(axes, global_batch=24).fit(jax.devices())
+    initial = job.init()
+    compiler = StepCompiler(job, initial, job.data.batch(0), host_copy=True)
+    state = jax.device_put(initial, compiler.state_shardings(mesh))
+    batch = jax.device_put(job.data.batch(0), compiler.batch_shardings(mesh))
+    buffers = compiler.host_buffers(mesh)
+    before = pointers(buffers)
+    new_state, _, host = compiler.get(mesh)(state, batch, buffers)
+    assert pointers(host) == before  # donated: no new host memory
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(buffers))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(host), jax.device_get(new_state))

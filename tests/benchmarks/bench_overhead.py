@@ -6,16 +6,19 @@ it does). Three more bare loops: with the runtime's host copy compiled into the 
 the floor for any runtime that copies the state to host memory every step on this machine), pipelined
 (one step in flight, as the runtime's executor runs), and pipelined with the host copy. The runtime runs
 the same job with snapshots off, with a RAM snapshot every step (both without the disk tier), and with every
-default on (RAM snapshot every step, disk every 100 steps, background compiles, the scale-up watcher). Runs
-alternate, each repeated; the figure is the median time per step over the steady state (the first 20 steps,
-which include compiles, are left out), and the overhead is the ratio to the blocking bare loop's median from
-the same invocation.
+default on (RAM snapshot every step, disk every 100 steps, background compiles, the scale-up watcher).
+
+Each repeat runs every contender once, one after another; a contender's time is its median time per step
+over the steady state (the first 20 steps, which include compiles, are left out). Its overhead is the ratio
+to the blocking bare loop's time *of the same repeat*, and the figure is the median of those ratios over
+the repeats, with their range: the machine's speed drifts by more than the effects measured, and pairing
+each contender with a bare loop run seconds apart cancels the drift that a ratio of overall medians keeps.
 
 On 8 or more devices the mesh is data 4 x model 2, as in the demo; on fewer (one GPU, say) it is data over all
 of them. ``--batch/--features/--hidden`` scale the demo model up, so that a step on an accelerator is long
 enough to be more than dispatch.
 
-    .venv/bin/python tests/benchmarks/bench_overhead.py [--steps 300] [--repeats 5] [--json]
+    .venv/bin/python tests/benchmarks/bench_overhead.py [--steps 200] [--repeats 12] [--json]
         [--batch 96 --features 256 --hidden 2048]
 """
 
@@ -58,10 +61,15 @@ def bare_loop(steps: int, host_copy: bool = False, pipelined: bool = False) -> f
     state = jax.device_put(initial, compiler.state_shardings(mesh))
     times = []
     previous: Any = None
+    spare: Any = None  # host buffers whose copy was read: the next copy writes into them, as in the runtime
     started = time.perf_counter()
     for position in range(steps):
         batch = jax.device_put(job.data.batch(position), batch_sharding)
-        state, metrics, *host = step(state, batch)
+        if host_copy:
+            buffers = compiler.host_buffers(mesh) if spare is None else spare
+            state, metrics, *host = step(state, batch, buffers)
+        else:
+            state, metrics, *host = step(state, batch)
         pending = (metrics, host)
         if pipelined:  # wait for the previous step while this one computes
             pending, previous = previous, pending
@@ -70,6 +78,7 @@ def bare_loop(steps: int, host_copy: bool = False, pipelined: bool = False) -> f
         metrics, host = pending
         float(metrics["loss"])
         jax.block_until_ready(host)
+        spare = host[0] if host else None
         times.append(time.perf_counter() - started)
         started = time.perf_counter()
     return float(np.median(times[WARMUP:]))
@@ -87,8 +96,8 @@ def main() -> None:
     import tempfile
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--json", action="store_true")
     for name, default in MODEL.items():
         parser.add_argument(f"--{name.removeprefix('global_')}", type=int, default=default, dest=name)
@@ -121,20 +130,21 @@ def main() -> None:
         for name, config in variants.items():
             with tempfile.TemporaryDirectory() as tmp:
                 samples[name].append(runtime_loop(args.steps, tmp, **config))
-    bare = float(np.median(samples["bare JAX loop"]))
-    rows = {
-        name: {
-            "ms_per_step": round(float(np.median(v)) * 1000, 3),
-            "ratio_to_bare": round(float(np.median(v)) / bare, 4),
+    rows = {}
+    for name, times in samples.items():
+        ratios = [t / b for t, b in zip(times, samples["bare JAX loop"], strict=True)]
+        rows[name] = {
+            "ms_per_step": round(float(np.median(times)) * 1000, 3),
+            "ratio_to_bare": round(float(np.median(ratios)), 4),
+            "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
         }
-        for name, v in samples.items()
-    }
     if args.json:
         print(json.dumps(rows))
     else:
         print(f"{len(jax.devices())} x {jax.devices()[0].device_kind}, model {MODEL}")
         for name, row in rows.items():
-            print(f"{name:42s} {row['ms_per_step']:8.3f} ms/step  x{row['ratio_to_bare']:.4f}")
+            low, high = row["ratio_range"]
+            print(f"{name:42s} {row['ms_per_step']:8.3f} ms/step  x{row['ratio_to_bare']:.4f}  ({low}-{high})")
 
 
 if __name__ == "__main__":

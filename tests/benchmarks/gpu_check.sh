@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, as one short script for a lent GPU machine whose python3 already has jax with CUDA and
-# orbax-checkpoint: issue 3's blocking time per save against Orbax async with a state of several GB, and
-# issue 2's steady-state overhead against the bare JAX loop, on the demo model and on a scaled-up one.
+# orbax-checkpoint: that the fused host copy writes into the donated buffers on a GPU too, issue 3's
+# blocking time per save against Orbax async with a state of several GB, and issue 2's steady-state
+# overhead against the bare JAX loop, on the demo model and on a scaled-up one.
 # Our other dependencies travel as wheels in .whl/ (git-ignored), fetched on the machine that sends them:
 #
 #     .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -35,6 +36,7 @@ part() {  # part NAME SECONDS COMMAND...: run one check under a time limit, its 
 nvidia-smi -L
 part smoke 90 python3 -c 'import jax, orbax.checkpoint as ocp, runtime, storage.ram
 print(jax.__version__, ocp.__version__, jax.devices())'
+part fused_copy_donation 120 python3 -m pytest -q -p no:cacheprovider tests/test_ram.py -k fused_step
 part checkpoint_4gib 180 python3 tests/benchmarks/bench_checkpoint.py --mb 4096 --repeats 3 --blocking-only --dir /tmp/ckpt
 part overhead_demo_model 90 python3 tests/benchmarks/bench_overhead.py --steps 300 --repeats 3
 part overhead_large_model 110 python3 tests/benchmarks/bench_overhead.py --steps 200 --repeats 3 \

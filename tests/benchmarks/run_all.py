@@ -48,7 +48,7 @@ BENCHMARKS = [
         "overhead",
         "Steady-state overhead against the bare JAX loop",
         "bench_overhead.py",
-        ("--steps", "600", "--repeats", "5"),
+        ("--steps", "200", "--repeats", "12"),
         "<= 1.02x with snapshots off, <= 1.05x with a RAM snapshot every step",
         lambda r: (
             r["runtime, snapshots off"]["ratio_to_bare"] <= 1.02
