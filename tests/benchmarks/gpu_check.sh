@@ -38,6 +38,6 @@ part smoke 90 python3 -c 'import jax, orbax.checkpoint as ocp, runtime, storage.
 print(jax.__version__, ocp.__version__, jax.devices())'
 part fused_copy_donation 120 python3 -m pytest -q -p no:cacheprovider tests/test_ram.py -k fused_step
 part checkpoint_4gib 180 python3 tests/benchmarks/bench_checkpoint.py --mb 4096 --repeats 3 --blocking-only --dir /tmp/ckpt
-part overhead_demo_model 90 python3 tests/benchmarks/bench_overhead.py --steps 300 --repeats 3
-part overhead_large_model 110 python3 tests/benchmarks/bench_overhead.py --steps 200 --repeats 3 \
+part overhead_demo_model 150 python3 tests/benchmarks/bench_overhead.py --steps 200 --repeats 8
+part overhead_large_model 150 python3 tests/benchmarks/bench_overhead.py --steps 200 --repeats 5 \
     --batch 256 --features 1024 --hidden 16384
