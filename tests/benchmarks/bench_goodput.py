@@ -20,7 +20,9 @@ snapshot copies inside or outside the step, checkpoint saves, restarts, recoveri
 time that produced no step. Summing each job's own step
 durations instead would count a copy compiled into the runtime's step as productive.
 
-    .venv/bin/python tests/benchmarks/bench_goodput.py [--steps 12000] [--fault-every 60] [--json]
+With ``--rounds N`` the three jobs run N times in turn and each figure is the median over the rounds.
+
+    .venv/bin/python tests/benchmarks/bench_goodput.py [--steps 12000] [--fault-every 60] [--rounds 1] [--json]
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ def main() -> None:
     parser.add_argument("--fault-every", type=float, default=60.0)
     parser.add_argument("--repair-after", type=float, default=20.0)
     parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=1, help="run every job this many times (medians)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", choices=["runtime", "restart"], help=argparse.SUPPRESS)
     parser.add_argument("--mtbf", action="store_true", help=argparse.SUPPRESS)
@@ -167,7 +170,7 @@ def main() -> None:
         return child_restart(args.steps, args.dir, args.save_every)
 
     me = [sys.executable, __file__, "--steps", str(args.steps), "--fault-every", str(args.fault_every)]
-    runs: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
 
         def reference() -> float:
@@ -176,37 +179,54 @@ def main() -> None:
             run = supervise([*command, "--dir", f"{tmp}/reference", "--save-every", "0"], REFERENCE_STEPS, None)
             return statistics.median(run["durations"].values())
 
-        jobs = {
-            "runtime": [*me, "--repair-after", str(args.repair_after), "--child", "runtime", "--dir", f"{tmp}/rt"],
-            "runtime_young_daly": [*me, "--repair-after", str(args.repair_after), "--child", "runtime", "--mtbf",
-                                   "--dir", f"{tmp}/yd"],
-            "checkpoint_restart": [*me, "--child", "restart", "--dir", f"{tmp}/ckpt", "--save-every",
-                                   str(args.save_every)],
-        }  # fmt: skip
+        def jobs(round_dir: str) -> dict[str, list[str]]:
+            """Each round in its own directories: a job must not resume from the last round's checkpoints."""
+            repair = ["--repair-after", str(args.repair_after)]
+            return {
+                "runtime": [*me, *repair, "--child", "runtime", "--dir", f"{round_dir}/rt"],
+                "runtime_young_daly": [*me, *repair, "--child", "runtime", "--mtbf", "--dir", f"{round_dir}/yd"],
+                "checkpoint_restart": [*me, "--child", "restart", "--dir", f"{round_dir}/ckpt", "--save-every",
+                                       str(args.save_every)],
+            }  # fmt: skip
+
         before = reference()
-        for name, command in jobs.items():
-            if name == "checkpoint_restart":
-                runs[name] = supervise(command, args.steps, args.fault_every)
-            else:
-                runs[name] = supervise([*command, "--t0", str(time.time())], args.steps, None)
-            after = reference()
-            runs[name]["reference_s"], before = (before + after) / 2, after
-    result: dict[str, Any] = {"steps": args.steps, "fault_every_s": args.fault_every, "save_every": args.save_every}
-    for name, run in runs.items():
+        for round_number in range(args.rounds):
+            for name, command in jobs(f"{tmp}/round{round_number}").items():
+                if name == "checkpoint_restart":
+                    run = supervise(command, args.steps, args.fault_every)
+                else:
+                    run = supervise([*command, "--t0", str(time.time())], args.steps, None)
+                after = reference()
+                run["reference_s"], before = (before + after) / 2, after
+                run["goodput"] = args.steps * run["reference_s"] / run["wall_s"]
+                run["median_step_s"] = statistics.median(run.pop("durations").values())
+                runs.setdefault(name, []).append(run)
+    result: dict[str, Any] = {
+        "steps": args.steps,
+        "fault_every_s": args.fault_every,
+        "save_every": args.save_every,
+        "rounds": args.rounds,
+    }
+    for name, rounds in runs.items():
+
+        def median(key: str, rounds: list[dict[str, Any]] = rounds) -> float:
+            return statistics.median(run[key] for run in rounds)
+
         result[name] = {
-            "wall_s": round(run["wall_s"], 2),
-            "goodput": round(args.steps * run["reference_s"] / run["wall_s"], 4),
-            "restarts": run["restarts"],
-            "median_step_ms": round(statistics.median(run["durations"].values()) * 1000, 3),
-            "reference_step_ms": round(run["reference_s"] * 1000, 3),
+            "wall_s": round(median("wall_s"), 2),
+            "goodput": round(median("goodput"), 4),
+            "goodput_each_round": [round(run["goodput"], 4) for run in rounds],
+            "restarts": max(run["restarts"] for run in rounds),
+            "median_step_ms": round(median("median_step_s") * 1000, 3),
+            "reference_step_ms": round(median("reference_s") * 1000, 3),
         }
     if args.json:
         print(json.dumps(result))
     else:
         for name in runs:
             row = result[name]
-            print(f"{name:20s} goodput {row['goodput']:.1%}  wall {row['wall_s']} s  step {row['median_step_ms']} ms"
-                  f"  reference {row['reference_step_ms']} ms")  # fmt: skip
+            print(f"{name:20s} goodput {row['goodput']:.1%} {row['goodput_each_round']}  wall {row['wall_s']} s"
+                  f"  step {row['median_step_ms']} ms  reference {row['reference_step_ms']} ms")  # fmt: skip
 
 
 if __name__ == "__main__":
