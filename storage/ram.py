@@ -67,7 +67,6 @@ class HostSnapshot:
         self.seconds = seconds  # how long the copy took beyond the step (0 when compiled into the step)
         self.metadata = metadata
         self._tree = tree
-        self._numpy = False
         self._lock = threading.Lock()
         # Holds the host arrays until the snapshot is read; ``on_unread`` gets them if it never is.
         self._unread = [tree]
@@ -77,10 +76,8 @@ class HostSnapshot:
     @property
     def tree(self) -> PyTree:
         with self._lock:
-            if not self._numpy:
-                self._tree = jax.tree.map(np.asarray, self._tree)  # numpy views may share the host buffers
-                self._numpy = True
-                self._unread.clear()
+            if self._unread:  # the first read: numpy views may share the host buffers from now on
+                self._tree = jax.tree.map(np.asarray, self._unread.pop())
             return self._tree
 
     def __repr__(self) -> str:
