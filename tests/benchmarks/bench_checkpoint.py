@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from storage.disk import DiskTier  # noqa: E402
-from storage.ram import RamTier  # noqa: E402
+from storage.ram import HostSnapshot, RamTier  # noqa: E402
 
 
 def make_state(megabytes: int, leaves: int = 16) -> tuple[dict[str, jax.Array], dict[str, NamedSharding]]:
@@ -106,17 +106,8 @@ def run_blocking(megabytes: int, repeats: int, directory: Path) -> dict[str, Any
     results: dict[str, list[float]] = {"ours_block_s": [], "ours_copy_s": [], "orbax_block_s": []}
     try:
         for r in range(1, repeats + 1):
-            started = time.perf_counter()
-            ram.capture(state, step=r, data_position=r, metadata={})
-            results["ours_block_s"].append(time.perf_counter() - started)
-            snapshot = ram.latest(None, timeout=600)
-            assembling = time.perf_counter()
-            snapshot.tree  # noqa: B018  assembled into numpy, as the disk thread would: part of the host copy
-            results["ours_copy_s"].append(snapshot.seconds + time.perf_counter() - assembling)
-            started = time.perf_counter()
-            manager.save(r, args=ocp.args.StandardSave(state))
-            results["orbax_block_s"].append(time.perf_counter() - started)
-            manager.wait_until_finished()
+            save_to_ram(ram, state, r, results)
+            save_with_orbax(manager, state, r, results)
     finally:
         manager.close()
         ram.close()
@@ -131,6 +122,29 @@ def run_blocking(megabytes: int, repeats: int, directory: Path) -> dict[str, Any
         "host_copy_ms_ours_in_background": round(med["ours_copy_s"] * 1000, 1),
         "all_ms": {k: [round(x * 1000, 2) for x in v] for k, v in results.items()},
     }
+
+
+def save_to_ram(ram: RamTier, state: Any, step: int, results: dict[str, list[float]]) -> HostSnapshot:
+    """Our save: records its blocking time (``ours_block_s``) and the host copy's time in the background
+    (``ours_copy_s``), including the assembly into numpy that the disk thread would do."""
+    started = time.perf_counter()
+    ram.capture(state, step=step, data_position=step, metadata={})
+    results["ours_block_s"].append(time.perf_counter() - started)
+    snapshot = ram.latest(None, timeout=600)
+    assembling = time.perf_counter()
+    snapshot.tree  # noqa: B018  assembled into numpy here: part of the host copy
+    results["ours_copy_s"].append(snapshot.seconds + time.perf_counter() - assembling)
+    return snapshot
+
+
+def save_with_orbax(manager: ocp.CheckpointManager, state: Any, step: int, results: dict[str, list[float]]) -> float:
+    """Orbax's async save: records its blocking time (``orbax_block_s``), waits for it to finish and returns
+    when it started."""
+    started = time.perf_counter()
+    manager.save(step, args=ocp.args.StandardSave(state))
+    results["orbax_block_s"].append(time.perf_counter() - started)
+    manager.wait_until_finished()
+    return started
 
 
 def run(megabytes: int, repeats: int, directory: Path) -> dict[str, Any]:
@@ -165,13 +179,7 @@ def run(megabytes: int, repeats: int, directory: Path) -> dict[str, Any]:
             # Interleaved, so that load from other processes on the machine hits every contender alike.
             results["raw_write_s"].append(raw_write(directory, flat))
 
-            started = time.perf_counter()
-            ram.capture(state, step=r, data_position=r, metadata={})
-            results["ours_block_s"].append(time.perf_counter() - started)
-            snapshot = ram.latest(None, timeout=300)
-            assembling = time.perf_counter()
-            snapshot.tree  # noqa: B018  assembled into numpy here, as the disk thread would: part of the host copy
-            results["ours_copy_s"].append(snapshot.seconds + time.perf_counter() - assembling)
+            snapshot = save_to_ram(ram, state, r, results)
             started = time.perf_counter()
             disk.save(snapshot, timeout=600)
             results["ours_disk_commit_s"].append(time.perf_counter() - started)
@@ -181,10 +189,7 @@ def run(megabytes: int, repeats: int, directory: Path) -> dict[str, Any]:
             for old in [i.step for i in shm.list(timeout=60)][2:]:
                 shm.delete(old, timeout=60)
 
-            started = time.perf_counter()
-            manager.save(r, args=ocp.args.StandardSave(state))
-            results["orbax_block_s"].append(time.perf_counter() - started)
-            manager.wait_until_finished()
+            started = save_with_orbax(manager, state, r, results)
             results["orbax_commit_s"].append(time.perf_counter() - started)
 
             started = time.perf_counter()
