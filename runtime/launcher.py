@@ -201,7 +201,7 @@ class _Recovery:
     failed_step: int
     lost: set[int]
     strategy: str = ""
-    restore_step: int = 0
+    restore_step: int | None = None  # set once the new group is formed; until then no commit ends the recovery
     restored_from: str = ""
     lost_steps: int = 0
 
@@ -648,7 +648,9 @@ class Controller:
                 )
             )
             recovery = self._recovery
-            if recovery is not None and self.group_step > recovery.restore_step:
+            # A step the old group commits while the failure waits for a re-form (its members had all reported
+            # it) advances the group, but only a step past the new group's restore point ends the recovery.
+            if recovery is not None and recovery.restore_step is not None and self.group_step > recovery.restore_step:
                 self._recovery = None
                 seconds = time.monotonic() - recovery.started
                 record = {
