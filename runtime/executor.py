@@ -503,6 +503,9 @@ class StepExecutor:
         loading = time.perf_counter()
         host_batch = self._batch(position)
         data_s = time.perf_counter() - loading
+        # The next batch loads from now on, through this step's dispatch and the previous one's commit: on CPU
+        # devices the dispatch itself can take half a step, and a batch loaded only after it was often late.
+        self._prefetched = (position + 1, self._loader.submit(self.job.data.batch, position + 1))
         compiler = self.compiler
         compiled = compiler.get(mesh)
         dispatched = time.perf_counter()
@@ -514,7 +517,6 @@ class StepExecutor:
             new_state, metrics, host = compiled(state, batch, buffers)
         else:
             new_state, metrics = compiled(state, batch)
-        self._prefetched = (position + 1, self._loader.submit(self.job.data.batch, position + 1))
         return _InFlight(step, position, new_state, metrics, host, dispatched, data_s)
 
     def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float) -> _StepDone:
