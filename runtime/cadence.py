@@ -4,7 +4,7 @@ A snapshot every step loses no work to a failure, but pays for a copy of the sta
 every M seconds on average and a copy costing C seconds, snapshots every tau seconds of training lose about
 C/tau of the time to copying and tau/(2M) to re-doing work after a failure; tau = sqrt(2*C*M) minimises the
 sum (Young 1974, Daly 2006). The cadence measures C (the copy after a due step) and the step time as the run
-goes, and turns tau into steps.
+goes (the copy as the extra time of a snapshotted step over the average step), and turns tau into steps.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 import math
 
 _SMOOTHING = 0.2  # weight of the newest measurement in the running averages
+# A copy measured at no cost (the difference of two noisy step times) still costs something: without a
+# floor the interval would fall to every step.
+_MIN_COPY_S = 1e-4
 
 
 class SnapshotCadence:
@@ -36,15 +39,23 @@ class SnapshotCadence:
     def due(self, step: int) -> bool:
         return step - self.last >= self.every
 
-    def taken(self, step: int, copy_s: float) -> None:
-        """Step ``step`` was snapshotted; the copy took ``copy_s`` beyond the step."""
+    def taken(self, step: int) -> None:
+        """Step ``step`` is being snapshotted (the next one is due ``every`` steps later)."""
         self.last = step
+
+    def copied(self, copy_s: float) -> None:
+        """A snapshot's copy cost ``copy_s`` beyond its step."""
         self._copy_s = _average(self._copy_s, copy_s)
         self._adapt()
 
     def stepped(self, step_s: float) -> None:
-        """A step took ``step_s`` of computation."""
+        """A step without a snapshot took ``step_s`` of computation."""
         self._step_s = _average(self._step_s, step_s)
+
+    @property
+    def step_s(self) -> float | None:
+        """The running average of a step without a snapshot; None before the first."""
+        return self._step_s
 
     def restarted(self, step: int) -> None:
         """The run went back to (or on from) ``step``, whose state is held by a tier."""
@@ -53,8 +64,10 @@ class SnapshotCadence:
     def _adapt(self) -> None:
         if self.mtbf_s is None or self._copy_s is None or not self._step_s:
             return
-        interval_s = math.sqrt(2 * self._copy_s * self.mtbf_s)
-        self.every = max(1, round(interval_s / self._step_s))
+        interval_s = math.sqrt(2 * max(self._copy_s, _MIN_COPY_S) * self.mtbf_s)
+        # At least every other step: a copy's cost is measured against the steps without one (a snapshot
+        # every step is the copy compiled into the step: ``snapshot_every=1`` without an MTBF).
+        self.every = max(2, round(interval_s / self._step_s))
 
 
 def _average(old: float | None, new: float) -> float:

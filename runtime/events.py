@@ -89,8 +89,9 @@ class StepCompleted(Event, frozen=True, kw_only=True):
     """Step ``step`` committed: its new state replaced the old one. ``step`` counts committed steps.
 
     ``duration_s`` is the step's computation; ``data_s`` the time spent loading its batch. ``snapshot`` says
-    the RAM tier holds the state after this step; ``snapshot_wait_s`` is how long training waited for that
-    copy after the step (0 when it is compiled into the step, as with a snapshot every step).
+    the RAM tier holds the state after this step; ``snapshot_wait_s`` is what that copy added to the step:
+    the step's time over the running average of steps without a copy (0 when the copy is compiled into the
+    step, as with a snapshot every step), and ``duration_s`` is the step's time less it.
     """
 
     duration_s: float

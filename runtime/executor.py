@@ -106,7 +106,7 @@ class _StepDone(NamedTuple):
     loss: float | None
     seconds: float  # the step's computation
     data_s: float  # loading its batch
-    snapshot_wait_s: float  # copying the state to host memory after the step (0 when the step did it)
+    snapshot_wait_s: float  # what its snapshot's copy added to the step (0 when compiled into the step)
     host: PyTree | None  # the state in host memory, when this step is snapshotted
 
 
@@ -117,7 +117,7 @@ class _InFlight(NamedTuple):
     position: int  # the data position its batch came from
     new_state: PyTree
     metrics: Any
-    host: PyTree | None  # the host copy compiled into the step, if any
+    host: PyTree | None  # the host copy, compiled into the step or queued right behind it; None: no snapshot
     dispatched: float  # perf_counter when its program was queued
     data_s: float
 
@@ -517,24 +517,40 @@ class StepExecutor:
             new_state, metrics, host = compiled(state, batch, buffers)
         else:
             new_state, metrics = compiled(state, batch)
+            if self.config.snapshot_every > 0 and self.cadence.due(step):
+                # Queued now, right behind the step: copied after the next step was dispatched, it waited for
+                # that one too and emptied the pipeline (a whole step, where the copy itself is 0.5 ms).
+                self.cadence.taken(step)
+                host = self.ram.dispatch_copy(new_state, step=step)  # None: failed, reported as an event
         return _InFlight(step, position, new_state, metrics, host, dispatched, data_s)
 
     def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float) -> _StepDone:
-        """Wait for a dispatched step; its duration runs from when the devices could start it to its results."""
-        jax.block_until_ready((flight.new_state, flight.host))  # the host copy too: a snapshot is whole or absent
+        """Wait for a dispatched step and its snapshot copy; its duration runs from when the devices could
+        start it to its results. A copy of its own that fails is reported and leaves the step committed."""
+        assert self.compiler is not None
+        fused = self.compiler.host_copy
+        jax.block_until_ready((flight.new_state, flight.host) if fused else flight.new_state)
         if self.injector is not None:
             self.injector.check(flight.step, device_ids(mesh))
         metrics = flight.metrics
         loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
         loss_value = None if loss is None else float(np.asarray(loss))
-        seconds = time.perf_counter() - max(flight.dispatched, previous_ready)
         host, copy_s = flight.host, 0.0
-        self.cadence.stepped(seconds)
-        if host is None and self.config.snapshot_every > 0 and self.cadence.due(flight.step):
-            copied = self.ram.copy_to_host(flight.new_state, step=flight.step)  # None: failed, reported as an event
-            if copied is not None:
-                host, copy_s = copied
-                self.cadence.taken(flight.step, copy_s)
+        if host is not None and not fused:
+            try:
+                jax.block_until_ready(host)
+            except Exception as exc:
+                self.ram.report_failure(flight.step, exc)
+                host = None
+        seconds = time.perf_counter() - max(flight.dispatched, previous_ready)
+        copied_here = flight.host is not None and not fused
+        if not copied_here or self.cadence.step_s is None:  # a copy before any plain step counts as none
+            self.cadence.stepped(seconds)
+        if copied_here:  # what the copy added: the step's time over the average step without one
+            extra = seconds - (self.cadence.step_s or seconds)
+            self.cadence.copied(extra)  # signed, so that the noise of step times averages out
+            copy_s = max(extra, 0.0)
+            seconds -= copy_s
         return _StepDone(flight.new_state, loss_value, seconds, flight.data_s, copy_s, host)
 
     def _batch(self, position: int) -> PyTree:
