@@ -3,8 +3,8 @@
 A snapshot every step loses no work to a failure, but pays for a copy of the state every step. With failures
 every M seconds on average and a copy costing C seconds, snapshots every tau seconds of training lose about
 C/tau of the time to copying and tau/(2M) to re-doing work after a failure; tau = sqrt(2*C*M) minimises the
-sum (Young 1974, Daly 2006). The cadence measures C (the copy after a due step) and the step time as the run
-goes (the copy as the extra time of a snapshotted step over the average step), and turns tau into steps.
+sum (Young 1974, Daly 2006). The cadence measures the step time and C (the extra time of a snapshotted step
+over the average step without a copy) as the run goes, and turns tau into steps.
 """
 
 from __future__ import annotations
