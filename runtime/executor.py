@@ -536,14 +536,14 @@ class StepExecutor:
         loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
         loss_value = None if loss is None else float(np.asarray(loss))
         host, copy_s = flight.host, 0.0
-        if host is not None and not fused:
+        copied_here = host is not None and not fused  # a copy of its own, queued behind the step
+        if copied_here:
             try:
                 jax.block_until_ready(host)
             except Exception as exc:
                 self.ram.report_failure(flight.step, exc)
                 host = None
         seconds = time.perf_counter() - max(flight.dispatched, previous_ready)
-        copied_here = flight.host is not None and not fused
         if not copied_here or self.cadence.step_s is None:  # a copy before any plain step counts as none
             self.cadence.stepped(seconds)
         if copied_here:  # what the copy added: the step's time over the average step without one
