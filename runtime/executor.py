@@ -520,8 +520,9 @@ class StepExecutor:
             if self.config.snapshot_every > 0 and self.cadence.due(step):
                 # Queued now, right behind the step: copied after the next step was dispatched, it waited for
                 # that one too and emptied the pipeline (a whole step, where the copy itself is 0.5 ms).
-                self.cadence.taken(step)
                 host = self.ram.dispatch_copy(new_state, step=step)  # None: failed, reported as an event
+                if host is not None:  # one that could not be queued is tried again at the next step
+                    self.cadence.taken(step)
         return _InFlight(step, position, new_state, metrics, host, dispatched, data_s)
 
     def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float) -> _StepDone:
