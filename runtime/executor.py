@@ -187,6 +187,9 @@ class StepExecutor:
         self._attention = threading.Event()  # set when a command waits: the step thread returns to the loop
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
         self._prefetched: tuple[int, Future[PyTree]] | None = None
+        # The step left computing while the loop publishes a batch of events, and when the step before it
+        # was complete; it is committed when the thread comes back, or before any command applies.
+        self._carried: tuple[_InFlight, float] | None = None
         self._hooked = 0  # the step whose boundary hooks have run
         self._inbox_send: MemoryObjectSendStream[Command]
         self._inbox: MemoryObjectReceiveStream[Command]
@@ -234,6 +237,8 @@ class StepExecutor:
                     await self._run_steps(steps)
             await self._publish_from_threads()
         finally:
+            if self._carried is not None:  # the run was cancelled or broke while a step computed
+                _drain(self._carried[0])
             self.ram.close()
             self._loader.shutdown(wait=True, cancel_futures=True)
         state = await anyio.to_thread.run_sync(jax.device_get, self.state)
@@ -277,6 +282,8 @@ class StepExecutor:
 
     async def _boundary(self) -> None:
         """Apply the commands handlers sent; wait for them while paused or recovering."""
+        if self._carried is not None and self._attention.is_set():
+            await self._run_steps(self._carried[0].step)  # a command applies to a committed step
         self._attention.clear()  # before draining: a command sent after this stops the next batch of steps
         while True:
             recovery = self._recovery
@@ -381,7 +388,8 @@ class StepExecutor:
         """Run steps in the worker thread until ``target``, a failure, a command, or ``event_batch_s``.
 
         Steps run back to back in one thread: a thread hop per step costs more than the runtime's own work
-        on a small model. Their events are published when the thread returns, stamped with commit times.
+        on a small model. Their events are published when the thread returns, stamped with commit times,
+        while the next step computes.
         """
         assert self.mesh is not None
         mesh = self.mesh
@@ -407,19 +415,22 @@ class StepExecutor:
         One step stays in flight: step N+1 is dispatched (its batch loaded, its program queued on the
         devices) before step N's results are awaited and committed, so that loading, dispatch and the
         bookkeeping of a commit overlap with the devices' work instead of leaving them idle. Step N+1 reads
-        N's output; when N fails, N+1 is awaited and dropped. Hooks run once per step number, before it is
+        N's output (not donated: handlers may read N meanwhile); when N fails, N+1 is awaited and dropped.
+        After ``event_batch_s`` the thread returns with N+1 still computing, so that the loop's work on the
+        events does not leave the devices idle either. Hooks run once per step number, before it is
         dispatched; once a command is waiting, nothing more is dispatched and the thread returns after
         committing the step in flight.
         """
         deadline = time.perf_counter() + self.config.event_batch_s
-        flight: _InFlight | None = None
-        ready = 0.0  # when the previous step's results were complete
+        flight, ready = self._carried or (None, 0.0)  # ready: when the previous step's results were complete
+        self._carried = None
+        # A carried step that is already complete ended at some point while the loop had the events.
+        ended_unseen = flight is not None and all(leaf.is_ready() for leaf in jax.tree.leaves(flight.new_state))
         while True:
             following: _InFlight | None = None
             error: tuple[int, Exception] | None = None
             step = (flight.step if flight is not None else self.step) + 1
-            in_time = flight is None or time.perf_counter() < deadline  # a batch has at least one step
-            if step <= target and in_time and not self._attention.is_set():
+            if step <= target and not self._attention.is_set():
                 state, position = (
                     (flight.new_state, flight.position + 1) if flight is not None else (self.state, self.data_position)
                 )
@@ -434,14 +445,17 @@ class StepExecutor:
                     error = (step, exc)  # reported once the step in flight is committed
             if flight is not None:
                 try:
-                    done = self._finish(flight, mesh, ready)
+                    done = self._finish(flight, mesh, ready, ended_unseen)
                 except Exception as exc:
                     _drain(following)
                     return flight.step, exc
-                ready = time.perf_counter()
+                ready, ended_unseen = time.perf_counter(), False
                 self._commit(done, flight.step, mesh)
             if error is not None or following is None:
                 return error
+            if flight is not None and time.perf_counter() >= deadline:  # a batch has at least one commit
+                self._carried = (following, ready)
+                return None
             flight = following
 
     def _commit(self, done: _StepDone, step: int, mesh: Mesh) -> None:
@@ -525,9 +539,11 @@ class StepExecutor:
                     self.cadence.taken(step)
         return _InFlight(step, position, new_state, metrics, host, dispatched, data_s)
 
-    def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float) -> _StepDone:
+    def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float, ended_unseen: bool) -> _StepDone:
         """Wait for a dispatched step and its snapshot copy; its duration runs from when the devices could
-        start it to its results. A copy of its own that fails is reported and leaves the step committed."""
+        start it to its results (at most the average step when it ended unseen, while the loop had the
+        thread's events: the rest of that wait is not the step's). A copy of its own that fails is reported
+        and leaves the step committed."""
         assert self.compiler is not None
         fused = self.compiler.host_copy
         jax.block_until_ready((flight.new_state, flight.host) if fused else flight.new_state)
@@ -545,6 +561,8 @@ class StepExecutor:
                 self.ram.report_failure(flight.step, exc)
                 host = None
         seconds = time.perf_counter() - max(flight.dispatched, previous_ready)
+        if ended_unseen and self.cadence.step_s is not None:
+            seconds = min(seconds, self.cadence.step_s)
         if not copied_here or self.cadence.step_s is None:  # a copy before any plain step counts as none
             self.cadence.stepped(seconds)
         if copied_here:  # what the copy added: the step's time over the average step without one

@@ -65,9 +65,9 @@ def test_impossible_cadences_are_refused(every: int, mtbf: float | None) -> None
     [
         # A fixed cadence: every third step; the fault at step 20 goes back to step 18.
         ({"snapshot_every": 3}, [3, 6, 9, 12, 15, 18]),
-        # An MTBF of a day makes the interval minutes long: only the first step (before any copy was
-        # measured) is snapshotted, and the fault goes back to it.
-        ({"snapshot_mtbf_s": 86400.0}, [1]),
+        # An MTBF of a day makes the interval minutes long: only the first two steps, dispatched before any
+        # copy was measured, are snapshotted, and the fault goes back to step 2.
+        ({"snapshot_mtbf_s": 86400.0}, [1, 2]),
     ],
 )
 def test_a_sparse_snapshot_restores_exactly_and_the_redone_steps_are_counted(

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import anyio
+import jax
 import numpy as np
 import pytest
 
@@ -306,6 +308,63 @@ def test_a_command_interrupts_a_batch_of_steps_at_once(tmp_path: Path) -> None:
     assert result.step == 400
     requested, held = paused_at
     assert held <= requested + 2  # the thread stopped after the steps already dispatched: running and queued
+
+
+def test_the_next_step_computes_while_the_loop_has_the_events(tmp_path: Path) -> None:
+    # Events after every step: without the step left in flight over each return to the loop, the devices
+    # would idle through every thread hop. A boundary hook (run before its step is dispatched) sees two steps
+    # ago committed: the step before it is still computing, on every return too.
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, event_batch_s=0.0), mesh_policy=LAYOUTS["data4-with-spares"]
+    )
+    committed_at: dict[int, int] = {}
+    runtime.at_step_boundary(lambda step: committed_at.setdefault(step, runtime.executor.step))
+    runtime.run(30)
+    assert committed_at == {step: max(step - 2, 0) for step in range(1, 31)}
+
+
+def test_a_step_that_ends_while_the_loop_is_busy_is_not_charged_for_the_wait(tmp_path: Path) -> None:
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, event_batch_s=0.0), mesh_policy=LAYOUTS["data4-with-spares"]
+    )
+
+    @runtime.on(StepCompleted)
+    async def slow(event: StepCompleted, ctx: Any) -> None:
+        if event.step in (5, 10):
+            time.sleep(0.5)  # blocks the loop, as a slow handler does: the step in flight ends meanwhile
+
+    runtime.run(15)
+    completed = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, StepCompleted)]
+    wall = completed[-1].mono_time - completed[1].mono_time
+    assert wall > 1.0  # the handler held the loop
+    assert sum(e.duration_s for e in completed[2:]) < 0.5  # and no step's duration holds that wait
+
+
+def test_a_command_sent_while_a_step_is_in_flight_waits_for_its_commit(
+    tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    # The thread returns to the loop with a step computing; a handler's move to other devices comes between
+    # that return and the loop's next boundary. The step must commit (on the old mesh) before the state moves:
+    # carried over, it would hand the new mesh a state on the old one. The handler cannot tell when the loop
+    # will look next, so the state moves four times, each with a good chance of landing in that window.
+    policy = LAYOUTS["data4-with-spares"]
+    runtime = ElasticRuntime(small_job(), config=config(tmp_path, event_batch_s=0.0), mesh_policy=policy)
+    halves = [policy.fit(jax.devices()[:4]), policy.fit(jax.devices()[4:])]
+
+    @runtime.on(StepCompleted)
+    async def move(event: StepCompleted, ctx: Any) -> None:
+        if event.step % 10 == 0 and event.step < 50:
+            await anyio.sleep(0.005)  # the loop sends the thread off again,
+            time.sleep(0.1)  # then is held while the thread returns, leaving a step in flight
+            ctx.remesh(halves[event.step // 10 % 2], "test")
+
+    steps = 60
+    result = runtime.run(steps)
+    events = read_events(tmp_path / "events.jsonl")
+    assert [e.devices for e in events if isinstance(e, MeshChanged)] == [(4, 5, 6, 7), (0, 1, 2, 3)] * 2
+    assert committed_steps(events) == list(range(1, steps + 1))
+    fault_free = ElasticRuntime(small_job(), config=RuntimeConfig(precompile=False), mesh_policy=policy).run(steps)
+    assert compare_states(result.state, fault_free.state, bitwise=True)["match"]
 
 
 def test_too_many_failures_end_the_run(tmp_path: Path) -> None:
