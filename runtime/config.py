@@ -33,7 +33,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         scale_up_poll_s: interval of the watch for returning devices; unset turns scale-up off.
         precompile: compile the step for likely degraded meshes in the background.
         event_batch_s: steps run back to back in the worker thread for up to this long before their events
-            are published (a handler's command interrupts at once); 0 publishes after every step.
+            are published, while the next step computes (a handler's command interrupts at once); 0
+            publishes after every step.
 
     Checkpointing (``storage/``; see docs/storage.md):
         ram_dir: mirror every RAM snapshot into this directory (e.g. under ``/dev/shm``) so that it survives a
