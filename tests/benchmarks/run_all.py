@@ -67,7 +67,7 @@ BENCHMARKS = [
         "goodput",
         "Goodput under one fault per minute",
         "bench_goodput.py",
-        ("--steps", "12000"),
+        ("--steps", "12000", "--rounds", "3"),  # one round is at the mercy of the machine's drift
         "runtime goodput >= 95%, checkpoint-and-restart reported beside it",
         lambda r: max(r["runtime"]["goodput"], r["runtime_young_daly"]["goodput"]) >= 0.95,
     ),
