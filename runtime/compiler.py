@@ -66,16 +66,20 @@ class StepCompiler:
         return shardings
 
     def host_buffers(self, mesh: Mesh) -> PyTree:
-        """Fresh host-memory arrays for the fused copy to write into, when no spare one is at hand."""
+        """Fresh host-memory arrays for the fused copy to write into, when no spare one is at hand (their
+        maker is compiled with the step for ``mesh``, which this compiles first if need be)."""
         key = mesh_key(mesh)
-        make = self._host_buffers.get(key)
-        if make is None:
+        if key not in self._host_buffers:
+            self.get(mesh)
+        return self._host_buffers[key]()
 
-            def zeros() -> PyTree:
-                return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._state_abstract)
-
-            make = self._host_buffers[key] = jax.jit(zeros, out_shardings=self.host_shardings(mesh))
-        return make()
+    def state_abstract(self, mesh: Mesh) -> PyTree:
+        """The state's shapes and dtypes with its shardings on ``mesh``: enough to compile for its layout."""
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            self._state_abstract,
+            self.state_shardings(mesh),
+        )
 
     def batch_shardings(self, mesh: Mesh) -> PyTree:
         key = mesh_key(mesh)
@@ -126,6 +130,13 @@ class StepCompiler:
                 keep_unused=True,
             )
             args += (self._state_abstract,)
+
+            def zeros() -> PyTree:
+                return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._state_abstract)
+
+            # Compiled now, with the step: on a new mesh its first step needs fresh buffers, and a compile
+            # there would hold up the first step after a recovery (about 0.1 s on the demo).
+            self._host_buffers[mesh_key(mesh)] = jax.jit(zeros, out_shardings=host).lower().compile()
         return jitted.lower(*args).compile()
 
 

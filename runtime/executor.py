@@ -275,6 +275,13 @@ class StepExecutor:
         self.mesh_history.append(mesh_shape(mesh))
         self.mesh_updates_send.send_nowait(mesh)
 
+    def prepare(self, mesh: Mesh) -> None:
+        """Compile what steps on ``mesh`` run (blocking): the step, and the snapshot copy queued behind it."""
+        assert self.compiler is not None
+        self.compiler.get(mesh)
+        if not self.compiler.host_copy and self.config.snapshot_every > 0:
+            self.ram.prepare(self.compiler.state_abstract(mesh))
+
     def _place(self, tree: PyTree, mesh: Mesh) -> PyTree:
         assert self.compiler is not None
         placed = jax.device_put(tree, self.compiler.state_shardings(mesh))

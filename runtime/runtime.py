@@ -227,7 +227,7 @@ class ElasticRuntime:
             for candidate in self.policy.likely_meshes(mesh, healthy):
                 if self.executor.mesh_updates.statistics().current_buffer_used:
                     break  # the mesh changed again: plan for the new one
-                await anyio.to_thread.run_sync(compiler.get, candidate)
+                await anyio.to_thread.run_sync(self.executor.prepare, candidate)
 
     async def _watch_for_devices(self, interval: float) -> None:
         """Publish ScaleUpAvailable when healthy devices would allow a larger mesh than the current one."""

@@ -144,6 +144,11 @@ class RamTier:
             self.report_failure(step, exc)
             return None
 
+    def prepare(self, like: PyTree) -> None:
+        """Compile the copy for the layout of ``like`` (arrays, or ShapeDtypeStructs with shardings) now, so
+        that the first snapshot on a new mesh does not wait for it."""
+        self._compiled_copy(like)
+
     def copy_to_host(self, state: PyTree, *, step: int) -> tuple[PyTree, float] | None:
         """``state`` copied into host memory (complete on return) and the seconds the copy took, not counting
         its compile on a new layout; None if the copy failed (reported)."""
