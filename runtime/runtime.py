@@ -216,13 +216,14 @@ class ElasticRuntime:
                     tg.start_soon(component.run, self.context)
 
     async def _precompile(self) -> None:
-        """After each mesh change, compile the step for the meshes a next failure would lead to."""
+        """After each mesh change, compile the step (and its snapshot copy) for the meshes a next failure would
+        lead to."""
         async for mesh in self.executor.mesh_updates:
             compiler = self.executor.compiler
             if compiler is None:
                 continue
             if not compiler.is_ready(mesh):
-                await anyio.to_thread.run_sync(compiler.get, mesh)  # the executor needs it first
+                await anyio.to_thread.run_sync(self.executor.prepare, mesh)  # the executor needs it first
             healthy = await anyio.to_thread.run_sync(self.health.healthy)
             for candidate in self.policy.likely_meshes(mesh, healthy):
                 if self.executor.mesh_updates.statistics().current_buffer_used:
