@@ -340,9 +340,7 @@ def test_a_step_that_ends_while_the_loop_is_busy_is_not_charged_for_the_wait(tmp
     assert sum(e.duration_s for e in completed[2:]) < 0.5  # and no step's duration holds that wait
 
 
-def test_a_command_sent_while_a_step_is_in_flight_waits_for_its_commit(
-    tmp_path: Path, reference: dict[str, Any]
-) -> None:
+def test_a_command_sent_while_a_step_is_in_flight_waits_for_its_commit(tmp_path: Path) -> None:
     # The thread returns to the loop with a step computing; a handler's move to other devices comes between
     # that return and the loop's next boundary. The step must commit (on the old mesh) before the state moves:
     # carried over, it would hand the new mesh a state on the old one. The handler cannot tell when the loop
