@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import jax
 
 # Before any test touches a device: the backend reads this once, when it starts.
@@ -14,3 +17,17 @@ import pytest  # noqa: E402
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def compiles() -> Iterator[list[float]]:
+    """The duration of every XLA compile from now on (jit calls and ahead-of-time compiles alike)."""
+    seen: list[float] = []
+
+    def listen(event: str, seconds: float, **kwargs: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listen)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 from jax.errors import JaxRuntimeError
 
 from runtime.faults import FaultInjector, FaultSchedule
+from runtime.health import DeviceHealth
 
 
 def test_a_dead_device_fails_the_step_with_the_status_a_real_runtime_uses() -> None:
@@ -71,3 +73,15 @@ def test_periodic_random_slices_are_repaired_in_order() -> None:
 def test_bad_schedules_name_the_item(text: str) -> None:
     with pytest.raises(ValueError, match="fault schedule item"):
         FaultSchedule.parse(text, slice_size=2, devices=8)
+
+
+def test_the_health_probe_leaves_dead_and_cordoned_devices_out_and_compiles_nothing(compiles: list[float]) -> None:
+    # The probe runs before the first step of every run: a compile per device there cost 0.4 s at each start.
+    jax.clear_caches()  # so that a probe compiled by an earlier test would be compiled again here
+    injector = FaultInjector().lose_devices(1, [2, 3])
+    injector.advance(1)
+    health = DeviceHealth(injector)
+    health.cordon((5,))
+    assert [d.id for d in health.healthy()] == [0, 1, 4, 6, 7]
+    assert [d.id for d in health.healthy(jax.devices()[4:6])] == [4]
+    assert compiles == []

@@ -3,9 +3,6 @@ the buffers of a snapshot replaced unread are reused for the next copy, never th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import jax
 import numpy as np
 import pytest
@@ -154,20 +151,6 @@ def test_the_fused_step_writes_its_host_copy_into_the_buffers_it_is_given() -> N
     assert pointers(host) == before  # donated: no new host memory
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(buffers))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(host), jax.device_get(new_state))
-
-
-@pytest.fixture
-def compiles() -> Iterator[list[float]]:
-    """The duration of every XLA compile from now on (jit calls and ahead-of-time compiles alike)."""
-    seen: list[float] = []
-
-    def listen(event: str, seconds: float, **kwargs: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    yield seen
-    jax.monitoring.unregister_event_duration_listener(listen)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["copy behind the step", "copy in the step"])
