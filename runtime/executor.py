@@ -120,6 +120,7 @@ class _InFlight(NamedTuple):
     host: PyTree | None  # the host copy, compiled into the step or queued right behind it; None: no snapshot
     dispatched: float  # perf_counter when its program was queued
     data_s: float
+    measured: bool  # its time says what a step on this mesh costs (not the first run of the executable)
 
 
 def _drain(flight: _InFlight | None) -> None:
@@ -190,6 +191,7 @@ class StepExecutor:
         # The step left computing while the loop publishes a batch of events, and when the step before it
         # was complete; it is committed when the thread comes back, or before any command applies.
         self._carried: tuple[_InFlight, float] | None = None
+        self._warm_mesh: Mesh | None = None  # the mesh whose compiled step has run at least once
         self._hooked = 0  # the step whose boundary hooks have run
         self._inbox_send: MemoryObjectSendStream[Command]
         self._inbox: MemoryObjectReceiveStream[Command]
@@ -529,6 +531,11 @@ class StepExecutor:
         self._prefetched = (position + 1, self._loader.submit(self.job.data.batch, position + 1))
         compiler = self.compiler
         compiled = compiler.get(mesh)
+        copy_due = not compiler.host_copy and self.config.snapshot_every > 0 and self.cadence.due(step)
+        if copy_due:  # a copy compiled here (a layout not prepared ahead) is no part of the copy's cost
+            self.ram.prepare(state)
+        # An executable's first run warms it up (0.1-0.3 s on the demo): no measure of a step to plan by.
+        measured, self._warm_mesh = mesh is self._warm_mesh, mesh
         dispatched = time.perf_counter()
         batch = jax.device_put(host_batch, compiler.batch_shardings(mesh))
         host = None
@@ -538,13 +545,13 @@ class StepExecutor:
             new_state, metrics, host = compiled(state, batch, buffers)
         else:
             new_state, metrics = compiled(state, batch)
-            if self.config.snapshot_every > 0 and self.cadence.due(step):
+            if copy_due:
                 # Queued now, right behind the step: copied after the next step was dispatched, it waited for
                 # that one too and emptied the pipeline (a whole step, where the copy itself is 0.5 ms).
                 host = self.ram.dispatch_copy(new_state, step=step)  # None: failed, reported as an event
                 if host is not None:  # one that could not be queued is tried again at the next step
                     self.cadence.taken(step)
-        return _InFlight(step, position, new_state, metrics, host, dispatched, data_s)
+        return _InFlight(step, position, new_state, metrics, host, dispatched, data_s, measured)
 
     def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float, ended_unseen: bool) -> _StepDone:
         """Wait for a dispatched step and its snapshot copy; its duration runs from when the devices could
@@ -570,11 +577,13 @@ class StepExecutor:
         seconds = time.perf_counter() - max(flight.dispatched, previous_ready)
         if ended_unseen and self.cadence.step_s is not None:
             seconds = min(seconds, self.cadence.step_s)
-        if not copied_here or self.cadence.step_s is None:  # a copy before any plain step counts as none
+        plain = not copied_here or self.cadence.step_s is None  # a copy before any plain step counts as none
+        if flight.measured and plain:
             self.cadence.stepped(seconds)
         if copied_here:  # what the copy added: the step's time over the average step without one
             extra = seconds - (self.cadence.step_s or seconds)
-            self.cadence.copied(extra)  # signed, so that the noise of step times averages out
+            if flight.measured:
+                self.cadence.copied(extra)  # signed, so that the noise of step times averages out
             copy_s = max(extra, 0.0)
             seconds -= copy_s
         return _StepDone(flight.new_state, loss_value, seconds, flight.data_s, copy_s, host)

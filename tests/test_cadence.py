@@ -65,9 +65,10 @@ def test_impossible_cadences_are_refused(every: int, mtbf: float | None) -> None
     [
         # A fixed cadence: every third step; the fault at step 20 goes back to step 18.
         ({"snapshot_every": 3}, [3, 6, 9, 12, 15, 18]),
-        # An MTBF of a day makes the interval minutes long: only the first two steps, dispatched before any
-        # copy was measured, are snapshotted, and the fault goes back to step 2.
-        ({"snapshot_mtbf_s": 86400.0}, [1, 2]),
+        # An MTBF of a day makes the interval minutes long: only the first three steps are snapshotted (the
+        # first run of the step is no measure; step 3 is dispatched before step 2's copy is measured), and
+        # the fault goes back to step 3.
+        ({"snapshot_mtbf_s": 86400.0}, [1, 2, 3]),
     ],
 )
 def test_a_sparse_snapshot_restores_exactly_and_the_redone_steps_are_counted(
@@ -141,3 +142,30 @@ def test_with_an_mtbf_a_copy_measured_free_still_leaves_steps_to_measure_it_agai
     cadence.taken(1)
     cadence.copied(-0.001)  # step noise made the snapshotted step look faster than the average
     assert cadence.every == 2
+
+
+def test_the_cadence_learns_from_warm_steps_and_copies_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: list[float]
+) -> None:
+    # A compile or an executable's first run counted as a step or a copy skews the Young-Daly interval, and
+    # it recovers slowly: one copy measured with its compile (2 s) set the next snapshot 1600 steps away.
+    stepped: list[float] = []
+    measure = SnapshotCadence.stepped
+    monkeypatch.setattr(SnapshotCadence, "stepped", lambda self, s: (stepped.append(s), measure(self, s)))
+    compiled_in_copy: list[int] = []
+    dispatch = RamTier.dispatch_copy
+
+    def counting(self: RamTier, state: Any, *, step: int) -> Any:
+        before = len(compiles)
+        host = dispatch(self, state, step=step)
+        compiled_in_copy.append(len(compiles) - before)
+        return host
+
+    monkeypatch.setattr(RamTier, "dispatch_copy", counting)
+    jax.clear_caches()  # the copy's compile must happen in this run, whatever ran before
+    config = RuntimeConfig(run_dir=str(tmp_path), snapshot_every=3, scale_up_poll_s=None, precompile=False)
+    job = demo_job(global_batch=24, features=16, hidden=64)
+    ElasticRuntime(job, config=config, mesh_policy=MeshPolicy({"data": 4, "model": 2}, global_batch=24)).run(8)
+    completed = {e.step: e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, StepCompleted)}
+    assert compiled_in_copy == [0, 0]  # steps 3 and 6: compiled before the step's time starts
+    assert stepped == [completed[step].duration_s for step in (2, 4, 5, 7, 8)]  # not step 1, the first run
