@@ -19,6 +19,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/pytest
@@ -26,7 +27,7 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/run_all.py
 
-# Multi-process chaos loop (issue 6): random kill -9 / SIGSTOP of real worker processes, checked bitwise.
+# Multi-process chaos loop: random kill -9 / SIGSTOP of real worker processes, checked bitwise.
 chaos: $(STAMP)
 	$(BIN)/python tests/multiprocess/chaos.py --rounds $(or $(ROUNDS),10)
 

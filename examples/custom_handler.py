@@ -18,14 +18,14 @@ from handlers import restore_after_remesh, scale_up  # noqa: E402
 from runtime import (  # noqa: E402
     DeviceLost,
     ElasticRuntime,
-    FaultInjector,
     MeshChanged,
     MeshPolicy,
     RuntimeConfig,
     RuntimeContext,
     ScaleUpAvailable,
 )
-from runtime.demo_model import demo_job  # noqa: E402
+from runtime.testing import FaultInjector  # noqa: E402
+from runtime.testing.demo_model import demo_job  # noqa: E402
 
 GRACE_S = 1.0
 
@@ -62,12 +62,13 @@ def main() -> None:
     policy = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=2)
     injector = FaultInjector()
     injector.lose_slice(at_step=20, slice_index=1, slice_size=2)
-    runtime = ElasticRuntime(
-        demo_job(),
-        config=RuntimeConfig(run_dir="runs/custom-handler", handler_timeout_s=GRACE_S + 10),
-        mesh_policy=policy,
-        injector=injector,
-        default_handlers=False,  # we subscribe the chain ourselves, with our own first link
+    runtime = injector.attach(
+        ElasticRuntime(
+            demo_job(),
+            config=RuntimeConfig(run_dir="runs/custom-handler", handler_timeout_s=GRACE_S + 10),
+            mesh_policy=policy,
+            default_handlers=False,  # we subscribe the chain ourselves, with our own first link
+        )
     )
     runtime.subscribe(DeviceLost, wait_then_remesh)
     runtime.subscribe(MeshChanged, restore_after_remesh)

@@ -20,13 +20,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from runtime import (  # noqa: E402
     ElasticRuntime,
-    FaultInjector,
     MeshPolicy,
     RecoveryCompleted,
     RuntimeConfig,
     RuntimeContext,
     TrainJob,
 )
+from runtime.testing import FaultInjector  # noqa: E402
 
 
 class Regression:
@@ -58,9 +58,7 @@ def main() -> None:
     # Four devices train; the other four are spares that replace a lost one without changing the mesh.
     policy = MeshPolicy({"data": 4}, global_batch=64)
     injector = FaultInjector().lose_devices(at_step=30, devices=[2])
-    runtime = ElasticRuntime(
-        job, config=RuntimeConfig(run_dir="runs/custom-loop"), mesh_policy=policy, injector=injector
-    )
+    runtime = injector.attach(ElasticRuntime(job, config=RuntimeConfig(run_dir="runs/custom-loop"), mesh_policy=policy))
 
     @runtime.on(RecoveryCompleted)
     async def report(event: RecoveryCompleted, ctx: RuntimeContext) -> None:

@@ -44,7 +44,7 @@ from runtime import (  # noqa: E402
     RuntimeContext,
     read_events,
 )
-from runtime.demo_model import demo_job  # noqa: E402
+from runtime.testing.demo_model import demo_job  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

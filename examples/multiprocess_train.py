@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from runtime import ElasticRuntime, MeshPolicy
-from runtime.demo_model import demo_job
+from runtime.testing.demo_model import demo_job
 
 
 def main() -> None:

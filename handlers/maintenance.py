@@ -30,9 +30,9 @@ from collections.abc import Callable
 
 import anyio
 
-from runtime.context import RuntimeContext
-from runtime.errors import MeshUnavailable
-from runtime.events import Drain, MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Preempted
+from runtime.core.context import RuntimeContext
+from runtime.core.errors import MeshUnavailable
+from runtime.core.events import Drain, MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Preempted
 
 __all__ = [
     "DrainScheduler",

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from runtime.events import Straggler, WorkerHung, WorkerLost
+from runtime.core.events import Straggler, WorkerHung, WorkerLost
 
 if TYPE_CHECKING:
-    from runtime.launcher import ControllerContext
+    from runtime.cluster.context import ControllerContext
 
 log = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from handlers.retry import wait_for_mesh
-from runtime.context import RuntimeContext
-from runtime.errors import MeshUnavailable
-from runtime.events import DeviceLost
+from runtime.core.context import RuntimeContext
+from runtime.core.errors import MeshUnavailable
+from runtime.core.events import DeviceLost
 
 
 async def remesh_on_device_loss(event: DeviceLost, ctx: RuntimeContext) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from runtime.context import RuntimeContext
-from runtime.events import MeshChanged
+from runtime.core.context import RuntimeContext
+from runtime.core.events import MeshChanged
 
 
 async def restore_after_remesh(event: MeshChanged, ctx: RuntimeContext) -> None:

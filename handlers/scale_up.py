@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from runtime.context import RuntimeContext
-from runtime.events import ScaleUpAvailable
+from runtime.core.context import RuntimeContext
+from runtime.core.events import ScaleUpAvailable
 
 
 async def scale_up(event: ScaleUpAvailable, ctx: RuntimeContext) -> None:

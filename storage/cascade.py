@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from runtime.config import RuntimeConfig
-from runtime.context import RuntimeContext
-from runtime.errors import BusClosed, CheckpointInvalid, SnapshotUnavailable
-from runtime.events import (
+from runtime.core.config import RuntimeConfig
+from runtime.core.context import RuntimeContext
+from runtime.core.errors import BusClosed, CheckpointInvalid, SnapshotUnavailable
+from runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
     CheckpointFailed,
@@ -39,12 +39,12 @@ from runtime.events import (
     Event,
     SaveCheckpoint,
 )
+from runtime.core.snapshot import HostSnapshot, RamTier
 from storage.disk import DiskTier
-from storage.ram import HostSnapshot, RamTier
 from storage.tier import CheckpointInfo, CheckpointTier, PyTree
 
 if TYPE_CHECKING:
-    from runtime.runtime import ElasticRuntime
+    from runtime.core.runtime import Runtime
     from storage.gcs import GcsTier
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class TieredCheckpointer:
         """Every tier a restore may read after RAM, fastest first (shm, disk, GCS)."""
         return [t for t in (self.shm, self.disk, self.gcs) if t is not None]
 
-    def attach(self, runtime: ElasticRuntime) -> TieredCheckpointer:
+    def attach(self, runtime: Runtime) -> TieredCheckpointer:
         """Plug into a runtime: run as its component, answer SaveCheckpoint, act as restore sources after RAM."""
         runtime.add_component(self)
         runtime.subscribe(SaveCheckpoint, self.handle_save_request)

@@ -31,11 +31,11 @@ import google_crc32c
 import msgspec
 import numpy as np
 
-from runtime.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.snapshot import HostSnapshot
 from storage import manifest as mf
 from storage import orbax_layout
 from storage.manifest import FileEntry, KeyPart, Manifest
-from storage.ram import HostSnapshot
 from storage.tier import CheckpointInfo, CorruptionListener, PyTree, latest_verified, rebuild_tree, snapshot_from
 
 log = logging.getLogger(__name__)

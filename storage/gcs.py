@@ -8,7 +8,7 @@ any point (a killed process, a lost network) is invisible. GCS generation precon
 
 Every request carries a timeout and is retried with tenacity on 429, 5xx, timeouts and broken connections,
 with jittered exponential backoff, within the caller's deadline. Google Cloud errors are converted to
-:class:`~runtime.errors.StorageError` and :class:`~runtime.errors.CheckpointInvalid` here, at the adapter.
+:class:`~runtime.core.errors.StorageError` and :class:`~runtime.core.errors.CheckpointInvalid` here, at the adapter.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential_jitter
 
-from runtime.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.snapshot import HostSnapshot
 from storage import manifest as mf
 from storage.disk import Deadline, DiskTier, load_directory, read_manifest
 from storage.manifest import FileEntry, Manifest
-from storage.ram import HostSnapshot
 from storage.tier import CheckpointInfo, CorruptionListener, PyTree, latest_verified, snapshot_from
 
 log = logging.getLogger(__name__)

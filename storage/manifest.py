@@ -21,7 +21,7 @@ import jax
 import msgspec
 import numpy as np
 
-from runtime.errors import CheckpointInvalid
+from runtime.core.errors import CheckpointInvalid
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1

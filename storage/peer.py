@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.errors import SnapshotUnavailable
+from runtime.core.errors import SnapshotUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from runtime.errors import CheckpointInvalid
+from runtime.core.errors import CheckpointInvalid
+from runtime.core.snapshot import HostSnapshot
 from storage.manifest import KeyPart, LeafEntry, Manifest, key_of
-from storage.ram import HostSnapshot
 
 PyTree = Any
 CorruptionListener = Callable[[str, CheckpointInvalid], None]  # (tier name, what failed verification)
@@ -71,7 +71,7 @@ class CheckpointTier(Protocol):
 
 def latest_verified(tier: CheckpointTier, like: PyTree, timeout: float | None) -> HostSnapshot:
     """Shared ``latest``: newest first, skipping (and reporting) checkpoints that fail verification."""
-    from runtime.errors import SnapshotUnavailable, StorageError
+    from runtime.core.errors import SnapshotUnavailable, StorageError
 
     limit = 300.0 if timeout is None else timeout
     try:
@@ -101,7 +101,7 @@ def rebuild_tree(manifest: Manifest, arrays: dict[tuple[KeyPart, ...], np.ndarra
     Raises:
         SnapshotUnavailable: the checkpoint holds a different structure than ``like`` (another model).
     """
-    from runtime.errors import SnapshotUnavailable
+    from runtime.core.errors import SnapshotUnavailable
 
     if like is None:
         return _nested(manifest.leaves, arrays)

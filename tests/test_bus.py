@@ -7,10 +7,10 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime.bus import EventBus
-from runtime.errors import BusClosed
-from runtime.eventlog import EventLog, read_events
-from runtime.events import DeviceLost, Event, Failure, HandlerFailed, SliceLost, StepCompleted
+from runtime.core.bus import EventBus
+from runtime.core.errors import BusClosed
+from runtime.core.eventlog import EventLog, read_events
+from runtime.core.events import DeviceLost, Event, Failure, HandlerFailed, SliceLost, StepCompleted
 
 pytestmark = pytest.mark.anyio
 

@@ -13,17 +13,17 @@ import pytest
 from runtime import (
     CheckpointFailed,
     ElasticRuntime,
-    FaultInjector,
     MeshPolicy,
     RecoveryCompleted,
     RuntimeConfig,
     StepCompleted,
     read_events,
 )
-from runtime.cadence import SnapshotCadence
-from runtime.demo import compare_states
-from runtime.demo_model import demo_job
-from storage.ram import RamTier
+from runtime.cli.demo import compare_states
+from runtime.core.cadence import SnapshotCadence
+from runtime.core.snapshot import RamTier
+from runtime.testing import FaultInjector
+from runtime.testing.demo_model import demo_job
 
 
 def test_a_fixed_cadence_snapshots_every_k_steps_and_counts_from_a_restart() -> None:
@@ -80,7 +80,7 @@ def test_a_sparse_snapshot_restores_exactly_and_the_redone_steps_are_counted(
     reference = ElasticRuntime(job(), config=RuntimeConfig(precompile=False), mesh_policy=policy).run(steps)
     config = RuntimeConfig(run_dir=str(tmp_path), scale_up_poll_s=None, precompile=False, **cadence)
     injector = FaultInjector().lose_devices(fault, [2])
-    result = ElasticRuntime(job(), config=config, mesh_policy=policy, injector=injector).run(steps)
+    result = injector.attach(ElasticRuntime(job(), config=config, mesh_policy=policy)).run(steps)
     events = read_events(tmp_path / "events.jsonl")
     completed = [e for e in events if isinstance(e, StepCompleted)]
     restored = snapshotted[-1]

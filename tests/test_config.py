@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.config import RuntimeConfig, load_config
-from runtime.errors import ConfigError
+from runtime.core.config import RuntimeConfig, load_config
+from runtime.core.errors import ConfigError
 
 
 def test_defaults_need_nothing() -> None:

@@ -6,8 +6,8 @@ import jax
 import pytest
 from jax.errors import JaxRuntimeError
 
-from runtime.faults import FaultInjector, FaultSchedule
-from runtime.health import DeviceHealth
+from runtime.core.health import DeviceHealth
+from runtime.testing.faults import FaultInjector, FaultSchedule
 
 
 def test_a_dead_device_fails_the_step_with_the_status_a_real_runtime_uses() -> None:
@@ -80,7 +80,8 @@ def test_the_health_probe_leaves_dead_and_cordoned_devices_out_and_compiles_noth
     jax.clear_caches()  # so that a probe compiled by an earlier test would be compiled again here
     injector = FaultInjector().lose_devices(1, [2, 3])
     injector.advance(1)
-    health = DeviceHealth(injector)
+    health = DeviceHealth()
+    health.checks.append(lambda device_id: not injector.is_dead(device_id))  # what FaultInjector.attach adds
     health.cordon((5,))
     assert [d.id for d in health.healthy()] == [0, 1, 4, 6, 7]
     assert [d.id for d in health.healthy(jax.devices()[4:6])] == [4]

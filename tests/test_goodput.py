@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.eventlog import EventLog, encode_event
-from runtime.events import (
+from runtime.analysis.goodput import goodput
+from runtime.core.eventlog import EventLog, encode_event
+from runtime.core.events import (
     CheckpointCommitted,
     CheckpointStarted,
     Event,
@@ -24,7 +25,6 @@ from runtime.events import (
     StateRestored,
     StepCompleted,
 )
-from runtime.goodput import goodput
 
 SHAPE8 = {"data": 4, "model": 2}
 SHAPE6 = {"data": 3, "model": 2}

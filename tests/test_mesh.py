@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime.compiler import shardings_for
-from runtime.errors import ConfigError, MeshUnavailable
-from runtime.mesh import MeshPolicy, device_ids, mesh_shape
+from runtime.core.compiler import shardings_for
+from runtime.core.errors import ConfigError, MeshUnavailable
+from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
 
 
 def devices(ids: list[int]) -> list[jax.Device]:

@@ -9,11 +9,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime.compiler import StepCompiler, shardings_for
-from runtime.demo_model import demo_job
-from runtime.errors import SnapshotUnavailable
-from runtime.mesh import MeshPolicy
-from storage.ram import HostSnapshot, RamTier, host_sharding
+from runtime.core.compiler import StepCompiler, shardings_for
+from runtime.core.errors import SnapshotUnavailable
+from runtime.core.mesh import MeshPolicy
+from runtime.core.snapshot import HostSnapshot, RamTier, host_sharding
+from runtime.testing.demo_model import demo_job
 
 
 def sharded_state(value: float) -> dict[str, jax.Array]:

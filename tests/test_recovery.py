@@ -21,7 +21,6 @@ from handlers import remesh_on_device_loss
 from runtime import (
     DeviceLost,
     ElasticRuntime,
-    FaultInjector,
     HandlerFailed,
     MeshChanged,
     MeshPolicy,
@@ -36,8 +35,9 @@ from runtime import (
     TrainJob,
     read_events,
 )
-from runtime.demo import compare_states
-from runtime.demo_model import demo_job
+from runtime.cli.demo import compare_states
+from runtime.testing import FaultInjector
+from runtime.testing.demo_model import demo_job
 
 STEPS = 20
 
@@ -83,7 +83,7 @@ def test_a_spare_device_takes_the_lost_ones_place_and_the_result_is_bitwise_equa
     step, seed = fault_step()
     injector = FaultInjector().lose_devices(step, [2])
     policy = LAYOUTS["data4-with-spares"]
-    result = ElasticRuntime(small_job(), config=config(tmp_path), mesh_policy=policy, injector=injector).run(STEPS)
+    result = injector.attach(ElasticRuntime(small_job(), config=config(tmp_path), mesh_policy=policy)).run(STEPS)
     events = read_events(tmp_path / "events.jsonl")
     why = f"FAULT_SEED={seed} (fault at step {step})"
     assert committed_steps(events) == list(range(1, STEPS + 1)), why  # none skipped, none committed twice
@@ -100,7 +100,7 @@ def test_a_lost_slice_shrinks_the_mesh_and_the_result_stays_within_tolerance(
     step, seed = fault_step()
     injector = FaultInjector().lose_slice(step, slice_index=1, slice_size=2)
     policy = LAYOUTS["data4-model2"]
-    result = ElasticRuntime(small_job(), config=config(tmp_path), mesh_policy=policy, injector=injector).run(STEPS)
+    result = injector.attach(ElasticRuntime(small_job(), config=config(tmp_path), mesh_policy=policy)).run(STEPS)
     events = read_events(tmp_path / "events.jsonl")
     why = f"FAULT_SEED={seed} (fault at step {step})"
     assert committed_steps(events) == list(range(1, STEPS + 1)), why
@@ -114,8 +114,8 @@ def test_a_lost_slice_shrinks_the_mesh_and_the_result_stays_within_tolerance(
 def test_the_slice_comes_back_and_the_mesh_scales_up(tmp_path: Path) -> None:
     injector = FaultInjector().lose_slice(4, slice_index=3, slice_size=2)
     policy = LAYOUTS["data4-model2"]
-    runtime = ElasticRuntime(
-        small_job(), config=config(tmp_path, scale_up_poll_s=0.05), mesh_policy=policy, injector=injector
+    runtime = injector.attach(
+        ElasticRuntime(small_job(), config=config(tmp_path, scale_up_poll_s=0.05), mesh_policy=policy)
     )
 
     async def bring_back_later(step: int) -> None:
@@ -180,10 +180,10 @@ def test_an_error_inside_the_jitted_step_is_a_step_failure(tmp_path: Path) -> No
 
 def test_a_fault_that_leaves_no_devices_fails_clearly(tmp_path: Path) -> None:
     injector = FaultInjector().lose_devices(3, range(8))
-    runtime = ElasticRuntime(
+    runtime = injector.attach(ElasticRuntime(
         small_job(), config=config(tmp_path, device_wait_s=0.3, device_poll_s=0.1),
-        mesh_policy=LAYOUTS["data4-with-spares"], injector=injector,
-    )  # fmt: skip
+        mesh_policy=LAYOUTS["data4-with-spares"],
+    ))  # fmt: skip
     with pytest.raises(RecoveryError, match=r"cannot be built from 0 healthy device\(s\)") as info:
         runtime.run(STEPS)
     assert info.value.last_committed_step == 2
@@ -195,10 +195,9 @@ def test_a_fault_that_leaves_no_devices_fails_clearly(tmp_path: Path) -> None:
 def test_a_policy_that_cannot_fit_the_healthy_devices_fails_clearly(tmp_path: Path) -> None:
     policy = MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2, min_devices=8)
     injector = FaultInjector().lose_devices(2, [5])
-    runtime = ElasticRuntime(
+    runtime = injector.attach(ElasticRuntime(
         small_job(), config=config(tmp_path, device_wait_s=0.2, device_poll_s=0.1), mesh_policy=policy,
-        injector=injector,
-    )  # fmt: skip
+    ))  # fmt: skip
     with pytest.raises(RecoveryError, match=r"min_devices 8\) cannot be built from 7 healthy"):
         runtime.run(STEPS)
 
@@ -206,12 +205,13 @@ def test_a_policy_that_cannot_fit_the_healthy_devices_fails_clearly(tmp_path: Pa
 @pytest.mark.parametrize("failure", ["raises", "hangs"])
 def test_a_broken_recovery_handler_ends_the_run_after_the_recovery_timeout(tmp_path: Path, failure: str) -> None:
     injector = FaultInjector().lose_devices(3, [1])
-    runtime = ElasticRuntime(
-        small_job(),
-        config=config(tmp_path, recovery_timeout_s=1.0, handler_timeout_s=0.3),
-        mesh_policy=LAYOUTS["data4-with-spares"],
-        injector=injector,
-        default_handlers=False,
+    runtime = injector.attach(
+        ElasticRuntime(
+            small_job(),
+            config=config(tmp_path, recovery_timeout_s=1.0, handler_timeout_s=0.3),
+            mesh_policy=LAYOUTS["data4-with-spares"],
+            default_handlers=False,
+        )
     )
     runtime.subscribe(DeviceLost, remesh_on_device_loss)
 
@@ -247,10 +247,9 @@ class Repairer:
 def test_recovery_waits_for_devices_that_come_back(tmp_path: Path, reference: dict[str, Any]) -> None:
     policy = MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2, min_devices=8)
     injector = FaultInjector().lose_devices(6, [5])
-    runtime = ElasticRuntime(
+    runtime = injector.attach(ElasticRuntime(
         small_job(), config=config(tmp_path, device_wait_s=5.0, device_poll_s=0.05), mesh_policy=policy,
-        injector=injector,
-    )  # fmt: skip
+    ))  # fmt: skip
     runtime.add_component(Repairer(injector, after_s=0.3))
     result = runtime.run(STEPS)
     [recovery] = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, RecoveryCompleted)]
@@ -367,9 +366,8 @@ def test_a_command_sent_while_a_step_is_in_flight_waits_for_its_commit(tmp_path:
 
 def test_too_many_failures_end_the_run(tmp_path: Path) -> None:
     injector = FaultInjector().lose_devices(3, [0]).lose_devices(5, [1]).lose_devices(7, [2])
-    runtime = ElasticRuntime(
+    runtime = injector.attach(ElasticRuntime(
         small_job(), config=config(tmp_path, max_recoveries=2), mesh_policy=LAYOUTS["data4-with-spares"],
-        injector=injector,
-    )  # fmt: skip
+    ))  # fmt: skip
     with pytest.raises(RecoveryError, match="3 failures exceed max_recoveries=2"):
         runtime.run(STEPS)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from runtime.events import MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Notice
+from runtime.core.events import MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Notice
 from runtime.maintenance.formats import ParsedNotice
 
 __all__ = ["InstanceMatcher", "NoticeIntake"]

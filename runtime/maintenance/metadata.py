@@ -37,8 +37,8 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from runtime.errors import ElasticRuntimeError, NoticeMalformed
-from runtime.events import (
+from runtime.core.errors import ElasticRuntimeError, NoticeMalformed
+from runtime.core.events import (
     Event,
     MaintenanceCompleted,
     MaintenanceStarted,

@@ -35,8 +35,8 @@ import anyio.to_thread
 from google.cloud import pubsub_v1
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 
-from runtime.errors import ElasticRuntimeError, NoticeMalformed
-from runtime.events import Event, MalformedNotice
+from runtime.core.errors import ElasticRuntimeError, NoticeMalformed
+from runtime.core.events import Event, MalformedNotice
 from runtime.maintenance.formats import parse_message
 from runtime.maintenance.intake import NoticeIntake
 from runtime.maintenance.source import DispatchTracker, SourceContext

@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 import numpy as np
 
-from runtime.bus import EventBus
-from runtime.eventlog import EventLog
-from runtime.events import StepCompleted
+from runtime.core.bus import EventBus
+from runtime.core.eventlog import EventLog
+from runtime.core.events import StepCompleted
 
 
 async def throughput(events: int, log: EventLog | None) -> float:

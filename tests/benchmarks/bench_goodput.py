@@ -53,14 +53,15 @@ def child_runtime(steps: int, run_dir: str, fault_every: float, repair_after: fl
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from runtime import ElasticRuntime, FaultInjector, MeshPolicy, RuntimeConfig, StepCompleted
-    from runtime.demo_model import demo_job
-    from runtime.faults import FaultSchedule
+    from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, StepCompleted
+    from runtime.testing import FaultInjector
+    from runtime.testing.demo_model import demo_job
+    from runtime.testing.faults import FaultSchedule
 
     policy = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=SLICE_SIZE)
     injector = FaultInjector()
     config = RuntimeConfig(run_dir=run_dir, snapshot_mtbf_s=fault_every if mtbf else None)
-    runtime = ElasticRuntime(demo_job(), config=config, mesh_policy=policy, injector=injector)
+    runtime = injector.attach(ElasticRuntime(demo_job(), config=config, mesh_policy=policy))
     schedule = FaultSchedule.every(fault_every, repair_after_s=repair_after, slice_size=SLICE_SIZE, devices=8)
     runtime.at_step_boundary(schedule.hook(injector, clock=time.time, start=t0))  # the supervisor's clock
 
@@ -79,9 +80,9 @@ def child_restart(steps: int, ckpt_dir: str, save_every: int) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from runtime.compiler import shardings_for
-    from runtime.demo_model import demo_job
-    from runtime.mesh import MeshPolicy
+    from runtime.core.compiler import shardings_for
+    from runtime.core.mesh import MeshPolicy
+    from runtime.testing.demo_model import demo_job
 
     job = demo_job()
     mesh = MeshPolicy({"data": 4, "model": 2}, global_batch=96).fit(jax.devices())

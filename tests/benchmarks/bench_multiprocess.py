@@ -3,7 +3,7 @@ the steady-state cost of heartbeats. Not collected by pytest.
 
     .venv/bin/python tests/benchmarks/bench_multiprocess.py [--json out.json]
 
-Every run: the demo model (runtime/mp_demo.py) as 3 worker processes x 2 CPU devices, gloo on loopback,
+Every run: the demo model (runtime/cli/demo_multiprocess.py) as 3 worker processes x 2 CPU devices, gloo on loopback,
 one warm spare. Kills are real signals sent by the controller once the group has committed the given step.
 The full restart runs ``elastic-runtime launch`` as a subprocess that stops at the first failure
 (``--max-failures 0``), then a fresh one (new controller, new workers, new JAX processes) that restores from
@@ -25,12 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import runtime.group_events  # noqa: F401 - registers the multi-process events for decoding
-from runtime.eventlog import read_events
-from runtime.events import StateRestored, StepCompleted
-from runtime.group_events import GroupFormed, WorkerKilled
-from runtime.launcher import Kill
-from runtime.mp_demo import run_group, worker_command
+import runtime.cluster.events  # noqa: F401 - registers the multi-process events for decoding
+from runtime.cli.demo_multiprocess import run_group, worker_command
+from runtime.cluster.config import Kill
+from runtime.cluster.events import GroupFormed, WorkerKilled
+from runtime.core.eventlog import read_events
+from runtime.core.events import StateRestored, StepCompleted
 
 NPROCS = 3
 

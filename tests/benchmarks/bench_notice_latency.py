@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "maintenance"))
 from notices import log_entry
 from pubsub_emulator import PubSubEmulator
 
-from runtime.bus import EventBus
-from runtime.events import Notice
+from runtime.core.bus import EventBus
+from runtime.core.events import Notice
 from runtime.maintenance import BusContext, PubSubListener
 
 

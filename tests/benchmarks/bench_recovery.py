@@ -32,9 +32,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from runtime import ElasticRuntime, FaultInjector, MeshPolicy, RecoveryCompleted, RuntimeConfig, read_events  # noqa: E402
-from runtime.compiler import shardings_for  # noqa: E402
-from runtime.demo_model import demo_job  # noqa: E402
+from runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig, read_events  # noqa: E402
+from runtime.core.compiler import shardings_for  # noqa: E402
+from runtime.testing import FaultInjector  # noqa: E402
+from runtime.testing.demo_model import demo_job  # noqa: E402
 
 POLICY = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=2)
 FAULT_AT = 100
@@ -45,9 +46,9 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from runtime.compiler import shardings_for
-from runtime.demo_model import demo_job
-from runtime.mesh import MeshPolicy
+from runtime.core.compiler import shardings_for
+from runtime.testing.demo_model import demo_job
+from runtime.core.mesh import MeshPolicy
 job = demo_job()
 mesh = MeshPolicy({"data": 3, "model": 2}, global_batch=96, slice_size=2).fit(jax.devices()[:6])
 state_sharding = shardings_for(job.state_specs, mesh)
@@ -63,7 +64,7 @@ print("loss", float(metrics["loss"]), flush=True)
 def in_process(tmp: str) -> float:
     injector = FaultInjector()
     config = RuntimeConfig(run_dir=tmp, scale_up_poll_s=None)
-    runtime = ElasticRuntime(demo_job(), config=config, mesh_policy=POLICY, injector=injector)
+    runtime = injector.attach(ElasticRuntime(demo_job(), config=config, mesh_policy=POLICY))
     after_fault = POLICY.fit([d for d in jax.devices() if d.id not in (6, 7)])
     faulted: list[int] = []
 

@@ -33,7 +33,7 @@ from runtime import (
     SaveCheckpoint,
     read_events,
 )
-from runtime.demo_model import demo_job
+from runtime.testing.demo_model import demo_job
 
 pytestmark = pytest.mark.anyio
 

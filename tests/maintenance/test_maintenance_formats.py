@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.errors import NoticeMalformed
-from runtime.events import (
+from runtime.core.errors import NoticeMalformed
+from runtime.core.events import (
     HostError,
     MaintenanceCompleted,
     MaintenanceScheduled,

@@ -13,9 +13,9 @@ import anyio
 import pytest
 
 from handlers.maintenance import DrainScheduler, devices_of
-from runtime.config import RuntimeConfig
-from runtime.errors import MeshUnavailable
-from runtime.events import Drain, MaintenanceCompleted
+from runtime.core.config import RuntimeConfig
+from runtime.core.errors import MeshUnavailable
+from runtime.core.events import Drain, MaintenanceCompleted
 
 pytestmark = pytest.mark.anyio
 

@@ -9,8 +9,8 @@ import anyio
 import pytest
 from metadata_server import NO_NOTIFICATIONS, FakeMetadataServer
 
-from runtime.bus import EventBus
-from runtime.events import (
+from runtime.core.bus import EventBus
+from runtime.core.events import (
     Event,
     MaintenanceCompleted,
     MaintenanceScheduled,

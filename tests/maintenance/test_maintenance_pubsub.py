@@ -15,8 +15,8 @@ import pytest
 from pubsub_emulator import PubSubEmulator
 from pubsub_support import Topic, make_topic
 
-from runtime.bus import EventBus
-from runtime.events import (
+from runtime.core.bus import EventBus
+from runtime.core.events import (
     Event,
     HostError,
     MaintenanceCompleted,

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-import runtime.group_events  # noqa: F401 - registers the multi-process events for decoding
-from runtime.eventlog import read_events
-from runtime.events import StateRestored, StepCompleted
-from runtime.launcher import Kill
-from runtime.mp_demo import run_group
+import runtime.cluster.events  # noqa: F401 - registers the multi-process events for decoding
+from runtime.cli.demo_multiprocess import run_group
+from runtime.cluster.config import Kill
+from runtime.core.eventlog import read_events
+from runtime.core.events import StateRestored, StepCompleted
 
 NPROCS = 3
 STEPS = 40

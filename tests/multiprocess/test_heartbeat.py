@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.events import Straggler, WorkerHung, WorkerLost
-from runtime.heartbeat import HeartbeatMonitor, Hung, Lost, Straggling, UnknownWorker, verdict_event
+from runtime.cluster.heartbeat import HeartbeatMonitor, Hung, Lost, Straggling, UnknownWorker, verdict_event
+from runtime.core.events import Straggler, WorkerHung, WorkerLost
 
 
 class FakeClock:

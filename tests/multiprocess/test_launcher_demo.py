@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cli import main
+from runtime.cli.main import main
 
 
 @pytest.mark.timeout(150)

@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-import runtime.group_events  # noqa: F401 - registers the multi-process events for decoding
-from runtime.eventlog import read_events
-from runtime.events import RecoveryCompleted, StateRestored, StepCompleted, WorkerHung, WorkerLost
-from runtime.group_events import GroupFormed, WorkerKilled
-from runtime.launcher import Kill
-from runtime.mp_demo import run_group
+import runtime.cluster.events  # noqa: F401 - registers the multi-process events for decoding
+from runtime.cli.demo_multiprocess import run_group
+from runtime.cluster.config import Kill
+from runtime.cluster.events import GroupFormed, WorkerKilled
+from runtime.core.eventlog import read_events
+from runtime.core.events import RecoveryCompleted, StateRestored, StepCompleted, WorkerHung, WorkerLost
 
 STEPS = 30
 NPROCS = 3

@@ -12,11 +12,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-import runtime.group_events  # noqa: F401 - registers the multi-process events for decoding
-from runtime.eventlog import read_events
-from runtime.group_events import MalformedHeartbeat
-from runtime.launcher import Controller, Kill, LaunchConfig, _Proc
-from runtime.wire import MAX_LINE, Heartbeat, Hello, MalformedMessage, decode_from_worker, encode
+import runtime.cluster.events  # noqa: F401 - registers the multi-process events for decoding
+from runtime.cluster.config import Kill, LaunchConfig
+from runtime.cluster.controller import _Proc
+from runtime.cluster.events import MalformedHeartbeat
+from runtime.cluster.protocol import MAX_LINE, Heartbeat, Hello, MalformedMessage, decode_from_worker, encode
+from runtime.core.eventlog import read_events
+from runtime.defaults import default_controller
 
 
 def test_messages_round_trip_and_garbage_is_named() -> None:
@@ -56,11 +58,11 @@ async def _exchange(port: int) -> None:
 def test_malformed_heartbeats_and_unknown_ids_do_not_crash_the_controller(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="runtime.launcher")
+    caplog.set_level(logging.WARNING, logger="runtime.cluster.controller")
     # Stand-in workers that never connect, so the controller waits for them while the test talks to it.
     command = [sys.executable, "-c", "import time; time.sleep(60)"]
     config = LaunchConfig(command=command, nprocs=2, spares=0, run_dir=str(tmp_path), spawn_timeout_s=30)
-    controller = Controller(config)
+    controller = default_controller(config)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -91,7 +93,7 @@ def test_a_step_committed_while_a_failure_waits_for_the_re_form_does_not_end_the
     # (with its StateRestored), at its first step past the restore point.
     async def main() -> None:
         config = LaunchConfig(command=[sys.executable, "-c", "pass"], nprocs=2, spares=0, run_dir=str(tmp_path))
-        controller = Controller(config)
+        controller = default_controller(config)
         done = subprocess.Popen([sys.executable, "-c", "pass"])
         done.wait()
         controller.procs = {w: _Proc(worker=w, popen=done, spare=False, step=7) for w in (0, 1)}

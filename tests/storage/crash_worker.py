@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 
+from runtime.core.snapshot import HostSnapshot
 from storage.disk import DiskTier
-from storage.ram import HostSnapshot
 
 
 def state(step: int, arrays: int, size: int) -> dict[str, np.ndarray]:

@@ -18,10 +18,9 @@ from gcs_support import client_for
 from tests_storage_helpers import snapshot
 
 from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, read_events
-from runtime.context import RuntimeContext
-from runtime.demo_model import demo_job
-from runtime.errors import StorageError
-from runtime.events import (
+from runtime.core.context import RuntimeContext
+from runtime.core.errors import StorageError
+from runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
     CheckpointFailed,
@@ -31,11 +30,12 @@ from runtime.events import (
     StateRestored,
     StepCompleted,
 )
-from runtime.job import TrainJob
+from runtime.core.job import TrainJob
+from runtime.core.snapshot import HostSnapshot, RamTier
+from runtime.testing.demo_model import demo_job
 from storage.cascade import TieredCheckpointer
 from storage.disk import DiskTier
 from storage.gcs import GcsTier
-from storage.ram import HostSnapshot, RamTier
 
 MESH = {"data": 4, "model": 2}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tests_storage_helpers import snapshot
 
-from runtime.cli import main
+from runtime.cli.main import main
 from storage.disk import DiskTier
 from storage.gcs import GcsTier
 

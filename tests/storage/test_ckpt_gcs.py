@@ -10,9 +10,9 @@ import pytest
 from faultproxy import FaultProxy
 from gcs_support import client_for, small_state
 
+from runtime.core.snapshot import HostSnapshot
 from storage.disk import DiskTier
 from storage.gcs import GcsTier
-from storage.ram import HostSnapshot
 
 
 def _snapshot(step: int) -> HostSnapshot:

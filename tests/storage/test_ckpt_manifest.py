@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.errors import CheckpointInvalid
+from runtime.core.errors import CheckpointInvalid
 from storage import manifest as mf
 
 

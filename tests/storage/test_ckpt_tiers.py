@@ -12,7 +12,7 @@ import pytest
 from gcs_support import BUCKET, small_state
 from tests_storage_helpers import snapshot
 
-from runtime.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from storage import manifest as mf
 from storage.disk import DiskTier
 from storage.gcs import GcsTier

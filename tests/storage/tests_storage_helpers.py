@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gcs_support import small_state
 
-from storage.ram import HostSnapshot
+from runtime.core.snapshot import HostSnapshot
 
 
 def snapshot(step: int) -> HostSnapshot:

@@ -1,0 +1,189 @@
+"""Goodput and badput from an event log, in the categories of Google's ml-goodput-measurement.
+
+The wall time of a run (RunStarted to RunFinished) is split into productive time (the computation of every
+step that counts: the last commit of each step number) and badput categories named as in
+``ml_goodput_measurement``'s ``BadputType``. Whatever no event accounts for (event handling, compiles after
+a re-mesh, the scheduler) is ``OTHER``, so the parts always add up to the wall time.
+
+A RAM snapshot compiled into the step (``snapshot_every=1``) is part of the step's computation here, as an
+offload inside the step is for ml-goodput-measurement; only a copy the step waited for after it
+(``StepCompleted.snapshot_wait_s``) is ``UNPRODUCTIVE_CHECKPOINT_SAVE_TIME``. The benchmarks charge it
+against a bare step instead (``tests/benchmarks/bench_overhead.py``, ``bench_goodput.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.core.events import (
+    CheckpointCommitted,
+    DeviceLost,
+    Event,
+    Failure,
+    MeshChanged,
+    ProcessLost,
+    RecoveryCompleted,
+    RunFinished,
+    RunStarted,
+    StateRestored,
+    StepCompleted,
+    WorkerHung,
+    WorkerLost,
+)
+
+# Names as in ml_goodput_measurement's BadputType.
+PROGRAM_STARTUP = "PROGRAM_STARTUP"
+DATA_LOADING_SYNC = "DATA_LOADING_SYNC"
+UNPRODUCTIVE_CHECKPOINT_SAVE_TIME = "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME"
+UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME = "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME"
+WASTED_PROGRESS_FROM_DISRUPTION = "WASTED_PROGRESS_FROM_DISRUPTION"
+INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION = "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION"
+ELASTIC_SCALE_UP = "ELASTIC_SCALE_UP"
+OTHER = "OTHER"
+BADPUT_TYPES = (
+    PROGRAM_STARTUP,
+    DATA_LOADING_SYNC,
+    UNPRODUCTIVE_CHECKPOINT_SAVE_TIME,
+    UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME,
+    WASTED_PROGRESS_FROM_DISRUPTION,
+    INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION,
+    ELASTIC_SCALE_UP,
+    OTHER,
+)
+
+_DISRUPTIONS = (DeviceLost, ProcessLost, WorkerLost, WorkerHung)
+
+
+@dataclass
+class FailureRecord:
+    """One disruption: when it was seen, how long recovery took, and what it cost."""
+
+    kind: str
+    step: int
+    detection_s: float  # from the fault to its detection, where the event says (heartbeat silence)
+    recovery_s: float | None  # from the failure event to the next committed step; None: never recovered
+    lost_steps: int
+    wasted_s: float  # computation thrown away: the failed attempt and committed steps run again
+    restored_from: str
+
+
+@dataclass
+class GoodputReport:
+    """Where the wall time of one run went."""
+
+    wall_s: float
+    productive_s: float
+    badput_s: dict[str, float]
+    steps: int
+    failures: list[FailureRecord] = field(default_factory=list)
+    checkpoints: dict[str, int] = field(default_factory=dict)  # committed checkpoints per tier
+
+    @property
+    def goodput(self) -> float | None:
+        return self.productive_s / self.wall_s if self.wall_s > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "wall_s": round(self.wall_s, 4),
+            "productive_s": round(self.productive_s, 4),
+            "goodput": None if self.goodput is None else round(self.goodput, 4),
+            "steps": self.steps,
+            "badput_s": {k: round(v, 4) for k, v in self.badput_s.items()},
+            "failures": [vars(f) | {"wasted_s": round(f.wasted_s, 4)} for f in self.failures],
+            "checkpoints": self.checkpoints,
+        }
+
+
+def goodput(events: Sequence[Event]) -> GoodputReport:
+    """Account for the wall time of the run recorded in ``events``.
+
+    Raises:
+        ValueError: the events hold no RunStarted (not the log of a run).
+    """
+    started = next((e for e in events if isinstance(e, RunStarted)), None)
+    if started is None:
+        raise ValueError("no RunStarted event: this is not the event log of a run")
+    finished = next((e for e in reversed(events) if isinstance(e, RunFinished)), None)
+    end = finished.mono_time if finished else events[-1].mono_time
+    wall = end - started.mono_time
+
+    history: list[StepCompleted] = []  # every commit, including those a rollback made run again
+    badput = dict.fromkeys(BADPUT_TYPES, 0.0)
+    disruptions: list[tuple[Failure, float, RecoveryCompleted | None]] = []
+    open_failure: tuple[Failure, float] | None = None  # the failure being recovered, and its attempt time
+    checkpoints: dict[str, int] = {}
+
+    for event in events:
+        if isinstance(event, StepCompleted) and event.step is not None:
+            if not history:
+                # Everything before the first step's own work was start-up: compiling, placing the state.
+                first_work = event.duration_s + event.data_s + event.snapshot_wait_s
+                badput[PROGRAM_STARTUP] += max(event.mono_time - started.mono_time - first_work, 0.0)
+            history.append(event)
+            badput[DATA_LOADING_SYNC] += event.data_s
+            badput[UNPRODUCTIVE_CHECKPOINT_SAVE_TIME] += event.snapshot_wait_s
+        elif isinstance(event, _DISRUPTIONS) and open_failure is None:
+            # The failed attempt ran from the last commit until the failure surfaced.
+            since = history[-1].mono_time if history else started.mono_time
+            open_failure = (event, max(event.mono_time - since, 0.0))
+        elif isinstance(event, StateRestored):
+            badput[UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME] += event.seconds
+        elif isinstance(event, MeshChanged) and not event.needs_restore:
+            badput[ELASTIC_SCALE_UP] += event.seconds
+        elif isinstance(event, CheckpointCommitted):
+            checkpoints[event.tier] = checkpoints.get(event.tier, 0) + 1
+        elif isinstance(event, RecoveryCompleted) and open_failure is not None:
+            disruptions.append((*open_failure, event))
+            open_failure = None
+    if open_failure is not None:  # the run ended (or broke) before recovering
+        disruptions.append((*open_failure, None))
+
+    final: dict[int, StepCompleted] = {c.step: c for c in history if c.step is not None}
+    failures = [_record(failure, attempt_s, done, history) for failure, attempt_s, done in disruptions]
+    productive = sum(c.duration_s for c in final.values())
+    badput[WASTED_PROGRESS_FROM_DISRUPTION] = sum(f.wasted_s for f in failures)
+    # Recovery time, less what other categories hold: the restore, and the re-run step (productive).
+    for failure, _, done in disruptions:
+        if done is not None and done.step is not None:
+            rerun = final[done.step].duration_s if done.step in final else 0.0
+            restore = sum(
+                e.seconds
+                for e in events
+                if isinstance(e, StateRestored) and failure.mono_time <= e.mono_time <= done.mono_time
+            )
+            badput[INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION] += max(done.recovery_s - restore - rerun, 0.0)
+    accounted = productive + sum(v for k, v in badput.items() if k != OTHER)
+    badput[OTHER] = max(wall - accounted, 0.0)
+    return GoodputReport(
+        wall_s=wall,
+        productive_s=productive,
+        badput_s=badput,
+        steps=max(final, default=0),
+        failures=failures,
+        checkpoints=checkpoints,
+    )
+
+
+def _record(
+    failure: Failure, attempt_s: float, done: RecoveryCompleted | None, history: list[StepCompleted]
+) -> FailureRecord:
+    """What one failure cost. Its rolled-back steps are those after the restored one, each as last
+    committed before the failure."""
+    lost_steps = done.lost_steps if done is not None else 0
+    before = [c for c in history if c.mono_time < failure.mono_time and c.step is not None]
+    newest = max((c.step for c in before if c.step is not None), default=0)
+    latest = {c.step: c for c in before}  # later commits of a step overwrite earlier ones
+    rolled_back = [latest[s] for s in range(newest - lost_steps + 1, newest + 1) if s in latest]
+    # Heartbeat failures say how long the worker was silent before it was declared lost.
+    detection = float(getattr(failure, "silent_s", 0.0) or getattr(failure, "stalled_s", 0.0))
+    return FailureRecord(
+        kind=type(failure).__name__,
+        step=failure.step or 0,
+        detection_s=detection,
+        recovery_s=None if done is None else done.recovery_s,
+        lost_steps=lost_steps,
+        wasted_s=attempt_s + sum(c.duration_s for c in rolled_back),
+        restored_from="" if done is None else done.restored_from,
+    )

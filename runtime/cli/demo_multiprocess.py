@@ -1,0 +1,180 @@
+"""``elastic-runtime demo --processes N --kill-worker-at STEP``: the multi-process demonstration.
+
+A controller starts N worker processes (2 CPU devices each, gloo collectives on loopback) and one warm spare;
+at ``STEP`` one worker gets a real ``kill -9``. The controller notices, re-forms the group in-process with the
+spare in the dead worker's place, restores the newest committed step from host memory (the spare gets it
+from its peers), and training carries on; the controller is never restarted. With ``--json`` the last line
+is a summary; ``--verify`` runs the same job fault-free and compares the final parameters bitwise.
+
+This module is also the workers' script: ``python -m runtime.cli.demo_multiprocess --worker --steps N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# A smaller model than the single-process demo: every worker holds all of it (see storage/peer.py).
+FEATURES = 128
+HIDDEN = 512
+GLOBAL_BATCH = 96  # divides over 1, 2, 3, 4 and 6 processes
+
+
+def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's multi-process options (added to ``elastic-runtime demo``)."""
+    group = parser.add_argument_group("multi-process (issue 6)")
+    group.add_argument("--processes", type=int, default=0, help="run as N worker processes (0: single-process)")
+    group.add_argument("--kill-worker-at", type=int, default=None, help="kill -9 a worker at this step")
+    group.add_argument("--kill-process", type=int, default=1, help="process id to kill (default 1; 0 works too)")
+    group.add_argument("--strategy", choices=("reform", "restart"), default="reform", help="recovery strategy")
+
+
+def worker_command(steps: int) -> list[str]:
+    return [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(steps)]
+
+
+def run_group(
+    *,
+    processes: int,
+    steps: int,
+    run_dir: Path,
+    kills: list[Any],
+    strategy: str = "reform",
+    printer: Any = None,
+    command: list[str] | None = None,
+    **extra: Any,
+) -> Any:
+    """Run the demo job (or ``command``) as a launched group; returns the controller's LaunchResult."""
+    from runtime.cluster.config import LaunchConfig, Strategy
+    from runtime.core.events import Event
+    from runtime.defaults import default_controller
+
+    config = LaunchConfig(
+        command=command or worker_command(steps),
+        nprocs=processes,
+        run_dir=str(run_dir),
+        result_path=str(run_dir / "final.npz"),
+        kills=kills,
+        strategy=Strategy(strategy),
+        **extra,
+    )
+    controller = default_controller(config)
+    if printer is not None:
+        controller.bus.subscribe(Event, printer, priority=-100)
+    return controller.run()
+
+
+def compare_files(got: Path, want: Path) -> dict[str, Any]:
+    """Compare two final-state files bitwise (and report the largest relative error)."""
+    with np.load(got) as a, np.load(want) as b:
+        keys = sorted(a.files)
+        same = keys == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in keys)
+        worst = max(float(np.max(np.abs(a[k] - b[k]))) / (float(np.max(np.abs(b[k]))) or 1.0) for k in keys)
+    return {"comparison": "bitwise", "match": same, "max_rel_error": worst}
+
+
+class _Printer:
+    """Live progress: every 10th committed step, and every other event of the controller as it happens."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    async def __call__(self, event: Any, ctx: Any) -> None:
+        name = type(event).__name__
+        if name == "StepCompleted" and event.step % 10:
+            return
+        fields = {
+            k: v
+            for k, v in (event.__struct_fields__ and {f: getattr(event, f) for f in event.__struct_fields__}).items()
+            if k not in ("wall_time", "mono_time", "source", "error_type") and v not in ("", None)
+        }
+        print(f"  {time.monotonic() - self.t0:7.3f} s  {name} {fields}", flush=True)
+
+
+def run_multiprocess_demo(args: argparse.Namespace) -> int:
+    """The ``demo --processes N`` entry point."""
+    from runtime.cluster.config import Kill
+
+    steps = args.steps
+    kill_at = args.kill_worker_at
+    run_dir = Path(args.run_dir or f"runs/demo-mp-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    say = (lambda *a: None) if args.quiet else print
+    say(f"elastic-runtime demo: {steps} steps on {args.processes} worker processes x 2 CPU devices (gloo)")
+    kills = [] if kill_at is None or args.no_fault else [Kill(kill_at, args.kill_process, "KILL")]
+    if kills:
+        say(f"  process {args.kill_process} gets kill -9 at step {kill_at}; strategy {args.strategy}")
+    started = time.monotonic()
+    result = run_group(
+        processes=args.processes,
+        steps=steps,
+        run_dir=run_dir / "run",
+        kills=kills,
+        strategy=args.strategy,
+        printer=None if args.quiet else _Printer(),
+    )
+    recoveries = result.recoveries
+    summary: dict[str, Any] = {
+        "ok": result.ok,
+        "processes": args.processes,
+        "steps_completed": result.step,
+        "seconds": round(time.monotonic() - started, 3),
+        "detected_after_s": _first(result.detected_after_s),
+        "recovery_s": _first([r["recovery_s"] for r in recoveries]),
+        "lost_steps": sum(r["lost_steps"] for r in recoveries),
+        "restored_from": _first([r["restored_from"] for r in recoveries]),
+        "strategy": _first([r["strategy"] for r in recoveries]),
+        "recoveries": len(recoveries),
+        "controller_restarts": result.controller_restarts,
+        "survivor_restarts": result.survivor_restarts,
+        "world_size_history": result.world_size_history,
+        "run_dir": str(run_dir),
+    }
+    if args.verify:
+        say("verifying: fault-free run of the same group ...")
+        reference = run_group(processes=args.processes, steps=steps, run_dir=run_dir / "reference", kills=[])
+        full = all(size == args.processes for size in result.world_size_history)
+        got, want = run_dir / "run" / "final.npz", run_dir / "reference" / "final.npz"
+        summary["reference_match"] = compare_files(got, want) if reference.ok and full else {"match": False}
+    say(
+        f"\nfinished {summary['steps_completed']} steps in {summary['seconds']:.2f} s; "
+        f"detected after {summary['detected_after_s']} s, recovered in {summary['recovery_s']} s "
+        f"({summary['strategy']}, from {summary['restored_from']}), lost {summary['lost_steps']} step(s), "
+        f"controller restarts {summary['controller_restarts']}, survivor restarts {summary['survivor_restarts']}"
+    )
+    if "reference_match" in summary:
+        say(f"reference check: {summary['reference_match']}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if result.ok and summary.get("reference_match", {}).get("match", True) else 1
+
+
+def _first(values: list[Any]) -> Any:
+    return round(values[0], 3) if values and isinstance(values[0], float) else (values[0] if values else None)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def worker_main(argv: list[str] | None = None) -> None:
+    """The workers' script."""
+    from runtime.cluster.worker import run_worker
+    from runtime.testing.demo_model import demo_job
+
+    parser = argparse.ArgumentParser(prog="python -m runtime.cli.demo_multiprocess")
+    parser.add_argument("--worker", action="store_true", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    args = parser.parse_args(argv)
+    run_worker(demo_job(global_batch=GLOBAL_BATCH, features=FEATURES, hidden=HIDDEN), steps=args.steps)
+
+
+if __name__ == "__main__":
+    worker_main()

@@ -1,0 +1,73 @@
+"""``elastic-runtime launch --nprocs N -- python train.py ...``: run a script as supervised worker processes.
+
+The controller (``runtime/cluster/controller.py``) starts the workers, watches them and re-forms the group
+when one is lost; see ``docs/multiprocess.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from runtime.cluster.config import RECOVERY_STRATEGIES, Kill, LaunchConfig, LaunchError
+from runtime.defaults import default_controller
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "launch",
+        help="run a training script as N supervised worker processes",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    parser.add_argument("--nprocs", type=int, required=True, help="worker processes in the group")
+    parser.add_argument("--min-nprocs", type=int, default=None, help="smallest group to go on with")
+    parser.add_argument("--spares", type=int, default=1, help="warm spare processes (default 1)")
+    parser.add_argument("--local-devices", type=int, default=2, help="CPU devices per worker (default 2)")
+    parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
+    parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
+    parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
+    parser.add_argument("--run-dir", default=None, help="event log, worker logs, summary.json")
+    parser.add_argument("--result", default=None, help="where process 0 writes the final state (.npz)")
+    parser.add_argument(
+        "--replica-dir", default=None, help="replica files (default: a fresh /dev/shm dir, removed at the end)"
+    )
+    parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
+    parser.add_argument("--kill", type=Kill.parse, action="append", default=[], metavar="STEP[:PID[:SIG]]")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
+    parser.set_defaults(func=launch_main)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise SystemExit("elastic-runtime launch: give the worker command after --")
+    return LaunchConfig(
+        command=command,
+        nprocs=args.nprocs,
+        min_nprocs=args.min_nprocs,
+        spares=args.spares,
+        local_devices=args.local_devices,
+        strategy=args.strategy,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        hang_timeout_s=args.hang_timeout,
+        run_dir=args.run_dir,
+        result_path=args.result,
+        replica_dir=args.replica_dir,
+        max_failures=args.max_failures,
+        kills=args.kill,
+    )
+
+
+def launch_main(args: argparse.Namespace) -> int:
+    try:
+        result = default_controller(config_from_args(args)).run()
+    except (LaunchError, ValueError) as exc:
+        print(f"elastic-runtime launch: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in result.__dict__.items() if k != "digests"}, default=str))
+    return 0 if result.ok else 1

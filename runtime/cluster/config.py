@@ -1,0 +1,124 @@
+"""The settings and outcome of a multi-process run, and the strategies a re-forming group may take."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+__all__ = ["Kill", "LaunchConfig", "LaunchError", "LaunchResult", "Strategy"]
+
+
+class Strategy(StrEnum):
+    """How a group is formed. ``REFORM`` and ``RESTART`` are the recovery strategies a user may choose."""
+
+    START = "start"  # the first group
+    GROW = "grow"  # a spare joins a smaller group at a planned step
+    REFORM = "reform"  # survivors re-initialize jax.distributed in-process; replacements take state from peers
+    RESTART = "restart"  # every worker process replaced, state from the replica files in /dev/shm
+
+
+RECOVERY_STRATEGIES = (Strategy.REFORM, Strategy.RESTART)
+
+
+class LaunchError(RuntimeError):
+    """The run could not go on: too few workers, too many failures, or a group that never formed."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """Fault injection: send ``signal`` to the member with ``process_id`` once the group commits ``step``."""
+
+    step: int
+    process_id: int
+    signal: str = "KILL"
+
+    @classmethod
+    def parse(cls, text: str) -> Kill:
+        parts = text.split(":")
+        try:
+            step, pid = int(parts[0]), int(parts[1]) if len(parts) > 1 else 1
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"--kill {text!r}: want STEP[:PROCESS_ID[:SIGNAL]]") from exc
+        sig = parts[2].upper() if len(parts) > 2 else "KILL"
+        if not hasattr(signal, f"SIG{sig}"):
+            raise argparse.ArgumentTypeError(f"--kill {text!r}: unknown signal {sig}")
+        return cls(step, pid, sig)
+
+
+@dataclass
+class LaunchConfig:
+    """Settings of one multi-process run.
+
+    Attributes:
+        command: the worker command line (``python train.py ...``).
+        nprocs: the group's full size.
+        min_nprocs: the smallest group training may go on with while replacements start.
+        spares: warm spare processes kept ready to replace a lost worker at once.
+        local_devices: CPU devices per worker process.
+        heartbeat_interval_s, heartbeat_timeout_s, hang_timeout_s: see :class:`HeartbeatMonitor`.
+        strategy: "reform" (in-process re-forming, falling back to "restart") or "restart" always.
+        form_timeout_s: how long a new group may take to form before its stragglers are replaced.
+        spawn_timeout_s: how long a re-forming waits for replacements before going on with ``min_nprocs``.
+        start_timeout_s: how long the first group may take to start.
+        max_failures: failures the run survives.
+        run_dir: event log, worker logs and ``summary.json``; a temporary directory when unset.
+        replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<pid>``.
+        result_path: where process 0 writes the final state (``.npz``).
+        kills, kill_during_recovery: fault injection (see :class:`Kill`).
+        worker_faults: fault injection in the first generation's process ids: {1: "midstep@12"}.
+    """
+
+    command: list[str]
+    nprocs: int
+    min_nprocs: int | None = None
+    spares: int = 1
+    local_devices: int = 2
+    heartbeat_interval_s: float = 0.2
+    heartbeat_timeout_s: float = 2.0
+    hang_timeout_s: float = 5.0
+    strategy: Strategy = Strategy.REFORM
+    form_timeout_s: float = 20.0
+    spawn_timeout_s: float = 60.0
+    start_timeout_s: float = 120.0
+    max_failures: int = 10
+    run_dir: str | None = None
+    replica_dir: str | None = None
+    result_path: str | None = None
+    kills: list[Kill] = field(default_factory=list)
+    kill_during_recovery: int | None = None
+    worker_faults: dict[int, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nprocs < 1:
+            raise ValueError(f"nprocs must be >= 1, got {self.nprocs}")
+        if self.min_nprocs is None:
+            self.min_nprocs = self.nprocs
+        if not 1 <= self.min_nprocs <= self.nprocs:
+            raise ValueError(f"min_nprocs must be in [1, {self.nprocs}], got {self.min_nprocs}")
+        if self.strategy not in RECOVERY_STRATEGIES:
+            choices = ", ".join(RECOVERY_STRATEGIES)
+            raise ValueError(f"strategy must be one of {choices}, got {self.strategy!r}")
+        self.strategy = Strategy(self.strategy)
+
+
+@dataclass
+class LaunchResult:
+    """What a run leaves: its outcome and the figures the demo's summary reports."""
+
+    ok: bool
+    step: int
+    target_steps: int
+    digests: dict[int, str]
+    world_size_history: list[int]
+    strategies: list[str]
+    recoveries: list[dict[str, Any]]
+    detected_after_s: list[float]
+    controller_restarts: int
+    survivor_restarts: int
+    events_path: str
+    run_dir: str
+    reason: str = ""

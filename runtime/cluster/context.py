@@ -1,0 +1,46 @@
+"""The ``ctx`` a controller-side handler receives: the group, and the requests it may make."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from runtime.cluster.config import LaunchConfig, Strategy
+from runtime.core.events import Event
+
+if TYPE_CHECKING:
+    from runtime.cluster.controller import Controller
+
+__all__ = ["ControllerContext"]
+
+
+class ControllerContext:
+    """What a controller-side handler sees as ``ctx``: the group, and the requests it may make."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._c = controller
+
+    @property
+    def config(self) -> LaunchConfig:
+        return self._c.config
+
+    @property
+    def step(self) -> int:
+        """The newest step the whole group committed."""
+        return self._c.group_step
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Worker ids of the current group, in process-id order."""
+        return tuple(self._c.members)
+
+    async def publish(self, event: Event) -> None:
+        await self._c.bus.publish(event)
+
+    def kill(self, worker: int, reason: str) -> None:
+        """SIGKILL ``worker`` (a hung or stopped worker must not come back half-way through a re-forming)."""
+        self._c.kill(worker, "KILL", reason)
+
+    def regroup(self, lost: Iterable[int], reason: str, strategy: Strategy | None = None) -> None:
+        """Replace ``lost`` workers and re-form the group (queued; done by the controller's supervisor)."""
+        self._c.request_regroup(set(lost), reason, strategy)

@@ -1,0 +1,211 @@
+"""The heartbeat monitor: from workers' (step, time) reports, decide who is lost, hung or straggling.
+
+The core, :class:`HeartbeatMonitor`, is synchronous and reads time only from an injected clock, so its
+tests run without waiting. :func:`watch` is the thin async shell the controller runs: it calls
+:meth:`HeartbeatMonitor.check` every ``interval`` seconds and publishes the verdicts as events.
+
+- lost: no heartbeat for ``timeout_s`` (kill -9, lost host), or the controller saw the worker's connection or
+  process end (:meth:`HeartbeatMonitor.mark_gone`), which it reports at the next check without waiting;
+- hung: heartbeats still arrive but the committed step has not moved for ``hang_timeout_s`` while progress is
+  expected (a stuck collective, a deadlock);
+- straggler: the worker's recent step time is ``straggler_factor`` times the group median or more.
+
+Each verdict is given once per worker; :meth:`HeartbeatMonitor.forget` or :meth:`HeartbeatMonitor.register`
+resets it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from runtime.core.events import Event, Straggler, WorkerHung, WorkerLost
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class UnknownWorker(KeyError):
+    """A heartbeat named a worker id the monitor was never told about (or has forgotten)."""
+
+
+@dataclass(frozen=True)
+class Lost:
+    worker: int
+    silent_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Hung:
+    worker: int
+    stalled_s: float
+    step: int
+
+
+@dataclass(frozen=True)
+class Straggling:
+    worker: int
+    step_time_s: float
+    group_median_s: float
+
+
+Verdict = Lost | Hung | Straggling
+
+
+@dataclass
+class _Worker:
+    last_seen: float
+    step: int = -1
+    progress_at: float = 0.0  # when ``step`` last changed, or progress was (re-)expected
+    expect_progress: bool = False
+    gone: str = ""  # why the controller knows it is gone, if it does
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+    reported: bool = False  # lost or hung was reported
+    straggler_reported_at: float = -1e18
+
+
+class HeartbeatMonitor:
+    """Tracks the liveness and progress of every registered worker.
+
+    Args:
+        timeout_s: silence after which a worker is lost (JAX's own default is 100 s; ours is 2 s).
+        hang_timeout_s: how long a worker that still sends heartbeats may make no step progress.
+        straggler_factor: a recent mean step time this many times the group median marks a straggler.
+        straggler_min_s: ... and only when it exceeds the median by at least this much (noise floor).
+        straggler_every_s: report the same straggler at most this often.
+        clock: monotonic seconds; injected in tests.
+
+    Raises:
+        ValueError: a non-positive timeout or a factor <= 1.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 2.0,
+        hang_timeout_s: float = 5.0,
+        straggler_factor: float = 3.0,
+        straggler_min_s: float = 0.05,
+        straggler_every_s: float = 30.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if timeout_s <= 0 or hang_timeout_s <= 0:
+            raise ValueError(f"timeouts must be > 0, got timeout_s={timeout_s}, hang_timeout_s={hang_timeout_s}")
+        if straggler_factor <= 1:
+            raise ValueError(f"straggler_factor must be > 1, got {straggler_factor}")
+        self.timeout_s = timeout_s
+        self.hang_timeout_s = hang_timeout_s
+        self.straggler_factor = straggler_factor
+        self.straggler_min_s = straggler_min_s
+        self.straggler_every_s = straggler_every_s
+        self.clock = clock
+        self._workers: dict[int, _Worker] = {}
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        return tuple(sorted(self._workers))
+
+    def register(self, worker: int) -> None:
+        """Start watching ``worker`` (its silence is timed from now)."""
+        self._workers[worker] = _Worker(last_seen=self.clock())
+
+    def forget(self, worker: int) -> None:
+        """Stop watching ``worker`` (it was replaced or finished). Unknown ids are ignored."""
+        self._workers.pop(worker, None)
+
+    def expect_progress(self, worker: int, expected: bool = True) -> None:
+        """Whether ``worker`` should be committing steps now (not while its group re-forms or after it ends)."""
+        entry = self._workers.get(worker)
+        if entry is not None:
+            entry.expect_progress = expected
+            entry.progress_at = self.clock()
+
+    def observe(self, worker: int, step: int, step_time_s: float | None = None) -> None:
+        """Record a heartbeat. Raises UnknownWorker for an id that is not registered."""
+        entry = self._workers.get(worker)
+        if entry is None:
+            raise UnknownWorker(worker)
+        now = self.clock()
+        entry.last_seen = now
+        if step != entry.step:
+            entry.step = step
+            entry.progress_at = now
+            if step_time_s is not None and step_time_s >= 0:
+                entry.step_times.append(step_time_s)
+
+    def mark_gone(self, worker: int, reason: str) -> None:
+        """The controller knows ``worker`` is gone (its connection closed or its process exited)."""
+        entry = self._workers.get(worker)
+        if entry is not None and not entry.gone:
+            entry.gone = reason
+
+    def check(self) -> list[Verdict]:
+        """Verdicts that became true since the last check, at most one lost-or-hung per worker."""
+        now = self.clock()
+        verdicts: list[Verdict] = []
+        for worker, entry in self._workers.items():
+            if entry.reported:
+                continue
+            silent = now - entry.last_seen
+            if entry.gone or silent >= self.timeout_s:
+                entry.reported = True
+                verdicts.append(Lost(worker, silent, entry.gone or f"no heartbeat for {silent:.2f} s"))
+            elif entry.expect_progress and now - entry.progress_at >= self.hang_timeout_s:
+                entry.reported = True
+                verdicts.append(Hung(worker, now - entry.progress_at, entry.step))
+        verdicts.extend(self._stragglers(now))
+        return verdicts
+
+    def _stragglers(self, now: float) -> list[Straggling]:
+        means = {w: statistics.fmean(e.step_times) for w, e in self._workers.items() if len(e.step_times) >= 3}
+        if len(means) < 3:  # a median of two says nothing about which one is slow
+            return []
+        median = statistics.median(means.values())
+        found = []
+        for worker, mean in means.items():
+            entry = self._workers[worker]
+            slow = mean >= self.straggler_factor * median and mean - median >= self.straggler_min_s
+            if slow and now - entry.straggler_reported_at >= self.straggler_every_s:
+                entry.straggler_reported_at = now
+                found.append(Straggling(worker, mean, median))
+        return found
+
+
+def verdict_event(verdict: Verdict, *, step: int | None) -> Event:
+    """The event that states ``verdict``."""
+    match verdict:
+        case Lost(worker, silent_s, reason):
+            return WorkerLost(step=step, source="heartbeat", worker=worker, silent_s=silent_s, message=reason)
+        case Hung(worker, stalled_s, at_step):
+            return WorkerHung(
+                step=step,
+                source="heartbeat",
+                worker=worker,
+                stalled_s=stalled_s,
+                message=f"no progress past step {at_step} for {stalled_s:.2f} s",
+            )
+        case Straggling(worker, step_time_s, median):
+            return Straggler(
+                step=step, source="heartbeat", worker=worker, step_time_s=step_time_s, group_median_s=median
+            )
+
+
+async def watch(
+    monitor: HeartbeatMonitor,
+    publish: Callable[[Verdict], Awaitable[None]],
+    *,
+    interval: float = 0.05,
+) -> None:
+    """Check ``monitor`` every ``interval`` seconds and hand each verdict to ``publish``. Runs until cancelled."""
+    while True:
+        for verdict in monitor.check():
+            await publish(verdict)
+        await anyio.sleep(interval)

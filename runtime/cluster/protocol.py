@@ -1,0 +1,171 @@
+"""The controller-worker protocol: small tagged msgspec messages, one JSON object a line, over loopback TCP.
+
+Workers say who they are (:class:`Hello`), report progress (:class:`Heartbeat`), say which step they can
+restore (:class:`Joined`) and that they are done (:class:`Finished`). The controller tells them which group to
+form (:class:`Form`), which step to restore from whom (:class:`Restore`) and when to stop (:class:`Stop`).
+The union is declared once and one decoder per direction is reused. Anything that does not decode is
+reported as :class:`MalformedMessage` by the reader, never raised into the controller's loop.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+__all__ = [
+    "ENV_COMPILE_CACHE",
+    "ENV_CONTROLLER",
+    "ENV_HEARTBEAT_S",
+    "ENV_JAX_HEARTBEAT_S",
+    "ENV_JAX_INIT_S",
+    "ENV_JAX_SHUTDOWN_S",
+    "ENV_LOCAL_DEVICES",
+    "ENV_REPLICA_DIR",
+    "ENV_RESULT",
+    "ENV_STEP_DELAY_S",
+    "ENV_WORKER",
+    "ControllerMessage",
+    "Finished",
+    "Form",
+    "Heartbeat",
+    "Hello",
+    "Joined",
+    "MalformedMessage",
+    "Restore",
+    "Stop",
+    "Warm",
+    "WorkerMessage",
+    "decode_from_controller",
+    "decode_from_worker",
+    "encode",
+]
+
+# Environment the controller sets for each worker process.
+ENV_CONTROLLER = "ELASTIC_CONTROLLER"  # host:port of the controller
+ENV_WORKER = "ELASTIC_WORKER_ID"  # this process's worker id (unique for the run, never reused)
+ENV_REPLICA_DIR = "ELASTIC_REPLICA_DIR"  # where replica files live (default under /dev/shm)
+ENV_LOCAL_DEVICES = "ELASTIC_LOCAL_DEVICES"  # CPU devices per process
+ENV_RESULT = "ELASTIC_RESULT"  # where process 0 writes the final state (.npz), if set
+ENV_HEARTBEAT_S = "ELASTIC_HEARTBEAT_S"
+ENV_JAX_HEARTBEAT_S = "ELASTIC_JAX_HEARTBEAT_S"
+ENV_JAX_SHUTDOWN_S = "ELASTIC_JAX_SHUTDOWN_S"
+ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
+ENV_COMPILE_CACHE = "ELASTIC_COMPILE_CACHE"  # persistent XLA cache directory shared by the workers
+ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room to kill mid-run)
+
+MAX_LINE = 1 << 20  # a heartbeat is ~150 bytes; anything near this is garbage or an attack
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Base of every wire message; the JSON tag is the class name."""
+
+
+# --- worker -> controller ---------------------------------------------------------------------------------
+
+
+class Hello(Message, frozen=True, kw_only=True):
+    """First message on a connection: the worker id the controller gave this process, and its pid."""
+
+    worker: int
+    pid: int
+    target_steps: int
+
+
+class Heartbeat(Message, frozen=True, kw_only=True):
+    """Alive, with the newest committed ``step`` of ``generation`` and how long the last step took."""
+
+    worker: int
+    generation: int
+    step: int
+    step_time_s: float | None = None
+    sent_at: float  # the worker's wall clock; the controller times silence with its own monotonic clock
+
+
+class Joined(Message, frozen=True, kw_only=True):
+    """The worker joined group ``generation``; it can restore ``best_step`` from its own ``tier``."""
+
+    worker: int
+    generation: int
+    best_step: int
+    tier: str  # "ram" (own memory), "shm" (a /dev/shm or disk file), or "none"
+    join_s: float  # shutdown + re-initialize of jax.distributed, as the worker measured it
+
+
+class Finished(Message, frozen=True, kw_only=True):
+    """The worker committed the target ``step``; ``digest`` is a hash of its final state."""
+
+    worker: int
+    generation: int
+    step: int
+    digest: str
+
+
+# --- controller -> worker ---------------------------------------------------------------------------------
+
+
+class Form(Message, frozen=True, kw_only=True):
+    """Leave any current group and join ``generation``: ``jax.distributed`` at ``coordinator``, as ``process_id``."""
+
+    generation: int
+    coordinator: str
+    process_id: int
+    num_processes: int
+    read_files: bool = True  # look in the replica files when this process holds no state in memory
+    faults: str = ""  # fault injection for tests, e.g. "midstep@12,replica@20" (see runtime.cluster.worker)
+    at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
+
+
+class Restore(Message, frozen=True, kw_only=True):
+    """Restore ``step`` in ``generation`` by broadcast from ``source`` (a process id; -1: the initial state)."""
+
+    generation: int
+    step: int
+    source: int
+    target_steps: int
+
+
+class Warm(Message, frozen=True, kw_only=True):
+    """A spare with nothing to do: compile the step once on a local backend, so that joining later is quick."""
+
+
+class Stop(Message, frozen=True, kw_only=True):
+    """Exit now; ``reason`` is logged."""
+
+    reason: str
+
+
+WorkerMessage = Union[Hello, Heartbeat, Joined, Finished]  # noqa: UP007 - msgspec needs a Union object
+ControllerMessage = Union[Form, Restore, Warm, Stop]  # noqa: UP007
+
+
+class MalformedMessage(ValueError):
+    """A line from a peer did not decode as a message of the expected direction."""
+
+
+_encoder = msgspec.json.Encoder()
+_from_worker = msgspec.json.Decoder(WorkerMessage)
+_from_controller = msgspec.json.Decoder(ControllerMessage)
+
+
+def encode(message: Message) -> bytes:
+    """One message as a JSON line (newline included)."""
+    return _encoder.encode(message) + b"\n"
+
+
+def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Finished:
+    """Decode one line a worker sent. Raises MalformedMessage naming what was wrong."""
+    try:
+        message: Hello | Heartbeat | Joined | Finished = _from_worker.decode(line)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
+    return message
+
+
+def decode_from_controller(line: bytes) -> Form | Restore | Warm | Stop:
+    """Decode one line the controller sent. Raises MalformedMessage naming what was wrong."""
+    try:
+        message: Form | Restore | Warm | Stop = _from_controller.decode(line)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
+    return message

@@ -1,0 +1,514 @@
+"""The worker side of a multi-process run: the training loop each process of ``elastic-runtime launch`` runs.
+
+A training script hands its :class:`~runtime.core.job.TrainJob` to :func:`run_worker`; everything else comes from
+the controller through the environment (its address, this worker's id, where replica files live) and over
+the wire (which group to form, which step to restore from whom).
+
+The layout: the ``data`` axis spans processes and the ``model`` axis the devices inside one process, so each
+process holds the whole state (see :mod:`storage.peer`). Every committed step is copied to host memory (the
+RAM replica) and, in the background, to a replica file in ``/dev/shm``.
+
+Re-forming in-process (measured on jax 0.10.2, CPU, gloo): when a peer is killed, a step blocked in a gloo
+collective never returns and raises nothing, even after JAX's own heartbeat timeout. The worker therefore
+runs each step in a thread and, when the controller sends :class:`~runtime.cluster.protocol.Form` while a step is still
+running, abandons that thread (it stays blocked; it is never joined), shuts ``jax.distributed`` down, clears
+the backends and joins the new group. With ``jax_enable_recoverability`` on, this works in the same process.
+Because abandoned threads are blocked inside XLA, the process ends with ``os._exit`` after flushing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import numpy as np
+
+from runtime.cluster.protocol import (
+    ENV_COMPILE_CACHE,
+    ENV_CONTROLLER,
+    ENV_HEARTBEAT_S,
+    ENV_JAX_HEARTBEAT_S,
+    ENV_JAX_INIT_S,
+    ENV_JAX_SHUTDOWN_S,
+    ENV_LOCAL_DEVICES,
+    ENV_REPLICA_DIR,
+    ENV_RESULT,
+    ENV_STEP_DELAY_S,
+    ENV_WORKER,
+    Finished,
+    Form,
+    Heartbeat,
+    Hello,
+    Joined,
+    MalformedMessage,
+    Message,
+    Restore,
+    Stop,
+    Warm,
+    decode_from_controller,
+    encode,
+)
+from runtime.core.errors import SnapshotUnavailable
+from runtime.core.job import PyTree, TrainJob
+from storage.peer import Replica, ReplicaFiles, broadcast_state, host_copy
+
+log = logging.getLogger(__name__)
+
+Inbound = Form | Restore | Warm | Stop
+
+# How long a step still running when the group re-forms may take to finish before it is abandoned.
+_ABANDON_GRACE_S = 0.2
+
+
+def is_worker() -> bool:
+    """Whether this process was started by ``elastic-runtime launch``."""
+    return ENV_CONTROLLER in os.environ
+
+
+@dataclass(frozen=True)
+class _Faults:
+    midstep: int | None = None
+    hang: int | None = None
+    replica: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> _Faults:
+        values: dict[str, int] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            kind, _, step = item.partition("@")
+            if kind not in ("midstep", "replica", "hang") or not step.isdigit():
+                raise ValueError(f"faults: cannot parse {item!r} (want midstep@, replica@ or hang@STEP)")
+            values[kind] = int(step)
+        return cls(**values)
+
+
+def _die() -> None:
+    """A real kill -9 of this process (fault injection at an exact point)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Link:
+    """The connection to the controller: a lock-protected sender and a reader thread feeding ``inbox``."""
+
+    def __init__(self, address: str, timeout: float = 30.0) -> None:
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.inbox: queue.Queue[Inbound] = queue.Queue()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="controller-reader", daemon=True).start()
+
+    def send(self, message: Message) -> None:
+        data = encode(message)
+        with self._lock:
+            try:
+                self.sock.sendall(data)
+            except OSError as exc:
+                log.error("lost the controller connection while sending: %s", exc)
+                self.inbox.put(Stop(reason=f"controller connection lost: {exc}"))
+
+    def _read(self) -> None:
+        buffer = self.sock.makefile("rb")
+        for line in buffer:
+            try:
+                self.inbox.put(decode_from_controller(line))
+            except MalformedMessage as exc:
+                log.error("malformed message from the controller ignored: %s", exc)
+        # Without a controller there is nobody to re-form the group: stop rather than train alone.
+        self.inbox.put(Stop(reason="controller connection closed"))
+
+
+class Worker:
+    """One worker process's state and loop. Build it with :func:`run_worker`."""
+
+    def __init__(self, job: TrainJob, steps: int, *, worker: int, link: _Link, replicas: ReplicaFiles) -> None:
+        self.job = job
+        self.target_steps = steps
+        self.worker = worker
+        self.link = link
+        self.replicas = replicas
+        self.faults = _Faults()
+        self.local_devices = int(os.environ.get(ENV_LOCAL_DEVICES, "2"))
+        self.step_delay_s = float(os.environ.get(ENV_STEP_DELAY_S, "0"))
+        self.generation = 0
+        self.process_id = -1
+        self.num_processes = 0
+        self.initialized = False
+        self.step = 0  # newest committed step held on the devices (or in ``ram``)
+        self.step_time_s: float | None = None
+        self.ram: Replica | None = None  # the RAM replica: host copy of the newest committed step
+        self.template: PyTree = job.init()
+        self.mesh: Any = None
+        self.compiled: Any = None
+        self.state_shardings: Any = None
+        self.batch_shardings: Any = None
+        self.state: Any = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self._deferred: Form | None = None  # a planned re-forming, due after its ``at_step``
+        self.replicas.on_write.append(lambda step: _die() if step == self.faults.replica else None)
+
+    # --- the loop ----------------------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        """Handle controller messages until told to stop; returns the exit code."""
+        self.link.send(Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps))
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
+        pending: Inbound | None = None
+        while True:
+            message = pending if pending is not None else self.link.inbox.get()
+            pending = None
+            match message:
+                case Form():
+                    self._form(message)
+                case Restore() if message.generation == self.generation:
+                    # The broadcast is a collective too: if a peer dies during it, abandon it like a step.
+                    outcome = self._await(self._pool.submit(self._restore, message))
+                    if isinstance(outcome, Message):
+                        pending = outcome
+                    elif outcome is not None:
+                        pending = self._train(message.target_steps)
+                case Restore():
+                    log.info("stale restore for generation %d ignored", message.generation)
+                case Warm() if not self.initialized:
+                    self._warm()
+                case Warm():
+                    pass
+                case Stop(reason=reason):
+                    log.info("worker %d stops: %s", self.worker, reason)
+                    return 0
+
+    def _beat(self) -> None:
+        interval = float(os.environ.get(ENV_HEARTBEAT_S, "0.2"))
+        while True:
+            self._heartbeat()
+            time.sleep(interval)
+
+    def _heartbeat(self) -> None:
+        self.link.send(
+            Heartbeat(
+                worker=self.worker,
+                generation=self.generation,
+                step=self.step,
+                step_time_s=self.step_time_s,
+                sent_at=time.time(),
+            )
+        )
+
+    # --- forming a group ---------------------------------------------------------------------------------
+
+    def _form(self, form: Form) -> None:
+        import jax
+        import jax.extend.backend
+
+        from runtime.core.compiler import StepCompiler
+
+        started = time.monotonic()
+        self._deferred = None
+        if form.faults:
+            self.faults = _Faults.parse(form.faults)
+        if self.initialized:
+            _leave_group()
+            jax.extend.backend.clear_backends()
+            self.state = None  # it lived on the old backend
+        left = time.monotonic()
+        _join_group(form)
+        connected = time.monotonic()
+        self.initialized = True
+        self.generation, self.process_id, self.num_processes = form.generation, form.process_id, form.num_processes
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        self.mesh = jax.sharding.Mesh(np.array(devices).reshape(form.num_processes, -1), ("data", "model"))
+        compiler = StepCompiler(self.job, self.template, self.job.data.batch(0))
+        self.state_shardings = compiler.state_shardings(self.mesh)
+        self.batch_shardings = compiler.batch_shardings(self.mesh)
+        self.compiled = compiler.get(self.mesh)
+        compiled = time.monotonic()
+        best, tier = self._best_local(form.read_files)
+        log.info(
+            "joined generation %d as process %d/%d: leave %.3f s, connect %.3f s, compile %.3f s, read %.3f s",
+            form.generation,
+            form.process_id,
+            form.num_processes,
+            left - started,
+            connected - left,
+            compiled - connected,
+            time.monotonic() - compiled,
+        )
+        self.link.send(
+            Joined(
+                worker=self.worker,
+                generation=self.generation,
+                best_step=best,
+                tier=tier,
+                join_s=time.monotonic() - started,
+            )
+        )
+
+    def _warm(self) -> None:
+        """Trace and compile the step once on a local, non-distributed backend, then drop that backend.
+
+        The first compile in a process pays for loading and initializing XLA's compiler and JAX's tracing
+        machinery (seconds here); a spare that paid it while idle joins a re-forming group sooner.
+        """
+        import jax
+        import jax.extend.backend
+
+        from runtime.core.compiler import StepCompiler
+
+        started = time.monotonic()
+        try:
+            devices = jax.local_devices()
+            mesh = jax.sharding.Mesh(np.array(devices).reshape(1, -1), ("data", "model"))
+            StepCompiler(self.job, self.template, self.job.data.batch(0)).get(mesh)
+        except Exception as exc:  # only an optimization: a spare that cannot warm up joins cold
+            log.warning("warm-up failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            jax.extend.backend.clear_backends()
+        log.info("warmed up in %.3f s", time.monotonic() - started)
+
+    def _best_local(self, read_files: bool) -> tuple[int, str]:
+        if self.ram is not None:
+            return self.ram.step, "ram"
+        if not read_files:  # a spare joining survivors: it takes the state from them, files are slower
+            return 0, "none"
+        try:
+            self.ram = self.replicas.newest(self.template)  # a restarted worker: the files survived us
+        except SnapshotUnavailable:
+            return 0, "none"
+        return self.ram.step, "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
+
+    def _restore(self, restore: Restore) -> tuple[PyTree, float]:
+        import jax
+
+        if restore.source < 0:
+            tree, position = self.template, 0
+        else:
+            mine = self.ram if self.ram is not None and self.ram.step == restore.step else None
+            ours = mine.tree if mine is not None else self.template
+            payload = {"tree": ours, "position": np.asarray(mine.data_position if mine is not None else 0, np.int64)}
+            if self.num_processes > 1:
+                # Peers take the source's copy; the source's own copy is re-sent, which keeps every member
+                # bitwise identical whichever tier each one held.
+                payload = broadcast_state(payload, is_source=self.process_id == restore.source)
+            elif not mine:
+                raise SnapshotUnavailable(f"worker {self.worker} alone cannot restore step {restore.step}")
+            tree, position = payload["tree"], int(payload["position"])
+        self.state = self._place(tree, self.state_shardings)
+        self.step = restore.step
+        self.ram = Replica(restore.step, position if restore.source >= 0 else 0, tree)
+        jax.block_until_ready(self.state)
+        self._heartbeat()
+        return self.state, 0.0
+
+    def _place(self, tree: PyTree, shardings: PyTree) -> PyTree:
+        import jax
+
+        def one(sharding: Any, subtree: PyTree) -> PyTree:
+            return jax.tree.map(
+                lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx: np.asarray(x)[idx]),
+                subtree,
+            )
+
+        return jax.tree.map(one, shardings, tree)
+
+    # --- training ----------------------------------------------------------------------------------------
+
+    def _train(self, target: int) -> Inbound | None:
+        """Run steps until ``target``, or until the controller sends something; returns that message."""
+        assert self.ram is not None
+        position = self.ram.data_position
+        while self.step < target:
+            if self._deferred is not None and self.step >= self._deferred.at_step:
+                form, self._deferred = self._deferred, None
+                return form
+            if not self.link.inbox.empty():
+                message = self.link.inbox.get()
+                if not self._defer(message):
+                    return message
+            future = self._pool.submit(self._run_step, self.state, position, self.step + 1)
+            outcome = self._await(future)
+            if isinstance(outcome, Message):
+                return outcome
+            if outcome is None:  # the step raised: not committed; wait for the controller to re-form
+                return None
+            new_state, seconds = outcome
+            self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
+            position += 1
+            self.ram = Replica(self.step, position, host_copy(new_state))
+            self.replicas.save(self.ram)
+            self._heartbeat()
+        self._finish(target)
+        return None
+
+    def _await(self, future: Future[tuple[PyTree, float]]) -> tuple[PyTree, float] | Inbound | None:
+        """The step's result; a controller message if one came while the step hung; None if the step raised."""
+        while True:
+            try:
+                return future.result(timeout=0.02)
+            except FutureTimeout:
+                if self.link.inbox.empty() or self._defer_head():
+                    continue
+            except Exception as exc:
+                log.error("step %d failed: %s: %s; waiting for the group to re-form", self.step + 1, type(exc), exc)
+                return None
+            try:
+                return future.result(timeout=_ABANDON_GRACE_S)
+            except FutureTimeout:
+                # Blocked in a collective with a dead peer: gloo never returns. Leave the thread behind.
+                log.warning("abandoning step %d, blocked in a collective; re-forming", self.step + 1)
+                self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+                return self.link.inbox.get()
+            except Exception:
+                return self.link.inbox.get()
+
+    def _defer(self, message: Inbound) -> bool:
+        """Keep a planned Form (``at_step`` ahead) for its step boundary; True if ``message`` was kept."""
+        if isinstance(message, Form) and message.at_step > self.step:
+            self._deferred = message
+            return True
+        return False
+
+    def _defer_head(self) -> bool:
+        """While a step runs: take a planned Form off the inbox (the step must finish); True if one was."""
+        with self.link.inbox.mutex:
+            head = self.link.inbox.queue[0] if self.link.inbox.queue else None
+        if isinstance(head, Form) and head.at_step > self.step:
+            return self._defer(self.link.inbox.get())
+        return False
+
+    def _run_step(self, state: PyTree, position: int, step: int) -> tuple[PyTree, float]:
+        import jax
+
+        started = time.perf_counter()
+        batch = self._place(self.job.data.batch(position), self.batch_shardings)
+        new_state, _metrics = self.compiled(state, batch)
+        jax.block_until_ready(new_state)
+        if self.faults.hang == step:
+            threading.Event().wait()  # a deadlock in the step: heartbeats go on, progress stops
+        if self.faults.midstep == step:
+            _die()  # computed but not committed: the new state must not count
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        return new_state, time.perf_counter() - started
+
+    def _finish(self, target: int) -> None:
+        assert self.ram is not None
+        leaves = [np.ascontiguousarray(leaf) for leaf in _leaves(self.ram.tree)]
+        digest = hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
+        result = os.environ.get(ENV_RESULT)
+        if result and self.process_id == 0:
+            tmp = f"{result}.tmp{os.getpid()}.npz"
+            arrays: dict[str, Any] = {f"leaf{i}": leaf for i, leaf in enumerate(leaves)}
+            np.savez(tmp, **arrays)
+            os.replace(tmp, result)
+        self.link.send(Finished(worker=self.worker, generation=self.generation, step=target, digest=digest))
+
+
+def _join_group(form: Form) -> None:
+    """Connect this process to the group's coordination service, which the controller hosts.
+
+    ``jax.distributed.initialize`` would start the service inside process 0; measured here, when process 0
+    is then killed every survivor's coordination client polls an error and terminates its process (and a
+    Python error callback cannot stand in: jaxlib 0.10.2 aborts casting its status). With the service in
+    the never-restarted controller, any worker, process 0 included, can die without taking the others down.
+    This uses the same private entry points ``initialize`` uses, as narrowly as possible.
+    """
+    from jax._src import distributed
+    from jax._src.lib import _jax
+
+    state = distributed.global_state
+    if state.client is not None:
+        raise RuntimeError("jax.distributed is already initialized in this process")
+    client = _jax.get_distributed_runtime_client(
+        form.coordinator,
+        form.process_id,
+        init_timeout=int(os.environ.get(ENV_JAX_INIT_S, "60")),
+        use_compression=True,
+        # Ours detect a loss in ~2 s; JAX's own (default 100 s) must not fire first and end the group.
+        heartbeat_timeout=int(os.environ.get(ENV_JAX_HEARTBEAT_S, "30")),
+        # Default 300 s: a shutdown that waited for a dead peer would stall the re-forming for minutes.
+        shutdown_timeout=int(os.environ.get(ENV_JAX_SHUTDOWN_S, "2")),
+    )
+    client.connect()
+    state.client = client
+    state.coordinator_address = form.coordinator
+    state.process_id = form.process_id
+    state.num_processes = form.num_processes
+
+
+def _leave_group() -> None:
+    """Disconnect from the old group's service (still up in the controller, so this returns at once)."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    client, state.client = state.client, None
+    if client is not None:
+        try:
+            client.shutdown()
+        except Exception as exc:  # the old group is broken by design here; its shutdown may complain
+            log.warning("leaving the old group: %s: %s", type(exc).__name__, exc)
+
+
+def _leaves(tree: PyTree) -> list[Any]:
+    import jax
+
+    return list(jax.tree.leaves(tree))
+
+
+def run_worker(job: TrainJob, steps: int) -> NoReturn:
+    """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
+
+    ``ElasticRuntime.run`` calls it when the process was started by ``elastic-runtime launch``. It drops any
+    backend the script created, then configures the CPU device count, gloo collectives and recoverability.
+    Exits the process (``os._exit``) when the controller says stop.
+
+    Raises:
+        RuntimeError: not started by ``elastic-runtime launch`` (no controller address in the environment).
+    """
+    if not is_worker():
+        raise RuntimeError(f"run_worker needs {ENV_CONTROLLER}: start the script with `elastic-runtime launch`")
+    import jax
+    import jax.extend.backend
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    # The script may have touched a device already (a default mesh policy does): that local backend must go
+    # before the device count is set and the process joins a group.
+    jax.extend.backend.clear_backends()
+    jax.config.update("jax_num_cpu_devices", int(os.environ.get(ENV_LOCAL_DEVICES, "2")))
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Without it the coordination service ends every survivor when one process dies.
+    jax.config.update("jax_enable_recoverability", True)
+    cache = os.environ.get(ENV_COMPILE_CACHE)
+    if cache:
+        # Every generation compiles the same step for the same layout again (new backend); with a persistent
+        # cache the survivors and the replacement load it instead of running XLA.
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    worker = int(os.environ[ENV_WORKER])
+    replica_dir = os.environ.get(ENV_REPLICA_DIR, f"/dev/shm/elastic-runtime-{os.getppid()}")
+    code = 1
+    replicas = ReplicaFiles(replica_dir, f"worker-{worker}")
+    try:
+        link = _Link(os.environ[ENV_CONTROLLER])
+        code = Worker(job, steps, worker=worker, link=link, replicas=replicas).serve()
+        replicas.wait()
+    except Exception:
+        log.exception("worker %d failed", worker)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Abandoned step threads are blocked inside XLA; a normal exit would run destructors under them.
+        os._exit(code)

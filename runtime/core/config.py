@@ -1,0 +1,193 @@
+"""Runtime configuration: one msgspec Struct, loadable from TOML or from ELASTIC_RUNTIME_* variables."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from runtime.core.errors import ConfigError
+
+ENV_PREFIX = "ELASTIC_RUNTIME_"
+
+
+class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Settings of one run. Every field has a default that works on a laptop.
+
+    Attributes:
+        run_dir: where the event log (``events.jsonl``) is written; no log file when unset.
+        snapshot_every: RAM snapshot cadence in steps; 0 turns snapshots off (recovery then restarts at 0).
+        snapshot_mtbf_s: the expected mean time between failures; when set, the RAM snapshot cadence follows
+            the Young-Daly interval sqrt(2 * copy cost * MTBF), measured as the run goes (``runtime.core.cadence``):
+            fewer copies, a few steps re-done after a failure. ``snapshot_every`` is the first cadence.
+        handler_timeout_s: how long one handler call may run before it is cancelled.
+        max_pending_events: bound of the bus queue.
+        recovery_timeout_s: how long the executor waits for handlers to finish a recovery.
+        max_recoveries: failures a run survives before it gives up.
+        device_wait_s: how long recovery waits for enough healthy devices before it gives up.
+        device_poll_s: interval of device health polls while waiting.
+        scale_up_poll_s: interval of the watch for returning devices; unset turns scale-up off.
+        precompile: compile the step for likely degraded meshes in the background.
+        event_batch_s: steps run back to back in the worker thread for up to this long before their events
+            are published, while the next step computes (a handler's command interrupts at once); 0
+            publishes after every step.
+
+    Checkpointing (``storage/``; see docs/storage.md):
+        ram_dir: mirror every RAM snapshot into this directory (e.g. under ``/dev/shm``) so that it survives a
+            restart of the process; off when unset.
+        checkpoint_dir: the disk tier's directory; by default ``<run_dir>/checkpoints``; "" turns it off.
+        disk_every: promote a RAM snapshot to disk each time the step crosses a multiple of this.
+        gcs_uri: ``gs://BUCKET[/PREFIX]`` turns the GCS tier on (it needs the disk tier).
+        gcs_every: upload the committed disk checkpoint each time the step crosses a multiple of this.
+        gcs_workers: parallel GCS transfers.
+        keep: committed checkpoints kept per durable tier.
+        checkpoint_timeout_s: deadline of one save or upload.
+        checkpoint_on_finish: commit the final step to every durable tier when the run ends.
+
+    Maintenance notices (``runtime/maintenance/``, ``handlers/maintenance.py``; see docs/gcp-setup.md):
+        maintenance_subscription: ``projects/P/subscriptions/S`` turns the Pub/Sub notice listener on.
+        metadata_host: turns the metadata-server watcher on (``metadata.google.internal`` on GCE and TPU VMs).
+        instances: this job's instances: names, numeric ids or globs (``t1v-n-1a2b3c4d-w-*``); notices for
+            others are ignored. Empty: the keys of ``instance_devices``; both empty: every instance.
+        instance_devices: instance -> the device ids it hosts, cordoned before its maintenance window.
+        drain_lead_s: drain an instance this long before its maintenance window starts.
+        maintenance_checkpoint_tiers: tiers saved to on a maintenance notice; empty: every durable tier.
+        preemption_checkpoint_tiers: tiers saved to on a preemption notice; empty: every durable tier.
+        pubsub_max_messages: Pub/Sub flow control: messages outstanding at most.
+        metadata_poll_timeout_s: ``timeout_sec`` of each metadata long poll.
+    """
+
+    run_dir: str | None = None
+    snapshot_every: int = 1
+    snapshot_mtbf_s: float | None = None
+    handler_timeout_s: float = 30.0
+    max_pending_events: int = 65536
+    recovery_timeout_s: float = 60.0
+    max_recoveries: int = 10
+    device_wait_s: float = 10.0
+    device_poll_s: float = 0.5
+    scale_up_poll_s: float | None = 1.0
+    precompile: bool = True
+    event_batch_s: float = 0.05
+    # --- checkpointing (storage/; owner: the storage issue) --------------------------------------------
+    ram_dir: str | None = None
+    checkpoint_dir: str | None = None
+    disk_every: int = 100
+    gcs_uri: str | None = None
+    gcs_every: int = 1000
+    gcs_workers: int = 8
+    keep: int = 3
+    checkpoint_timeout_s: float = 600.0
+    checkpoint_on_finish: bool = True
+    # --- end checkpointing -------------------------------------------------------------------------------
+    # --- maintenance notices (runtime/maintenance, handlers/maintenance.py; owner: issue 4) --------------
+    maintenance_subscription: str | None = None
+    metadata_host: str | None = None
+    instances: tuple[str, ...] = ()
+    instance_devices: dict[str, tuple[int, ...]] = {}
+    drain_lead_s: float = 60.0
+    maintenance_checkpoint_tiers: tuple[str, ...] = ()
+    preemption_checkpoint_tiers: tuple[str, ...] = ()
+    pubsub_max_messages: int = 100
+    metadata_poll_timeout_s: float = 60.0
+    # --- end maintenance notices -------------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        checks = {
+            "snapshot_every": self.snapshot_every >= 0,
+            "snapshot_mtbf_s": self.snapshot_mtbf_s is None or self.snapshot_mtbf_s > 0,
+            "handler_timeout_s": self.handler_timeout_s > 0,
+            "max_pending_events": self.max_pending_events >= 1,
+            "recovery_timeout_s": self.recovery_timeout_s > 0,
+            "max_recoveries": self.max_recoveries >= 0,
+            "device_wait_s": self.device_wait_s >= 0,
+            "device_poll_s": self.device_poll_s > 0,
+            "scale_up_poll_s": self.scale_up_poll_s is None or self.scale_up_poll_s > 0,
+            "event_batch_s": self.event_batch_s >= 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
+        self._check_maintenance()
+        self._check_checkpointing()
+
+    def _check_checkpointing(self) -> None:
+        checks = {
+            "disk_every": self.disk_every >= 1,
+            "gcs_every": self.gcs_every >= 1,
+            "gcs_workers": self.gcs_workers >= 1,
+            "keep": self.keep >= 1,
+            "checkpoint_timeout_s": self.checkpoint_timeout_s > 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
+        if self.gcs_uri is not None:
+            bucket = self.gcs_uri.removeprefix("gs://").split("/", 1)[0]
+            if not self.gcs_uri.startswith("gs://") or not bucket:
+                raise ConfigError(f"config: gcs_uri={self.gcs_uri!r} must look like gs://BUCKET[/PREFIX]")
+            if not (self.checkpoint_dir or (self.checkpoint_dir is None and self.run_dir)):
+                raise ConfigError(
+                    "config: gcs_uri needs the disk tier (set checkpoint_dir or run_dir): GCS uploads disk checkpoints"
+                )
+
+    def _check_maintenance(self) -> None:
+        import re  # local, so this block is self-contained in a file with several owners
+
+        subscription = self.maintenance_subscription
+        if subscription is not None and not re.fullmatch(r"projects/[^/\s]+/subscriptions/[^/\s]+", subscription):
+            raise ConfigError(
+                f"config: maintenance_subscription={subscription!r} must look like projects/P/subscriptions/S"
+            )
+        if self.metadata_host is not None and not self.metadata_host.strip():
+            raise ConfigError("config: metadata_host='' names no host (leave it unset to turn the watcher off)")
+        checks = {
+            "drain_lead_s": self.drain_lead_s >= 0,
+            "pubsub_max_messages": self.pubsub_max_messages >= 1,
+            "metadata_poll_timeout_s": self.metadata_poll_timeout_s > 0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
+        owner: dict[int, str] = {}
+        for instance, devices in self.instance_devices.items():
+            for device in devices:
+                if device < 0:
+                    raise ConfigError(f"config: instance_devices[{instance!r}] has a negative device id {device}")
+                if device in owner:
+                    raise ConfigError(
+                        f"config: device {device} is in instance_devices of both {owner[device]!r} and {instance!r}"
+                    )
+                owner[device] = instance
+
+
+def config_from_mapping(values: Mapping[str, Any], *, origin: str = "config") -> RuntimeConfig:
+    """Build a config from plain values (strings are converted, as from the environment).
+
+    Raises:
+        ConfigError: an unknown field, a value of the wrong type, or one out of range; names the field.
+    """
+    try:
+        return msgspec.convert(dict(values), RuntimeConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{origin}: {exc}") from exc
+
+
+def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> RuntimeConfig:
+    """Defaults, overridden by the ``[runtime]`` table of a TOML file, overridden by the environment."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            document = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        values.update(document.get("runtime", {}))
+    env = os.environ if env is None else env
+    for key, value in env.items():
+        if key.startswith(ENV_PREFIX):
+            values[key[len(ENV_PREFIX) :].lower()] = None if value == "" else value
+    return config_from_mapping(values, origin=str(path) if path else "environment")

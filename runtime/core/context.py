@@ -1,0 +1,103 @@
+"""The context a handler receives: what it may look at and the requests it may make.
+
+Requests to the executor (pause, resume, re-mesh, restore, abort) never block: they are queued and carried
+out at the next step boundary, in order, and each is announced by an event (``MeshChanged``,
+``StateRestored`` ...). Recovery is therefore a visible chain of events that a user can extend or replace.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+from jax.sharding import Mesh
+
+from runtime.core.bus import Handler, Subscription
+from runtime.core.config import RuntimeConfig
+from runtime.core.events import Event, SaveCheckpoint
+from runtime.core.executor import Abort, Pause, Remesh, Restore, Resume
+from runtime.core.mesh import MeshPolicy, device_ids
+
+if TYPE_CHECKING:
+    from runtime.core.runtime import Runtime
+
+E = TypeVar("E", bound=Event)
+
+
+class RuntimeContext:
+    """Handed to every handler as ``ctx``."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+
+    @property
+    def config(self) -> RuntimeConfig:
+        return self._runtime.config
+
+    @property
+    def policy(self) -> MeshPolicy:
+        return self._runtime.policy
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return self._runtime.executor.mesh
+
+    @property
+    def mesh_devices(self) -> tuple[int, ...]:
+        mesh = self.mesh
+        return () if mesh is None else device_ids(mesh)
+
+    @property
+    def step(self) -> int:
+        """The newest committed step."""
+        return self._runtime.executor.step
+
+    @property
+    def recovering(self) -> bool:
+        return self._runtime.executor.recovering
+
+    async def publish(self, event: Event) -> None:
+        await self._runtime.bus.publish(event)
+
+    def subscribe(
+        self, event_type: type[E], handler: Handler[E], *, priority: int = 0, timeout: float | str | None = "default"
+    ) -> Subscription[E]:
+        """Subscribe ``handler`` to ``event_type`` (for components, which subscribe once they run)."""
+        return self._runtime.bus.subscribe(event_type, handler, priority=priority, timeout=timeout)
+
+    def unsubscribe(self, subscription: Subscription[Any]) -> None:
+        self._runtime.bus.unsubscribe(subscription)
+
+    async def healthy_devices(self) -> list[Any]:
+        """Probe every device and return the healthy ones (runs in a worker thread)."""
+        return await anyio.to_thread.run_sync(self._runtime.health.healthy)
+
+    def cordon(self, devices: tuple[int, ...]) -> None:
+        """Treat ``devices`` as unhealthy (e.g. before their host's maintenance) until :meth:`uncordon`."""
+        self._runtime.health.cordon(devices)
+
+    def uncordon(self, devices: tuple[int, ...]) -> None:
+        """Let ``devices`` count as healthy again; the scale-up watcher then offers them back."""
+        self._runtime.health.uncordon(devices)
+
+    def pause(self, reason: str = "") -> None:
+        self._runtime.executor.send(Pause(reason))
+
+    def resume(self, reason: str = "") -> None:
+        self._runtime.executor.send(Resume(reason))
+
+    def remesh(self, mesh: Mesh, reason: str = "") -> None:
+        """Move to ``mesh`` at the next boundary: live state is resharded; lost state must be restored."""
+        self._runtime.executor.send(Remesh(mesh, reason))
+
+    def restore(self, source: str = "latest") -> None:
+        """Restore onto the current mesh from ``source``: a tier name, or "latest" (fastest tier first)."""
+        self._runtime.executor.send(Restore(source))
+
+    def abort(self, reason: str) -> None:
+        """Give up: the run stops with RecoveryError(reason)."""
+        self._runtime.executor.send(Abort(reason))
+
+    async def request_checkpoint(self, tiers: tuple[str, ...] = (), reason: str = "") -> None:
+        """Ask the checkpointer to save the newest snapshot to ``tiers`` (default: all durable tiers)."""
+        await self.publish(SaveCheckpoint(step=self.step, source="context", tiers=tiers, reason=reason))

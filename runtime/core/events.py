@@ -1,0 +1,331 @@
+"""Every event the runtime knows, as frozen msgspec Structs in one tagged family.
+
+Facts are named in the past tense (``StepCompleted``), requests in the imperative (``SaveCheckpoint``).
+Events carry plain data only: steps, times, device ids, paths. An exception travels as its type name and
+message, never pickled. The JSON tag of an event is its class name, so a user-defined subclass of
+:class:`Event` is encoded, logged and decoded like a built-in one once its module is imported.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+__all__ = [
+    "CheckpointCommitted",
+    "CheckpointCorrupt",
+    "CheckpointFailed",
+    "CheckpointSkipped",
+    "CheckpointStarted",
+    "DeviceLost",
+    "Drain",
+    "Event",
+    "Failure",
+    "HandlerFailed",
+    "HostError",
+    "MaintenanceCompleted",
+    "MaintenanceScheduled",
+    "MaintenanceStarted",
+    "MalformedNotice",
+    "MeshChanged",
+    "Notice",
+    "Preempted",
+    "ProcessLost",
+    "RecoveryCompleted",
+    "RecoveryFailed",
+    "RecoveryStarted",
+    "RunFinished",
+    "RunStarted",
+    "SaveCheckpoint",
+    "ScaleUpAvailable",
+    "SliceLost",
+    "StateRestored",
+    "StepCompleted",
+    "StepFailed",
+    "Straggler",
+    "WorkerHung",
+    "WorkerLost",
+    "event_types",
+]
+
+
+def _wall() -> float:
+    return time.time()
+
+
+def _mono() -> float:
+    return time.monotonic()
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Base of all events: when it happened, at which step, and who said so."""
+
+    wall_time: float = msgspec.field(default_factory=_wall)
+    mono_time: float = msgspec.field(default_factory=_mono)
+    step: int | None = None
+    source: str = ""
+
+
+# --- run progress -------------------------------------------------------------------------------------
+
+
+class RunStarted(Event, frozen=True, kw_only=True):
+    """The executor is about to run its first step."""
+
+    target_steps: int
+    mesh_shape: dict[str, int]
+    devices: tuple[int, ...]
+
+
+class RunFinished(Event, frozen=True, kw_only=True):
+    """The run ended, normally (``ok``) or with an error that ``reason`` names."""
+
+    ok: bool
+    reason: str = ""
+
+
+class StepCompleted(Event, frozen=True, kw_only=True):
+    """Step ``step`` committed: its new state replaced the old one. ``step`` counts committed steps.
+
+    ``duration_s`` is the step's computation; ``data_s`` the time spent loading its batch. ``snapshot`` says
+    the RAM tier holds the state after this step; ``snapshot_wait_s`` is what that copy added to the step:
+    the step's time over the running average of steps without a copy (0 when the copy is compiled into the
+    step, as with a snapshot every step), and ``duration_s`` is the step's time less it.
+    """
+
+    duration_s: float
+    loss: float | None = None
+    mesh_shape: dict[str, int]
+    data_position: int
+    data_s: float = 0.0
+    snapshot: bool = False
+    snapshot_wait_s: float = 0.0
+
+
+# --- failures -----------------------------------------------------------------------------------------
+
+
+class Failure(Event, frozen=True, kw_only=True):
+    """Base of every failure. ``error_type`` and ``message`` describe the underlying exception, if any."""
+
+    error_type: str = ""
+    message: str = ""
+
+
+class StepFailed(Failure, frozen=True, kw_only=True):
+    """The user's step raised an error that is not an infrastructure failure. The run stops."""
+
+
+class DeviceLost(Failure, frozen=True, kw_only=True):
+    """Devices of the mesh stopped answering (``status`` is the XLA status, e.g. DATA_LOSS)."""
+
+    devices: tuple[int, ...]
+    status: str = ""
+
+
+class SliceLost(DeviceLost, frozen=True, kw_only=True):
+    """Whole slices (groups of ``slice_size`` devices) were lost; ``slices`` names their indices."""
+
+    slices: tuple[int, ...]
+    slice_size: int
+
+
+class ProcessLost(Failure, frozen=True, kw_only=True):
+    """A peer process of a multi-controller group failed (JAX's ``ProcessFailureError``)."""
+
+    processes: tuple[int, ...] = ()
+
+
+class WorkerLost(Failure, frozen=True, kw_only=True):
+    """No heartbeat from ``worker`` within the timeout: it was killed or its host is gone."""
+
+    worker: int
+    silent_s: float
+
+
+class WorkerHung(Failure, frozen=True, kw_only=True):
+    """``worker`` still sends heartbeats but made no step progress within the timeout."""
+
+    worker: int
+    stalled_s: float
+
+
+class Straggler(Event, frozen=True, kw_only=True):
+    """``worker``'s step time is far above the group's median."""
+
+    worker: int
+    step_time_s: float
+    group_median_s: float
+
+
+class HandlerFailed(Failure, frozen=True, kw_only=True):
+    """A handler raised, or ran past its timeout (``timed_out``), while handling ``event_type``."""
+
+    handler: str
+    event_type: str
+    timed_out: bool = False
+
+
+class CheckpointFailed(Failure, frozen=True, kw_only=True):
+    """A save to ``tier`` failed; training goes on and older checkpoints stay intact."""
+
+    tier: str
+    reason: str
+
+
+class CheckpointCorrupt(Failure, frozen=True, kw_only=True):
+    """A checkpoint in ``tier`` failed verification at ``path``; restore falls back to the next one."""
+
+    tier: str
+    path: str
+    reason: str
+
+
+class MalformedNotice(Failure, frozen=True, kw_only=True):
+    """A maintenance notice could not be parsed; it was acknowledged and dropped."""
+
+    message_id: str = ""
+    reason: str
+
+
+# --- maintenance notices ------------------------------------------------------------------------------
+
+
+class Notice(Event, frozen=True, kw_only=True):
+    """Base of Google Cloud maintenance and preemption notices for one of this job's instances."""
+
+    instance: str
+    kind: str = ""
+    message_id: str = ""
+
+
+class MaintenanceScheduled(Notice, frozen=True, kw_only=True):
+    """Maintenance of ``instance`` will start in the window [``window_start``, ``window_end``] (epoch s)."""
+
+    window_start: float | None = None
+    window_end: float | None = None
+    can_reschedule: bool = False
+
+
+class MaintenanceStarted(Notice, frozen=True, kw_only=True):
+    """Maintenance of ``instance`` is under way."""
+
+
+class MaintenanceCompleted(Notice, frozen=True, kw_only=True):
+    """Maintenance of ``instance`` is over; it may be re-admitted."""
+
+
+class Preempted(Notice, frozen=True, kw_only=True):
+    """``instance`` is being preempted; what is not saved within the grace period is lost."""
+
+
+class HostError(Notice, frozen=True, kw_only=True):
+    """``instance``'s host failed and the VM was restarted."""
+
+
+# --- checkpoints --------------------------------------------------------------------------------------
+
+
+class CheckpointStarted(Event, frozen=True, kw_only=True):
+    """A save of ``step`` to ``tier`` began."""
+
+    tier: str
+
+
+class CheckpointCommitted(Event, frozen=True, kw_only=True):
+    """The checkpoint of ``step`` in ``tier`` is complete and verified; ``path`` locates it."""
+
+    tier: str
+    path: str
+    bytes: int
+    seconds: float
+
+
+class CheckpointSkipped(Event, frozen=True, kw_only=True):
+    """A save to ``tier`` was skipped (e.g. the previous one is still running); ``reason`` says why."""
+
+    tier: str
+    reason: str
+
+
+# --- recovery -----------------------------------------------------------------------------------------
+
+
+class RecoveryStarted(Event, frozen=True, kw_only=True):
+    """The executor paused after ``cause`` and waits for handlers to re-mesh and restore."""
+
+    cause: str
+    last_committed_step: int
+
+
+class MeshChanged(Event, frozen=True, kw_only=True):
+    """The executor now runs on a new mesh. ``needs_restore``: the live state was lost with the old one."""
+
+    old_shape: dict[str, int]
+    new_shape: dict[str, int]
+    devices: tuple[int, ...]
+    reason: str
+    needs_restore: bool
+    seconds: float = 0.0  # resharding the live state (0 when it was lost)
+
+
+class StateRestored(Event, frozen=True, kw_only=True):
+    """The state of ``step`` was restored from ``restored_from`` onto the current mesh."""
+
+    restored_from: str
+    lost_steps: int
+    seconds: float
+
+
+class RecoveryCompleted(Event, frozen=True, kw_only=True):
+    """The first step after a failure committed; ``recovery_s`` runs from the failure to this commit."""
+
+    cause: str
+    failed_step: int
+    recovery_s: float
+    lost_steps: int
+    restored_from: str
+    mesh_shape: dict[str, int]
+
+
+class RecoveryFailed(Failure, frozen=True, kw_only=True):
+    """Recovery could not complete; the run stops with :class:`runtime.core.errors.RecoveryError`."""
+
+    reason: str
+
+
+class ScaleUpAvailable(Event, frozen=True, kw_only=True):
+    """More healthy devices than the current mesh uses; the mesh policy can grow to ``shape``."""
+
+    devices: tuple[int, ...]
+    shape: dict[str, int]
+
+
+# --- requests -----------------------------------------------------------------------------------------
+
+
+class SaveCheckpoint(Event, frozen=True, kw_only=True):
+    """Ask the checkpointer to save the newest snapshot to ``tiers`` (empty: every durable tier) now."""
+
+    tiers: tuple[str, ...] = ()
+    reason: str = ""
+
+
+class Drain(Event, frozen=True, kw_only=True):
+    """Ask the runtime to move work off ``instance`` before ``deadline`` (epoch s)."""
+
+    instance: str
+    deadline: float | None = None
+    reason: str = ""
+
+
+def event_types() -> tuple[type[Event], ...]:
+    """Every concrete event class known now, built-in and user-defined (imported) subclasses alike."""
+    found: list[type[Event]] = []
+    pending: list[type[Event]] = [Event]
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return tuple(found)

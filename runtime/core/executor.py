@@ -1,0 +1,650 @@
+"""The step executor: runs the user's step off the event loop and turns failures into events.
+
+Each step runs in a worker thread, so the bus, heartbeats and listeners stay live while XLA computes.
+Between steps the executor applies the commands handlers sent through the context (pause, resume,
+re-mesh, restore, abort). A step that raises is not committed: an infrastructure failure pauses the
+executor until handlers have re-meshed, restored and resumed it; an error in the user's code stops the run
+with :class:`StepError`. Nothing is retried behind the user's back.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, NoReturn, Protocol
+
+import anyio
+import jax
+import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from jax.sharding import Mesh
+
+from runtime.core.bus import EventBus
+from runtime.core.cadence import SnapshotCadence
+from runtime.core.classify import classify
+from runtime.core.compiler import StepCompiler
+from runtime.core.config import RuntimeConfig
+from runtime.core.errors import RecoveryError, SnapshotUnavailable, StepError
+from runtime.core.events import (
+    CheckpointFailed,
+    Event,
+    MeshChanged,
+    RecoveryCompleted,
+    RecoveryFailed,
+    RecoveryStarted,
+    RunStarted,
+    StateRestored,
+    StepCompleted,
+    StepFailed,
+)
+from runtime.core.health import DeviceHealth
+from runtime.core.job import PyTree, TrainJob
+from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
+from runtime.core.snapshot import HostSnapshot, RamTier
+
+log = logging.getLogger(__name__)
+
+BoundaryHook = Callable[[int], Awaitable[None] | None]
+StepCheck = Callable[[int, tuple[int, ...]], None]
+
+
+# --- commands sent by handlers through the context -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pause:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Remesh:
+    mesh: Mesh
+    reason: str
+
+
+@dataclass(frozen=True)
+class Restore:
+    source: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    reason: str
+
+
+Command = Pause | Resume | Remesh | Restore | Abort
+
+
+class RestoreSource(Protocol):
+    """A tier a restore can read from: ``latest`` returns its newest verified snapshot."""
+
+    name: str
+
+    def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
+        """The newest verified snapshot with the structure of ``like``. Raises SnapshotUnavailable."""
+        ...
+
+
+def _is_async(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+class _StepDone(NamedTuple):
+    state: PyTree
+    loss: float | None
+    seconds: float  # the step's computation
+    data_s: float  # loading its batch
+    snapshot_wait_s: float  # what its snapshot's copy added to the step (0 when compiled into the step)
+    host: PyTree | None  # the state in host memory, when this step is snapshotted
+
+
+class _InFlight(NamedTuple):
+    """A step dispatched to the devices and not yet committed."""
+
+    step: int
+    position: int  # the data position its batch came from
+    new_state: PyTree
+    metrics: Any
+    host: PyTree | None  # the host copy, compiled into the step or queued right behind it; None: no snapshot
+    dispatched: float  # perf_counter when its program was queued
+    data_s: float
+    measured: bool  # its time says what a step on this mesh costs (not the first run of the executable)
+
+
+def _drain(flight: _InFlight | None) -> None:
+    """Wait for a step dispatched on top of one that failed, so that nothing runs on the devices during
+    recovery. Its own result, and its error if any, are dropped: it was computed from a failed step."""
+    if flight is not None:
+        try:
+            jax.block_until_ready(flight.new_state)
+        except Exception as exc:
+            log.debug("dropped step %d, dispatched after a failed one: %s", flight.step, exc)
+
+
+@dataclass
+class _Recovery:
+    cause: str
+    failed_step: int
+    started: float  # monotonic time the failing step's exception was caught
+    deadline: float
+    restored_from: str = ""
+    lost_steps: int = 0
+    resumed: bool = False
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves: the final state on the host, and where its record is."""
+
+    state: PyTree
+    step: int
+    data_position: int
+    loss: float | None
+    mesh_history: list[dict[str, int]]
+    recoveries: int
+    events_path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StepExecutor:
+    """Runs steps on the current mesh and carries out the commands of recovery handlers."""
+
+    def __init__(
+        self,
+        job: TrainJob,
+        *,
+        bus: EventBus,
+        config: RuntimeConfig,
+        policy: MeshPolicy,
+        health: DeviceHealth,
+    ) -> None:
+        self.job = job
+        self.bus = bus
+        self.config = config
+        self.policy = policy
+        self.health = health
+        self.hooks: list[BoundaryHook] = []
+        # Called with (step, device ids) once a step's results are ready, before it is committed; one that
+        # raises fails the step as that exception (a site's result validation, or a fault injector).
+        self.step_checks: list[StepCheck] = []
+        self.ram = RamTier()
+        self.cadence = SnapshotCadence(max(config.snapshot_every, 1), config.snapshot_mtbf_s)
+        self.ram.failure_listeners.append(self._snapshot_failed)
+        # Where a restore looks, fastest first. The storage tiers append themselves after RAM.
+        self.restore_sources: list[RestoreSource] = [self.ram]
+        # Events raised in worker threads (steps, snapshot copies), published by the loop in order.
+        self._from_threads: deque[Event] = deque()
+        self._attention = threading.Event()  # set when a command waits: the step thread returns to the loop
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
+        self._prefetched: tuple[int, Future[PyTree]] | None = None
+        # The step left computing while the loop publishes a batch of events, and when the step before it
+        # was complete; it is committed when the thread comes back, or before any command applies.
+        self._carried: tuple[_InFlight, float] | None = None
+        self._warm_mesh: Mesh | None = None  # the mesh whose compiled step has run at least once
+        self._hooked = 0  # the step whose boundary hooks have run
+        self._inbox_send: MemoryObjectSendStream[Command]
+        self._inbox: MemoryObjectReceiveStream[Command]
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream[Command](math.inf)
+        self.mesh_updates_send: MemoryObjectSendStream[Mesh]
+        self.mesh_updates: MemoryObjectReceiveStream[Mesh]
+        self.mesh_updates_send, self.mesh_updates = anyio.create_memory_object_stream[Mesh](math.inf)
+        self.mesh: Mesh | None = None
+        self.state: PyTree | None = None
+        self.step = 0  # the newest committed step
+        self.data_position = 0
+        self.high_water = 0  # the newest step ever committed, before any rollback
+        self.loss: float | None = None
+        self.paused = False
+        self.recoveries = 0
+        self.mesh_history: list[dict[str, int]] = []
+        self._recovery: _Recovery | None = None
+        self._initial: PyTree | None = None
+        self.compiler: StepCompiler | None = None
+
+    def close(self) -> None:
+        """Release the executor's streams (after the run and every task reading them has ended)."""
+        for stream in (self._inbox_send, self._inbox, self.mesh_updates_send, self.mesh_updates):
+            stream.close()
+
+    # --- commands (called by the context; never block) -------------------------------------------------
+
+    def send(self, command: Command) -> None:
+        self._inbox_send.send_nowait(command)
+        self._attention.set()  # the worker thread stops after its current step
+
+    @property
+    def recovering(self) -> bool:
+        return self._recovery is not None
+
+    # --- the run ---------------------------------------------------------------------------------------
+
+    async def run(self, steps: int) -> RunResult:
+        """Run until ``steps`` steps are committed. Raises StepError or RecoveryError when it cannot."""
+        await self._start(steps)
+        try:
+            while self.step < steps:
+                await self._boundary()
+                if self.step < steps:
+                    await self._run_steps(steps)
+            await self._publish_from_threads()
+        finally:
+            if self._carried is not None:  # the run was cancelled or broke while a step computed
+                _drain(self._carried[0])
+            self.ram.close()
+            self._loader.shutdown(wait=True, cancel_futures=True)
+        state = await anyio.to_thread.run_sync(jax.device_get, self.state)
+        return RunResult(
+            state=state,
+            step=self.step,
+            data_position=self.data_position,
+            loss=self.loss,
+            mesh_history=self.mesh_history,
+            recoveries=self.recoveries,
+        )
+
+    async def _start(self, steps: int) -> None:
+        healthy = await anyio.to_thread.run_sync(self.health.healthy)
+        mesh = self.policy.fit(healthy)
+        self._initial = self.job.init()
+        # Snapshotting every step, the copy to host memory is compiled into the step itself.
+        fused = self.config.snapshot_every == 1 and self.config.snapshot_mtbf_s is None
+        self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0), host_copy=fused)
+        self._set_mesh(mesh)
+        self.state = await anyio.to_thread.run_sync(self._place, self._initial, mesh)
+        await self.bus.publish(
+            RunStarted(
+                step=0,
+                source="executor",
+                target_steps=steps,
+                mesh_shape=mesh_shape(mesh),
+                devices=device_ids(mesh),
+            )
+        )
+
+    def _set_mesh(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.mesh_history.append(mesh_shape(mesh))
+        self.mesh_updates_send.send_nowait(mesh)
+
+    def prepare(self, mesh: Mesh) -> None:
+        """Compile what steps on ``mesh`` run (blocking): the step, and the snapshot copy queued behind it."""
+        assert self.compiler is not None
+        self.compiler.get(mesh)
+        if not self.compiler.host_copy and self.config.snapshot_every > 0:
+            self.ram.prepare(self.compiler.state_abstract(mesh))
+
+    def _place(self, tree: PyTree, mesh: Mesh) -> PyTree:
+        assert self.compiler is not None
+        placed = jax.device_put(tree, self.compiler.state_shardings(mesh))
+        return jax.block_until_ready(placed)
+
+    async def _boundary(self) -> None:
+        """Apply the commands handlers sent; wait for them while paused or recovering."""
+        if self._carried is not None and self._attention.is_set():
+            await self._run_steps(self._carried[0].step)  # a command applies to a committed step
+        self._attention.clear()  # before draining: a command sent after this stops the next batch of steps
+        while True:
+            recovery = self._recovery
+            blocked = self.paused or (recovery is not None and not recovery.resumed)
+            if not blocked:
+                try:
+                    command = self._inbox.receive_nowait()
+                except anyio.WouldBlock:
+                    return
+                await self._apply(command)
+                continue
+            wait = math.inf if recovery is None else recovery.deadline - time.monotonic()
+            received: Command | None = None
+            with anyio.move_on_after(max(wait, 0)):
+                received = await self._inbox.receive()
+            if received is None:
+                await self._fail_recovery(
+                    f"no handler completed the recovery within {self.config.recovery_timeout_s} s "
+                    "(is a remesh/restore handler subscribed? HandlerFailed events in the log say which one broke)"
+                )
+            await self._apply(received)
+
+    async def _apply(self, command: Command) -> None:
+        match command:
+            case Pause(reason):
+                log.info("paused at step %d: %s", self.step, reason)
+                self.paused = True
+            case Resume(reason):
+                if self.state is None:
+                    await self._fail_recovery(f"resume ({reason}) requested but no state was restored")
+                self.paused = False
+                if self._recovery is not None:
+                    self._recovery.resumed = True
+            case Remesh(mesh, reason):
+                await self._remesh(mesh, reason)
+            case Restore(source):
+                await self._restore(source)
+            case Abort(reason):
+                await self._fail_recovery(reason)
+
+    async def _remesh(self, mesh: Mesh, reason: str) -> None:
+        old = self.mesh
+        assert old is not None
+        needs_restore = self._recovery is not None or self.state is None
+        started = time.monotonic()
+        if needs_restore:
+            self.state = None  # it lived on the old mesh, part of which is gone
+        else:
+            self.state = await anyio.to_thread.run_sync(self._place, self.state, mesh)
+        seconds = time.monotonic() - started
+        self._set_mesh(mesh)
+        await self.bus.publish(
+            MeshChanged(
+                step=self.step,
+                source="executor",
+                old_shape=mesh_shape(old),
+                new_shape=mesh_shape(mesh),
+                devices=device_ids(mesh),
+                reason=reason,
+                needs_restore=needs_restore,
+                seconds=seconds,
+            )
+        )
+
+    async def _restore(self, source: str) -> None:
+        """Restore from ``source`` (a tier name, or "latest": the first tier, fastest first, that has one)."""
+        assert self.mesh is not None
+        started = time.monotonic()
+        names = [s.name for s in self.restore_sources]
+        if source != "latest" and source not in names:
+            await self._fail_recovery(f"restore source {source!r} is not one of {['latest', *names]}")
+        candidates = [s for s in self.restore_sources if source in ("latest", s.name)]
+        tree, step, position, origin = self._initial, 0, 0, "init"
+        for candidate in candidates:
+            try:
+                snapshot = await anyio.to_thread.run_sync(candidate.latest, self._initial)
+            except SnapshotUnavailable as exc:
+                log.warning("restore: %s has nothing usable: %s", candidate.name, exc)
+                continue
+            tree, step, position, origin = snapshot.tree, snapshot.step, snapshot.data_position, candidate.name
+            break
+        else:
+            if self.step > 0 and self.config.snapshot_every > 0:
+                await self._fail_recovery(f"no tier of {names} holds a snapshot to restore step {self.step} from")
+        self.state = await anyio.to_thread.run_sync(self._place, tree, self.mesh)
+        lost = self.high_water - step
+        self.step, self.data_position = step, position
+        self.cadence.restarted(step)
+        if self._recovery is not None:
+            self._recovery.restored_from, self._recovery.lost_steps = origin, lost
+        await self.bus.publish(
+            StateRestored(
+                step=step,
+                source="executor",
+                restored_from=origin,
+                lost_steps=lost,
+                seconds=time.monotonic() - started,
+            )
+        )
+
+    async def _run_steps(self, target: int) -> None:
+        """Run steps in the worker thread until ``target``, a failure, a command, or ``event_batch_s``.
+
+        Steps run back to back in one thread: a thread hop per step costs more than the runtime's own work
+        on a small model. Their events are published when the thread returns, stamped with commit times,
+        while the next step computes.
+        """
+        assert self.mesh is not None
+        mesh = self.mesh
+        hooks_here = all(not _is_async(hook) for hook in self.hooks)
+        if not hooks_here:  # async hooks need the loop: one step per hop
+            target = self.step + 1
+            if self._hooked != target:
+                self._hooked = target
+                for hook in self.hooks:
+                    result = hook(target)
+                    if result is not None:
+                        await result
+                if self._attention.is_set():
+                    return  # a hook asked for something: the boundary applies it before the step runs
+        failure = await anyio.to_thread.run_sync(self._steps_in_thread, mesh, target, hooks_here)
+        await self._publish_from_threads()
+        if failure is not None:
+            await self._on_failure(failure[1], failure[0], mesh)
+
+    def _steps_in_thread(self, mesh: Mesh, target: int, run_hooks: bool) -> tuple[int, Exception] | None:
+        """Worker thread: commit steps until ``target``; returns (step, error) if one failed.
+
+        One step stays in flight: step N+1 is dispatched (its batch loaded, its program queued on the
+        devices) before step N's results are awaited and committed, so that loading, dispatch and the
+        bookkeeping of a commit overlap with the devices' work instead of leaving them idle. Step N+1 reads
+        N's output (not donated: handlers may read N meanwhile); when N fails, N+1 is awaited and dropped.
+        After ``event_batch_s`` the thread returns with N+1 still computing, so that the loop's work on the
+        events does not leave the devices idle either. Hooks run once per step number, before it is
+        dispatched; once a command is waiting, nothing more is dispatched and the thread returns after
+        committing the step in flight.
+        """
+        deadline = time.perf_counter() + self.config.event_batch_s
+        flight, ready = self._carried or (None, 0.0)  # ready: when the previous step's results were complete
+        self._carried = None
+        # A carried step that is already complete ended at some point while the loop had the events.
+        ended_unseen = flight is not None and all(leaf.is_ready() for leaf in jax.tree.leaves(flight.new_state))
+        while True:
+            following: _InFlight | None = None
+            error: tuple[int, Exception] | None = None
+            step = (flight.step if flight is not None else self.step) + 1
+            if step <= target and not self._attention.is_set():
+                state, position = (
+                    (flight.new_state, flight.position + 1) if flight is not None else (self.state, self.data_position)
+                )
+                try:
+                    if run_hooks and self._hooked != step:
+                        self._hooked = step
+                        for hook in self.hooks:
+                            hook(step)
+                    if not self._attention.is_set():
+                        following = self._dispatch(state, step, mesh, position)
+                except Exception as exc:
+                    error = (step, exc)  # reported once the step in flight is committed
+            if flight is not None:
+                try:
+                    done = self._finish(flight, mesh, ready, ended_unseen)
+                except Exception as exc:
+                    _drain(following)
+                    return flight.step, exc
+                ready, ended_unseen = time.perf_counter(), False
+                self._commit(done, flight.step, mesh)
+            if error is not None or following is None:
+                return error
+            if flight is not None and time.perf_counter() >= deadline:  # a batch has at least one commit
+                self._carried = (following, ready)
+                return None
+            flight = following
+
+    def _commit(self, done: _StepDone, step: int, mesh: Mesh) -> None:
+        """The step's new state replaces the old one; its events wait in ``_from_threads``.
+
+        The snapshot is committed before ``self.step`` moves on, so whoever reads ``ctx.step == N`` (a handler
+        asking for a checkpoint) finds the snapshot of N in the RAM tier.
+        """
+        shape = mesh_shape(mesh)
+        position = self.data_position + 1
+        if done.host is not None:
+            self.ram.commit(
+                done.host,
+                step=step,
+                data_position=position,
+                metadata={"mesh": shape},
+                seconds=done.snapshot_wait_s,
+                reuse=self.compiler is not None and self.compiler.host_copy,  # fused copies write into spares
+            )
+        self._from_threads.append(
+            StepCompleted(
+                step=step,
+                source="executor",
+                duration_s=done.seconds,
+                loss=done.loss,
+                mesh_shape=shape,
+                data_position=position,
+                data_s=done.data_s,
+                snapshot=done.host is not None,
+                snapshot_wait_s=done.snapshot_wait_s,
+            )
+        )
+        recovery = self._recovery
+        if recovery is not None:
+            self._recovery = None
+            self._from_threads.append(
+                RecoveryCompleted(
+                    step=step,
+                    source="executor",
+                    cause=recovery.cause,
+                    failed_step=recovery.failed_step,
+                    recovery_s=time.monotonic() - recovery.started,
+                    lost_steps=recovery.lost_steps,
+                    restored_from=recovery.restored_from,
+                    mesh_shape=shape,
+                )
+            )
+        self.state, self.loss, self.data_position = done.state, done.loss, position
+        self.high_water = max(self.high_water, step)
+        self.step = step  # last: the step counts as committed once everything above is in place
+
+    def _dispatch(self, state: PyTree, step: int, mesh: Mesh, position: int) -> _InFlight:
+        """Load the step's batch and queue the compiled step on the devices; does not wait for it.
+
+        The next batch is loaded in the background meanwhile (``data.batch`` runs in one other thread, one
+        call at a time); ``data_s`` is only the time this step waited for its batch.
+        """
+        assert self.compiler is not None
+        loading = time.perf_counter()
+        host_batch = self._batch(position)
+        data_s = time.perf_counter() - loading
+        # The next batch loads from now on, through this step's dispatch and the previous one's commit: on CPU
+        # devices the dispatch itself can take half a step, and a batch loaded only after it was often late.
+        self._prefetched = (position + 1, self._loader.submit(self.job.data.batch, position + 1))
+        compiler = self.compiler
+        compiled = compiler.get(mesh)
+        copy_due = not compiler.host_copy and self.config.snapshot_every > 0 and self.cadence.due(step)
+        if copy_due:  # a copy compiled here (a layout not prepared ahead) is no part of the copy's cost
+            self.ram.prepare(state)
+        # An executable's first run warms it up (0.1-0.3 s on the demo): no measure of a step to plan by.
+        measured, self._warm_mesh = mesh is self._warm_mesh, mesh
+        dispatched = time.perf_counter()
+        batch = jax.device_put(host_batch, compiler.batch_shardings(mesh))
+        host = None
+        if compiler.host_copy:  # the copy is written into a replaced snapshot's buffers, or fresh ones
+            buffers = self.ram.take_spare(compiler.host_shardings(mesh))
+            buffers = compiler.host_buffers(mesh) if buffers is None else buffers
+            new_state, metrics, host = compiled(state, batch, buffers)
+        else:
+            new_state, metrics = compiled(state, batch)
+            if copy_due:
+                # Queued now, right behind the step: copied after the next step was dispatched, it waited for
+                # that one too and emptied the pipeline (a whole step, where the copy itself is 0.5 ms).
+                host = self.ram.dispatch_copy(new_state, step=step)  # None: failed, reported as an event
+                if host is not None:  # one that could not be queued is tried again at the next step
+                    self.cadence.taken(step)
+        return _InFlight(step, position, new_state, metrics, host, dispatched, data_s, measured)
+
+    def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float, ended_unseen: bool) -> _StepDone:
+        """Wait for a dispatched step and its snapshot copy; its duration runs from when the devices could
+        start it to its results (at most the average step when it ended unseen, while the loop had the
+        thread's events: the rest of that wait is not the step's). A copy of its own that fails is reported
+        and leaves the step committed."""
+        assert self.compiler is not None
+        fused = self.compiler.host_copy
+        jax.block_until_ready((flight.new_state, flight.host) if fused else flight.new_state)
+        for check in self.step_checks:
+            check(flight.step, device_ids(mesh))
+        metrics = flight.metrics
+        loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
+        loss_value = None if loss is None else float(np.asarray(loss))
+        host, copy_s = flight.host, 0.0
+        copied_here = host is not None and not fused  # a copy of its own, queued behind the step
+        if copied_here:
+            try:
+                jax.block_until_ready(host)
+            except Exception as exc:
+                self.ram.report_failure(flight.step, exc)
+                host = None
+        seconds = time.perf_counter() - max(flight.dispatched, previous_ready)
+        if ended_unseen and self.cadence.step_s is not None:
+            seconds = min(seconds, self.cadence.step_s)
+        plain = not copied_here or self.cadence.step_s is None  # a copy before any plain step counts as none
+        if flight.measured and plain:
+            self.cadence.stepped(seconds)
+        if copied_here:  # what the copy added: the step's time over the average step without one
+            extra = seconds - (self.cadence.step_s or seconds)
+            if flight.measured:
+                self.cadence.copied(extra)  # signed, so that the noise of step times averages out
+            copy_s = max(extra, 0.0)
+            seconds -= copy_s
+        return _StepDone(flight.new_state, loss_value, seconds, flight.data_s, copy_s, host)
+
+    def _batch(self, position: int) -> PyTree:
+        """The batch at ``position``: the prefetched one if it is that position, else loaded now."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == position:
+            return prefetched[1].result()  # a loading error surfaces here, in the step that needs it
+        if prefetched is not None:  # after a restore the position moved: drop it, one call at a time
+            wait([prefetched[1]])
+        return self.job.data.batch(position)
+
+    def _snapshot_failed(self, step: int, exc: BaseException) -> None:
+        reason = f"host copy failed: {type(exc).__name__}: {exc}"
+        self._from_threads.append(
+            CheckpointFailed(
+                step=step, source="ram", tier="ram", reason=reason, error_type=type(exc).__name__, message=str(exc)
+            )
+        )
+
+    async def _publish_from_threads(self) -> None:
+        while self._from_threads:
+            await self.bus.publish(self._from_threads.popleft())
+
+    async def _on_failure(self, exc: Exception, step: int, mesh: Mesh) -> None:
+        failed_at = time.monotonic()
+        in_mesh = list(mesh.devices.flat)
+        healthy = await anyio.to_thread.run_sync(self.health.healthy, in_mesh)
+        lost = tuple(sorted(set(device_ids(mesh)) - {d.id for d in healthy}))
+        event = classify(
+            exc,
+            step=step,
+            lost_devices=lost,
+            slices=self.policy.slices_of(lost),
+            slice_size=self.policy.slice_size,
+        )
+        await self.bus.publish(event)
+        if isinstance(event, StepFailed):
+            raise StepError(
+                f"step {step} raised {event.error_type} in user code: {event.message} "
+                f"(last committed step {self.step} is intact)",
+                step=step,
+            ) from exc
+        self.recoveries += 1
+        if self._recovery is not None:
+            failed_at = self._recovery.started  # a failure during recovery extends the same recovery
+        self._recovery = _Recovery(
+            cause=type(event).__name__,
+            failed_step=step,
+            started=failed_at,
+            deadline=time.monotonic() + self.config.recovery_timeout_s,
+        )
+        if self.recoveries > self.config.max_recoveries:
+            await self._fail_recovery(f"{self.recoveries} failures exceed max_recoveries={self.config.max_recoveries}")
+        log.warning("step %d failed: %s: %s; waiting for recovery", step, event.error_type, event.message)
+        await self.bus.publish(
+            RecoveryStarted(step=step, source="executor", cause=type(event).__name__, last_committed_step=self.step)
+        )
+
+    async def _fail_recovery(self, reason: str) -> NoReturn:
+        await self.bus.publish(RecoveryFailed(step=self.step, source="executor", reason=reason, message=reason))
+        raise RecoveryError(f"recovery failed at step {self.step}: {reason}", last_committed_step=self.step)

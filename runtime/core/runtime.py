@@ -1,0 +1,211 @@
+"""The runtime: owns the task group and starts each component in it (bus, executor, watchers).
+
+Typical use (through :class:`runtime.ElasticRuntime`, this class with the built-in handlers wired in)::
+
+    rt = ElasticRuntime(job, mesh_policy=MeshPolicy({"data": 8}))
+
+    @rt.on(SliceLost)
+    async def tell_someone(event, ctx): ...
+
+    result = rt.run(steps=1000)          # or: await rt.run_async(steps=1000)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import anyio
+import jax
+
+from runtime.core.bus import EventBus, Handler, Subscription
+from runtime.core.config import RuntimeConfig
+from runtime.core.context import RuntimeContext
+from runtime.core.eventlog import EventLog
+from runtime.core.events import Event, RunFinished, ScaleUpAvailable
+from runtime.core.executor import BoundaryHook, RunResult, StepExecutor
+from runtime.core.health import DeviceHealth
+from runtime.core.job import TrainJob
+from runtime.core.mesh import MeshPolicy, device_ids
+
+log = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=Event)
+
+
+class Component(Protocol):
+    """A long-running part of the runtime (a checkpointer, a notice listener): started in the runtime's
+    task group before the first step, cancelled after the last one. It talks to the rest only via ``ctx``
+    (publish events) and its own subscriptions; it opens no task group of its own.
+
+    A component may also define ``async def finish(self, ctx)``: awaited after the last step of a successful
+    run, while the bus still delivers, so that it can complete its work (the checkpointer commits the final
+    step there)."""
+
+    async def run(self, ctx: RuntimeContext) -> None: ...
+
+
+class Runtime:
+    """Runs one training job elastically, with exactly the handlers and components it is given. Single use.
+
+    This is the core: it wires in no handler and no checkpoint tier of its own. :class:`runtime.ElasticRuntime`
+    is this class with the built-in ones (re-mesh, restore, scale-up, the configured tiers and notice
+    sources) subscribed through the same ``subscribe`` and ``add_component`` a user calls.
+
+    Args:
+        job: what to train.
+        config: runtime settings (defaults work on a laptop).
+        mesh_policy: mesh layout and shrink rules; default: every device on one ``data`` axis.
+    """
+
+    def __init__(
+        self,
+        job: TrainJob,
+        *,
+        config: RuntimeConfig | None = None,
+        mesh_policy: MeshPolicy | None = None,
+    ) -> None:
+        self.job = job
+        self.config = config or RuntimeConfig()
+        self.policy = mesh_policy or MeshPolicy({"data": len(jax.devices())})
+        self.health = DeviceHealth()
+        self.event_log = EventLog(Path(self.config.run_dir) / "events.jsonl") if self.config.run_dir else None
+        self.context = RuntimeContext(self)
+        self.bus = EventBus(
+            self.context,
+            max_pending=self.config.max_pending_events,
+            handler_timeout=self.config.handler_timeout_s,
+            log=self.event_log,
+        )
+        self.executor = StepExecutor(job, bus=self.bus, config=self.config, policy=self.policy, health=self.health)
+        self.components: list[Component] = []
+        self._used = False
+
+    # --- the user's hooks ------------------------------------------------------------------------------
+
+    def on(
+        self, event_type: type[E], *, priority: int = 0, timeout: float | str | None = "default"
+    ) -> Callable[[Handler[E]], Handler[E]]:
+        """Decorator: call the handler for every event of ``event_type`` (and its subclasses)."""
+        return self.bus.on(event_type, priority=priority, timeout=timeout)
+
+    def subscribe(
+        self,
+        event_type: type[E],
+        handler: Handler[E],
+        *,
+        priority: int = 0,
+        timeout: float | str | None = "default",
+    ) -> Subscription[E]:
+        return self.bus.subscribe(event_type, handler, priority=priority, timeout=timeout)
+
+    def add_component(self, component: Component) -> Component:
+        """Start ``component.run(ctx)`` with the run and cancel it when the run ends."""
+        self.components.append(component)
+        return component
+
+    def at_step_boundary(self, hook: BoundaryHook) -> BoundaryHook:
+        """Call ``hook(next_step)`` (sync or async) before every step."""
+        self.executor.hooks.append(hook)
+        return hook
+
+    # --- running ---------------------------------------------------------------------------------------
+
+    def run(self, steps: int) -> RunResult:
+        """Run to ``steps`` committed steps in a new event loop (for ordinary scripts)."""
+        return anyio.run(self.run_async, steps)
+
+    async def run_async(self, steps: int) -> RunResult:
+        """Run to ``steps`` committed steps inside the caller's event loop.
+
+        Raises:
+            StepError: the user's step raised; the last committed state is intact.
+            RecoveryError: a failure could not be recovered from.
+            MeshUnavailable: the mesh policy does not fit the devices at start.
+        """
+        if self._used:
+            raise RuntimeError("an ElasticRuntime runs once; build a new one for another run")
+        self._used = True
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        result: RunResult | None = None
+        error: Exception | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.bus.run)
+                helpers = anyio.CancelScope()
+                tg.start_soon(self._helpers, helpers)
+                finished = RunFinished(source="runtime", ok=False, reason="cancelled")
+                try:
+                    result = await self.executor.run(steps)
+                    await self.bus.join()  # handlers of the last steps' events may still ask for a checkpoint
+                    for component in self.components:
+                        finish = getattr(component, "finish", None)
+                        if finish is not None:
+                            await finish(self.context)
+                    finished = RunFinished(step=result.step, source="runtime", ok=True)
+                except Exception as exc:
+                    # Raised after the task group has closed, so the caller sees it unwrapped.
+                    error = exc
+                    finished = RunFinished(step=self.executor.step, source="runtime", ok=False, reason=f"{exc}")
+                finally:
+                    helpers.cancel()
+                    with anyio.CancelScope(shield=True):
+                        await self.bus.publish(finished)
+                        await self.bus.close()
+        finally:
+            self.executor.close()
+            if self.event_log is not None:
+                self.event_log.close()
+        if error is not None:
+            raise error
+        assert result is not None
+        result.events_path = str(self.event_log.path) if self.event_log else None
+        return result
+
+    async def _helpers(self, scope: anyio.CancelScope) -> None:
+        with scope:
+            async with anyio.create_task_group() as tg:
+                if self.config.precompile:
+                    tg.start_soon(self._precompile)
+                if self.config.scale_up_poll_s is not None:
+                    tg.start_soon(self._watch_for_devices, self.config.scale_up_poll_s)
+                for component in self.components:
+                    tg.start_soon(component.run, self.context)
+
+    async def _precompile(self) -> None:
+        """After each mesh change, compile the step (and its snapshot copy) for the meshes a next failure would
+        lead to."""
+        async for mesh in self.executor.mesh_updates:
+            compiler = self.executor.compiler
+            if compiler is None:
+                continue
+            if not compiler.is_ready(mesh):
+                await anyio.to_thread.run_sync(self.executor.prepare, mesh)  # the executor needs it first
+            healthy = await anyio.to_thread.run_sync(self.health.healthy)
+            for candidate in self.policy.likely_meshes(mesh, healthy):
+                if self.executor.mesh_updates.statistics().current_buffer_used:
+                    break  # the mesh changed again: plan for the new one
+                await anyio.to_thread.run_sync(self.executor.prepare, candidate)
+
+    async def _watch_for_devices(self, interval: float) -> None:
+        """Publish ScaleUpAvailable when healthy devices would allow a larger mesh than the current one."""
+        announced: tuple[int, ...] = ()
+        while True:
+            await anyio.sleep(interval)
+            mesh = self.executor.mesh
+            if mesh is None or self.executor.recovering:
+                continue
+            healthy = await anyio.to_thread.run_sync(self.health.healthy)
+            shape = self.policy.shape_for(len(healthy))
+            ids = tuple(sorted(d.id for d in healthy))
+            if shape and math.prod(shape.values()) > mesh.devices.size and ids != announced:
+                announced = ids
+                await self.bus.publish(
+                    ScaleUpAvailable(step=self.executor.step, source="health", devices=ids, shape=shape)
+                )
+            elif ids == device_ids(mesh):
+                announced = ()

@@ -1,0 +1,162 @@
+"""The built-in parts, wired in one place: what a runtime or a controller gets unless told otherwise.
+
+The core (``runtime/core``) knows no handler, tier or notice source by name. This module subscribes the
+built-in ones through the same calls a user makes (``subscribe``, ``add_component``): the recovery
+handlers of ``handlers/``, the checkpoint tiers the config names (``storage/``), the maintenance notice
+sources and their handlers (``runtime/maintenance``), and multi-process worker mode (``runtime/cluster``).
+To replace a link, pass ``default_handlers=False`` and subscribe your own.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from handlers import (
+    DrainScheduler,
+    checkpoint_on_notice,
+    checkpoint_on_preemption,
+    drain_on_start,
+    plan_drain,
+    remesh_on_device_loss,
+    restore_after_remesh,
+    scale_up,
+)
+from handlers.regroup import log_straggler, regroup_on_worker_failure
+from runtime.cluster.controller import Controller
+from runtime.cluster.config import LaunchConfig
+from runtime.cluster.worker import is_worker, run_worker
+from runtime.core.config import RuntimeConfig
+from runtime.core.events import (
+    DeviceLost,
+    MaintenanceScheduled,
+    MaintenanceStarted,
+    MeshChanged,
+    Preempted,
+    ScaleUpAvailable,
+    Straggler,
+    WorkerHung,
+    WorkerLost,
+)
+from runtime.core.executor import RunResult
+from runtime.core.job import TrainJob
+from runtime.core.mesh import MeshPolicy
+from runtime.core.runtime import Runtime
+from runtime.maintenance.intake import NoticeIntake
+from runtime.maintenance.metadata import MetadataWatcher
+from storage.cascade import TieredCheckpointer
+
+if TYPE_CHECKING:
+    from runtime.maintenance.pubsub import PubSubListener
+
+__all__ = ["ElasticRuntime", "Maintenance", "default_controller", "intake_from_config"]
+
+log = logging.getLogger(__name__)
+
+
+class ElasticRuntime(Runtime):
+    """Runs one training job elastically, with the built-in handlers, tiers and notice sources wired in.
+
+    Args:
+        job: what to train.
+        config: runtime settings (defaults work on a laptop).
+        mesh_policy: mesh layout and shrink rules; default: every device on one ``data`` axis.
+        default_handlers: subscribe the built-in re-mesh, restore, scale-up and maintenance handlers.
+    """
+
+    def __init__(
+        self,
+        job: TrainJob,
+        *,
+        config: RuntimeConfig | None = None,
+        mesh_policy: MeshPolicy | None = None,
+        default_handlers: bool = True,
+    ) -> None:
+        super().__init__(job, config=config, mesh_policy=mesh_policy)
+        if default_handlers:
+            wait = self.config.device_wait_s + self.config.handler_timeout_s
+            self.subscribe(DeviceLost, remesh_on_device_loss, timeout=wait)
+            self.subscribe(MeshChanged, restore_after_remesh)
+            self.subscribe(ScaleUpAvailable, scale_up)
+        # The durable checkpoint tiers (disk, GCS) the config asks for; None when it names none.
+        self.checkpointer = TieredCheckpointer.from_config(self.config, self.executor.ram)
+        if self.checkpointer is not None:
+            self.checkpointer.attach(self)
+        self.maintenance = attach_maintenance(self, default_handlers=default_handlers)
+
+    def run(self, steps: int) -> RunResult:
+        """Run to ``steps`` committed steps in a new event loop (for ordinary scripts).
+
+        Under ``elastic-runtime launch`` this process is one worker of a multi-process group: the job runs
+        as that worker (``runtime.cluster.worker.run_worker``) and the process exits when the group is done,
+        so ``run`` does not return there; the controller keeps the run's record and handlers.
+        """
+        if is_worker():
+            run_worker(self.job, steps)
+        return super().run(steps)
+
+
+def default_controller(config: LaunchConfig) -> Controller:
+    """A multi-process controller that replaces a lost or hung worker and logs stragglers."""
+    controller = Controller(config)
+    controller.bus.subscribe(WorkerLost, regroup_on_worker_failure)
+    controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
+    controller.bus.subscribe(Straggler, log_straggler)
+    return controller
+
+
+# --- maintenance notices -----------------------------------------------------------------------------
+
+
+@dataclass
+class Maintenance:
+    """What :func:`attach_maintenance` added to a runtime (each part None when not configured)."""
+
+    intake: NoticeIntake
+    listener: PubSubListener | None = None
+    watcher: MetadataWatcher | None = None
+    scheduler: DrainScheduler | None = None
+    sources: list[object] = field(default_factory=list)
+
+
+def intake_from_config(config: RuntimeConfig) -> NoticeIntake:
+    """The intake for this job's instances: ``instances``, else the keys of ``instance_devices``."""
+    instances = config.instances or tuple(config.instance_devices)
+    if not instances and (config.maintenance_subscription or config.metadata_host):
+        log.warning("maintenance notices: no instances configured, so notices for every instance count")
+    return NoticeIntake(instances)
+
+
+def attach_maintenance(runtime: Runtime, *, default_handlers: bool = True) -> Maintenance:
+    """Add the configured notice sources as components and subscribe the built-in maintenance handlers.
+
+    Sources start only when named in the config (``maintenance_subscription``, ``metadata_host``).
+    """
+    config = runtime.config
+    parts = Maintenance(intake=intake_from_config(config))
+    if config.maintenance_subscription:
+        from runtime.maintenance.pubsub import PubSubListener  # google-cloud-pubsub only when a subscription is named
+
+        parts.listener = PubSubListener(
+            config.maintenance_subscription, parts.intake, max_messages=config.pubsub_max_messages
+        )
+        runtime.add_component(parts.listener)
+        parts.sources.append(parts.listener)
+    if config.metadata_host:
+        parts.watcher = MetadataWatcher(
+            config.metadata_host, parts.intake, poll_timeout_s=config.metadata_poll_timeout_s
+        )
+        runtime.add_component(parts.watcher)
+        parts.sources.append(parts.watcher)
+    if default_handlers:
+        # The checkpoint is asked for before the drain, so it saves the state the instance still holds.
+        runtime.subscribe(MaintenanceScheduled, checkpoint_on_notice, priority=10)
+        runtime.subscribe(MaintenanceStarted, checkpoint_on_notice, priority=10)
+        runtime.subscribe(MaintenanceScheduled, plan_drain)
+        runtime.subscribe(MaintenanceStarted, drain_on_start)
+        runtime.subscribe(Preempted, checkpoint_on_preemption, priority=10)
+        parts.scheduler = DrainScheduler()
+        parts.scheduler.attach(runtime.context)
+        runtime.add_component(parts.scheduler)
+    return parts
