@@ -24,8 +24,8 @@ from handlers import (
     scale_up,
 )
 from handlers.regroup import log_straggler, regroup_on_worker_failure
-from runtime.cluster.controller import Controller
 from runtime.cluster.config import LaunchConfig
+from runtime.cluster.controller import Controller
 from runtime.cluster.worker import is_worker, run_worker
 from runtime.core.config import RuntimeConfig
 from runtime.core.events import (

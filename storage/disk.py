@@ -109,11 +109,6 @@ def read_manifest(directory: Path) -> Manifest:
     return mf.decode(data, where=str(path))
 
 
-def _orbax_name(key: tuple[KeyPart, ...]) -> str:
-    # Orbax names an array's directory by its key path joined with dots.
-    return ".".join(str(k) for k in key)
-
-
 def _inside(root: Path, entry: FileEntry) -> Path:
     """``root / entry.path``, refusing one that resolves outside ``root`` (a planted symlink).
 
@@ -172,7 +167,9 @@ def load_directory(directory: Path, manifest: Manifest, like: PyTree, deadline: 
             dtype = mf.dtype_of(leaf.dtype)
         except ValueError as exc:
             raise CheckpointInvalid(f"{directory}: {exc}", path=str(directory), reason=str(exc)) from exc
-        array = _read_zarr2(directory, f"{STATE_DIR}/{_orbax_name(leaf.key)}", leaf.shape, dtype, entries, verified)
+        array = _read_zarr2(
+            directory, f"{STATE_DIR}/{orbax_layout.array_dirname(leaf.key)}", leaf.shape, dtype, entries, verified
+        )
         if array is None:
             direct = False
             break

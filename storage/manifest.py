@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,15 +151,6 @@ def crc32c_file(path: str | os.PathLike[str]) -> tuple[int, int]:
 
 def crc32c_bytes(data: bytes | memoryview) -> int:
     return int(google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data))
-
-
-def describe_files(root: Path, relative: Iterable[str]) -> tuple[FileEntry, ...]:
-    """Size and CRC32C of each file under ``root``, in a stable order."""
-    entries = []
-    for rel in sorted(relative):
-        size, crc = crc32c_file(root / rel)
-        entries.append(FileEntry(path=rel, size=size, crc32c=crc))
-    return tuple(entries)
 
 
 def files_under(root: Path) -> list[str]:

@@ -19,10 +19,10 @@ from runtime import (
     StepCompleted,
     read_events,
 )
-from runtime.cli.demo import compare_states
 from runtime.core.cadence import SnapshotCadence
 from runtime.core.snapshot import RamTier
 from runtime.testing import FaultInjector
+from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import demo_job
 
 

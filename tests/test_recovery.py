@@ -35,8 +35,8 @@ from runtime import (
     TrainJob,
     read_events,
 )
-from runtime.cli.demo import compare_states
 from runtime.testing import FaultInjector
+from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import demo_job
 
 STEPS = 20

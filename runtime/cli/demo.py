@@ -16,11 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 DEFAULT_STEPS = 300
 SLICE_SIZE = 2
-RTOL = 1e-5
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,7 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     parser.add_argument("--verify", action="store_true", help="compare with a fault-free run of the same length")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
-    # Multi-process mode (issue 6): --processes N --kill-worker-at STEP, handled by runtime/cli/demo_multiprocess.py.
+    # Multi-process mode: --processes N --kill-worker-at STEP, handled by runtime/cli/demo_multiprocess.py.
     from runtime.cli.demo_multiprocess import add_multiprocess_arguments
 
     add_multiprocess_arguments(parser)
@@ -52,83 +49,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def compare_states(result: Any, reference: Any, *, bitwise: bool, rtol: float = RTOL) -> dict[str, Any]:
-    """Compare two state pytrees: exactly when ``bitwise``, else by the largest error relative to the leaf."""
-    import jax
-
-    pairs = list(zip(jax.tree.leaves(result), jax.tree.leaves(reference), strict=True))
-    worst = 0.0
-    for got, want in pairs:
-        got, want = np.asarray(got), np.asarray(want)
-        scale = float(np.max(np.abs(want))) or 1.0
-        worst = max(worst, float(np.max(np.abs(got - want))) / scale)
-    if bitwise:
-        same = all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in pairs)
-        return {"comparison": "bitwise", "match": same, "max_rel_error": worst}
-    return {"comparison": f"rtol {rtol:g}", "match": worst <= rtol, "max_rel_error": worst}
-
-
-class ProgressPrinter:
-    """A handler for every event: prints steps now and then, and every other event as it happens."""
-
-    def __init__(self, every_s: float = 0.5) -> None:
-        self.every_s = every_s
-        self._last = 0.0
-
-    async def __call__(self, event: Any, ctx: Any) -> None:
-        from runtime.core.events import StepCompleted
-
-        if isinstance(event, StepCompleted):
-            now = time.monotonic()
-            if now - self._last < self.every_s:
-                return
-            self._last = now
-            shape = "x".join(f"{k}={v}" for k, v in event.mesh_shape.items())
-            devices = int(np.prod(list(event.mesh_shape.values())))
-            print(
-                f"  step {event.step:5d}  loss {event.loss:8.5f}  mesh {shape} ({devices} devices)  "
-                f"{event.duration_s * 1000:6.1f} ms/step",
-                flush=True,
-            )
-            return
-        print(f"  >> {describe(event)}", flush=True)
-
-
-def describe(event: Any) -> str:
-    """One line for a non-step event."""
-    from runtime.core import events as ev
-
-    name = type(event).__name__
-    match event:
-        case ev.SliceLost():
-            lost = f"slices {list(event.slices)} (devices {list(event.devices)})"
-            return f"{name} at step {event.step}: {lost}, {event.status}"
-        case ev.DeviceLost():
-            return f"{name} at step {event.step}: devices {list(event.devices)}, {event.status}"
-        case ev.MeshChanged():
-            return f"{name}: {event.old_shape} -> {event.new_shape} ({event.reason})"
-        case ev.StateRestored():
-            took = f"in {event.seconds:.3f} s, lost {event.lost_steps}"
-            return f"{name}: step {event.step} from {event.restored_from} {took}"
-        case ev.RecoveryCompleted():
-            return (
-                f"{name}: step {event.step} committed {event.recovery_s:.3f} s after the failure, "
-                f"lost {event.lost_steps} step(s)"
-            )
-        case ev.Failure():
-            return f"{name} at step {event.step}: {event.error_type} {event.message}"
-    fields = {k: v for k, v in _fields(event).items() if k not in ("wall_time", "mono_time", "source")}
-    return f"{name} {fields}"
-
-
-def _fields(event: Any) -> dict[str, Any]:
-    import msgspec
-
-    return dict(msgspec.structs.asdict(event))
-
-
 def main(args: argparse.Namespace) -> int:
-    if getattr(args, "processes", 0):  # multi-process mode (issue 6): its own module
+    if getattr(args, "processes", 0):  # multi-process mode: its own module
         from runtime.cli.demo_multiprocess import run_multiprocess_demo
 
         return run_multiprocess_demo(args)
@@ -137,7 +59,9 @@ def main(args: argparse.Namespace) -> int:
     jax.config.update("jax_num_cpu_devices", args.devices)
     from runtime import ElasticRuntime, Event, MeshPolicy, RuntimeConfig, read_events
     from runtime.analysis.summary import summarize
+    from runtime.cli.progress import ProgressPrinter
     from runtime.testing import FaultInjector
+    from runtime.testing.compare import compare_states
     from runtime.testing.demo_model import demo_job
     from runtime.testing.faults import FaultSchedule
 

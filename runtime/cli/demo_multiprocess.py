@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 # A smaller model than the single-process demo: every worker holds all of it (see storage/peer.py).
 FEATURES = 128
@@ -29,7 +26,7 @@ GLOBAL_BATCH = 96  # divides over 1, 2, 3, 4 and 6 processes
 
 def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's multi-process options (added to ``elastic-runtime demo``)."""
-    group = parser.add_argument_group("multi-process (issue 6)")
+    group = parser.add_argument_group("multi-process")
     group.add_argument("--processes", type=int, default=0, help="run as N worker processes (0: single-process)")
     group.add_argument("--kill-worker-at", type=int, default=None, help="kill -9 a worker at this step")
     group.add_argument("--kill-process", type=int, default=1, help="process id to kill (default 1; 0 works too)")
@@ -71,36 +68,11 @@ def run_group(
     return controller.run()
 
 
-def compare_files(got: Path, want: Path) -> dict[str, Any]:
-    """Compare two final-state files bitwise (and report the largest relative error)."""
-    with np.load(got) as a, np.load(want) as b:
-        keys = sorted(a.files)
-        same = keys == sorted(b.files) and all(np.array_equal(a[k], b[k]) for k in keys)
-        worst = max(float(np.max(np.abs(a[k] - b[k]))) / (float(np.max(np.abs(b[k]))) or 1.0) for k in keys)
-    return {"comparison": "bitwise", "match": same, "max_rel_error": worst}
-
-
-class _Printer:
-    """Live progress: every 10th committed step, and every other event of the controller as it happens."""
-
-    def __init__(self) -> None:
-        self.t0 = time.monotonic()
-
-    async def __call__(self, event: Any, ctx: Any) -> None:
-        name = type(event).__name__
-        if name == "StepCompleted" and event.step % 10:
-            return
-        fields = {
-            k: v
-            for k, v in (event.__struct_fields__ and {f: getattr(event, f) for f in event.__struct_fields__}).items()
-            if k not in ("wall_time", "mono_time", "source", "error_type") and v not in ("", None)
-        }
-        print(f"  {time.monotonic() - self.t0:7.3f} s  {name} {fields}", flush=True)
-
-
 def run_multiprocess_demo(args: argparse.Namespace) -> int:
     """The ``demo --processes N`` entry point."""
+    from runtime.cli.progress import ProgressPrinter
     from runtime.cluster.config import Kill
+    from runtime.testing.compare import compare_files
 
     steps = args.steps
     kill_at = args.kill_worker_at
@@ -118,7 +90,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
         run_dir=run_dir / "run",
         kills=kills,
         strategy=args.strategy,
-        printer=None if args.quiet else _Printer(),
+        printer=None if args.quiet else ProgressPrinter(),
     )
     recoveries = result.recoveries
     summary: dict[str, Any] = {
@@ -132,7 +104,6 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
         "restored_from": _first([r["restored_from"] for r in recoveries]),
         "strategy": _first([r["strategy"] for r in recoveries]),
         "recoveries": len(recoveries),
-        "controller_restarts": result.controller_restarts,
         "survivor_restarts": result.survivor_restarts,
         "world_size_history": result.world_size_history,
         "run_dir": str(run_dir),
@@ -147,7 +118,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
         f"\nfinished {summary['steps_completed']} steps in {summary['seconds']:.2f} s; "
         f"detected after {summary['detected_after_s']} s, recovered in {summary['recovery_s']} s "
         f"({summary['strategy']}, from {summary['restored_from']}), lost {summary['lost_steps']} step(s), "
-        f"controller restarts {summary['controller_restarts']}, survivor restarts {summary['survivor_restarts']}"
+        f"survivor restarts {summary['survivor_restarts']}"
     )
     if "reference_match" in summary:
         say(f"reference check: {summary['reference_match']}")
@@ -158,10 +129,6 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
 
 def _first(values: list[Any]) -> Any:
     return round(values[0], 3) if values and isinstance(values[0], float) else (values[0] if values else None)
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def worker_main(argv: list[str] | None = None) -> None:

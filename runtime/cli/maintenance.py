@@ -111,14 +111,13 @@ def _main(args: argparse.Namespace) -> int:
     if not args.subscription and not args.metadata_host:
         print("elastic-runtime listen: name --subscription and/or --metadata-host", file=sys.stderr)
         return 2
-    from runtime.maintenance.pubsub import SUBSCRIPTION_PATTERN
+    from runtime.maintenance.pubsub import check_subscription
 
-    if args.subscription and not SUBSCRIPTION_PATTERN.fullmatch(args.subscription):
-        print(
-            f"elastic-runtime listen: --subscription must look like projects/P/subscriptions/S, "
-            f"got {args.subscription!r}",
-            file=sys.stderr,
-        )
+    try:
+        if args.subscription:
+            check_subscription(args.subscription)
+    except ValueError as exc:
+        print(f"elastic-runtime listen: --{exc}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
         anyio.run(

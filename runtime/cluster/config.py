@@ -117,7 +117,6 @@ class LaunchResult:
     strategies: list[str]
     recoveries: list[dict[str, Any]]
     detected_after_s: list[float]
-    controller_restarts: int
     survivor_restarts: int
     events_path: str
     run_dir: str

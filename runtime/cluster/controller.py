@@ -168,7 +168,6 @@ class Controller:
             strategies=[],
             recoveries=[],
             detected_after_s=[],
-            controller_restarts=0,
             survivor_restarts=0,
             events_path=str(self.event_log.path),
             run_dir=str(self.run_dir),

@@ -73,7 +73,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     scale_up_poll_s: float | None = 1.0
     precompile: bool = True
     event_batch_s: float = 0.05
-    # --- checkpointing (storage/; owner: the storage issue) --------------------------------------------
+    # --- checkpointing (storage/) --------------------------------------------
     ram_dir: str | None = None
     checkpoint_dir: str | None = None
     disk_every: int = 100
@@ -84,7 +84,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     checkpoint_timeout_s: float = 600.0
     checkpoint_on_finish: bool = True
     # --- end checkpointing -------------------------------------------------------------------------------
-    # --- maintenance notices (runtime/maintenance, handlers/maintenance.py; owner: issue 4) --------------
+    # --- maintenance notices (runtime/maintenance, handlers/maintenance.py) --------------
     maintenance_subscription: str | None = None
     metadata_host: str | None = None
     instances: tuple[str, ...] = ()

@@ -69,15 +69,15 @@ class InstanceMatcher:
         return None
 
 
-class _Bounded(OrderedDict[object, float]):
-    """An insertion-ordered set with a size bound and optional expiry, so a long run's memory stays flat."""
+class RecentKeys(OrderedDict[object, None]):
+    """The newest ``limit`` keys (oldest dropped first), so that a long run's memory stays flat."""
 
     def __init__(self, limit: int) -> None:
         super().__init__()
         self.limit = limit
 
-    def add(self, key: object, at: float) -> None:
-        self[key] = at
+    def add(self, key: object) -> None:
+        self[key] = None
         self.move_to_end(key)
         while len(self) > self.limit:
             self.popitem(last=False)
@@ -105,9 +105,9 @@ class NoticeIntake:
         self.matcher = InstanceMatcher(instances)
         self.repeat_window_s = repeat_window_s
         self.clock = clock
-        self._handled_ids = _Bounded(memory)
+        self._handled_ids = RecentKeys(memory)
         self._in_flight: dict[str, tuple[object, ...]] = {}
-        self._published = _Bounded(memory)
+        self._published = RecentKeys(memory)
         self._newest: dict[str, float] = {}
 
     def is_handled(self, message_id: str) -> bool:
@@ -142,7 +142,7 @@ class NoticeIntake:
             keys.append(key)
         self._in_flight[message_id] = tuple(keys)
         for key in keys:
-            self._published.add(key, now)  # claimed now, so a concurrent duplicate is not admitted too
+            self._published.add(key)  # claimed now, so a concurrent duplicate is not admitted too
         return admitted
 
     def settle(self, message_id: str, *, handled: bool) -> None:
@@ -150,7 +150,7 @@ class NoticeIntake:
         keys = self._in_flight.pop(message_id, ())
         if handled:
             if message_id:
-                self._handled_ids.add(message_id, self.clock())
+                self._handled_ids.add(message_id)
             return
         for key in keys:
             self._published.pop(key, None)  # the redelivery must be able to publish it again

@@ -41,11 +41,17 @@ from runtime.maintenance.formats import parse_message
 from runtime.maintenance.intake import NoticeIntake
 from runtime.maintenance.source import DispatchTracker, SourceContext
 
-__all__ = ["SUBSCRIPTION_PATTERN", "PubSubListener", "StreamBroken"]
+__all__ = ["SUBSCRIPTION_PATTERN", "PubSubListener", "StreamBroken", "check_subscription"]
 
 log = logging.getLogger(__name__)
 
 SUBSCRIPTION_PATTERN = re.compile(r"projects/[^/\s]+/subscriptions/[^/\s]+")
+
+
+def check_subscription(subscription: str) -> None:
+    """Raises ValueError unless ``subscription`` is a full name, ``projects/P/subscriptions/S``."""
+    if not SUBSCRIPTION_PATTERN.fullmatch(subscription):
+        raise ValueError(f"subscription must look like projects/P/subscriptions/S, got {subscription!r}")
 
 
 class StreamBroken(ElasticRuntimeError):
@@ -81,8 +87,7 @@ class PubSubListener:
         client_factory: Callable[[], pubsub_v1.SubscriberClient] = pubsub_v1.SubscriberClient,
         on_message: Callable[[str, float, float], None] | None = None,
     ) -> None:
-        if not SUBSCRIPTION_PATTERN.fullmatch(subscription):
-            raise ValueError(f"subscription must look like projects/P/subscriptions/S, got {subscription!r}")
+        check_subscription(subscription)
         if max_messages < 1 or max_bytes < 1:
             raise ValueError(f"flow control bounds must be >= 1, got {max_messages} messages, {max_bytes} bytes")
         self.subscription = subscription

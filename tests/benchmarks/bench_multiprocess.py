@@ -71,7 +71,6 @@ def repeated_kills(root: Path, strategy: str, signal: str, kills: int, every: in
         "recovery_s": stats([r["recovery_s"] for r in result.recoveries]),
         "lost_steps": sum(r["lost_steps"] for r in result.recoveries),
         "survivor_restarts": result.survivor_restarts,
-        "controller_restarts": result.controller_restarts,
         "world_size_history": result.world_size_history,
         "strategies": result.strategies,
     }

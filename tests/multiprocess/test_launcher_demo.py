@@ -34,7 +34,7 @@ def test_demo_kills_a_worker_and_matches_the_fault_free_run(tmp_path: Path, caps
     assert summary["ok"] and summary["steps_completed"] == 30
     assert summary["strategy"] == "reform" and summary["restored_from"].startswith("ram")
     assert summary["lost_steps"] == 0
-    assert summary["controller_restarts"] == 0 and summary["survivor_restarts"] == 0
+    assert summary["survivor_restarts"] == 0
     assert summary["world_size_history"] == [3, 3]
     assert 0 <= summary["detected_after_s"] < 2.5 and summary["recovery_s"] > 0
     assert summary["reference_match"] == {"comparison": "bitwise", "match": True, "max_rel_error": 0.0}
