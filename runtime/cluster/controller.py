@@ -1,4 +1,4 @@
-"""The multi-process controller: ``elastic-runtime launch --nprocs N -- python train.py ...``.
+"""The multi-process controller: starts the worker processes, supervises them and re-forms their group.
 
 The controller starts N worker processes (plus warm spares), hands them a ``jax.distributed`` group on a
 free loopback port, watches their heartbeats and, when one is lost or hangs, replaces it and re-forms the
@@ -10,96 +10,44 @@ Recovery (see ``docs/multiprocess.md``) is a chain of events on the controller's
 Strategies: ``reform`` (survivors re-initialize ``jax.distributed`` in-process and a spare joins, taking
 the state from its peers) and ``restart`` (every worker process replaced, state from the replica files in
 ``/dev/shm``), the fallback when a re-forming group does not come together in time.
+
+This module is the async shell; the decisions live in synchronous parts tested on their own: the group
+(``membership.py``), the failure budget and recovery timing (``runtime/core/recovery.py``), the processes
+(``processes.py``) and the wire (``server.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 from anyio.abc import SocketStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.context import ControllerContext
-from runtime.cluster.coordination import free_port, start_coordination_service
-from runtime.cluster.events import GroupFormed, MalformedHeartbeat, WorkerExited, WorkerKilled, WorkerStarted
+from runtime.cluster.events import MalformedHeartbeat, WorkerExited, WorkerKilled, WorkerStarted
+from runtime.cluster.forming import GroupForming
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
-from runtime.cluster.protocol import (
-    ENV_COMPILE_CACHE,
-    ENV_CONTROLLER,
-    ENV_HEARTBEAT_S,
-    ENV_LOCAL_DEVICES,
-    ENV_REPLICA_DIR,
-    ENV_RESULT,
-    ENV_WORKER,
-    MAX_LINE,
-    Finished,
-    Form,
-    Heartbeat,
-    Hello,
-    Joined,
-    MalformedMessage,
-    Message,
-    Restore,
-    Stop,
-    Warm,
-    decode_from_worker,
-    encode,
-)
+from runtime.cluster.membership import Membership
+from runtime.cluster.processes import ProcessPool, WorkerProcess, is_stopped
+from runtime.cluster.protocol import Finished, Heartbeat, Hello, Joined, Message, Stop, Warm
+from runtime.cluster.server import WorkerServer
 from runtime.core.bus import EventBus
 from runtime.core.errors import BusClosed
 from runtime.core.eventlog import EventLog
-from runtime.core.events import (
-    Event,
-    RecoveryCompleted,
-    RecoveryStarted,
-    RunFinished,
-    RunStarted,
-    StateRestored,
-    StepCompleted,
-    WorkerHung,
-)
+from runtime.core.events import Event, RunFinished, StepCompleted, WorkerHung
+from runtime.core.recovery import RecoveryTracker
+
+__all__ = ["Controller"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Proc:
-    worker: int
-    popen: subprocess.Popen[bytes]
-    spare: bool = True
-    stream: SocketStream | None = None
-    hello: Hello | None = None
-    joined: Joined | None = None
-    finished: Finished | None = None
-    step: int = 0
-    generation: int = 0
-    gone: bool = False
-    warmed: bool = False  # was sent Warm
-
-
-@dataclass
-class _Recovery:
-    cause: str
-    started: float
-    failed_step: int
-    lost: set[int]
-    strategy: str = ""
-    restore_step: int | None = None  # set once the new group is formed; until then no commit ends the recovery
-    restored_from: str = ""
-    lost_steps: int = 0
 
 
 def _first_leaf(group: BaseExceptionGroup[Any], kind: type[BaseException]) -> BaseException | None:
@@ -114,17 +62,11 @@ def _first_leaf(group: BaseExceptionGroup[Any], kind: type[BaseException]) -> Ba
     return None
 
 
-def _stopped(pid: int) -> bool:
-    """Whether ``pid`` is stopped (SIGSTOP): alive, silent, and making no progress."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+class Controller(GroupForming):
+    """Starts, supervises and re-forms a group of worker processes. Single use.
 
-
-class Controller:
-    """Starts, supervises and re-forms a group of worker processes. Single use."""
+    It subscribes no handler of its own: ``runtime.defaults.default_controller`` adds the built-in ones.
+    """
 
     def __init__(self, config: LaunchConfig) -> None:
         self.config = config
@@ -136,22 +78,23 @@ class Controller:
         self.context = ControllerContext(self)
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
         self.monitor = HeartbeatMonitor(timeout_s=config.heartbeat_timeout_s, hang_timeout_s=config.hang_timeout_s)
-        self.procs: dict[int, _Proc] = {}
-        self.members: list[int] = []
-        self.generation = 0
+        self.pool = ProcessPool(config, self.run_dir / "workers", self.replica_dir)
+        self.group = Membership(config.nprocs)
+        self.recovery = RecoveryTracker("controller", config.max_failures)
+        self.server = WorkerServer(
+            on_hello=self._hello,
+            on_message=self._on_message,
+            on_malformed=self._malformed,
+            on_closed=lambda proc, reason: self.monitor.mark_gone(proc.worker, reason),
+        )
         self.target_steps = -1
-        self.group_step = 0
-        self.high_water = 0
         self.port = 0
-        self._next_worker = 0
         self._restored = False  # the current generation got its Restore
         self._requests: set[int] = set()
         self._request_reason = ""
         self._request_strategy: Strategy | None = None
         self._wake = anyio.Event()
         self._finished = anyio.Event()
-        self._recovery: _Recovery | None = None
-        self._failures = 0
         self._kills = sorted(config.kills, key=lambda k: k.step)
         self._kill_during_recovery = config.kill_during_recovery
         self._kill_times: dict[int, float] = {}
@@ -173,6 +116,19 @@ class Controller:
             run_dir=str(self.run_dir),
         )
 
+    @property
+    def members(self) -> list[int]:
+        """Worker ids of the current group, in process-id order."""
+        return self.group.members
+
+    @property
+    def group_step(self) -> int:
+        """The newest step the whole group committed."""
+        return self.group.step
+
+    def _mesh_shape(self) -> dict[str, int]:
+        return {"data": len(self.members), "model": self.config.local_devices}
+
     # --- running -------------------------------------------------------------------------------------------
 
     def run(self) -> LaunchResult:
@@ -189,6 +145,7 @@ class Controller:
         """Run the group to completion. Raises LaunchError when it cannot go on."""
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        self.pool.controller_address = f"127.0.0.1:{self.port}"
         reason = ""
         try:
             async with anyio.create_task_group() as tg:
@@ -204,7 +161,7 @@ class Controller:
                     # The wire, the monitor and the reaper publish events: they end before the bus closes.
                     with helpers:
                         async with anyio.create_task_group() as inner:
-                            inner.start_soon(listener.serve, self._serve)
+                            inner.start_soon(listener.serve, self.server.serve)
                             inner.start_soon(watch, self.monitor, self._on_verdict)
                             inner.start_soon(self._reap)
 
@@ -273,11 +230,10 @@ class Controller:
 
     def _can_grow(self) -> bool:
         """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
-        ready = any(p.spare and not p.gone and p.hello is not None for p in self.procs.values())
         return (
-            ready
+            any(p.ready_spare for p in self.pool)
             and len(self.members) < self.config.nprocs
-            and self._recovery is None
+            and self.recovery.current is None
             and self._restored
             and not self._stopping
             and self.group_step + 5 < self.target_steps
@@ -285,31 +241,9 @@ class Controller:
 
     # --- processes -----------------------------------------------------------------------------------------
 
-    def _spawn(self) -> _Proc:
-        worker = self._next_worker
-        self._next_worker += 1
-        env = dict(os.environ)
-        env.update(self.config.extra_env)
-        env.update(
-            {
-                ENV_CONTROLLER: f"127.0.0.1:{self.port}",
-                ENV_WORKER: str(worker),
-                ENV_REPLICA_DIR: self.replica_dir,
-                ENV_LOCAL_DEVICES: str(self.config.local_devices),
-                ENV_HEARTBEAT_S: str(self.config.heartbeat_interval_s),
-                ENV_COMPILE_CACHE: str(Path(self.replica_dir) / "xla-cache"),
-            }
-        )
-        if self.config.result_path:
-            env[ENV_RESULT] = self.config.result_path
-        logfile = open(self.run_dir / "workers" / f"worker-{worker}.log", "wb")  # noqa: SIM115 - child owns it
-        popen = subprocess.Popen(
-            self.config.command, env=env, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        logfile.close()
-        proc = _Proc(worker=worker, popen=popen)
-        self.procs[worker] = proc
-        self._publish_nowait(WorkerStarted(source="controller", worker=worker, pid=popen.pid, spare=True))
+    def _spawn(self) -> WorkerProcess:
+        proc = self.pool.spawn()
+        self._publish_nowait(WorkerStarted(source="controller", worker=proc.worker, pid=proc.popen.pid, spare=True))
         return proc
 
     def _publish_nowait(self, event: Event) -> None:
@@ -319,84 +253,46 @@ class Controller:
             log.debug("after the bus closed, dropped %s", type(event).__name__)
 
     def kill(self, worker: int, sig: str, reason: str) -> None:
-        proc = self.procs.get(worker)
-        if proc is None or proc.popen.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.popen.pid, getattr(signal, f"SIG{sig}"))
-        self._publish_nowait(
-            WorkerKilled(step=self.group_step, source="controller", worker=worker, signal=sig, reason=reason)
-        )
+        if self.pool.signal(worker, sig):
+            self._publish_nowait(
+                WorkerKilled(step=self.group_step, source="controller", worker=worker, signal=sig, reason=reason)
+            )
 
     async def _reap(self) -> None:
         """Notice exited processes at once: a local kill -9 needs no heartbeat timeout to be seen."""
         while True:
-            for proc in list(self.procs.values()):
-                code = proc.popen.poll()
-                if code is not None and not proc.gone:
-                    proc.gone = True
-                    self.monitor.mark_gone(proc.worker, f"process exited with {code}")
-                    await self.bus.publish(
-                        WorkerExited(step=self.group_step, source="controller", worker=proc.worker, returncode=code)
-                    )
+            for proc, code in self.pool.newly_exited():
+                self.monitor.mark_gone(proc.worker, f"process exited with {code}")
+                await self.bus.publish(
+                    WorkerExited(step=self.group_step, source="controller", worker=proc.worker, returncode=code)
+                )
             await anyio.sleep(0.02)
 
     async def _stop_all(self, reason: str) -> None:
-        for proc in self.procs.values():
-            if proc.stream is None and proc.popen.poll() is None:
+        for proc in self.pool:
+            if proc.popen.poll() is not None:
+                continue
+            if proc.stream is None:
                 proc.popen.kill()  # still starting: nothing to save, no need to wait for its Hello
-            if proc.stream is not None and proc.popen.poll() is None:
-                with contextlib.suppress(Exception):
-                    await proc.stream.send(encode(Stop(reason=reason)))
+            else:
+                await self.server.send(proc, Stop(reason=reason))
         with anyio.move_on_after(10):
-            while any(p.popen.poll() is None for p in self.procs.values()):
+            while self.pool.running():
                 await anyio.sleep(0.05)
-        for proc in self.procs.values():
-            if proc.popen.poll() is None:
-                # SIGTERM alone does not stop a JAX process once jax.distributed is up (its preemption notifier).
-                proc.popen.kill()
-                proc.popen.wait()
+        self.pool.kill_all()
 
-    # --- the wire ------------------------------------------------------------------------------------------
+    def _top_up_spares(self) -> None:
+        for _ in range(self.pool.spares_missing()):
+            self._spawn()
 
-    async def _serve(self, stream: SocketStream) -> None:
-        peer = "unknown"
-        with contextlib.suppress(Exception):
-            peer = "%s:%s" % stream.extra(anyio.abc.SocketAttribute.remote_address)  # noqa: UP031
-        reader = BufferedByteReceiveStream(stream)
-        proc: _Proc | None = None
-        bad = 0
-        try:
-            while True:
-                try:
-                    line = await reader.receive_until(b"\n", MAX_LINE)
-                except anyio.DelimiterNotFound:
-                    await self._malformed(peer, f"a line longer than {MAX_LINE} bytes; connection closed")
-                    return
-                try:
-                    message = decode_from_worker(line)
-                except MalformedMessage as exc:
-                    bad += 1
-                    await self._malformed(peer, str(exc))
-                    if bad >= 100:
-                        await self._malformed(peer, "100 malformed lines; connection closed")
-                        return
-                    continue
-                if proc is None:
-                    proc = await self._hello(message, stream, peer)
-                    if proc is None:
-                        return
-                    continue
-                if getattr(message, "worker", proc.worker) != proc.worker:
-                    await self._malformed(peer, f"worker {proc.worker}'s connection sent {message!r}; ignored")
-                    continue
-                await self._on_message(proc, message)
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError):
-            pass
-        finally:
-            if proc is not None:
-                self.monitor.mark_gone(proc.worker, "connection closed")
-            await stream.aclose()
+    async def _warm_spares(self) -> None:
+        """Idle spares compile the step once now, rather than when they are needed."""
+        for proc in self.pool:
+            if proc.ready_spare and not proc.warmed:
+                proc.warmed = True
+                await self.server.send(proc, Warm())
+
+    # --- messages from workers -----------------------------------------------------------------------------
 
     async def _malformed(self, peer: str, reason: str) -> None:
         log.warning("controller: ignored message from %s: %s", peer, reason)
@@ -404,17 +300,17 @@ class Controller:
             MalformedHeartbeat(step=self.group_step, source="controller", peer=peer, reason=reason, message=reason)
         )
 
-    async def _hello(self, message: Message, stream: SocketStream, peer: str) -> _Proc | None:
+    async def _hello(self, message: Message, stream: SocketStream, peer: str) -> WorkerProcess | None:
         if not isinstance(message, Hello):
             await self._malformed(peer, f"first message must be Hello, got {type(message).__name__}; closed")
             return None
-        proc = self.procs.get(message.worker)
+        proc = self.pool.get(message.worker)
         if proc is None or proc.stream is not None or proc.gone:
             await self._malformed(peer, f"unknown worker id {message.worker} (or already connected); closed")
             return None
         proc.stream, proc.hello = stream, message
         if self._stopping:
-            await self._send(proc, Stop(reason="the run is over"))
+            await self.server.send(proc, Stop(reason="the run is over"))
             return proc
         if self._restored:
             await self._warm_spares()
@@ -424,7 +320,7 @@ class Controller:
         self._wake.set()
         return proc
 
-    async def _on_message(self, proc: _Proc, message: Message) -> None:
+    async def _on_message(self, proc: WorkerProcess, message: Message) -> None:
         match message:
             case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds):
                 if proc.gone or self._stopping:
@@ -434,78 +330,51 @@ class Controller:
                 except UnknownWorker:
                     log.warning("controller: heartbeat from worker %d, which is not watched; ignored", worker)
                     return
-                if gen == self.generation and worker in self.members:
+                if gen == self.group.generation and worker in self.members:
                     proc.step, proc.generation = step, gen
                     await self._progress(seconds)
-            case Joined(generation=gen) if gen == self.generation:
+            case Joined(generation=gen) if gen == self.group.generation:
                 proc.joined = message
                 self._wake.set()
-            case Finished(generation=gen) if gen == self.generation:
+            case Finished(generation=gen) if gen == self.group.generation:
                 proc.finished = message
                 self.result.digests[proc.worker] = message.digest
-                if all(self.procs[w].finished is not None for w in self.members):
+                if all(self.pool[w].finished is not None for w in self.members):
                     self._stopping = True
                     self._finished.set()
                     self._wake.set()
             case _:
                 log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
 
-    async def _send(self, proc: _Proc, message: Message) -> None:
-        if proc.stream is None:
-            return
-        try:
-            await proc.stream.send(encode(message))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            self.monitor.mark_gone(proc.worker, f"send failed: {exc}")
-
     # --- progress and failures -----------------------------------------------------------------------------
 
     async def _progress(self, step_time_s: float | None) -> None:
         if not self._restored or not self.members:
             return
-        step = min(self.procs[w].step for w in self.members)
-        while self.group_step < step:
-            self.group_step += 1
-            self.high_water = max(self.high_water, self.group_step)
+        for step in self.group.progress([self.pool[w].step for w in self.members]):
+            shape = self._mesh_shape()
             await self.bus.publish(
                 StepCompleted(
-                    step=self.group_step,
-                    source="controller",
-                    duration_s=step_time_s or 0.0,
-                    mesh_shape={"data": len(self.members), "model": self.config.local_devices},
-                    data_position=self.group_step,
+                    step=step, source="controller", duration_s=step_time_s or 0.0, mesh_shape=shape, data_position=step
                 )
             )
-            recovery = self._recovery
-            # A step the old group commits while the failure waits for a re-form (its members had all reported
-            # it) advances the group, but only a step past the new group's restore point ends the recovery.
-            if recovery is not None and recovery.restore_step is not None and self.group_step > recovery.restore_step:
-                self._recovery = None
-                seconds = time.monotonic() - recovery.started
-                record = {
-                    "cause": recovery.cause,
-                    "strategy": recovery.strategy,
-                    "recovery_s": seconds,
-                    "lost_steps": recovery.lost_steps,
-                    "restored_from": recovery.restored_from,
-                    "failed_step": recovery.failed_step,
-                }
-                self.result.recoveries.append(record)
-                await self.bus.publish(
-                    RecoveryCompleted(
-                        step=self.group_step,
-                        source="controller",
-                        cause=recovery.cause,
-                        failed_step=recovery.failed_step,
-                        recovery_s=seconds,
-                        lost_steps=recovery.lost_steps,
-                        restored_from=recovery.restored_from,
-                        mesh_shape={"data": len(self.members), "model": self.config.local_devices},
-                    )
+            recovery = self.recovery.current
+            completed = self.recovery.committed(step, shape)
+            if recovery is not None and completed is not None:
+                self.result.recoveries.append(
+                    {
+                        "cause": recovery.cause,
+                        "strategy": recovery.strategy,
+                        "recovery_s": completed.recovery_s,
+                        "lost_steps": recovery.lost_steps,
+                        "restored_from": recovery.restored_from,
+                        "failed_step": recovery.failed_step,
+                    }
                 )
-            await self._inject(self.group_step)
+                await self.bus.publish(completed)
+            self._inject(step)
 
-    async def _inject(self, step: int) -> None:
+    def _inject(self, step: int) -> None:
         while self._kills and self._kills[0].step <= step:
             kill = self._kills.pop(0)
             if kill.process_id < len(self.members):
@@ -514,9 +383,9 @@ class Controller:
                 self.kill(worker, kill.signal, f"fault injection at step {step}")
 
     async def _on_verdict(self, verdict: Verdict) -> None:
-        proc = self.procs.get(verdict.worker)
+        proc = self.pool.get(verdict.worker)
         event = verdict_event(verdict, step=self.group_step)
-        if isinstance(verdict, Lost) and proc is not None and proc.popen.poll() is None and _stopped(proc.popen.pid):
+        if isinstance(verdict, Lost) and proc is not None and proc.popen.poll() is None and is_stopped(proc.popen.pid):
             event = WorkerHung(
                 step=self.group_step,
                 source="heartbeat",
@@ -530,11 +399,12 @@ class Controller:
         await self.bus.publish(event)
 
     def request_regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
+        """Replace ``lost`` workers and re-form the group; each lost member counts against the budget."""
         if self._stopping:
             return
         for worker in lost:
             self.monitor.forget(worker)
-            proc = self.procs.get(worker)
+            proc = self.pool.get(worker)
             if proc is not None:
                 proc.gone = True
             if worker not in self.members:
@@ -542,245 +412,9 @@ class Controller:
                 self._top_up_spares()
                 continue
             self._requests.add(worker)
-        if self._recovery is None and self._requests:
-            self._failures += 1
-            self._recovery = _Recovery(
-                cause=reason, started=time.monotonic(), failed_step=self.group_step + 1, lost=set(lost)
-            )
             self._publish_nowait(
-                RecoveryStarted(
-                    step=self.group_step + 1, source="controller", cause=reason, last_committed_step=self.group_step
-                )
+                self.recovery.fail(reason, failed_step=self.group_step + 1, last_committed_step=self.group_step)
             )
         self._request_reason = reason
         self._request_strategy = strategy or self._request_strategy
         self._wake.set()
-
-    async def _warm_spares(self) -> None:
-        """Idle spares compile the step once now, rather than when they are needed."""
-        for proc in self.procs.values():
-            if proc.spare and not proc.gone and proc.hello is not None and not proc.warmed:
-                proc.warmed = True
-                await self._send(proc, Warm())
-
-    def _top_up_spares(self) -> None:
-        alive_spares = [p for p in self.procs.values() if p.spare and not p.gone and p.popen.poll() is None]
-        for _ in range(self.config.spares - len(alive_spares)):
-            self._spawn()
-
-    # --- forming groups ------------------------------------------------------------------------------------
-
-    async def _regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
-        if self._failures > self.config.max_failures:
-            raise LaunchError(f"{self._failures} failures exceed max_failures={self.config.max_failures}")
-        strategy = strategy or self.config.strategy
-        self._request_strategy = None
-        await self._form(reason=reason, strategy=strategy)
-
-    async def _form(self, *, reason: str, strategy: Strategy) -> None:
-        """Form a new generation of the group; on a member lost meanwhile, form again; falls back to restart."""
-        while True:
-            started = time.monotonic()
-            survivors = [w for w in self.members if not self.procs[w].gone and w not in self._requests]
-            if strategy == Strategy.RESTART:
-                for worker in survivors:
-                    self.kill(worker, "KILL", "restart strategy: every worker is replaced")
-                    self.procs[worker].gone = True
-                    self.monitor.forget(worker)
-                self.result.survivor_restarts += len(survivors)
-                survivors = []
-            elif strategy == Strategy.REFORM and not survivors:
-                strategy = Strategy.RESTART  # nobody left to re-form with: the state must come from the replica files
-            recruits = await self._recruit(
-                survivors, self.config.start_timeout_s if strategy == Strategy.START else self.config.spawn_timeout_s
-            )
-            members = self._seat(survivors, recruits)
-            self._requests.clear()
-            self.generation += 1
-            self._restored = False
-            self.members = members
-            for worker in members:
-                proc = self.procs[worker]
-                proc.spare, proc.joined, proc.finished = False, None, None
-                self.monitor.expect_progress(worker, False)
-            # Growing is planned: every member re-forms after committing the same step, so no collective is
-            # cut off; after a failure the group re-forms now (in-flight steps are abandoned).
-            at_step = max(self.procs[w].step for w in survivors) + 3 if strategy == Strategy.GROW and survivors else -1
-            port, service = self._new_service(len(members))
-            self._services.append(service)
-            coordinator = f"127.0.0.1:{port}"
-            for process_id, worker in enumerate(members):
-                form = Form(
-                    generation=self.generation,
-                    coordinator=coordinator,
-                    process_id=process_id,
-                    num_processes=len(members),
-                    read_files=strategy != Strategy.REFORM,
-                    faults=self.config.worker_faults.get(process_id, "") if strategy == Strategy.START else "",
-                    at_step=at_step,
-                )
-                await self._send(self.procs[worker], form)
-            if self._kill_during_recovery is not None and strategy != Strategy.START:
-                target = members[min(self._kill_during_recovery, len(members) - 1)]
-                self._kill_during_recovery = None
-                self._kill_times[target] = time.monotonic()
-                self.kill(target, "KILL", "fault injection during recovery")
-            outcome = await self._await_joins(members)
-            if outcome == "joined":
-                break
-            # A member died or stalled while the group formed. Members blocked in initialize() wait for it
-            # until JAX's initialization timeout, so they are replaced too: fall back to restarting.
-            log.warning("generation %d did not form (%s); restarting its workers", self.generation, outcome)
-            strategy = Strategy.RESTART
-            if self._recovery is None:
-                self._recovery = _Recovery(cause=outcome, started=started, failed_step=self.group_step + 1, lost=set())
-        await self._restore(members, strategy, coordinator, started)
-        # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
-        self._top_up_spares()
-
-    def _seat(self, survivors: list[int], recruits: list[int]) -> list[int]:
-        """The new group in process-id order: survivors keep their process ids, recruits take the free ones.
-
-        Stable ids mean the same device layout as before on every survivor, so each loads its step from the
-        persistent compilation cache instead of compiling it again, and the numerics do not change.
-        """
-        seats: list[int | None] = [w if w in survivors else None for w in self.members]
-        seats.extend([None] * max(0, self.config.nprocs - len(seats)))
-        queue = list(recruits)
-        for i, worker in enumerate(seats):
-            if worker is None and queue:
-                seats[i] = queue.pop(0)
-        return [w for w in seats if w is not None] + queue
-
-    def _new_service(self, num_processes: int, attempts: int = 5) -> tuple[int, Any]:
-        """A coordination service on a free port; another port if the chosen one was taken meanwhile."""
-        for attempt in range(attempts):
-            port = free_port()
-            try:
-                return port, start_coordination_service(port, num_processes)
-            except Exception as exc:  # port taken between free_port() and the bind (shared machine)
-                log.warning("coordination service on port %d failed (attempt %d): %s", port, attempt + 1, exc)
-        raise LaunchError(f"could not start a coordination service in {attempts} attempts")
-
-    async def _recruit(self, survivors: list[int], timeout_s: float) -> list[int]:
-        """Enough spares (started now if needed) to fill the group around ``survivors``; waits for their Hello."""
-        need = self.config.nprocs - len(survivors)
-        chosen: list[int] = []
-        deadline = time.monotonic() + timeout_s
-        while len(chosen) < need:
-            ready = [
-                p.worker
-                for p in self.procs.values()
-                if p.spare and not p.gone and p.hello is not None and p.worker not in chosen
-            ]
-            chosen.extend(ready[: need - len(chosen)])
-            if len(chosen) >= need:
-                break
-            starting = [p for p in self.procs.values() if p.spare and not p.gone and p.hello is None]
-            if len(starting) + len(chosen) < need:
-                self._spawn()
-                continue
-            if time.monotonic() > deadline:
-                assert self.config.min_nprocs is not None
-                if len(survivors) + len(chosen) >= self.config.min_nprocs:
-                    break  # go on smaller; the next re-forming grows the group back
-                raise LaunchError(f"only {len(survivors) + len(chosen)} workers ready after {timeout_s} s")
-            with anyio.move_on_after(0.1):
-                await self._wake.wait()
-            self._wake = anyio.Event()
-        return chosen
-
-    async def _await_joins(self, members: list[int]) -> str:
-        deadline = time.monotonic() + self.config.form_timeout_s
-        while True:
-            procs = [self.procs[w] for w in members]
-            if any(p.gone for p in procs):
-                return "member lost while forming"
-            if all(p.joined is not None for p in procs):
-                return "joined"
-            if time.monotonic() > deadline:
-                return f"not joined within {self.config.form_timeout_s} s"
-            await anyio.sleep(0.01)
-
-    async def _restore(self, members: list[int], strategy: Strategy, coordinator: str, started: float) -> None:
-        joined = [self.procs[w].joined for w in members]
-        assert all(j is not None for j in joined)
-        best = max(range(len(members)), key=lambda i: (joined[i].best_step, -i))  # type: ignore[union-attr]
-        source = joined[best]
-        assert source is not None
-        step = source.best_step
-        recovery = self._recovery
-        lost_steps = max(0, self.high_water - step)
-        restored_from = "init" if source.tier == "none" else source.tier
-        if any(j is not None and j.best_step < step for j in joined):
-            restored_from += "+peer"
-        for gap in range(self.group_step + 1, step + 1):
-            # Committed by the member(s) restored from before the old group could report them all: the new
-            # group continues from them, so they count as the group's committed steps.
-            await self.bus.publish(
-                StepCompleted(
-                    step=gap,
-                    source="controller",
-                    duration_s=0.0,
-                    mesh_shape={"data": len(self.members), "model": self.config.local_devices},
-                    data_position=gap,
-                )
-            )
-        self.high_water = max(self.high_water, step)
-        self.group_step = step
-        for worker in members:
-            self.procs[worker].step = step
-        for worker in members:
-            await self._send(
-                self.procs[worker],
-                Restore(
-                    generation=self.generation,
-                    step=step,
-                    source=best if step > 0 else -1,
-                    target_steps=self.target_steps,
-                ),
-            )
-        self._restored = True
-        for worker in members:
-            self.monitor.expect_progress(worker, True)
-        await self._warm_spares()
-        self.result.world_size_history.append(len(members))
-        self.result.strategies.append(strategy)
-        seconds = time.monotonic() - started
-        await self.bus.publish(
-            GroupFormed(
-                step=step,
-                source="controller",
-                generation=self.generation,
-                members=tuple(members),
-                coordinator=coordinator,
-                strategy=strategy,
-                seconds=seconds,
-                restore_step=step,
-                restore_source=best,
-            )
-        )
-        if strategy == Strategy.START:
-            await self.bus.publish(
-                RunStarted(
-                    step=step,
-                    source="controller",
-                    target_steps=self.target_steps,
-                    mesh_shape={"data": len(members), "model": self.config.local_devices},
-                    devices=tuple(range(len(members) * self.config.local_devices)),
-                )
-            )
-        if recovery is not None:
-            recovery.strategy, recovery.restore_step = strategy, step
-            recovery.restored_from, recovery.lost_steps = restored_from, lost_steps
-            await self.bus.publish(
-                StateRestored(
-                    step=step,
-                    source="controller",
-                    restored_from=restored_from,
-                    lost_steps=lost_steps,
-                    seconds=time.monotonic() - recovery.started,
-                )
-            )
-        if self.target_steps >= 0 and step >= self.target_steps:
-            self._wake.set()

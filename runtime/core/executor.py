@@ -36,9 +36,7 @@ from runtime.core.events import (
     CheckpointFailed,
     Event,
     MeshChanged,
-    RecoveryCompleted,
     RecoveryFailed,
-    RecoveryStarted,
     RunStarted,
     StateRestored,
     StepCompleted,
@@ -47,6 +45,7 @@ from runtime.core.events import (
 from runtime.core.health import DeviceHealth
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
+from runtime.core.recovery import RecoveryTracker
 from runtime.core.snapshot import HostSnapshot, RamTier
 
 log = logging.getLogger(__name__)
@@ -134,17 +133,6 @@ def _drain(flight: _InFlight | None) -> None:
 
 
 @dataclass
-class _Recovery:
-    cause: str
-    failed_step: int
-    started: float  # monotonic time the failing step's exception was caught
-    deadline: float
-    restored_from: str = ""
-    lost_steps: int = 0
-    resumed: bool = False
-
-
-@dataclass
 class RunResult:
     """What a finished run leaves: the final state on the host, and where its record is."""
 
@@ -207,9 +195,10 @@ class StepExecutor:
         self.high_water = 0  # the newest step ever committed, before any rollback
         self.loss: float | None = None
         self.paused = False
-        self.recoveries = 0
         self.mesh_history: list[dict[str, int]] = []
-        self._recovery: _Recovery | None = None
+        self.recovery = RecoveryTracker("executor", config.max_recoveries)
+        self._recovery_deadline = math.inf  # when the handlers must have resumed the current recovery
+        self._resumed = False  # a handler resumed the current recovery
         self._initial: PyTree | None = None
         self.compiler: StepCompiler | None = None
 
@@ -226,7 +215,7 @@ class StepExecutor:
 
     @property
     def recovering(self) -> bool:
-        return self._recovery is not None
+        return self.recovery.current is not None
 
     # --- the run ---------------------------------------------------------------------------------------
 
@@ -251,7 +240,7 @@ class StepExecutor:
             data_position=self.data_position,
             loss=self.loss,
             mesh_history=self.mesh_history,
-            recoveries=self.recoveries,
+            recoveries=self.recovery.failures,
         )
 
     async def _start(self, steps: int) -> None:
@@ -296,8 +285,7 @@ class StepExecutor:
             await self._run_steps(self._carried[0].step)  # a command applies to a committed step
         self._attention.clear()  # before draining: a command sent after this stops the next batch of steps
         while True:
-            recovery = self._recovery
-            blocked = self.paused or (recovery is not None and not recovery.resumed)
+            blocked = self.paused or (self.recovering and not self._resumed)
             if not blocked:
                 try:
                     command = self._inbox.receive_nowait()
@@ -305,7 +293,7 @@ class StepExecutor:
                     return
                 await self._apply(command)
                 continue
-            wait = math.inf if recovery is None else recovery.deadline - time.monotonic()
+            wait = self._recovery_deadline - time.monotonic() if self.recovering else math.inf
             received: Command | None = None
             with anyio.move_on_after(max(wait, 0)):
                 received = await self._inbox.receive()
@@ -325,8 +313,7 @@ class StepExecutor:
                 if self.state is None:
                     await self._fail_recovery(f"resume ({reason}) requested but no state was restored")
                 self.paused = False
-                if self._recovery is not None:
-                    self._recovery.resumed = True
+                self._resumed = True
             case Remesh(mesh, reason):
                 await self._remesh(mesh, reason)
             case Restore(source):
@@ -337,7 +324,7 @@ class StepExecutor:
     async def _remesh(self, mesh: Mesh, reason: str) -> None:
         old = self.mesh
         assert old is not None
-        needs_restore = self._recovery is not None or self.state is None
+        needs_restore = self.recovering or self.state is None
         started = time.monotonic()
         if needs_restore:
             self.state = None  # it lived on the old mesh, part of which is gone
@@ -382,8 +369,7 @@ class StepExecutor:
         lost = self.high_water - step
         self.step, self.data_position = step, position
         self.cadence.restarted(step)
-        if self._recovery is not None:
-            self._recovery.restored_from, self._recovery.lost_steps = origin, lost
+        self.recovery.restored(step, restored_from=origin, lost_steps=lost)
         await self.bus.publish(
             StateRestored(
                 step=step,
@@ -498,21 +484,9 @@ class StepExecutor:
                 snapshot_wait_s=done.snapshot_wait_s,
             )
         )
-        recovery = self._recovery
-        if recovery is not None:
-            self._recovery = None
-            self._from_threads.append(
-                RecoveryCompleted(
-                    step=step,
-                    source="executor",
-                    cause=recovery.cause,
-                    failed_step=recovery.failed_step,
-                    recovery_s=time.monotonic() - recovery.started,
-                    lost_steps=recovery.lost_steps,
-                    restored_from=recovery.restored_from,
-                    mesh_shape=shape,
-                )
-            )
+        completed = self.recovery.committed(step, shape)
+        if completed is not None:
+            self._from_threads.append(completed)
         self.state, self.loss, self.data_position = done.state, done.loss, position
         self.high_water = max(self.high_water, step)
         self.step = step  # last: the step counts as committed once everything above is in place
@@ -629,21 +603,16 @@ class StepExecutor:
                 f"(last committed step {self.step} is intact)",
                 step=step,
             ) from exc
-        self.recoveries += 1
-        if self._recovery is not None:
-            failed_at = self._recovery.started  # a failure during recovery extends the same recovery
-        self._recovery = _Recovery(
-            cause=type(event).__name__,
-            failed_step=step,
-            started=failed_at,
-            deadline=time.monotonic() + self.config.recovery_timeout_s,
+        started = self.recovery.fail(
+            type(event).__name__, failed_step=step, last_committed_step=self.step, at=failed_at
         )
-        if self.recoveries > self.config.max_recoveries:
-            await self._fail_recovery(f"{self.recoveries} failures exceed max_recoveries={self.config.max_recoveries}")
+        self._recovery_deadline = time.monotonic() + self.config.recovery_timeout_s
+        self._resumed = False
+        if self.recovery.over_budget:
+            failures = self.recovery.failures
+            await self._fail_recovery(f"{failures} failures exceed max_recoveries={self.config.max_recoveries}")
         log.warning("step %d failed: %s: %s; waiting for recovery", step, event.error_type, event.message)
-        await self.bus.publish(
-            RecoveryStarted(step=step, source="executor", cause=type(event).__name__, last_committed_step=self.step)
-        )
+        await self.bus.publish(started)
 
     async def _fail_recovery(self, reason: str) -> NoReturn:
         await self.bus.publish(RecoveryFailed(step=self.step, source="executor", reason=reason, message=reason))

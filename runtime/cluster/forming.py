@@ -1,0 +1,253 @@
+"""Forming a generation of the group: recruit spares, seat the members, hand out a coordination service,
+wait for every member to join, then tell them which step to restore and from whom.
+
+A part of :class:`~runtime.cluster.controller.Controller`, kept in its own module: the controller supervises
+and reacts to workers, this forms groups. The decisions (seats, the restore plan, the failure budget) are
+made by the synchronous :class:`~runtime.cluster.membership.Membership` and
+:class:`~runtime.core.recovery.RecoveryTracker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import anyio
+
+from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
+from runtime.cluster.coordination import free_port, start_coordination_service
+from runtime.cluster.events import GroupFormed
+from runtime.cluster.heartbeat import HeartbeatMonitor
+from runtime.cluster.membership import JoinReport, Membership
+from runtime.cluster.processes import ProcessPool, WorkerProcess
+from runtime.cluster.protocol import Form, Restore
+from runtime.cluster.server import WorkerServer
+from runtime.core.bus import EventBus
+from runtime.core.events import Event, RunStarted, StateRestored, StepCompleted
+from runtime.core.recovery import RecoveryTracker
+
+__all__ = ["GroupForming"]
+
+log = logging.getLogger(__name__)
+
+
+class GroupForming:
+    """The group-forming half of the controller (a mixin: the controller provides these attributes)."""
+
+    config: LaunchConfig
+    bus: EventBus
+    monitor: HeartbeatMonitor
+    pool: ProcessPool
+    group: Membership
+    recovery: RecoveryTracker
+    server: WorkerServer
+    result: LaunchResult
+    target_steps: int
+    _restored: bool
+    _requests: set[int]
+    _request_strategy: Strategy | None
+    _wake: anyio.Event
+    _kill_during_recovery: int | None
+    _kill_times: dict[int, float]
+    _services: list[Any]
+
+    # Provided by the controller.
+    def kill(self, worker: int, sig: str, reason: str) -> None:
+        raise NotImplementedError
+
+    def _spawn(self) -> WorkerProcess:
+        raise NotImplementedError
+
+    def _publish_nowait(self, event: Event) -> None:
+        raise NotImplementedError
+
+    def _top_up_spares(self) -> None:
+        raise NotImplementedError
+
+    async def _warm_spares(self) -> None:
+        raise NotImplementedError
+
+    def _mesh_shape(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    async def _regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
+        if self.recovery.over_budget:
+            raise LaunchError(f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures}")
+        strategy = strategy or self.config.strategy
+        self._request_strategy = None
+        await self._form(reason=reason, strategy=strategy)
+
+    async def _form(self, *, reason: str, strategy: Strategy) -> None:
+        """Form a new generation of the group; on a member lost meanwhile, form again; falls back to restart."""
+        while True:
+            started = time.monotonic()
+            survivors = [w for w in self.group.members if not self.pool[w].gone and w not in self._requests]
+            if strategy == Strategy.RESTART:
+                for worker in survivors:
+                    self.kill(worker, "KILL", "restart strategy: every worker is replaced")
+                    self.pool[worker].gone = True
+                    self.monitor.forget(worker)
+                self.result.survivor_restarts += len(survivors)
+                survivors = []
+            elif strategy == Strategy.REFORM and not survivors:
+                strategy = Strategy.RESTART  # nobody left to re-form with: the state must come from the replica files
+            timeout = self.config.start_timeout_s if strategy == Strategy.START else self.config.spawn_timeout_s
+            recruits = await self._recruit(survivors, timeout)
+            members = self.group.seat(survivors, recruits)
+            self._requests.clear()
+            generation = self.group.new_generation(members)
+            self._restored = False
+            for worker in members:
+                proc = self.pool[worker]
+                proc.spare, proc.joined, proc.finished = False, None, None
+                self.monitor.expect_progress(worker, False)
+            # Growing is planned: every member re-forms after committing the same step, so no collective is
+            # cut off; after a failure the group re-forms now (in-flight steps are abandoned).
+            at_step = max(self.pool[w].step for w in survivors) + 3 if strategy == Strategy.GROW and survivors else -1
+            port, service = self._new_service(len(members))
+            self._services.append(service)
+            coordinator = f"127.0.0.1:{port}"
+            for process_id, worker in enumerate(members):
+                form = Form(
+                    generation=generation,
+                    coordinator=coordinator,
+                    process_id=process_id,
+                    num_processes=len(members),
+                    read_files=strategy != Strategy.REFORM,
+                    faults=self.config.worker_faults.get(process_id, "") if strategy == Strategy.START else "",
+                    at_step=at_step,
+                )
+                await self.server.send(self.pool[worker], form)
+            if self._kill_during_recovery is not None and strategy != Strategy.START:
+                target = members[min(self._kill_during_recovery, len(members) - 1)]
+                self._kill_during_recovery = None
+                self._kill_times[target] = time.monotonic()
+                self.kill(target, "KILL", "fault injection during recovery")
+            outcome = await self._await_joins(members)
+            if outcome == "joined":
+                break
+            # A member died or stalled while the group formed. Members blocked in initialize() wait for it
+            # until JAX's initialization timeout, so they are replaced too: fall back to restarting.
+            log.warning("generation %d did not form (%s); restarting its workers", generation, outcome)
+            strategy = Strategy.RESTART
+            if self.recovery.current is None:
+                step = self.group.step
+                self._publish_nowait(self.recovery.fail(outcome, failed_step=step + 1, last_committed_step=step))
+        await self._restore(members, strategy, coordinator, started)
+        # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
+        self._top_up_spares()
+
+    def _new_service(self, num_processes: int, attempts: int = 5) -> tuple[int, Any]:
+        """A coordination service on a free port; another port if the chosen one was taken meanwhile."""
+        for attempt in range(attempts):
+            port = free_port()
+            try:
+                return port, start_coordination_service(port, num_processes)
+            except Exception as exc:  # port taken between free_port() and the bind (shared machine)
+                log.warning("coordination service on port %d failed (attempt %d): %s", port, attempt + 1, exc)
+        raise LaunchError(f"could not start a coordination service in {attempts} attempts")
+
+    async def _recruit(self, survivors: list[int], timeout_s: float) -> list[int]:
+        """Enough spares (started now if needed) to fill the group around ``survivors``; waits for their Hello."""
+        need = self.config.nprocs - len(survivors)
+        chosen: list[int] = []
+        deadline = time.monotonic() + timeout_s
+        while len(chosen) < need:
+            ready = [p.worker for p in self.pool if p.ready_spare and p.worker not in chosen]
+            chosen.extend(ready[: need - len(chosen)])
+            if len(chosen) >= need:
+                break
+            starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
+            if len(starting) + len(chosen) < need:
+                self._spawn()
+                continue
+            if time.monotonic() > deadline:
+                assert self.config.min_nprocs is not None
+                if len(survivors) + len(chosen) >= self.config.min_nprocs:
+                    break  # go on smaller; the next re-forming grows the group back
+                raise LaunchError(f"only {len(survivors) + len(chosen)} workers ready after {timeout_s} s")
+            with anyio.move_on_after(0.1):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+        return chosen
+
+    async def _await_joins(self, members: list[int]) -> str:
+        deadline = time.monotonic() + self.config.form_timeout_s
+        while True:
+            procs = [self.pool[w] for w in members]
+            if any(p.gone for p in procs):
+                return "member lost while forming"
+            if all(p.joined is not None for p in procs):
+                return "joined"
+            if time.monotonic() > deadline:
+                return f"not joined within {self.config.form_timeout_s} s"
+            await anyio.sleep(0.01)
+
+    async def _restore(self, members: list[int], strategy: Strategy, coordinator: str, started: float) -> None:
+        reports = []
+        for worker in members:
+            joined = self.pool[worker].joined
+            assert joined is not None
+            reports.append(JoinReport(joined.best_step, joined.tier))
+        plan = self.group.plan_restore(reports)
+        for gap in self.group.restore(plan.step):
+            # Committed by the member(s) restored from before the old group could report them all: the new
+            # group continues from them, so they count as the group's committed steps.
+            await self.bus.publish(
+                StepCompleted(
+                    step=gap, source="controller", duration_s=0.0, mesh_shape=self._mesh_shape(), data_position=gap
+                )
+            )
+        for worker in members:
+            self.pool[worker].step = plan.step
+        for worker in members:
+            restore = Restore(
+                generation=self.group.generation, step=plan.step, source=plan.source, target_steps=self.target_steps
+            )
+            await self.server.send(self.pool[worker], restore)
+        self._restored = True
+        for worker in members:
+            self.monitor.expect_progress(worker, True)
+        await self._warm_spares()
+        self.result.world_size_history.append(len(members))
+        self.result.strategies.append(strategy)
+        await self.bus.publish(
+            GroupFormed(
+                step=plan.step,
+                source="controller",
+                generation=self.group.generation,
+                members=tuple(members),
+                coordinator=coordinator,
+                strategy=strategy,
+                seconds=time.monotonic() - started,
+                restore_step=plan.step,
+                restore_source=max(plan.source, 0),
+            )
+        )
+        if strategy == Strategy.START:
+            await self.bus.publish(
+                RunStarted(
+                    step=plan.step,
+                    source="controller",
+                    target_steps=self.target_steps,
+                    mesh_shape=self._mesh_shape(),
+                    devices=tuple(range(len(members) * self.config.local_devices)),
+                )
+            )
+        recovery = self.recovery.current
+        if recovery is not None:
+            self.recovery.restored(
+                plan.step, restored_from=plan.restored_from, lost_steps=plan.lost_steps, strategy=strategy
+            )
+            await self.bus.publish(
+                StateRestored(
+                    step=plan.step,
+                    source="controller",
+                    restored_from=plan.restored_from,
+                    lost_steps=plan.lost_steps,
+                    seconds=time.monotonic() - recovery.started,
+                )
+            )
+        if self.target_steps >= 0 and plan.step >= self.target_steps:
+            self._wake.set()

@@ -1,0 +1,149 @@
+"""The worker processes the controller starts, signals and reaps, and what it knows of each."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from anyio.abc import SocketStream
+
+from runtime.cluster.config import LaunchConfig
+from runtime.cluster.protocol import (
+    ENV_COMPILE_CACHE,
+    ENV_CONTROLLER,
+    ENV_HEARTBEAT_S,
+    ENV_LOCAL_DEVICES,
+    ENV_REPLICA_DIR,
+    ENV_RESULT,
+    ENV_WORKER,
+    Finished,
+    Hello,
+    Joined,
+)
+
+__all__ = ["ProcessPool", "WorkerProcess", "is_stopped"]
+
+
+@dataclass
+class WorkerProcess:
+    """One worker process and its connection: a spare until it is seated in a group."""
+
+    worker: int
+    popen: subprocess.Popen[bytes]
+    spare: bool = True
+    stream: SocketStream | None = None
+    hello: Hello | None = None
+    joined: Joined | None = None
+    finished: Finished | None = None
+    step: int = 0
+    generation: int = 0
+    gone: bool = False
+    warmed: bool = False  # was sent Warm
+
+    @property
+    def ready_spare(self) -> bool:
+        """A spare that said hello and can be seated at once."""
+        return self.spare and not self.gone and self.hello is not None
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP): alive, silent, and making no progress."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
+
+class ProcessPool:
+    """Starts worker processes with the worker environment, one log file each, and tracks them by id.
+
+    Args:
+        config: the run's settings (command, devices per worker, heartbeat interval, extra environment).
+        logs: the folder of the workers' log files.
+        replica_dir: the workers' replica folder.
+    """
+
+    def __init__(self, config: LaunchConfig, logs: Path, replica_dir: str) -> None:
+        self.config = config
+        self.logs = logs
+        self.replica_dir = replica_dir
+        self.controller_address = ""  # host:port, set once the controller listens
+        self.procs: dict[int, WorkerProcess] = {}
+        self._next_worker = 0
+
+    def __getitem__(self, worker: int) -> WorkerProcess:
+        return self.procs[worker]
+
+    def __iter__(self) -> Iterator[WorkerProcess]:
+        return iter(list(self.procs.values()))
+
+    def get(self, worker: int) -> WorkerProcess | None:
+        return self.procs.get(worker)
+
+    def spawn(self) -> WorkerProcess:
+        """Start a new worker process (a spare until seated)."""
+        worker = self._next_worker
+        self._next_worker += 1
+        env = dict(os.environ)
+        env.update(self.config.extra_env)
+        env.update(
+            {
+                ENV_CONTROLLER: self.controller_address,
+                ENV_WORKER: str(worker),
+                ENV_REPLICA_DIR: self.replica_dir,
+                ENV_LOCAL_DEVICES: str(self.config.local_devices),
+                ENV_HEARTBEAT_S: str(self.config.heartbeat_interval_s),
+                ENV_COMPILE_CACHE: str(Path(self.replica_dir) / "xla-cache"),
+            }
+        )
+        if self.config.result_path:
+            env[ENV_RESULT] = self.config.result_path
+        logfile = open(self.logs / f"worker-{worker}.log", "wb")  # noqa: SIM115 - child owns it
+        popen = subprocess.Popen(
+            self.config.command, env=env, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        logfile.close()
+        proc = WorkerProcess(worker=worker, popen=popen)
+        self.procs[worker] = proc
+        return proc
+
+    def signal(self, worker: int, sig: str) -> bool:
+        """Send ``SIG<sig>`` to ``worker``; False when it has already exited."""
+        proc = self.procs.get(worker)
+        if proc is None or proc.popen.poll() is not None:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.popen.pid, getattr(signal, f"SIG{sig}"))
+        return True
+
+    def newly_exited(self) -> list[tuple[WorkerProcess, int]]:
+        """Processes that exited since the last call, with their return codes; each is then marked gone."""
+        exited = []
+        for proc in self:
+            code = proc.popen.poll()
+            if code is not None and not proc.gone:
+                proc.gone = True
+                exited.append((proc, code))
+        return exited
+
+    def spares_missing(self) -> int:
+        """How many spares to start to keep ``config.spares`` alive."""
+        alive = [p for p in self if p.spare and not p.gone and p.popen.poll() is None]
+        return self.config.spares - len(alive)
+
+    def running(self) -> bool:
+        return any(p.popen.poll() is None for p in self)
+
+    def kill_all(self) -> None:
+        """SIGKILL every process still running and wait for it. SIGTERM alone does not stop a JAX process
+        once jax.distributed is up (its preemption notifier takes the signal)."""
+        for proc in self:
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+                proc.popen.wait()

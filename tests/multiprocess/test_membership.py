@@ -1,0 +1,36 @@
+"""Group membership as a state machine, without processes or sockets."""
+
+from runtime.cluster.membership import JoinReport, Membership
+
+
+def test_survivors_keep_their_process_ids_and_recruits_take_the_free_ones() -> None:
+    group = Membership(size=4)
+    group.new_generation(group.seat([], [10, 11, 12, 13]))
+    assert group.members == [10, 11, 12, 13] and group.generation == 1
+    assert group.seat([10, 12, 13], [20]) == [10, 20, 12, 13]
+    assert group.seat([11], [20, 21]) == [20, 11, 21]  # smaller than full: the rest go on at the end
+    assert group.seat([10, 11, 12, 13], [20]) == [10, 11, 12, 13, 20]
+
+
+def test_the_group_commits_a_step_once_every_member_has() -> None:
+    group = Membership(size=3)
+    assert group.progress([3, 2, 5]) == [1, 2]
+    assert group.progress([3, 3, 5]) == [3]
+    assert group.progress([3, 3, 5]) == []
+    assert group.step == 3 and group.high_water == 3
+
+
+def test_the_newest_step_any_member_holds_is_restored_and_the_others_take_it_from_it() -> None:
+    group = Membership(size=3)
+    group.progress([7, 7, 7])
+    plan = group.plan_restore([JoinReport(6, "ram"), JoinReport(7, "ram"), JoinReport(7, "file")])
+    assert (plan.step, plan.source, plan.restored_from, plan.lost_steps) == (7, 1, "ram+peer", 0)
+    plan = group.plan_restore([JoinReport(5, "file"), JoinReport(5, "file")])
+    assert (plan.step, plan.source, plan.restored_from, plan.lost_steps) == (5, 0, "file", 2)
+    assert group.restore(5) == [] and group.step == 5 and group.high_water == 7
+    assert group.restore(8) == [6, 7, 8]  # steps the restored member committed before the old group said so
+
+
+def test_a_group_with_nothing_to_restore_starts_from_the_initial_state() -> None:
+    plan = Membership(size=2).plan_restore([JoinReport(0, "none"), JoinReport(0, "none")])
+    assert (plan.step, plan.source, plan.restored_from) == (0, -1, "init")
