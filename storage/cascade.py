@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ from runtime.core.events import (
 )
 from runtime.core.snapshot import HostSnapshot, RamTier
 from storage.disk import DiskTier
+from storage.lane import Lane
 from storage.tier import CheckpointInfo, CheckpointTier, PyTree
 
 if TYPE_CHECKING:
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SOURCE = "checkpointer"
+
+
+def _step(item: HostSnapshot | CheckpointInfo) -> int:
+    return item.step
 
 
 class TieredCheckpointer:
@@ -96,20 +101,18 @@ class TieredCheckpointer:
         self.save_on_finish = save_on_finish
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._disk_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-disk")
-        self._gcs_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-gcs")
-        self._disk_job: Future[None] | None = None
-        self._shm_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-shm")
-        self._shm_job: Future[CheckpointInfo | None] | None = None
-        self._shm_step = -1
-        self._gcs_job: Future[None] | None = None
-        self._disk_step = -1  # step of the disk save running now
-        self._gcs_step = -1
-        self._disk_next: tuple[HostSnapshot, bool] | None = None  # an explicit request waiting for the disk
-        self._gcs_next: CheckpointInfo | None = None
+        # One lane per tier: a save that comes due while its tier is busy is skipped, a requested one waits.
+        self._shm_lane: Lane[HostSnapshot] = Lane(
+            "ckpt-shm", self._mirror, step_of=_step, on_skip=self._skipped(shm), doing="copy"
+        )
+        self._disk_lane: Lane[tuple[HostSnapshot, bool]] = Lane(
+            "ckpt-disk", self._save_to_disk, step_of=lambda item: item[0].step, on_skip=self._skipped(disk)
+        )
+        self._gcs_lane: Lane[CheckpointInfo] = Lane(
+            "ckpt-gcs", self._upload, step_of=_step, on_skip=self._skipped(gcs), doing="upload"
+        )
         self._uploading: set[int] = set()  # disk steps GCS is reading: retention leaves them alone
         self.newest: dict[str, int] = {}  # tier -> newest step committed by this checkpointer
-        self._last_promoted = -1  # newest snapshot step handed to the disk tier
         self._due_disk = 0  # newest snapshot step that came due for the disk (saved or skipped)
         self._last_uploaded = 0  # newest disk step handed to GCS
         self._ctx: RuntimeContext | None = None
@@ -201,8 +204,8 @@ class TieredCheckpointer:
             final = self.ram.latest(None, self.timeout_s)
         except SnapshotUnavailable:
             return
-        if self._shm_step < final.step:
-            self._submit_shm(final)
+        if self._shm_lane.step < final.step:
+            self._shm_lane.submit(final)
 
     def _commit_final(self) -> None:
         assert self.disk is not None
@@ -214,7 +217,7 @@ class TieredCheckpointer:
             on_disk = self.newest.get(self.disk.name, -1)
             on_gcs = self.newest.get(self.gcs.name, -1) if self.gcs is not None else final.step
         if on_disk < final.step:
-            self._submit_disk(final, forced=True, upload=self.gcs is not None)
+            self._disk_lane.submit((final, self.gcs is not None), forced=True)
         elif on_gcs < final.step:
             info = next((i for i in self.disk.list(timeout=self.timeout_s) if i.step == final.step), None)
             if info is not None:
@@ -240,29 +243,23 @@ class TieredCheckpointer:
         self._events.put(event)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until no save or upload is running or waiting (for tests and shutdown)."""
+        """Block until no save or upload is running or waiting (for tests and shutdown).
+
+        Raises:
+            TimeoutError: one still runs after ``timeout`` seconds.
+        """
         end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                running = (self._shm_job, self._disk_job, self._gcs_job)
-                jobs = [j for j in running if j is not None and not j.done()]
-            if not jobs:
-                return
-            left = None if end is None else max(end - time.monotonic(), 0)
-            if left == 0:
-                raise TimeoutError(f"checkpoint saves still running after {timeout} s")
-            for job in jobs:
-                try:
-                    job.result(timeout=left)
-                except TimeoutError:
-                    raise
-                except Exception:  # reported as CheckpointFailed already
-                    pass
+        # A disk save hands its checkpoint to the GCS lane: wait for the lanes in the order work flows.
+        for lane in (self._shm_lane, self._disk_lane, self._gcs_lane):
+            lane.wait(None if end is None else max(end - time.monotonic(), 0.0))
 
     def close(self) -> None:
-        self._shm_pool.shutdown(wait=True)
-        self._disk_pool.shutdown(wait=True)
-        self._gcs_pool.shutdown(wait=True)
+        for lane in (self._shm_lane, self._disk_lane, self._gcs_lane):
+            lane.close()
+
+    def _skipped(self, tier: CheckpointTier | None) -> Callable[[int, str], None]:
+        name = tier.name if tier is not None else "none"
+        return lambda step, reason: self._emit(CheckpointSkipped(step=step, source=_SOURCE, tier=name, reason=reason))
 
     # --- requests --------------------------------------------------------------------------------------
 
@@ -281,27 +278,20 @@ class TieredCheckpointer:
                 await ctx.publish(CheckpointSkipped(step=ctx.step, source=_SOURCE, tier=name, reason=str(exc)))
             return
         upload = self.gcs is not None and self.gcs.name in wanted
-        self._submit_disk(snapshot, forced=True, upload=upload)
+        self._disk_lane.submit((snapshot, upload), forced=True)
 
     def _on_snapshot(self, snapshot: HostSnapshot) -> None:
         """From the RAM copy thread: hand a due snapshot to the shm and disk threads (never blocks)."""
         if self.shm is not None:
-            self._submit_shm(snapshot)
+            self._shm_lane.submit(snapshot)
         # "Crosses a multiple" rather than "is a multiple": any RAM cadence then still reaches the disk.
         if self.disk is not None and snapshot.step // self.disk_every > self._due_disk // self.disk_every:
             self._due_disk = snapshot.step
-            self._submit_disk(snapshot, forced=False, upload=False)
+            self._disk_lane.submit((snapshot, False))
 
-    def _submit_shm(self, snapshot: HostSnapshot) -> None:
-        shm = self.shm
-        assert shm is not None
-        with self._lock:
-            if self._shm_job is not None and not self._shm_job.done():
-                reason = f"the copy of step {self._shm_step} is still running"
-                self._emit(CheckpointSkipped(step=snapshot.step, source=_SOURCE, tier=shm.name, reason=reason))
-                return
-            self._shm_step = snapshot.step
-            self._shm_job = self._shm_pool.submit(self._save, shm, snapshot)
+    def _mirror(self, snapshot: HostSnapshot) -> None:
+        assert self.shm is not None
+        self._save(self.shm, snapshot)
 
     def _save(self, tier: DiskTier, snapshot: HostSnapshot) -> CheckpointInfo | None:
         """Write ``snapshot`` to a local tier with its events and retention; None when it failed."""
@@ -339,42 +329,8 @@ class TieredCheckpointer:
         self._retain(tier, keep=2 if tier is self.shm else self.keep)
         return info
 
-    def _submit_disk(self, snapshot: HostSnapshot, *, forced: bool, upload: bool) -> None:
-        with self._lock:
-            if self._disk_job is not None and not self._disk_job.done():
-                if forced:
-                    self._disk_next = (snapshot, upload)  # runs as soon as the current save ends
-                else:
-                    self._emit(
-                        CheckpointSkipped(
-                            step=snapshot.step,
-                            source=_SOURCE,
-                            tier=self._disk_name,
-                            reason=f"the save of step {self._disk_step} is still running",
-                        )
-                    )
-                return
-            self._last_promoted = max(self._last_promoted, snapshot.step)
-            self._disk_step = snapshot.step
-            self._disk_job = self._disk_pool.submit(self._disk_loop, snapshot, upload)
-
-    @property
-    def _disk_name(self) -> str:
-        return self.disk.name if self.disk is not None else "disk"
-
-    def _disk_loop(self, snapshot: HostSnapshot, upload: bool) -> None:
-        while True:
-            self._save_to_disk(snapshot, upload)
-            with self._lock:
-                waiting = self._disk_next
-                self._disk_next = None
-                if waiting is None:
-                    return
-                snapshot, upload = waiting
-                self._last_promoted = max(self._last_promoted, snapshot.step)
-                self._disk_step = snapshot.step
-
-    def _save_to_disk(self, snapshot: HostSnapshot, upload: bool) -> None:
+    def _save_to_disk(self, item: tuple[HostSnapshot, bool]) -> None:
+        snapshot, upload = item
         assert self.disk is not None
         info = self._save(self.disk, snapshot)
         if info is None:
@@ -384,45 +340,23 @@ class TieredCheckpointer:
             self._submit_gcs(info, forced=upload)
 
     def _submit_gcs(self, info: CheckpointInfo, *, forced: bool) -> None:
-        gcs = self.gcs
-        assert gcs is not None
         with self._lock:
-            if self._gcs_job is not None and not self._gcs_job.done():
-                if forced:
-                    self._gcs_next = info
-                    self._uploading.add(info.step)
-                else:
-                    self._emit(
-                        CheckpointSkipped(
-                            step=info.step,
-                            source=_SOURCE,
-                            tier=gcs.name,
-                            reason=f"the upload of step {self._gcs_step} is still running",
-                        )
-                    )
-                return
-            self._last_uploaded = max(self._last_uploaded, info.step)
-            self._gcs_step = info.step
-            self._uploading.add(info.step)
-            self._gcs_job = self._gcs_pool.submit(self._gcs_loop, info)
-
-    def _gcs_loop(self, info: CheckpointInfo) -> None:
-        while True:
-            try:
-                self._upload(info)
-            finally:
-                with self._lock:
-                    self._uploading.discard(info.step)
+            self._uploading.add(info.step)  # before the lane can start it: retention must not delete it
+        if self._gcs_lane.submit(info, forced=forced):
             with self._lock:
-                waiting = self._gcs_next
-                self._gcs_next = None
-                if waiting is None:
-                    return
-                info = waiting
                 self._last_uploaded = max(self._last_uploaded, info.step)
-                self._gcs_step = info.step
+        else:
+            with self._lock:
+                self._uploading.discard(info.step)
 
     def _upload(self, info: CheckpointInfo) -> None:
+        try:
+            self._upload_one(info)
+        finally:
+            with self._lock:
+                self._uploading.discard(info.step)
+
+    def _upload_one(self, info: CheckpointInfo) -> None:
         gcs = self.gcs
         assert gcs is not None
         self._emit(CheckpointStarted(step=info.step, source=_SOURCE, tier=gcs.name))
@@ -520,9 +454,10 @@ class TieredCheckpointer:
     def status(self) -> dict[str, Any]:
         """Newest committed step per tier and what is running now, for logs and tests."""
         with self._lock:
-            return {
-                "newest": dict(self.newest),
-                "shm_running": self._shm_job is not None and not self._shm_job.done(),
-                "disk_running": self._disk_job is not None and not self._disk_job.done(),
-                "gcs_running": self._gcs_job is not None and not self._gcs_job.done(),
-            }
+            newest = dict(self.newest)
+        return {
+            "newest": newest,
+            "shm_running": self._shm_lane.busy(),
+            "disk_running": self._disk_lane.busy(),
+            "gcs_running": self._gcs_lane.busy(),
+        }
