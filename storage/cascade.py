@@ -39,6 +39,7 @@ from runtime.core.events import (
     Event,
     SaveCheckpoint,
 )
+from runtime.core.restore import restore_newest
 from runtime.core.snapshot import HostSnapshot, RamTier
 from storage.disk import DiskTier
 from storage.lane import Lane
@@ -419,37 +420,14 @@ class TieredCheckpointer:
     def restore_latest(self, like: PyTree = None, *, timeout: float = 300.0) -> tuple[str, HostSnapshot]:
         """The newest step that verifies in any durable tier, read from the fastest tier that holds it.
 
-        A checkpoint that fails verification is reported (``CheckpointCorrupt``) and the next candidate is
-        tried: the same step in a slower tier, then older steps.
-
         Returns:
             The tier it came from and the snapshot.
 
         Raises:
             SnapshotUnavailable: no tier holds a checkpoint that verifies.
         """
-        holders: dict[int, list[CheckpointTier]] = {}
-        for tier in self.restore_tiers:
-            try:
-                infos = tier.list(timeout=timeout)
-            except Exception as exc:
-                log.warning("cannot list %s: %s", tier.name, exc)
-                continue
-            for info in infos:
-                holders.setdefault(info.step, []).append(tier)
-        problems = []
-        for step in sorted(holders, reverse=True):
-            for tier in holders[step]:
-                try:
-                    return tier.name, tier.restore(step, like, timeout=timeout)
-                except CheckpointInvalid as exc:
-                    self._on_corrupt(tier.name, exc)
-                    problems.append(f"{tier.name} step {step}: {exc}")
-                except Exception as exc:
-                    problems.append(f"{tier.name} step {step}: {exc}")
-        raise SnapshotUnavailable(
-            "no durable tier holds a checkpoint that verifies: " + ("; ".join(problems) or "none committed")
-        )
+        tier, snapshot = restore_newest(self.restore_tiers, like, timeout=timeout)
+        return tier.name, snapshot
 
     def status(self) -> dict[str, Any]:
         """Newest committed step per tier and what is running now, for logs and tests."""

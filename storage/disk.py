@@ -416,6 +416,9 @@ class DiskTier:
 
     # --- reading -------------------------------------------------------------------------------------
 
+    def steps(self, *, timeout: float) -> list[int]:
+        return [info.step for info in self.list(timeout=timeout)]
+
     def list(self, *, timeout: float) -> list[CheckpointInfo]:
         """Committed checkpoints, newest first. A manifest that does not parse is listed with ``nbytes=-1``."""
         if not self.root.is_dir():

@@ -398,6 +398,9 @@ class GcsTier:
     def manifest(self, step: int, *, timeout: float = 60.0) -> Manifest:
         return self._read_manifest(step, time.monotonic() + timeout)
 
+    def steps(self, *, timeout: float) -> list[int]:
+        return [info.step for info in self.list(timeout=timeout)]
+
     def list(self, *, timeout: float) -> list[CheckpointInfo]:
         """Committed steps (those with a manifest object), newest first."""
         deadline = time.monotonic() + timeout

@@ -1,25 +1,23 @@
 """The interface every durable checkpoint tier implements, and what they share.
 
 A tier stores committed checkpoints of host snapshots and gives them back verified. Every call takes an
-explicit timeout: the caller owns the deadline. A tier's ``latest`` makes it an executor restore source; when
-the newest checkpoint fails verification it reports it to ``corruption_listeners`` and falls back to the next.
+explicit timeout: the caller owns the deadline. A tier is a restore source (``runtime.core.restore``): a
+checkpoint that fails verification is reported to ``corruption_listeners`` and the next one is tried.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from runtime.core.errors import CheckpointInvalid
+from runtime.core.restore import CorruptionListener, restore_newest
 from runtime.core.snapshot import HostSnapshot
 from storage.manifest import KeyPart, LeafEntry, Manifest, key_of
 
 PyTree = Any
-CorruptionListener = Callable[[str, CheckpointInvalid], None]  # (tier name, what failed verification)
 
 
 @dataclass(frozen=True)
@@ -56,6 +54,10 @@ class CheckpointTier(Protocol):
         """
         ...
 
+    def steps(self, *, timeout: float) -> list[int]:
+        """The steps of :meth:`list` (a restore source: ``runtime.core.restore``). Raises StorageError."""
+        ...
+
     def list(self, *, timeout: float) -> list[CheckpointInfo]:
         """Committed checkpoints (those with a manifest), newest first. Raises StorageError."""
         ...
@@ -70,26 +72,8 @@ class CheckpointTier(Protocol):
 
 
 def latest_verified(tier: CheckpointTier, like: PyTree, timeout: float | None) -> HostSnapshot:
-    """Shared ``latest``: newest first, skipping (and reporting) checkpoints that fail verification."""
-    from runtime.core.errors import SnapshotUnavailable, StorageError
-
-    limit = 300.0 if timeout is None else timeout
-    try:
-        infos = tier.list(timeout=limit)
-    except StorageError as exc:
-        raise SnapshotUnavailable(f"{tier.name}: cannot list checkpoints: {exc}") from exc
-    problems: list[str] = []
-    for info in infos:
-        try:
-            return tier.restore(info.step, like, timeout=limit)
-        except CheckpointInvalid as exc:
-            problems.append(f"step {info.step}: {exc}")
-            for listener in tier.corruption_listeners:
-                listener(tier.name, exc)
-        except (SnapshotUnavailable, StorageError) as exc:
-            problems.append(f"step {info.step}: {exc}")
-    detail = "; ".join(problems) if problems else "no committed checkpoint"
-    raise SnapshotUnavailable(f"{tier.name}: nothing restorable ({detail})")
+    """Shared ``latest``: the newest checkpoint of ``tier`` that verifies (``runtime.core.restore``)."""
+    return restore_newest([tier], like, timeout=300.0 if timeout is None else timeout)[1]
 
 
 def rebuild_tree(manifest: Manifest, arrays: dict[tuple[KeyPart, ...], np.ndarray], like: PyTree) -> PyTree:

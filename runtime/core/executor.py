@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, NoReturn, Protocol
+from typing import Any, NamedTuple, NoReturn
 
 import anyio
 import jax
@@ -46,7 +46,8 @@ from runtime.core.health import DeviceHealth
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
 from runtime.core.recovery import RecoveryTracker
-from runtime.core.snapshot import HostSnapshot, RamTier
+from runtime.core.restore import RestoreSource, restore_newest
+from runtime.core.snapshot import RamTier
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +85,6 @@ class Abort:
 
 
 Command = Pause | Resume | Remesh | Restore | Abort
-
-
-class RestoreSource(Protocol):
-    """A tier a restore can read from: ``latest`` returns its newest verified snapshot."""
-
-    name: str
-
-    def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
-        """The newest verified snapshot with the structure of ``like``. Raises SnapshotUnavailable."""
-        ...
 
 
 def _is_async(fn: Any) -> bool:
@@ -346,7 +337,8 @@ class StepExecutor:
         )
 
     async def _restore(self, source: str) -> None:
-        """Restore from ``source`` (a tier name, or "latest": the first tier, fastest first, that has one)."""
+        """Restore from ``source``: a tier name, or "latest": the newest step any tier holds that verifies,
+        from the fastest tier among those that hold it (``runtime.core.restore``)."""
         assert self.mesh is not None
         started = time.monotonic()
         names = [s.name for s in self.restore_sources]
@@ -354,15 +346,13 @@ class StepExecutor:
             await self._fail_recovery(f"restore source {source!r} is not one of {['latest', *names]}")
         candidates = [s for s in self.restore_sources if source in ("latest", s.name)]
         tree, step, position, origin = self._initial, 0, 0, "init"
-        for candidate in candidates:
-            try:
-                snapshot = await anyio.to_thread.run_sync(candidate.latest, self._initial)
-            except SnapshotUnavailable as exc:
-                log.warning("restore: %s has nothing usable: %s", candidate.name, exc)
-                continue
-            tree, step, position, origin = snapshot.tree, snapshot.step, snapshot.data_position, candidate.name
-            break
-        else:
+        try:
+            found, snapshot = await anyio.to_thread.run_sync(
+                lambda: restore_newest(candidates, self._initial, timeout=self.config.checkpoint_timeout_s)
+            )
+            tree, step, position, origin = snapshot.tree, snapshot.step, snapshot.data_position, found.name
+        except SnapshotUnavailable as exc:
+            log.warning("restore: %s", exc)
             if self.step > 0 and self.config.snapshot_every > 0:
                 await self._fail_recovery(f"no tier of {names} holds a snapshot to restore step {self.step} from")
         self.state = await anyio.to_thread.run_sync(self._place, tree, self.mesh)

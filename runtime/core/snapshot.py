@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from runtime.core.errors import SnapshotUnavailable
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ class RamTier:
     def __init__(self) -> None:
         self.listeners: list[Callable[[HostSnapshot], None]] = []
         self.failure_listeners: list[Callable[[int, BaseException], None]] = []
+        self.corruption_listeners: list[Callable[[str, CheckpointInvalid], None]] = []  # host memory: never
         self._lock = threading.Lock()
         self._committed: HostSnapshot | None = None
         self._copies: dict[Any, Any] = {}  # (tree structure, host shardings) -> the compiled copy
@@ -264,6 +265,20 @@ class RamTier:
             snapshot = self._committed
         if snapshot is None:
             raise SnapshotUnavailable("the RAM tier holds no snapshot yet")
+        return snapshot
+
+    def steps(self, *, timeout: float) -> list[int]:
+        """The step of the snapshot it holds, if any (a restore source: ``runtime.core.restore``)."""
+        try:
+            return [self.latest(timeout=timeout).step]
+        except SnapshotUnavailable:
+            return []
+
+    def restore(self, step: int, like: PyTree = None, *, timeout: float) -> HostSnapshot:
+        """The snapshot of ``step``. Raises SnapshotUnavailable when RAM holds another step (or none)."""
+        snapshot = self.latest(like, timeout)
+        if snapshot.step != step:
+            raise SnapshotUnavailable(f"the RAM tier holds step {snapshot.step}, not {step}")
         return snapshot
 
 

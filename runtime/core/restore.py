@@ -1,0 +1,69 @@
+"""One restore routine: the newest step any source holds that verifies, read from the fastest source among
+those that hold it. Shared by ``ctx.restore("latest")``, the checkpointer and every tier's ``latest``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.snapshot import HostSnapshot
+
+__all__ = ["CorruptionListener", "RestoreSource", "restore_newest"]
+
+log = logging.getLogger(__name__)
+
+PyTree = Any
+CorruptionListener = Callable[[str, CheckpointInvalid], None]  # (source name, what failed verification)
+
+
+class RestoreSource(Protocol):
+    """Somewhere a restore can read a snapshot from: the RAM tier, ``/dev/shm``, disk, GCS."""
+
+    name: str
+    corruption_listeners: list[CorruptionListener]
+
+    def steps(self, *, timeout: float) -> list[int]:
+        """The committed steps it holds, newest first. Raises StorageError when it cannot tell."""
+        ...
+
+    def restore(self, step: int, like: PyTree = None, *, timeout: float) -> HostSnapshot:
+        """Read and verify ``step``. Raises CheckpointInvalid, SnapshotUnavailable or StorageError."""
+        ...
+
+
+def restore_newest(
+    sources: Sequence[RestoreSource], like: PyTree = None, *, timeout: float
+) -> tuple[RestoreSource, HostSnapshot]:
+    """The newest step that verifies in any of ``sources`` (given fastest first), from the fastest holder.
+
+    A checkpoint that fails verification is reported to its source's ``corruption_listeners`` and the next
+    candidate is tried: the same step in a slower source, then older steps.
+
+    Raises:
+        SnapshotUnavailable: no source holds a snapshot that verifies; the message says what each one had.
+    """
+    holders: dict[int, list[RestoreSource]] = {}
+    problems: list[str] = []
+    for source in sources:
+        try:
+            steps = source.steps(timeout=timeout)
+        except (StorageError, SnapshotUnavailable) as exc:
+            log.warning("restore: cannot list %s: %s", source.name, exc)
+            problems.append(f"{source.name}: cannot list: {exc}")
+            continue
+        for step in steps:
+            holders.setdefault(step, []).append(source)
+    for step in sorted(holders, reverse=True):
+        for source in holders[step]:
+            try:
+                return source, source.restore(step, like, timeout=timeout)
+            except CheckpointInvalid as exc:
+                problems.append(f"{source.name} step {step}: {exc}")
+                for listener in source.corruption_listeners:
+                    listener(source.name, exc)
+            except (SnapshotUnavailable, StorageError) as exc:
+                problems.append(f"{source.name} step {step}: {exc}")
+    names = ", ".join(s.name for s in sources) or "no source"
+    raise SnapshotUnavailable(f"nothing restorable in {names} ({'; '.join(problems) or 'none committed'})")
