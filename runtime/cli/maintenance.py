@@ -111,7 +111,7 @@ def _main(args: argparse.Namespace) -> int:
     if not args.subscription and not args.metadata_host:
         print("elastic-runtime listen: name --subscription and/or --metadata-host", file=sys.stderr)
         return 2
-    from runtime.maintenance.pubsub import check_subscription
+    from runtime.core.config import check_subscription
 
     try:
         if args.subscription:

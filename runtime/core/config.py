@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+import operator
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from runtime.core.errors import ConfigError
 
 ENV_PREFIX = "ELASTIC_RUNTIME_"
+
+# Ranges, declared once: msgspec checks them when a config is decoded (TOML, environment), and
+# ``RuntimeConfig.__post_init__`` checks the same declarations when one is built in code.
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+SecondsOrZero = Annotated[float, msgspec.Meta(ge=0)]
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+SUBSCRIPTION_PATTERN = re.compile(r"projects/[^/\s]+/subscriptions/[^/\s]+")
+
+
+def check_subscription(subscription: str, *, field: str = "subscription") -> None:
+    """Raises ConfigError (a ValueError) unless ``subscription`` is a full name, ``projects/P/subscriptions/S``."""
+    if not SUBSCRIPTION_PATTERN.fullmatch(subscription):
+        raise ConfigError(f"{field} must look like projects/P/subscriptions/S, got {subscription!r}")
 
 
 class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -62,70 +80,61 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """
 
     run_dir: str | None = None
-    snapshot_every: int = 1
-    snapshot_mtbf_s: float | None = None
-    handler_timeout_s: float = 30.0
-    max_pending_events: int = 65536
-    recovery_timeout_s: float = 60.0
-    max_recoveries: int = 10
-    device_wait_s: float = 10.0
-    device_poll_s: float = 0.5
-    scale_up_poll_s: float | None = 1.0
+    snapshot_every: NonNegative = 1
+    snapshot_mtbf_s: Seconds | None = None
+    handler_timeout_s: Seconds = 30.0
+    max_pending_events: Positive = 65536
+    recovery_timeout_s: Seconds = 60.0
+    max_recoveries: NonNegative = 10
+    device_wait_s: SecondsOrZero = 10.0
+    device_poll_s: Seconds = 0.5
+    scale_up_poll_s: Seconds | None = 1.0
     precompile: bool = True
-    event_batch_s: float = 0.05
-    # --- checkpointing (storage/) --------------------------------------------
+    event_batch_s: SecondsOrZero = 0.05
+    # --- checkpointing (storage/) ---------------------------------------------------------------------
     ram_dir: str | None = None
     checkpoint_dir: str | None = None
-    disk_every: int = 100
+    disk_every: Positive = 100
     gcs_uri: str | None = None
-    gcs_every: int = 1000
-    gcs_workers: int = 8
-    keep: int = 3
-    checkpoint_timeout_s: float = 600.0
+    gcs_every: Positive = 1000
+    gcs_workers: Positive = 8
+    keep: Positive = 3
+    checkpoint_timeout_s: Seconds = 600.0
     checkpoint_on_finish: bool = True
     # --- end checkpointing -------------------------------------------------------------------------------
-    # --- maintenance notices (runtime/maintenance, handlers/maintenance.py) --------------
+    # --- maintenance notices (runtime/maintenance, handlers/maintenance.py) -----------------------------
     maintenance_subscription: str | None = None
     metadata_host: str | None = None
     instances: tuple[str, ...] = ()
     instance_devices: dict[str, tuple[int, ...]] = {}
-    drain_lead_s: float = 60.0
+    drain_lead_s: SecondsOrZero = 60.0
     maintenance_checkpoint_tiers: tuple[str, ...] = ()
     preemption_checkpoint_tiers: tuple[str, ...] = ()
-    pubsub_max_messages: int = 100
-    metadata_poll_timeout_s: float = 60.0
+    pubsub_max_messages: Positive = 100
+    metadata_poll_timeout_s: Seconds = 60.0
     # --- end maintenance notices -------------------------------------------------------------------------
 
     def __post_init__(self) -> None:
-        checks = {
-            "snapshot_every": self.snapshot_every >= 0,
-            "snapshot_mtbf_s": self.snapshot_mtbf_s is None or self.snapshot_mtbf_s > 0,
-            "handler_timeout_s": self.handler_timeout_s > 0,
-            "max_pending_events": self.max_pending_events >= 1,
-            "recovery_timeout_s": self.recovery_timeout_s > 0,
-            "max_recoveries": self.max_recoveries >= 0,
-            "device_wait_s": self.device_wait_s >= 0,
-            "device_poll_s": self.device_poll_s > 0,
-            "scale_up_poll_s": self.scale_up_poll_s is None or self.scale_up_poll_s > 0,
-            "event_batch_s": self.event_batch_s >= 0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
+        self._check_ranges()
         self._check_maintenance()
         self._check_checkpointing()
 
+    def _check_ranges(self) -> None:
+        """The ``msgspec.Meta`` bounds of every field, for a config built in code (decoding checks them too)."""
+        info = msgspec.inspect.type_info(RuntimeConfig)
+        assert isinstance(info, msgspec.inspect.StructType)
+        for field in info.fields:
+            value = getattr(self, field.name)
+            kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+            for kind in kinds:
+                if value is None or not isinstance(kind, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+                    continue
+                for bound, symbol in _BOUNDS:
+                    limit = getattr(kind, bound)
+                    if limit is not None and not _holds(value, symbol, limit):
+                        raise ConfigError(f"config: {field.name}={value!r} is out of range (must be {symbol} {limit})")
+
     def _check_checkpointing(self) -> None:
-        checks = {
-            "disk_every": self.disk_every >= 1,
-            "gcs_every": self.gcs_every >= 1,
-            "gcs_workers": self.gcs_workers >= 1,
-            "keep": self.keep >= 1,
-            "checkpoint_timeout_s": self.checkpoint_timeout_s > 0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
         if self.gcs_uri is not None:
             bucket = self.gcs_uri.removeprefix("gs://").split("/", 1)[0]
             if not self.gcs_uri.startswith("gs://") or not bucket:
@@ -136,23 +145,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 )
 
     def _check_maintenance(self) -> None:
-        import re  # local, so this block is self-contained in a file with several owners
-
-        subscription = self.maintenance_subscription
-        if subscription is not None and not re.fullmatch(r"projects/[^/\s]+/subscriptions/[^/\s]+", subscription):
-            raise ConfigError(
-                f"config: maintenance_subscription={subscription!r} must look like projects/P/subscriptions/S"
-            )
+        if self.maintenance_subscription is not None:
+            check_subscription(self.maintenance_subscription, field="config: maintenance_subscription")
         if self.metadata_host is not None and not self.metadata_host.strip():
             raise ConfigError("config: metadata_host='' names no host (leave it unset to turn the watcher off)")
-        checks = {
-            "drain_lead_s": self.drain_lead_s >= 0,
-            "pubsub_max_messages": self.pubsub_max_messages >= 1,
-            "metadata_poll_timeout_s": self.metadata_poll_timeout_s > 0,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise ConfigError(f"config: {name}={getattr(self, name)!r} is out of range")
         owner: dict[int, str] = {}
         for instance, devices in self.instance_devices.items():
             for device in devices:
@@ -163,6 +159,11 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                         f"config: device {device} is in instance_devices of both {owner[device]!r} and {instance!r}"
                     )
                 owner[device] = instance
+
+
+def _holds(value: float, symbol: str, limit: float) -> bool:
+    compare = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}[symbol]
+    return bool(compare(value, limit))
 
 
 def config_from_mapping(values: Mapping[str, Any], *, origin: str = "config") -> RuntimeConfig:

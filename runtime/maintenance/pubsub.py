@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,23 +34,16 @@ import anyio.to_thread
 from google.cloud import pubsub_v1
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 
+from runtime.core.config import check_subscription
 from runtime.core.errors import ElasticRuntimeError, NoticeMalformed
 from runtime.core.events import Event, MalformedNotice
 from runtime.maintenance.formats import parse_message
 from runtime.maintenance.intake import NoticeIntake
 from runtime.maintenance.source import DispatchTracker, SourceContext
 
-__all__ = ["SUBSCRIPTION_PATTERN", "PubSubListener", "StreamBroken", "check_subscription"]
+__all__ = ["PubSubListener", "StreamBroken"]
 
 log = logging.getLogger(__name__)
-
-SUBSCRIPTION_PATTERN = re.compile(r"projects/[^/\s]+/subscriptions/[^/\s]+")
-
-
-def check_subscription(subscription: str) -> None:
-    """Raises ValueError unless ``subscription`` is a full name, ``projects/P/subscriptions/S``."""
-    if not SUBSCRIPTION_PATTERN.fullmatch(subscription):
-        raise ValueError(f"subscription must look like projects/P/subscriptions/S, got {subscription!r}")
 
 
 class StreamBroken(ElasticRuntimeError):
