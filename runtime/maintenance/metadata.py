@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import logging
-import random
 import threading
 import urllib.error
 import urllib.parse
@@ -36,6 +35,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 
 from runtime.core.errors import ElasticRuntimeError, NoticeMalformed
 from runtime.core.events import (
@@ -56,7 +56,6 @@ __all__ = [
     "MetadataUnavailable",
     "MetadataWatcher",
     "NoticeTracker",
-    "backoff",
     "http_get",
 ]
 
@@ -96,9 +95,8 @@ def _no_notifications(status: int, body: bytes) -> bool:
     return status == 404 or text in (b"", b"{}") or b"no notification" in text
 
 
-def backoff(attempt: int, *, first: float = 0.2, most: float = 10.0, jitter: float = 0.1) -> float:
-    """Exponential backoff with jitter: ``first * 2**(attempt-1)`` capped at ``most``, plus up to ``jitter``."""
-    return min(most, first * 2 ** max(attempt - 1, 0)) + random.uniform(0, jitter)
+class PollLater(ElasticRuntimeError):
+    """A poll that cannot go on as a long poll: the server failed, or answered without an ETag to wait on."""
 
 
 async def run_in_daemon_thread(fetch: Fetch, url: str, timeout: float) -> HttpResponse:
@@ -236,20 +234,29 @@ class MetadataWatcher:
         finally:
             self._tracker.detach(ctx)
 
+    def _retrying(self, what: str, first: float) -> AsyncRetrying:
+        """Retry on PollLater (and an unreachable server), exponential backoff with jitter, forever."""
+
+        def before_sleep(state: RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            wait = state.next_action.sleep if state.next_action is not None else 0.0
+            log.warning("metadata %s: %s; retrying in %.1f s", what, error, wait)
+
+        return AsyncRetrying(
+            retry=retry_if_exception_type((PollLater, MetadataUnavailable)),
+            wait=wait_exponential(multiplier=first, max=self.retry_max_s) + wait_random(0, 0.1),
+            sleep=self.sleep,
+            before_sleep=before_sleep,
+        )
+
     async def _read_instance_name(self) -> str:
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
+        async for attempt in self._retrying("instance/name", first=0.5):
+            with attempt:
                 status, _, body = await self._get("instance/name", {}, timeout=10.0)
-                if status == 200 and body.strip():
-                    return body.decode().strip()
-                error = f"status {status}"
-            except MetadataUnavailable as exc:
-                error = str(exc)
-            delay = backoff(attempt, first=0.5, most=self.retry_max_s)
-            log.warning("metadata server: cannot read instance/name (%s); retrying in %.1f s", error, delay)
-            await self.sleep(delay)
+                if status != 200 or not body.strip():
+                    raise PollLater(f"cannot read instance/name: status {status}")
+                return body.decode().strip()
+        raise AssertionError("unreachable: the retries never stop")
 
     async def _get(self, key: str, query: dict[str, str], *, timeout: float) -> HttpResponse:
         url = self.base + key + ("?" + urllib.parse.urlencode(query) if query else "")
@@ -257,44 +264,46 @@ class MetadataWatcher:
         return await run_in_daemon_thread(self.fetch, url, timeout)
 
     async def _watch(self, key: str, tracker: NoticeTracker, ctx: SourceContext) -> None:
+        """Long-poll ``key`` forever; each successful poll starts the backoff from the beginning again."""
         etag = ""
-        failures = 0
         while True:
-            query = {"alt": "json"} if key.endswith("upcoming-maintenance") else {}
-            if etag:
-                query |= {"wait_for_change": "true", "last_etag": etag, "timeout_sec": f"{self.poll_timeout_s:g}"}
-            try:
-                status, headers, body = await self._get(key, query, timeout=self.poll_timeout_s + 10)
-            except MetadataUnavailable as exc:
-                failures += 1
-                delay = backoff(failures, most=self.retry_max_s)
-                log.warning("metadata %s: %s; retrying in %.1f s", key, exc, delay)
-                await self.sleep(delay)
-                continue
-            if status not in (200, 404, 503):
-                failures += 1
-                log.warning("metadata %s: unexpected status %d", key, status)
-                await self.sleep(backoff(failures, most=self.retry_max_s))
-                continue
-            new_etag = next((v for k, v in headers.items() if k.lower() == "etag"), "")
-            if etag and new_etag == etag and status == 200:
-                continue  # the long poll timed out: nothing changed
-            try:
-                parsed = tracker.update(key, status, body, new_etag)
-            except NoticeMalformed as exc:
-                log.warning("metadata %s: %s", key, exc)
-                await self._publish(
-                    ctx, f"metadata:{key}:{new_etag}", [], MalformedNotice(source="metadata", reason=str(exc))
-                )
-            else:
-                await self._publish(ctx, f"metadata:{key}:{new_etag}", parsed)
-            if status == 200 and new_etag:
-                etag, failures = new_etag, 0
-            else:
-                # 503 (during maintenance), 404, or no ETag: a long poll is impossible, so poll again later.
-                etag = ""
-                failures += 1
-                await self.sleep(backoff(failures, most=self.retry_max_s))
+            async for attempt in self._retrying(key, first=0.2):
+                with attempt:
+                    try:
+                        etag = await self._poll(key, etag, tracker, ctx)
+                    except PollLater:
+                        etag = ""
+                        raise
+
+    async def _poll(self, key: str, etag: str, tracker: NoticeTracker, ctx: SourceContext) -> str:
+        """One poll (a long poll when ``etag`` is known); publishes what changed and returns the new ETag.
+
+        Raises:
+            PollLater: the server failed, or no long poll is possible (503 during maintenance, 404, no ETag);
+                what the answer said has been published first.
+            MetadataUnavailable: the server could not be reached.
+        """
+        query = {"alt": "json"} if key.endswith("upcoming-maintenance") else {}
+        if etag:
+            query |= {"wait_for_change": "true", "last_etag": etag, "timeout_sec": f"{self.poll_timeout_s:g}"}
+        status, headers, body = await self._get(key, query, timeout=self.poll_timeout_s + 10)
+        if status not in (200, 404, 503):
+            raise PollLater(f"unexpected status {status}")
+        new_etag = next((v for k, v in headers.items() if k.lower() == "etag"), "")
+        if etag and new_etag == etag and status == 200:
+            return etag  # the long poll timed out: nothing changed
+        try:
+            parsed = tracker.update(key, status, body, new_etag)
+        except NoticeMalformed as exc:
+            log.warning("metadata %s: %s", key, exc)
+            await self._publish(
+                ctx, f"metadata:{key}:{new_etag}", [], MalformedNotice(source="metadata", reason=str(exc))
+            )
+        else:
+            await self._publish(ctx, f"metadata:{key}:{new_etag}", parsed)
+        if status != 200 or not new_etag:
+            raise PollLater(f"status {status}{'' if new_etag else ', no ETag'}: polling again later")
+        return new_etag
 
     async def _publish(
         self, ctx: SourceContext, message_id: str, parsed: list[ParsedNotice], malformed: MalformedNotice | None = None
