@@ -45,6 +45,7 @@ from runtime.core.mesh import MeshPolicy
 from runtime.core.runtime import Runtime
 from runtime.maintenance.intake import NoticeIntake
 from runtime.maintenance.metadata import MetadataWatcher
+from runtime.testing.process_faults import ProcessFaults
 from storage.cascade import TieredCheckpointer
 
 if TYPE_CHECKING:
@@ -98,8 +99,11 @@ class ElasticRuntime(Runtime):
 
 
 def default_controller(config: LaunchConfig) -> Controller:
-    """A multi-process controller that replaces a lost or hung worker and logs stragglers."""
+    """A multi-process controller that replaces a lost or hung worker and logs stragglers (and injects the
+    config's process faults, if any)."""
     controller = Controller(config)
+    if config.faults:
+        ProcessFaults(config.faults).attach(controller.bus)
     controller.bus.subscribe(WorkerLost, regroup_on_worker_failure)
     controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
     controller.bus.subscribe(Straggler, log_straggler)

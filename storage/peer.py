@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,7 @@ class ReplicaFiles:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-file")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
-        self.on_write: list[Any] = []  # callables(step) run in the writer thread mid-write (fault injection)
+        self.on_write: list[Callable[[int], None]] = []  # called with the step mid-write, in the writer thread
 
     def save(self, replica: Replica) -> None:
         """Start writing ``replica``, after the previous write finished (so no committed step is skipped)."""

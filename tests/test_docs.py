@@ -11,7 +11,6 @@ from types import ModuleType
 import msgspec
 
 import runtime
-import runtime.cluster.events as gev
 import runtime.core.events as ev
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +19,8 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Run progress", ev, ["RunStarted", "RunFinished", "StepCompleted"]),
     ("Failures (all derive from `Failure`)", ev, [
         "Failure", "StepFailed", "DeviceLost", "SliceLost", "ProcessLost", "WorkerLost", "WorkerHung",
-        "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt", "MalformedNotice", "RecoveryFailed",
+        "MalformedHeartbeat", "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt", "MalformedNotice",
+        "RecoveryFailed",
     ]),
     ("Conditions", ev, ["Straggler"]),
     ("Maintenance notices (all derive from `Notice`)", ev, [
@@ -29,13 +29,15 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Checkpoints", ev, ["CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped"]),
     ("Recovery", ev, ["RecoveryStarted", "MeshChanged", "StateRestored", "RecoveryCompleted", "ScaleUpAvailable"]),
     ("Requests", ev, ["SaveCheckpoint", "Drain"]),
-    ("Multi-process runs (`runtime/cluster/events.py`, logged by the controller)", gev, list(gev.__all__)),
+    ("Multi-process groups (logged by the controller)", ev, [
+        "WorkerStarted", "WorkerExited", "WorkerKilled", "GroupForming", "GroupFormed",
+    ]),
 ]  # fmt: skip
 
 INTRO = """# Event catalogue
 
-Every event is a frozen, keyword-only `msgspec.Struct` deriving from `Event`, defined in `runtime/core/events.py`
-(the multi-process controller's own events are in `runtime/cluster/events.py`). Each carries `wall_time`
+Every event is a frozen, keyword-only `msgspec.Struct` deriving from `Event`, all defined in
+`runtime/core/events.py`. Each carries `wall_time`
 (epoch s), `mono_time` (monotonic s), `step` (where known) and `source`; the JSON tag `type` is the class
 name. Facts are in the past tense, requests in the imperative. Subscribing to a base class (`Failure`,
 `DeviceLost`, `Notice`, `Event`) delivers its subclasses too. Your own subclasses of `Event` are logged and

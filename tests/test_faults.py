@@ -8,6 +8,8 @@ from jax.errors import JaxRuntimeError
 
 from runtime.core.health import DeviceHealth
 from runtime.testing.faults import FaultInjector, FaultSchedule
+from runtime.testing.grammar import format_faults, parse_faults
+from runtime.testing.process_faults import worker_faults_text
 
 
 def test_a_dead_device_fails_the_step_with_the_status_a_real_runtime_uses() -> None:
@@ -86,3 +88,34 @@ def test_the_health_probe_leaves_dead_and_cordoned_devices_out_and_compiles_noth
     assert [d.id for d in health.healthy()] == [0, 1, 4, 6, 7]
     assert [d.id for d in health.healthy(jax.devices()[4:6])] == [4]
     assert compiles == []
+
+
+def test_one_grammar_for_device_process_and_worker_faults() -> None:
+    text = "lose-slice:3@100, repair-slice:random@90s, kill:1@40, stop:0@20, term:2@forming, hang:1@12"
+    faults = parse_faults(text)
+    assert [(f.kind, f.action, f.target) for f in faults] == [
+        ("device", "lose-slice", 3),
+        ("device", "repair-slice", -1),
+        ("process", "kill", 1),
+        ("process", "stop", 0),
+        ("process", "term", 2),
+        ("worker", "hang", 1),
+    ]
+    assert faults[1].seconds == 90 and faults[4].forming and faults[5].step == 12
+    assert parse_faults(format_faults(faults)) == faults  # the text form reads back
+    assert worker_faults_text(faults, 1) == "hang:1@12" and worker_faults_text(faults, 0) == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "kinds", "message"),
+    [
+        ("kill:1@40", ("device",), "action must be one of lose-slice"),
+        ("lose-slice:1@40", ("process", "worker"), "action must be one of kill"),
+        ("kill:random@4", ("process",), "kill:random@4"),
+        ("hang:1@forming", ("worker",), "hang:1@forming"),
+        ("kill:1@-3", ("process",), "step must be >= 0"),
+    ],
+)
+def test_a_fault_outside_its_kinds_or_malformed_is_refused(text: str, kinds: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_faults(text, kinds=kinds)

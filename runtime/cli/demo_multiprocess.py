@@ -42,7 +42,7 @@ def run_group(
     processes: int,
     steps: int,
     run_dir: Path,
-    kills: list[Any],
+    faults: list[Any],
     strategy: str = "reform",
     printer: Any = None,
     command: list[str] | None = None,
@@ -58,7 +58,7 @@ def run_group(
         nprocs=processes,
         run_dir=str(run_dir),
         result_path=str(run_dir / "final.npz"),
-        kills=kills,
+        faults=faults,
         strategy=Strategy(strategy),
         **extra,
     )
@@ -71,8 +71,8 @@ def run_group(
 def run_multiprocess_demo(args: argparse.Namespace) -> int:
     """The ``demo --processes N`` entry point."""
     from runtime.cli.progress import ProgressPrinter
-    from runtime.cluster.config import Kill
     from runtime.testing.compare import compare_files
+    from runtime.testing.grammar import Fault
 
     steps = args.steps
     kill_at = args.kill_worker_at
@@ -80,15 +80,15 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: None) if args.quiet else print
     say(f"elastic-runtime demo: {steps} steps on {args.processes} worker processes x 2 CPU devices (gloo)")
-    kills = [] if kill_at is None or args.no_fault else [Kill(kill_at, args.kill_process, "KILL")]
-    if kills:
+    faults = [] if kill_at is None or args.no_fault else [Fault("kill", args.kill_process, step=kill_at)]
+    if faults:
         say(f"  process {args.kill_process} gets kill -9 at step {kill_at}; strategy {args.strategy}")
     started = time.monotonic()
     result = run_group(
         processes=args.processes,
         steps=steps,
         run_dir=run_dir / "run",
-        kills=kills,
+        faults=faults,
         strategy=args.strategy,
         printer=None if args.quiet else ProgressPrinter(),
     )
@@ -110,7 +110,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     }
     if args.verify:
         say("verifying: fault-free run of the same group ...")
-        reference = run_group(processes=args.processes, steps=steps, run_dir=run_dir / "reference", kills=[])
+        reference = run_group(processes=args.processes, steps=steps, run_dir=run_dir / "reference", faults=[])
         full = all(size == args.processes for size in result.world_size_history)
         got, want = run_dir / "run" / "final.npz", run_dir / "reference" / "final.npz"
         summary["reference_match"] = compare_files(got, want) if reference.ok and full else {"match": False}

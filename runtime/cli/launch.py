@@ -11,8 +11,9 @@ import json
 import sys
 from typing import Any
 
-from runtime.cluster.config import RECOVERY_STRATEGIES, Kill, LaunchConfig, LaunchError
+from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
 from runtime.defaults import default_controller
+from runtime.testing.grammar import Fault, parse_faults
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -34,7 +35,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--replica-dir", default=None, help="replica files (default: a fresh /dev/shm dir, removed at the end)"
     )
     parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
-    parser.add_argument("--kill", type=Kill.parse, action="append", default=[], metavar="STEP[:PID[:SIG]]")
+    parser.add_argument(
+        "--fault",
+        type=_faults,
+        action="append",
+        default=[],
+        metavar="ACTION:PID@WHEN",
+        help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (runtime.testing.grammar)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(func=launch_main)
     return parser
@@ -59,8 +67,15 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         result_path=args.result,
         replica_dir=args.replica_dir,
         max_failures=args.max_failures,
-        kills=args.kill,
+        faults=[fault for faults in args.fault for fault in faults],
     )
+
+
+def _faults(text: str) -> list[Fault]:
+    try:
+        return parse_faults(text, kinds=("process", "worker"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def launch_main(args: argparse.Namespace) -> int:

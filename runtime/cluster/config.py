@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
-import signal
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["Kill", "LaunchConfig", "LaunchError", "LaunchResult", "Strategy"]
+from runtime.testing.grammar import Fault
+
+__all__ = ["LaunchConfig", "LaunchError", "LaunchResult", "Strategy"]
 
 
 class Strategy(StrEnum):
@@ -25,27 +25,6 @@ RECOVERY_STRATEGIES = (Strategy.REFORM, Strategy.RESTART)
 
 class LaunchError(RuntimeError):
     """The run could not go on: too few workers, too many failures, or a group that never formed."""
-
-
-@dataclass(frozen=True)
-class Kill:
-    """Fault injection: send ``signal`` to the member with ``process_id`` once the group commits ``step``."""
-
-    step: int
-    process_id: int
-    signal: str = "KILL"
-
-    @classmethod
-    def parse(cls, text: str) -> Kill:
-        parts = text.split(":")
-        try:
-            step, pid = int(parts[0]), int(parts[1]) if len(parts) > 1 else 1
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"--kill {text!r}: want STEP[:PROCESS_ID[:SIGNAL]]") from exc
-        sig = parts[2].upper() if len(parts) > 2 else "KILL"
-        if not hasattr(signal, f"SIG{sig}"):
-            raise argparse.ArgumentTypeError(f"--kill {text!r}: unknown signal {sig}")
-        return cls(step, pid, sig)
 
 
 @dataclass
@@ -67,8 +46,8 @@ class LaunchConfig:
         run_dir: event log, worker logs and ``summary.json``; a temporary directory when unset.
         replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<pid>``.
         result_path: where process 0 writes the final state (``.npz``).
-        kills, kill_during_recovery: fault injection (see :class:`Kill`).
-        worker_faults: fault injection in the first generation's process ids: {1: "midstep@12"}.
+        faults: fault injection: process and worker faults of ``runtime.testing.grammar``
+            (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.testing.process_faults``.
     """
 
     command: list[str]
@@ -87,9 +66,7 @@ class LaunchConfig:
     run_dir: str | None = None
     replica_dir: str | None = None
     result_path: str | None = None
-    kills: list[Kill] = field(default_factory=list)
-    kill_during_recovery: int | None = None
-    worker_faults: dict[int, str] = field(default_factory=dict)
+    faults: list[Fault] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

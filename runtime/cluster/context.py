@@ -41,6 +41,10 @@ class ControllerContext:
         """SIGKILL ``worker`` (a hung or stopped worker must not come back half-way through a re-forming)."""
         self._c.kill(worker, "KILL", reason)
 
+    def signal(self, worker: int, signal: str, reason: str) -> None:
+        """Send ``SIG<signal>`` (``KILL``, ``STOP``, ``TERM``) to ``worker``'s process; logged as WorkerKilled."""
+        self._c.kill(worker, signal, reason)
+
     def regroup(self, lost: Iterable[int], reason: str, strategy: Strategy | None = None) -> None:
         """Replace ``lost`` workers and re-form the group (queued; done by the controller's supervisor)."""
         self._c.request_regroup(set(lost), reason, strategy)

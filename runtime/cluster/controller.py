@@ -32,8 +32,7 @@ from anyio.abc import SocketStream
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.context import ControllerContext
-from runtime.cluster.events import MalformedHeartbeat, WorkerExited, WorkerKilled, WorkerStarted
-from runtime.cluster.forming import GroupForming
+from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, is_stopped
@@ -42,7 +41,16 @@ from runtime.cluster.server import WorkerServer
 from runtime.core.bus import EventBus
 from runtime.core.errors import BusClosed
 from runtime.core.eventlog import EventLog
-from runtime.core.events import Event, RunFinished, StepCompleted, WorkerHung
+from runtime.core.events import (
+    Event,
+    MalformedHeartbeat,
+    RunFinished,
+    StepCompleted,
+    WorkerExited,
+    WorkerHung,
+    WorkerKilled,
+    WorkerStarted,
+)
 from runtime.core.recovery import RecoveryTracker
 
 __all__ = ["Controller"]
@@ -62,7 +70,7 @@ def _first_leaf(group: BaseExceptionGroup[Any], kind: type[BaseException]) -> Ba
     return None
 
 
-class Controller(GroupForming):
+class Controller(GroupFormer):
     """Starts, supervises and re-forms a group of worker processes. Single use.
 
     It subscribes no handler of its own: ``runtime.defaults.default_controller`` adds the built-in ones.
@@ -95,9 +103,7 @@ class Controller(GroupForming):
         self._request_strategy: Strategy | None = None
         self._wake = anyio.Event()
         self._finished = anyio.Event()
-        self._kills = sorted(config.kills, key=lambda k: k.step)
-        self._kill_during_recovery = config.kill_during_recovery
-        self._kill_times: dict[int, float] = {}
+        self._kill_times: dict[int, float] = {}  # worker -> when it was signalled, to time the detection
         # Every generation's coordination service stays up until the run ends: stopping one while a live
         # worker's client is still attached makes that client terminate its process.
         self._services: list[Any] = []
@@ -254,6 +260,7 @@ class Controller(GroupForming):
 
     def kill(self, worker: int, sig: str, reason: str) -> None:
         if self.pool.signal(worker, sig):
+            self._kill_times[worker] = time.monotonic()
             self._publish_nowait(
                 WorkerKilled(step=self.group_step, source="controller", worker=worker, signal=sig, reason=reason)
             )
@@ -372,15 +379,6 @@ class Controller(GroupForming):
                     }
                 )
                 await self.bus.publish(completed)
-            self._inject(step)
-
-    def _inject(self, step: int) -> None:
-        while self._kills and self._kills[0].step <= step:
-            kill = self._kills.pop(0)
-            if kill.process_id < len(self.members):
-                worker = self.members[kill.process_id]
-                self._kill_times[worker] = time.monotonic()
-                self.kill(worker, kill.signal, f"fault injection at step {step}")
 
     async def _on_verdict(self, verdict: Verdict) -> None:
         proc = self.pool.get(verdict.worker)

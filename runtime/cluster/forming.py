@@ -17,22 +17,22 @@ import anyio
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.coordination import free_port, start_coordination_service
-from runtime.cluster.events import GroupFormed
 from runtime.cluster.heartbeat import HeartbeatMonitor
 from runtime.cluster.membership import JoinReport, Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess
 from runtime.cluster.protocol import Form, Restore
 from runtime.cluster.server import WorkerServer
 from runtime.core.bus import EventBus
-from runtime.core.events import Event, RunStarted, StateRestored, StepCompleted
+from runtime.core.events import Event, GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
 from runtime.core.recovery import RecoveryTracker
+from runtime.testing.process_faults import worker_faults_text
 
-__all__ = ["GroupForming"]
+__all__ = ["GroupFormer"]
 
 log = logging.getLogger(__name__)
 
 
-class GroupForming:
+class GroupFormer:
     """The group-forming half of the controller (a mixin: the controller provides these attributes)."""
 
     config: LaunchConfig
@@ -48,8 +48,6 @@ class GroupForming:
     _requests: set[int]
     _request_strategy: Strategy | None
     _wake: anyio.Event
-    _kill_during_recovery: int | None
-    _kill_times: dict[int, float]
     _services: list[Any]
 
     # Provided by the controller.
@@ -115,15 +113,19 @@ class GroupForming:
                     process_id=process_id,
                     num_processes=len(members),
                     read_files=strategy != Strategy.REFORM,
-                    faults=self.config.worker_faults.get(process_id, "") if strategy == Strategy.START else "",
+                    faults=worker_faults_text(self.config.faults, process_id) if strategy == Strategy.START else "",
                     at_step=at_step,
                 )
                 await self.server.send(self.pool[worker], form)
-            if self._kill_during_recovery is not None and strategy != Strategy.START:
-                target = members[min(self._kill_during_recovery, len(members) - 1)]
-                self._kill_during_recovery = None
-                self._kill_times[target] = time.monotonic()
-                self.kill(target, "KILL", "fault injection during recovery")
+            await self.bus.publish(
+                GroupForming(
+                    step=self.group.step,
+                    source="controller",
+                    generation=generation,
+                    members=tuple(members),
+                    strategy=strategy,
+                )
+            )
             outcome = await self._await_joins(members)
             if outcome == "joined":
                 break

@@ -112,7 +112,7 @@ class Form(Message, frozen=True, kw_only=True):
     process_id: int
     num_processes: int
     read_files: bool = True  # look in the replica files when this process holds no state in memory
-    faults: str = ""  # fault injection for tests, e.g. "midstep@12,replica@20" (see runtime.cluster.worker)
+    faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (runtime.testing.grammar)
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
 
 

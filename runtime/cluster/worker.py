@@ -22,14 +22,13 @@ import hashlib
 import logging
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
@@ -61,6 +60,7 @@ from runtime.cluster.protocol import (
 )
 from runtime.core.errors import SnapshotUnavailable
 from runtime.core.job import PyTree, TrainJob
+from runtime.testing.process_faults import attach_worker_faults
 from storage.peer import Replica, ReplicaFiles, broadcast_state, host_copy
 
 log = logging.getLogger(__name__)
@@ -74,28 +74,6 @@ _ABANDON_GRACE_S = 0.2
 def is_worker() -> bool:
     """Whether this process was started by ``elastic-runtime launch``."""
     return ENV_CONTROLLER in os.environ
-
-
-@dataclass(frozen=True)
-class _Faults:
-    midstep: int | None = None
-    hang: int | None = None
-    replica: int | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> _Faults:
-        values: dict[str, int] = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            kind, _, step = item.partition("@")
-            if kind not in ("midstep", "replica", "hang") or not step.isdigit():
-                raise ValueError(f"faults: cannot parse {item!r} (want midstep@, replica@ or hang@STEP)")
-            values[kind] = int(step)
-        return cls(**values)
-
-
-def _die() -> None:
-    """A real kill -9 of this process (fault injection at an exact point)."""
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _Link:
@@ -139,7 +117,9 @@ class Worker:
         self.worker = worker
         self.link = link
         self.replicas = replicas
-        self.faults = _Faults()
+        # Called with the step once its result is ready, before it is committed; one that raises (or never
+        # returns) stops the step there. Fault injection uses it (runtime.testing.process_faults).
+        self.step_checks: list[Callable[[int], None]] = []
         self.local_devices = int(os.environ.get(ENV_LOCAL_DEVICES, "2"))
         self.step_delay_s = float(os.environ.get(ENV_STEP_DELAY_S, "0"))
         self.generation = 0
@@ -157,7 +137,6 @@ class Worker:
         self.state: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self._deferred: Form | None = None  # a planned re-forming, due after its ``at_step``
-        self.replicas.on_write.append(lambda step: _die() if step == self.faults.replica else None)
 
     # --- the loop ----------------------------------------------------------------------------------------
 
@@ -217,7 +196,7 @@ class Worker:
         started = time.monotonic()
         self._deferred = None
         if form.faults:
-            self.faults = _Faults.parse(form.faults)
+            attach_worker_faults(self, form.faults)
         if self.initialized:
             _leave_group()
             jax.extend.backend.clear_backends()
@@ -395,10 +374,8 @@ class Worker:
         batch = self._place(self.job.data.batch(position), self.batch_shardings)
         new_state, _metrics = self.compiled(state, batch)
         jax.block_until_ready(new_state)
-        if self.faults.hang == step:
-            threading.Event().wait()  # a deadlock in the step: heartbeats go on, progress stops
-        if self.faults.midstep == step:
-            _die()  # computed but not committed: the new state must not count
+        for check in self.step_checks:
+            check(step)
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         return new_state, time.perf_counter() - started

@@ -22,11 +22,14 @@ __all__ = [
     "Drain",
     "Event",
     "Failure",
+    "GroupFormed",
+    "GroupForming",
     "HandlerFailed",
     "HostError",
     "MaintenanceCompleted",
     "MaintenanceScheduled",
     "MaintenanceStarted",
+    "MalformedHeartbeat",
     "MalformedNotice",
     "MeshChanged",
     "Notice",
@@ -44,8 +47,11 @@ __all__ = [
     "StepCompleted",
     "StepFailed",
     "Straggler",
+    "WorkerExited",
     "WorkerHung",
+    "WorkerKilled",
     "WorkerLost",
+    "WorkerStarted",
     "event_types",
 ]
 
@@ -157,6 +163,13 @@ class Straggler(Event, frozen=True, kw_only=True):
     worker: int
     step_time_s: float
     group_median_s: float
+
+
+class MalformedHeartbeat(Failure, frozen=True, kw_only=True):
+    """A line on the controller's port did not decode, or named a worker the controller does not know."""
+
+    peer: str
+    reason: str
 
 
 class HandlerFailed(Failure, frozen=True, kw_only=True):
@@ -300,6 +313,52 @@ class ScaleUpAvailable(Event, frozen=True, kw_only=True):
 
     devices: tuple[int, ...]
     shape: dict[str, int]
+
+
+# --- multi-process groups (logged by the controller) -------------------------------------------------
+
+
+class WorkerStarted(Event, frozen=True, kw_only=True):
+    """The controller started worker process ``worker`` (``pid``); ``spare``: kept warm, not yet a member."""
+
+    worker: int
+    pid: int
+    spare: bool
+
+
+class WorkerExited(Event, frozen=True, kw_only=True):
+    """Worker ``worker``'s process ended with ``returncode`` (negative: killed by that signal)."""
+
+    worker: int
+    returncode: int
+
+
+class WorkerKilled(Event, frozen=True, kw_only=True):
+    """The controller sent ``signal`` to worker ``worker`` (to remove a hung worker, or by fault injection)."""
+
+    worker: int
+    signal: str
+    reason: str
+
+
+class GroupForming(Event, frozen=True, kw_only=True):
+    """Generation ``generation`` is forming: ``members`` (worker ids, by process id) were told to join it."""
+
+    generation: int
+    members: tuple[int, ...]
+    strategy: str
+
+
+class GroupFormed(Event, frozen=True, kw_only=True):
+    """Generation ``generation`` of the group formed: ``members`` (worker ids, by process id) joined it."""
+
+    generation: int
+    members: tuple[int, ...]
+    coordinator: str
+    strategy: str
+    seconds: float
+    restore_step: int
+    restore_source: int
 
 
 # --- requests -----------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import TypeVar
 from jax.errors import JaxRuntimeError
 
 from runtime.core.runtime import Runtime
+from runtime.testing.grammar import Fault, parse_faults
 
 R = TypeVar("R", bound=Runtime)
 
@@ -114,39 +115,18 @@ class FaultInjector:
 
 # --- schedules: the same faults at the same points, for reproducible demos and benchmarks ----------------
 
-_ACTIONS = ("lose-slice", "lose-device", "repair-slice", "repair-device")
-
-
-@dataclass(frozen=True)
-class ScheduledAction:
-    """``action`` on ``target`` (an index, or -1 for a random live slice/device) at a step or a time."""
-
-    action: str
-    target: int
-    step: int | None = None
-    seconds: float | None = None  # of training, since the schedule was started
-    repeat_s: float | None = None  # applied again this many seconds later, and so on
-
-    def __str__(self) -> str:
-        target = "random" if self.target < 0 else str(self.target)
-        when = f"{self.step}" if self.step is not None else f"{self.seconds:g}s"
-        return f"{self.action}:{target}@{when}" + (f" (every {self.repeat_s:g}s)" if self.repeat_s else "")
-
-    def due(self, step: int, elapsed: float) -> bool:
-        return (self.step is not None and step >= self.step) or (self.seconds is not None and elapsed >= self.seconds)
-
 
 class FaultSchedule:
     """A list of faults and repairs, by step or by time, applied to a :class:`FaultInjector`.
 
-    Text form, comma-separated ``ACTION:TARGET@WHEN``: ACTION is lose-slice, lose-device, repair-slice or
-    repair-device; TARGET an index or ``random`` (lose: a slice or device not yet lost; repair: the oldest
-    random loss); WHEN a
-    step (``120``) or seconds of training (``90s``). Example: ``lose-slice:3@100,repair-slice:3@200``.
+    Text form: the device actions of the fault grammar (``runtime.testing.grammar``), comma-separated
+    ``ACTION:TARGET@WHEN``: ACTION is lose-slice, lose-device, repair-slice or repair-device; TARGET an index
+    or ``random`` (lose: a slice or device not yet lost; repair: the oldest random loss); WHEN a step
+    (``120``) or seconds of training (``90s``). Example: ``lose-slice:3@100,repair-slice:3@200``.
     ``every(period_s, repair_after_s=...)`` builds the periodic schedule of the goodput benchmark.
     """
 
-    def __init__(self, actions: Iterable[ScheduledAction], *, slice_size: int, devices: int, seed: int = 0) -> None:
+    def __init__(self, actions: Iterable[Fault], *, slice_size: int, devices: int, seed: int = 0) -> None:
         self.pending = list(actions)
         self.slice_size = slice_size
         self.devices = devices
@@ -156,26 +136,9 @@ class FaultSchedule:
 
     @classmethod
     def parse(cls, text: str, *, slice_size: int, devices: int, seed: int = 0) -> FaultSchedule:
-        """Parse the text form. Raises ValueError naming the item that is wrong."""
-        actions = []
-        for item in filter(None, (part.strip() for part in text.split(","))):
-            try:
-                head, when = item.split("@")
-                action, target = head.split(":")
-                if action not in _ACTIONS:
-                    raise ValueError(f"action must be one of {', '.join(_ACTIONS)}")
-                index = -1 if target == "random" else int(target)
-                if index < -1:
-                    raise ValueError("target must be an index >= 0 or 'random'")
-                if when.endswith("s"):
-                    actions.append(ScheduledAction(action, index, seconds=float(when[:-1])))
-                else:
-                    actions.append(ScheduledAction(action, index, step=int(when)))
-            except ValueError as exc:
-                raise ValueError(
-                    f"fault schedule item {item!r}: {exc} (expected ACTION:TARGET@STEP or @SECONDSs)"
-                ) from exc
-        return cls(actions, slice_size=slice_size, devices=devices, seed=seed)
+        """Parse the device actions of the fault grammar (``runtime.testing.grammar``). Raises ValueError
+        naming the item that is wrong."""
+        return cls(parse_faults(text, kinds=("device",)), slice_size=slice_size, devices=devices, seed=seed)
 
     @classmethod
     def every(
@@ -185,8 +148,8 @@ class FaultSchedule:
         if not 0 < repair_after_s < period_s:
             raise ValueError(f"repair_after_s={repair_after_s} must be between 0 and period_s={period_s}")
         actions = [
-            ScheduledAction("lose-slice", -1, seconds=period_s, repeat_s=period_s),
-            ScheduledAction("repair-slice", -1, seconds=period_s + repair_after_s, repeat_s=period_s),
+            Fault("lose-slice", -1, seconds=period_s, repeat_s=period_s),
+            Fault("repair-slice", -1, seconds=period_s + repair_after_s, repeat_s=period_s),
         ]
         return cls(actions, slice_size=slice_size, devices=devices, seed=seed)
 
@@ -214,7 +177,7 @@ class FaultSchedule:
 
         return apply
 
-    def _apply(self, action: ScheduledAction, injector: FaultInjector, step: int) -> None:
+    def _apply(self, action: Fault, injector: FaultInjector, step: int) -> None:
         size = self.slice_size if action.action.endswith("slice") else 1
         if action.target >= 0:
             devices = tuple(range(action.target * size, (action.target + 1) * size))

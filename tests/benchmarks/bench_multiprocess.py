@@ -25,12 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import runtime.cluster.events  # noqa: F401 - registers the multi-process events for decoding
 from runtime.cli.demo_multiprocess import run_group, worker_command
-from runtime.cluster.config import Kill
-from runtime.cluster.events import GroupFormed, WorkerKilled
 from runtime.core.eventlog import read_events
-from runtime.core.events import StateRestored, StepCompleted
+from runtime.core.events import GroupFormed, StateRestored, StepCompleted, WorkerKilled
+from runtime.testing.grammar import Fault
 
 NPROCS = 3
 
@@ -52,10 +50,10 @@ def repeated_kills(root: Path, strategy: str, signal: str, kills: int, every: in
     100 steps (3-5 s here) leave the new warm spare time to start between failures; ``every=15`` measures
     back-to-back failures, where the replacement must be started from scratch.
     """
-    plan = [Kill(every * (i + 1), i % NPROCS, signal) for i in range(kills)]
+    plan = [Fault(signal.lower(), i % NPROCS, step=every * (i + 1)) for i in range(kills)]
     steps = every * (kills + 1)
     result = run_group(
-        processes=NPROCS, steps=steps, run_dir=root / f"{strategy}-{signal}-{every}", kills=plan, strategy=strategy
+        processes=NPROCS, steps=steps, run_dir=root / f"{strategy}-{signal}-{every}", faults=plan, strategy=strategy
     )
     assert result.ok, result.reason
     events = read_events(root / f"{strategy}-{signal}-{every}" / "events.jsonl")
@@ -104,7 +102,7 @@ def full_restart(root: Path, repeats: int, kill_at: int = 20, steps: int = 40) -
     for i in range(repeats):
         base = root / f"full-restart-{i}"
         disk = base / "disk"  # local disk, not /dev/shm
-        first = launch_cli(base / "first", disk, steps, ["--max-failures", "0", "--kill", f"{kill_at}:1"])
+        first = launch_cli(base / "first", disk, steps, ["--max-failures", "0", "--fault", f"kill:1@{kill_at}"])
         assert first != 0, "the first run should stop at the failure"
         killed = next(e for e in read_events(base / "first" / "events.jsonl") if isinstance(e, WorkerKilled))
         committed = max(
@@ -137,7 +135,7 @@ def heartbeat_cost(root: Path, steps: int = 150, rounds: int = 2) -> dict[str, A
         for interval in samples:
             run_dir = root / f"hb-{interval}-{i}"
             cpu = time.process_time()
-            result = run_group(processes=NPROCS, steps=steps, run_dir=run_dir, kills=[], heartbeat_interval_s=interval)
+            result = run_group(processes=NPROCS, steps=steps, run_dir=run_dir, faults=[], heartbeat_interval_s=interval)
             cpu = time.process_time() - cpu
             assert result.ok
             events = read_events(run_dir / "events.jsonl")

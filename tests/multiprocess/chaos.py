@@ -21,11 +21,10 @@ from typing import Any
 
 import numpy as np
 
-import runtime.cluster.events  # noqa: F401 - registers the multi-process events for decoding
 from runtime.cli.demo_multiprocess import run_group
-from runtime.cluster.config import Kill
 from runtime.core.eventlog import read_events
 from runtime.core.events import StateRestored, StepCompleted
+from runtime.testing.grammar import Fault
 
 NPROCS = 3
 STEPS = 40
@@ -37,19 +36,24 @@ def plan(rng: random.Random) -> dict[str, Any]:
     pid = rng.randrange(NPROCS)
     match kind:
         case "kill":
-            return {"kills": [Kill(step, pid)]}
+            return {"faults": [Fault("kill", pid, step=step)]}
         case "stop":
-            return {"kills": [Kill(step, pid, "STOP")]}
+            return {"faults": [Fault("stop", pid, step=step)]}
         case "two":
-            return {"kills": [Kill(step, pid), Kill(step + rng.randrange(1, 6), rng.randrange(NPROCS))]}
+            return {
+                "faults": [
+                    Fault("kill", pid, step=step),
+                    Fault("kill", rng.randrange(NPROCS), step=step + rng.randrange(1, 6)),
+                ]
+            }
         case "during-recovery":
-            return {"kills": [Kill(step, pid)], "kill_during_recovery": rng.randrange(NPROCS)}
+            return {"faults": [Fault("kill", pid, step=step), Fault("kill", rng.randrange(NPROCS), forming=True)]}
         case "midstep":
-            return {"kills": [], "worker_faults": {pid: f"midstep@{step}"}}
+            return {"faults": [Fault("die-midstep", pid, step=step)]}
         case "hang":
-            return {"kills": [], "worker_faults": {pid: f"hang@{step}"}, "hang_timeout_s": 2.0}
+            return {"faults": [Fault("hang", pid, step=step)], "hang_timeout_s": 2.0}
         case _:
-            return {"kills": [], "worker_faults": {pid: f"replica@{step}"}}
+            return {"faults": [Fault("die-writing-replica", pid, step=step)]}
 
 
 def check(run_dir: Path, reference: Path) -> list[str]:
@@ -77,7 +81,7 @@ def main() -> int:
     print(f"chaos: {args.rounds} rounds, seed {args.seed}", flush=True)
     failures = 0
     try:
-        reference = run_group(processes=NPROCS, steps=STEPS, run_dir=root / "reference", kills=[])
+        reference = run_group(processes=NPROCS, steps=STEPS, run_dir=root / "reference", faults=[])
         assert reference.ok
         for i in range(args.rounds):
             spec = plan(rng)

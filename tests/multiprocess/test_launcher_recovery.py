@@ -14,12 +14,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-import runtime.cluster.events  # noqa: F401 - registers the multi-process events for decoding
 from runtime.cli.demo_multiprocess import run_group
-from runtime.cluster.config import Kill
-from runtime.cluster.events import GroupFormed, WorkerKilled
 from runtime.core.eventlog import read_events
-from runtime.core.events import RecoveryCompleted, StateRestored, StepCompleted, WorkerHung, WorkerLost
+from runtime.core.events import (
+    GroupFormed,
+    RecoveryCompleted,
+    StateRestored,
+    StepCompleted,
+    WorkerHung,
+    WorkerKilled,
+    WorkerLost,
+)
+from runtime.testing.grammar import Fault, parse_faults
 
 STEPS = 30
 NPROCS = 3
@@ -30,7 +36,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("reference")
-    result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, kills=[])
+    result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, faults=[])
     assert result.ok and result.step == STEPS and result.recoveries == []
     return run_dir / "final.npz"
 
@@ -70,7 +76,7 @@ def assert_no_committed_step_lost(events: list[Any]) -> None:
 
 
 def test_kill_9_a_worker_mid_run_reforms_in_process(tmp_path: Path, reference: Path) -> None:
-    result, events = run(tmp_path, kills=[Kill(10, 1)])
+    result, events = run(tmp_path, faults=[Fault("kill", 1, step=10)])
     assert result.ok and result.step == STEPS
     assert result.strategies == ["start", "reform"]
     assert result.survivor_restarts == 0
@@ -85,7 +91,7 @@ def test_kill_9_a_worker_mid_run_reforms_in_process(tmp_path: Path, reference: P
 
 
 def test_kill_9_process_0_which_would_host_the_coordination_service(tmp_path: Path, reference: Path) -> None:
-    result, events = run(tmp_path, kills=[Kill(10, 0)])
+    result, events = run(tmp_path, faults=[Fault("kill", 0, step=10)])
     assert result.ok and result.strategies == ["start", "reform"] and result.survivor_restarts == 0
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)
@@ -93,7 +99,7 @@ def test_kill_9_process_0_which_would_host_the_coordination_service(tmp_path: Pa
 
 def test_kill_mid_step_after_compute_before_commit(tmp_path: Path, reference: Path) -> None:
     # Process 2 computes step 12 and is killed -9 before committing it: that step must run again.
-    result, events = run(tmp_path, kills=[], worker_faults={2: "midstep@12"})
+    result, events = run(tmp_path, faults=parse_faults("die-midstep:2@12"))
     assert result.ok and result.strategies == ["start", "reform"]
     [restored] = [e for e in events if isinstance(e, StateRestored)]
     assert restored.step >= 11
@@ -103,7 +109,7 @@ def test_kill_mid_step_after_compute_before_commit(tmp_path: Path, reference: Pa
 
 def test_kill_mid_replica_file_write(tmp_path: Path, reference: Path) -> None:
     # Process 1 is killed -9 half-way through writing its /dev/shm replica of step 8.
-    result, events = run(tmp_path, kills=[], worker_faults={1: "replica@8"})
+    result, events = run(tmp_path, faults=parse_faults("die-writing-replica:1@8"))
     assert result.ok and result.strategies == ["start", "reform"]
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)
@@ -112,7 +118,7 @@ def test_kill_mid_replica_file_write(tmp_path: Path, reference: Path) -> None:
 def test_kill_during_recovery_falls_back_to_restart_from_shm(tmp_path: Path, reference: Path) -> None:
     # A second worker dies while the group re-forms: the members waiting for it are replaced as well and
     # the state comes from the /dev/shm replica files.
-    result, events = run(tmp_path, kills=[Kill(10, 1)], kill_during_recovery=2)
+    result, events = run(tmp_path, faults=parse_faults("kill:1@10,kill:2@forming"))
     assert result.ok and result.step == STEPS
     assert result.strategies[-1] == "restart"
     assert sum(1 for e in events if isinstance(e, WorkerKilled) and "fault injection" in e.reason) == 2
@@ -121,7 +127,7 @@ def test_kill_during_recovery_falls_back_to_restart_from_shm(tmp_path: Path, ref
 
 
 def test_two_failures_in_a_row(tmp_path: Path, reference: Path) -> None:
-    result, events = run(tmp_path, kills=[Kill(8, 1), Kill(16, 2)])
+    result, events = run(tmp_path, faults=[Fault("kill", 1, step=8), Fault("kill", 2, step=16)])
     assert result.ok and result.step == STEPS
     assert len(result.recoveries) == 2 and result.survivor_restarts == 0
     assert [e.generation for e in events if isinstance(e, GroupFormed)] == [1, 2, 3]
@@ -130,7 +136,7 @@ def test_two_failures_in_a_row(tmp_path: Path, reference: Path) -> None:
 
 
 def test_sigstop_hang_is_detected_and_the_worker_replaced(tmp_path: Path, reference: Path) -> None:
-    result, events = run(tmp_path, kills=[Kill(10, 1, "STOP")])
+    result, events = run(tmp_path, faults=[Fault("stop", 1, step=10)])
     assert result.ok and result.step == STEPS
     [hung] = [e for e in events if isinstance(e, WorkerHung)]
     assert "stopped" in hung.message
@@ -141,7 +147,7 @@ def test_sigstop_hang_is_detected_and_the_worker_replaced(tmp_path: Path, refere
 
 
 def test_forced_restart_strategy_restores_from_shm(tmp_path: Path, reference: Path) -> None:
-    result, events = run(tmp_path, kills=[Kill(10, 1)], strategy="restart")
+    result, events = run(tmp_path, faults=[Fault("kill", 1, step=10)], strategy="restart")
     assert result.ok and result.strategies == ["start", "restart"]
     assert result.survivor_restarts == NPROCS - 1
     [recovery] = result.recoveries
@@ -156,7 +162,7 @@ def test_shrink_to_min_nprocs_then_grow_back_at_a_step_boundary(tmp_path: Path, 
     # Steps slowed to 0.25 s so that the new process (2-5 s to import JAX here) is up before the run ends.
     result, events = run(
         tmp_path,
-        kills=[Kill(5, 1)],
+        faults=[Fault("kill", 1, step=5)],
         spares=0,
         min_nprocs=2,
         spawn_timeout_s=0.3,
@@ -177,7 +183,7 @@ def test_a_deadlocked_step_is_detected_as_a_hang(tmp_path: Path, reference: Path
     # Process 1's step 12 blocks forever while its heartbeat thread goes on: no progress. Its peers
     # wait in the collective and stop progressing too, so any of them may be judged hung first; whoever is
     # replaced, the group recovers with no committed step lost.
-    result, events = run(tmp_path, worker_faults={1: "hang@12"}, hang_timeout_s=2.0, kills=[])
+    result, events = run(tmp_path, faults=parse_faults("hang:1@12"), hang_timeout_s=2.0)
     assert result.ok and result.step == STEPS
     hung = [e for e in events if isinstance(e, WorkerHung)]
     # The hung worker stopped after computing step 12 (not committed: 11); its peers committed 12 and wait.
@@ -192,7 +198,7 @@ def test_an_ordinary_elastic_runtime_script_runs_under_the_launcher(tmp_path: Pa
     # worker. Same model and data as the reference, so the result is bitwise the same, kill included.
     script = Path(__file__).parents[2] / "examples" / "multiprocess_train.py"
     command = [sys.executable, str(script), "--steps", str(STEPS)]
-    result, events = run(tmp_path, kills=[Kill(10, 2)], command=command)
+    result, events = run(tmp_path, faults=[Fault("kill", 2, step=10)], command=command)
     assert result.ok and result.strategies == ["start", "reform"]
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)

@@ -11,11 +11,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-import runtime.cluster.events  # noqa: F401 - registers the multi-process events for decoding
-from runtime.cluster.config import Kill, LaunchConfig
-from runtime.cluster.events import MalformedHeartbeat
+from runtime.cluster.config import LaunchConfig
 from runtime.cluster.protocol import MAX_LINE, Heartbeat, Hello, MalformedMessage, decode_from_worker, encode
 from runtime.core.eventlog import read_events
+from runtime.core.events import MalformedHeartbeat
 from runtime.defaults import default_controller
 
 
@@ -28,13 +27,6 @@ def test_messages_round_trip_and_garbage_is_named() -> None:
         decode_from_worker(b'{"type": "Heartbeat", "worker": "three"}\n')
     with pytest.raises(MalformedMessage):
         decode_from_worker(b'{"type": "Form", "generation": 1}\n')  # wrong direction
-
-
-def test_kill_specs_parse() -> None:
-    assert Kill.parse("12") == Kill(12, 1, "KILL")
-    assert Kill.parse("12:0:stop") == Kill(12, 0, "STOP")
-    with pytest.raises(Exception, match="STEP"):
-        Kill.parse("x:1")
 
 
 async def _exchange(port: int) -> None:

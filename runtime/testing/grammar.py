@@ -1,0 +1,100 @@
+"""The one fault grammar of demos, ``launch``, workers and tests: comma-separated ``ACTION:TARGET@WHEN``.
+
+- Devices (single controller, :class:`~runtime.testing.faults.FaultInjector`): ``lose-slice``,
+  ``lose-device``, ``repair-slice``, ``repair-device``; TARGET a slice or device index, or ``random``; WHEN
+  a step, or seconds of training (``90s``).
+- Processes (the controller signals a worker, :mod:`runtime.testing.process_faults`): ``kill``, ``stop``,
+  ``term`` (SIGKILL, SIGSTOP, SIGTERM); TARGET a process id in the group; WHEN a step the group commits, or
+  ``forming``: while the next group forms after a failure.
+- Workers (a worker does it to itself at that exact point): ``die-midstep`` (computed, not committed),
+  ``die-writing-replica``, ``hang`` (a deadlock in the step); TARGET a process id in the first group; WHEN
+  a step.
+
+Examples: ``lose-slice:3@100,repair-slice:3@200``; ``kill:1@40``; ``kill:1@10,kill:2@forming``; ``hang:1@12``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = [
+    "DEVICE_ACTIONS",
+    "PROCESS_SIGNALS",
+    "WORKER_ACTIONS",
+    "Fault",
+    "format_faults",
+    "parse_faults",
+]
+
+DEVICE_ACTIONS = ("lose-slice", "lose-device", "repair-slice", "repair-device")
+PROCESS_SIGNALS = {"kill": "KILL", "stop": "STOP", "term": "TERM"}
+WORKER_ACTIONS = ("die-midstep", "die-writing-replica", "hang")
+FORMING = "forming"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """``action`` on ``target`` (-1: a random one) at a step, at seconds of training, or while a group forms."""
+
+    action: str
+    target: int
+    step: int | None = None
+    seconds: float | None = None  # of training, since the schedule was started
+    repeat_s: float | None = None  # applied again this many seconds later, and so on
+    forming: bool = False  # while the next group forms after a failure
+
+    def __str__(self) -> str:
+        target = "random" if self.target < 0 else str(self.target)
+        when = FORMING if self.forming else f"{self.step}" if self.step is not None else f"{self.seconds:g}s"
+        return f"{self.action}:{target}@{when}" + (f" (every {self.repeat_s:g}s)" if self.repeat_s else "")
+
+    @property
+    def kind(self) -> str:
+        """ "device", "process" or "worker": which of the three carries it out."""
+        if self.action in DEVICE_ACTIONS:
+            return "device"
+        return "process" if self.action in PROCESS_SIGNALS else "worker"
+
+    def due(self, step: int, elapsed: float = 0.0) -> bool:
+        return (self.step is not None and step >= self.step) or (self.seconds is not None and elapsed >= self.seconds)
+
+
+def parse_faults(text: str, *, kinds: Iterable[str] = ("device", "process", "worker")) -> list[Fault]:
+    """Parse the text form, accepting only actions of ``kinds``.
+
+    Raises:
+        ValueError: an item is wrong; the message names it and what was expected.
+    """
+    allowed = set(kinds)
+    actions = [a for kind, names in _ACTIONS.items() if kind in allowed for a in names]
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            head, when = item.split("@")
+            action, target = head.split(":")
+            if action not in actions:
+                raise ValueError(f"action must be one of {', '.join(actions)}")
+            index = -1 if target == "random" and action in DEVICE_ACTIONS else int(target)
+            if index < -1:
+                raise ValueError("target must be an index >= 0" + (" or 'random'" if action in DEVICE_ACTIONS else ""))
+            if when == FORMING and action in PROCESS_SIGNALS:
+                faults.append(Fault(action, index, forming=True))
+            elif when.endswith("s") and action in DEVICE_ACTIONS:
+                faults.append(Fault(action, index, seconds=float(when[:-1])))
+            else:
+                step = int(when)
+                if step < 0:
+                    raise ValueError("the step must be >= 0")
+                faults.append(Fault(action, index, step=step))
+        except ValueError as exc:
+            raise ValueError(f"fault schedule item {item!r}: {exc} (expected ACTION:TARGET@WHEN)") from exc
+    return faults
+
+
+def format_faults(faults: Iterable[Fault]) -> str:
+    """The text form of ``faults`` (what :func:`parse_faults` reads back)."""
+    return ",".join(str(fault) for fault in faults if fault.repeat_s is None)
+
+
+_ACTIONS = {"device": DEVICE_ACTIONS, "process": tuple(PROCESS_SIGNALS), "worker": WORKER_ACTIONS}

@@ -1,0 +1,98 @@
+"""Process and worker faults of the grammar (``runtime.testing.grammar``) for multi-process runs.
+
+The controller-side faults signal a member once the group commits a step, or while the next group forms
+after a failure; the worker-side ones make a worker die mid-step, die while writing its replica file, or
+hang in a step. Both plug into hooks the multi-process mode has for everyone: the controller's bus
+(``StepCompleted``, ``GroupForming``) and a worker's ``step_checks`` and replica-write listeners.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from runtime.core.bus import EventBus
+from runtime.core.events import GroupForming, StepCompleted
+from runtime.testing.grammar import PROCESS_SIGNALS, Fault, format_faults, parse_faults
+
+__all__ = ["ProcessFaults", "attach_worker_faults", "worker_faults_text"]
+
+
+class _Context(Protocol):
+    @property
+    def members(self) -> tuple[int, ...]: ...
+
+    def signal(self, worker: int, signal: str, reason: str) -> None: ...
+
+
+class ProcessFaults:
+    """The controller-side faults of a run: ``kill``, ``stop`` and ``term`` of a member by process id."""
+
+    def __init__(self, faults: Iterable[Fault]) -> None:
+        self.pending = [fault for fault in faults if fault.kind == "process"]
+
+    def attach(self, bus: EventBus) -> ProcessFaults:
+        """Subscribe to the controller's bus."""
+        bus.subscribe(StepCompleted, self.on_step)
+        bus.subscribe(GroupForming, self.on_forming)
+        return self
+
+    async def on_step(self, event: StepCompleted, ctx: _Context) -> None:
+        step = event.step or 0
+        for fault in [f for f in self.pending if not f.forming and f.due(step)]:
+            self.pending.remove(fault)
+            if fault.target < len(ctx.members):
+                ctx.signal(ctx.members[fault.target], PROCESS_SIGNALS[fault.action], f"fault injection: {fault}")
+
+    async def on_forming(self, event: GroupForming, ctx: _Context) -> None:
+        if event.strategy == "start":  # "forming" means a re-forming after a failure
+            return
+        for fault in [f for f in self.pending if f.forming]:
+            self.pending.remove(fault)
+            target = event.members[min(fault.target, len(event.members) - 1)]
+            ctx.signal(target, PROCESS_SIGNALS[fault.action], f"fault injection: {fault}")
+
+
+def worker_faults_text(faults: Iterable[Fault], process_id: int) -> str:
+    """The worker-side faults of ``process_id``, as the text a worker's ``Form`` carries."""
+    return format_faults(f for f in faults if f.kind == "worker" and f.target == process_id)
+
+
+class _Replicas(Protocol):
+    @property
+    def on_write(self) -> list[Callable[[int], None]]: ...
+
+
+class _Worker(Protocol):
+    @property
+    def step_checks(self) -> list[Callable[[int], None]]: ...
+
+    @property
+    def replicas(self) -> _Replicas: ...
+
+
+def attach_worker_faults(worker: _Worker, text: str) -> None:
+    """Make ``worker`` die or hang at the points ``text`` names (its own faults, from its ``Form``)."""
+    for fault in parse_faults(text, kinds=("worker",)):
+        if fault.action == "die-writing-replica":
+            worker.replicas.on_write.append(_at(fault.step, _die))
+        elif fault.action == "die-midstep":  # computed but not committed: the new state must not count
+            worker.step_checks.append(_at(fault.step, _die))
+        else:  # hang: a deadlock in the step; heartbeats go on, progress stops
+            worker.step_checks.append(_at(fault.step, lambda: threading.Event().wait()))
+
+
+def _at(step: int | None, act: Callable[[], object]) -> Callable[[int], None]:
+    def check(current: int) -> None:
+        if current == step:
+            act()
+
+    return check
+
+
+def _die() -> None:
+    """A real kill -9 of this process, at an exact point."""
+    os.kill(os.getpid(), signal.SIGKILL)
