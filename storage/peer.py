@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +28,17 @@ import jax
 import numpy as np
 
 from runtime.core.errors import SnapshotUnavailable
+from runtime.core.snapshot import HostSnapshot
 
 log = logging.getLogger(__name__)
 
 PyTree = Any
 
 
-@dataclass(frozen=True)
-class Replica:
-    """The state after ``step`` as host arrays, with the data position to resume exactly."""
-
-    step: int
-    data_position: int
-    tree: PyTree
+def replica(step: int, data_position: int, tree: PyTree) -> HostSnapshot:
+    """A worker's replica: the state after ``step`` as host arrays, with the data position to resume exactly."""
+    nbytes = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(tree))
+    return HostSnapshot(step=step, data_position=data_position, tree=tree, nbytes=nbytes, seconds=0.0, metadata={})
 
 
 def host_copy(tree: PyTree) -> PyTree:
@@ -103,25 +100,25 @@ class ReplicaFiles:
         self._lock = threading.Lock()
         self.on_write: list[Callable[[int], None]] = []  # called with the step mid-write, in the writer thread
 
-    def save(self, replica: Replica) -> None:
+    def save(self, snapshot: HostSnapshot) -> None:
         """Start writing ``replica``, after the previous write finished (so no committed step is skipped)."""
         self.wait()
         with self._lock:
-            self._pending = self._pool.submit(self._write, replica)
+            self._pending = self._pool.submit(self._write, snapshot)
 
-    def _write(self, replica: Replica) -> None:
+    def _write(self, snapshot: HostSnapshot) -> None:
         started = time.monotonic()
-        leaves = jax.tree.leaves(replica.tree)
-        meta = json.dumps({"step": replica.step, "data_position": replica.data_position, "leaves": len(leaves)})
+        leaves = jax.tree.leaves(snapshot.tree)
+        meta = json.dumps({"step": snapshot.step, "data_position": snapshot.data_position, "leaves": len(leaves)})
         tmp = self.path.with_suffix(f".tmp{os.getpid()}.npz")
         arrays: dict[str, Any] = {f"leaf{i}": leaf for i, leaf in enumerate(leaves)}
         with open(tmp, "wb") as f:
             np.savez(f, meta=np.frombuffer(meta.encode(), np.uint8), **arrays)
             f.flush()
             for hook in self.on_write:
-                hook(replica.step)
+                hook(snapshot.step)
         os.replace(tmp, self.path)  # atomic: readers see the old file or the new one, never half of one
-        log.debug("replica file step %d written in %.3f s", replica.step, time.monotonic() - started)
+        log.debug("replica file step %d written in %.3f s", snapshot.step, time.monotonic() - started)
 
     def wait(self) -> None:
         with self._lock:
@@ -132,14 +129,14 @@ class ReplicaFiles:
             except OSError as exc:  # a failed write leaves the previous file; training goes on
                 log.error("replica file write failed: %s", exc)
 
-    def newest(self, like: PyTree) -> Replica:
+    def newest(self, like: PyTree) -> HostSnapshot:
         """The newest readable replica in the directory (any process's file) with the structure of ``like``.
 
         Raises:
             SnapshotUnavailable: no file holds a usable replica.
         """
         leaves_like, treedef = jax.tree.flatten(like)
-        best: Replica | None = None
+        best: HostSnapshot | None = None
         for path in sorted(self.directory.glob("*.npz")):
             if ".tmp" in path.name:
                 continue  # a write that a kill interrupted
@@ -159,7 +156,7 @@ class ReplicaFiles:
             if not shapes_ok:
                 log.warning("replica file %s does not match the state's structure, skipped", path)
                 continue
-            best = Replica(meta["step"], meta["data_position"], jax.tree.unflatten(treedef, leaves))
+            best = replica(meta["step"], meta["data_position"], jax.tree.unflatten(treedef, leaves))
         if best is None:
             raise SnapshotUnavailable(f"no usable replica file in {self.directory}")
         return best

@@ -60,8 +60,9 @@ from runtime.cluster.protocol import (
 )
 from runtime.core.errors import SnapshotUnavailable
 from runtime.core.job import PyTree, TrainJob
+from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
-from storage.peer import Replica, ReplicaFiles, broadcast_state, host_copy
+from storage.peer import ReplicaFiles, broadcast_state, host_copy, replica
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class Worker:
         self.initialized = False
         self.step = 0  # newest committed step held on the devices (or in ``ram``)
         self.step_time_s: float | None = None
-        self.ram: Replica | None = None  # the RAM replica: host copy of the newest committed step
+        self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
         self.template: PyTree = job.init()
         self.mesh: Any = None
         self.compiled: Any = None
@@ -285,7 +286,7 @@ class Worker:
             tree, position = payload["tree"], int(payload["position"])
         self.state = self._place(tree, self.state_shardings)
         self.step = restore.step
-        self.ram = Replica(restore.step, position if restore.source >= 0 else 0, tree)
+        self.ram = replica(restore.step, position if restore.source >= 0 else 0, tree)
         jax.block_until_ready(self.state)
         self._heartbeat()
         return self.state, 0.0
@@ -324,7 +325,7 @@ class Worker:
             new_state, seconds = outcome
             self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
             position += 1
-            self.ram = Replica(self.step, position, host_copy(new_state))
+            self.ram = replica(self.step, position, host_copy(new_state))
             self.replicas.save(self.ram)
             self._heartbeat()
         self._finish(target)
