@@ -82,8 +82,8 @@ def _write_file(path: Path, data: bytes | memoryview) -> int:
 def fsync_all(paths: list[Path], *, workers: int = 16) -> None:
     """fsync files and directories concurrently.
 
-    One after another, each fsync waits for its own journal commit (about 5 ms on the ext4 here, so hundreds
-    of arrays would cost seconds); issued together, the file system folds them into a few group commits.
+    One after another, each fsync waits for its own journal commit (hundreds of arrays would cost seconds);
+    issued together, the file system folds them into a few group commits.
     """
 
     def sync(path: Path) -> None:

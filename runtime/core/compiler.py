@@ -135,7 +135,7 @@ class StepCompiler:
                 return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._state_abstract)
 
             # Compiled now, with the step: on a new mesh its first step needs fresh buffers, and a compile
-            # there would hold up the first step after a recovery (about 0.1 s on the demo).
+            # there would hold up the first step after a recovery.
             self._host_buffers[mesh_key(mesh)] = jax.jit(zeros, out_shardings=host).lower().compile()
         return jitted.lower(*args).compile()
 

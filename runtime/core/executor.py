@@ -499,7 +499,7 @@ class StepExecutor:
         copy_due = not compiler.host_copy and self.config.snapshot_every > 0 and self.cadence.due(step)
         if copy_due:  # a copy compiled here (a layout not prepared ahead) is no part of the copy's cost
             self.ram.prepare(state)
-        # An executable's first run warms it up (0.1-0.3 s on the demo): no measure of a step to plan by.
+        # An executable's first run warms it up: no measure of a step to plan by.
         measured, self._warm_mesh = mesh is self._warm_mesh, mesh
         dispatched = time.perf_counter()
         batch = jax.device_put(host_batch, compiler.batch_shardings(mesh))
@@ -512,7 +512,7 @@ class StepExecutor:
             new_state, metrics = compiled(state, batch)
             if copy_due:
                 # Queued now, right behind the step: copied after the next step was dispatched, it waited for
-                # that one too and emptied the pipeline (a whole step, where the copy itself is 0.5 ms).
+                # that one too and emptied the pipeline (a whole step, where the copy itself is far shorter).
                 host = self.ram.dispatch_copy(new_state, step=step)  # None: failed, reported as an event
                 if host is not None:  # one that could not be queued is tried again at the next step
                     self.cadence.taken(step)

@@ -38,8 +38,8 @@ class DeviceHealth:
         if not all(check(device.id) for check in self.checks):
             return False
         try:
-            # A transfer, not a computation: a computation is compiled once per device (0.4 s for 8 CPU
-            # devices, paid at every start), and a lost device fails a transfer as it fails a step.
+            # A transfer, not a computation: a computation is compiled once per device, paid at every start,
+            # and a lost device fails a transfer as it fails a step.
             echoed = int(np.asarray(jax.device_put(np.int32(1), device)))
         except jax.errors.JaxRuntimeError as exc:
             log.warning("device %s failed its health probe: %s", device.id, exc)

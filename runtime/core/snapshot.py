@@ -3,11 +3,11 @@
 The copy is made by XLA, not by Python: the state is placed in the devices' ``pinned_host`` memory, sharded
 so that each device writes a distinct piece and replicated data is copied once. The executor fuses that
 copy into the compiled step when it snapshots every step (on an accelerator a DMA overlapped with the step;
-on CPU devices a copy spread over the device threads, about 5% of the demo's step on 2 cores); otherwise a
-small compiled copy is queued on the devices right behind the due step (``dispatch_copy``, awaited with the
-step), or run on its own (``copy_to_host``, synchronous; ``capture``, which runs it in a background thread
-and commits when it completes). Copying in Python instead, shard by shard into numpy, cost
-1.5 ms a step on the demo model and competed with XLA for the cores.
+on CPU devices a copy spread over the device threads); otherwise a small compiled copy is queued on the
+devices right behind the due step (``dispatch_copy``, awaited with the step), or run on its own
+(``copy_to_host``, synchronous; ``capture``, which runs it in a background thread and commits when it
+completes). Copying in Python instead, shard by shard into numpy, was slower and competed with XLA for the
+cores (docs/benchmarks.md has the figures).
 
 A snapshot is committed only once its arrays are complete, so the committed one is always whole: a failed
 copy leaves the previous one in place. Host arrays are turned into numpy only when someone reads the
@@ -15,8 +15,8 @@ snapshot (a restore, a slower tier writing it out): most snapshots are replaced 
 overwritten: one handed to a reader stays valid for as long as the reader holds it.
 
 The copy fused into the step writes into the buffers of a snapshot that was replaced unread (``spare``):
-taking fresh host memory every step, while the committed snapshot is still held, cost about 4% of the
-demo's step on CPU. A snapshot becomes spare only once nothing references it and it was never read, so no
+taking fresh host memory every step, while the committed snapshot is still held, costs a measurable share
+of a small step. A snapshot becomes spare only once nothing references it and it was never read, so no
 reader can see its buffers change.
 """
 
