@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# A smaller model than the single-process demo: every worker holds all of it (see storage/peer.py).
+# A smaller model than the single-process demo: every worker holds all of it (see storage/replicas.py).
 FEATURES = 128
 HIDDEN = 512
 GLOBAL_BATCH = 96  # divides over 1, 2, 3, 4 and 6 processes

@@ -5,7 +5,7 @@ the controller through the environment (its address, this worker's id, where rep
 the wire (which group to form, which step to restore from whom).
 
 The layout: the ``data`` axis spans processes and the ``model`` axis the devices inside one process, so each
-process holds the whole state (see :mod:`storage.peer`). Every committed step is copied to host memory (the
+process holds the whole state (see :mod:`storage.replicas`). Every committed step is copied to host memory (the
 RAM replica) and, in the background, to a replica file in ``/dev/shm``.
 
 Re-forming in-process (measured on jax 0.10.2, CPU, gloo): when a peer is killed, a step blocked in a gloo
@@ -62,7 +62,7 @@ from runtime.core.errors import SnapshotUnavailable
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
-from storage.peer import ReplicaFiles, broadcast_state, host_copy, replica
+from storage.replicas import ReplicaFiles, broadcast_state, host_copy, replica
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def is_worker() -> bool:
     return ENV_CONTROLLER in os.environ
 
 
-class _Link:
+class ControllerLink:
     """The connection to the controller: a lock-protected sender and a reader thread feeding ``inbox``."""
 
     def __init__(self, address: str, timeout: float = 30.0) -> None:
@@ -112,7 +112,7 @@ class _Link:
 class Worker:
     """One worker process's state and loop. Build it with :func:`run_worker`."""
 
-    def __init__(self, job: TrainJob, steps: int, *, worker: int, link: _Link, replicas: ReplicaFiles) -> None:
+    def __init__(self, job: TrainJob, steps: int, *, worker: int, link: ControllerLink, replicas: ReplicaFiles) -> None:
         self.job = job
         self.target_steps = steps
         self.worker = worker
@@ -480,7 +480,7 @@ def run_worker(job: TrainJob, steps: int) -> NoReturn:
     code = 1
     replicas = ReplicaFiles(replica_dir, f"worker-{worker}")
     try:
-        link = _Link(os.environ[ENV_CONTROLLER])
+        link = ControllerLink(os.environ[ENV_CONTROLLER])
         code = Worker(job, steps, worker=worker, link=link, replicas=replicas).serve()
         replicas.wait()
     except Exception:

@@ -170,7 +170,7 @@ class StepExecutor:
         self._prefetched: tuple[int, Future[PyTree]] | None = None
         # The step left computing while the loop publishes a batch of events, and when the step before it
         # was complete; it is committed when the thread comes back, or before any command applies.
-        self._carried: tuple[_InFlight, float] | None = None
+        self._computing: tuple[_InFlight, float] | None = None
         self._warm_mesh: Mesh | None = None  # the mesh whose compiled step has run at least once
         self._hooked = 0  # the step whose boundary hooks have run
         self._inbox_send: MemoryObjectSendStream[Command]
@@ -220,8 +220,8 @@ class StepExecutor:
                     await self._run_steps(steps)
             await self._publish_from_threads()
         finally:
-            if self._carried is not None:  # the run was cancelled or broke while a step computed
-                _drain(self._carried[0])
+            if self._computing is not None:  # the run was cancelled or broke while a step computed
+                _drain(self._computing[0])
             self.ram.close()
             self._loader.shutdown(wait=True, cancel_futures=True)
         state = await anyio.to_thread.run_sync(jax.device_get, self.state)
@@ -272,8 +272,8 @@ class StepExecutor:
 
     async def _boundary(self) -> None:
         """Apply the commands handlers sent; wait for them while paused or recovering."""
-        if self._carried is not None and self._attention.is_set():
-            await self._run_steps(self._carried[0].step)  # a command applies to a committed step
+        if self._computing is not None and self._attention.is_set():
+            await self._run_steps(self._computing[0].step)  # a command applies to a committed step
         self._attention.clear()  # before draining: a command sent after this stops the next batch of steps
         while True:
             blocked = self.paused or (self.recovering and not self._resumed)
@@ -408,8 +408,8 @@ class StepExecutor:
         committing the step in flight.
         """
         deadline = time.perf_counter() + self.config.event_batch_s
-        flight, ready = self._carried or (None, 0.0)  # ready: when the previous step's results were complete
-        self._carried = None
+        flight, ready = self._computing or (None, 0.0)  # ready: when the previous step's results were complete
+        self._computing = None
         # A carried step that is already complete ended at some point while the loop had the events.
         ended_unseen = flight is not None and all(leaf.is_ready() for leaf in jax.tree.leaves(flight.new_state))
         while True:
@@ -440,7 +440,7 @@ class StepExecutor:
             if error is not None or following is None:
                 return error
             if flight is not None and time.perf_counter() >= deadline:  # a batch has at least one commit
-                self._carried = (following, ready)
+                self._computing = (following, ready)
                 return None
             flight = following
 

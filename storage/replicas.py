@@ -1,4 +1,4 @@
-"""Peer replicas for multi-process runs: a full host copy of the state in every worker, shared by broadcast.
+"""Replicas for multi-process runs: a full host copy of the state in every worker, shared by broadcast.
 
 In the multi-process layout the state is sharded over the devices *inside* a process and replicated across
 processes (the ``data`` axis spans processes), so every worker holds a complete copy: each is its
