@@ -13,9 +13,9 @@ import anyio
 from jax.sharding import Mesh
 
 from runtime.core.bus import Handler, Subscription
+from runtime.core.commands import Abort, Pause, Remesh, Restore, Resume
 from runtime.core.config import RuntimeConfig
 from runtime.core.events import Event, SaveCheckpoint
-from runtime.core.executor import Abort, Pause, Remesh, Restore, Resume
 from runtime.core.mesh import MeshPolicy, device_ids
 
 if TYPE_CHECKING:

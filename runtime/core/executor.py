@@ -16,7 +16,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, NoReturn
 
@@ -29,6 +28,7 @@ from jax.sharding import Mesh
 from runtime.core.bus import EventBus
 from runtime.core.cadence import SnapshotCadence
 from runtime.core.classify import classify
+from runtime.core.commands import Abort, Command, Pause, Remesh, Restore, Resume
 from runtime.core.compiler import StepCompiler
 from runtime.core.config import RuntimeConfig
 from runtime.core.errors import RecoveryError, SnapshotUnavailable, StepError
@@ -45,6 +45,7 @@ from runtime.core.events import (
 from runtime.core.health import DeviceHealth
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
+from runtime.core.prefetch import BatchPrefetcher
 from runtime.core.recovery import RecoveryTracker
 from runtime.core.restore import RestoreSource, restore_newest
 from runtime.core.snapshot import RamTier
@@ -53,38 +54,6 @@ log = logging.getLogger(__name__)
 
 BoundaryHook = Callable[[int], Awaitable[None] | None]
 StepCheck = Callable[[int, tuple[int, ...]], None]
-
-
-# --- commands sent by handlers through the context -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pause:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Resume:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Remesh:
-    mesh: Mesh
-    reason: str
-
-
-@dataclass(frozen=True)
-class Restore:
-    source: str
-
-
-@dataclass(frozen=True)
-class Abort:
-    reason: str
-
-
-Command = Pause | Resume | Remesh | Restore | Abort
 
 
 def _is_async(fn: Any) -> bool:
@@ -166,8 +135,7 @@ class StepExecutor:
         # Events raised in worker threads (steps, snapshot copies), published by the loop in order.
         self._from_threads: deque[Event] = deque()
         self._attention = threading.Event()  # set when a command waits: the step thread returns to the loop
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data-prefetch")
-        self._prefetched: tuple[int, Future[PyTree]] | None = None
+        self._batches = BatchPrefetcher(job.data)
         # The step left computing while the loop publishes a batch of events, and when the step before it
         # was complete; it is committed when the thread comes back, or before any command applies.
         self._computing: tuple[_InFlight, float] | None = None
@@ -223,7 +191,7 @@ class StepExecutor:
             if self._computing is not None:  # the run was cancelled or broke while a step computed
                 _drain(self._computing[0])
             self.ram.close()
-            self._loader.shutdown(wait=True, cancel_futures=True)
+            self._batches.close()
         state = await anyio.to_thread.run_sync(jax.device_get, self.state)
         return RunResult(
             state=state,
@@ -489,11 +457,11 @@ class StepExecutor:
         """
         assert self.compiler is not None
         loading = time.perf_counter()
-        host_batch = self._batch(position)
+        host_batch = self._batches.batch(position)
         data_s = time.perf_counter() - loading
         # The next batch loads from now on, through this step's dispatch and the previous one's commit: on CPU
         # devices the dispatch itself can take half a step, and a batch loaded only after it was often late.
-        self._prefetched = (position + 1, self._loader.submit(self.job.data.batch, position + 1))
+        self._batches.prefetch(position + 1)
         compiler = self.compiler
         compiled = compiler.get(mesh)
         copy_due = not compiler.host_copy and self.config.snapshot_every > 0 and self.cadence.due(step)
@@ -552,15 +520,6 @@ class StepExecutor:
             copy_s = max(extra, 0.0)
             seconds -= copy_s
         return _StepDone(flight.new_state, loss_value, seconds, flight.data_s, copy_s, host)
-
-    def _batch(self, position: int) -> PyTree:
-        """The batch at ``position``: the prefetched one if it is that position, else loaded now."""
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[0] == position:
-            return prefetched[1].result()  # a loading error surfaces here, in the step that needs it
-        if prefetched is not None:  # after a restore the position moved: drop it, one call at a time
-            wait([prefetched[1]])
-        return self.job.data.batch(position)
 
     def _snapshot_failed(self, step: int, exc: BaseException) -> None:
         reason = f"host copy failed: {type(exc).__name__}: {exc}"
