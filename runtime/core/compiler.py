@@ -112,12 +112,34 @@ class StepCompiler:
         return future.result()
 
     def _compile(self, mesh: Mesh) -> Any:
+        try:
+            return self._compile_on(mesh)
+        except Exception as exc:
+            if not self.host_copy:
+                raise
+            # An error in the user's step or specs surfaces through the fused copy's pinned_host shardings,
+            # which the user never wrote: compile the step alone, and report its own error if it has one.
+            try:
+                self._plain(mesh).lower(self._state_abstract, self._batch_abstract).compile()
+            except Exception as plain:
+                raise plain from exc
+            raise
+
+    def _plain(self, mesh: Mesh) -> Any:
+        """The user's step, jitted with its own shardings and nothing added."""
+        state_sharding = self.state_shardings(mesh)
+        inputs = (state_sharding, self.batch_shardings(mesh))
+        return jax.jit(
+            self.job.step, in_shardings=inputs, out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec()))
+        )
+
+    def _compile_on(self, mesh: Mesh) -> Any:
         state_sharding = self.state_shardings(mesh)
         inputs: tuple[Any, ...] = (state_sharding, self.batch_shardings(mesh))
         outputs: tuple[Any, ...] = (state_sharding, NamedSharding(mesh, PartitionSpec()))
         args: tuple[Any, ...] = (self._state_abstract, self._batch_abstract)
         if not self.host_copy:
-            jitted = jax.jit(self.job.step, in_shardings=inputs, out_shardings=outputs)
+            jitted = self._plain(mesh)
         else:
             host = self.host_shardings(mesh)
             step = _with_host_copy(self.job.step, state_sharding)

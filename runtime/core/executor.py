@@ -205,12 +205,19 @@ class StepExecutor:
     async def _start(self, steps: int) -> None:
         healthy = await anyio.to_thread.run_sync(self.health.healthy)
         mesh = self.policy.fit(healthy)
-        self._initial = self.job.init()
-        # Snapshotting every step, the copy to host memory is compiled into the step itself.
-        fused = self.config.snapshot_every == 1 and self.config.snapshot_mtbf_s is None
-        self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0), host_copy=fused)
-        self._set_mesh(mesh)
-        self.state = await anyio.to_thread.run_sync(self._place, self._initial, mesh)
+        try:
+            self._initial = self.job.init()
+            # Snapshotting every step, the copy to host memory is compiled into the step itself.
+            fused = self.config.snapshot_every == 1 and self.config.snapshot_mtbf_s is None
+            self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0), host_copy=fused)
+            self._set_mesh(mesh)
+            self.state = await anyio.to_thread.run_sync(self._place, self._initial, mesh)
+        except Exception as exc:  # the user's init, data or state specs: nothing ran, nothing to recover
+            event = StepFailed(step=0, source="executor", error_type=type(exc).__name__, message=str(exc))
+            await self.bus.publish(event)
+            raise StepError(
+                f"the job cannot start on mesh {mesh_shape(mesh)}: {event.error_type}: {event.message}", step=0
+            ) from exc
         await self.bus.publish(
             RunStarted(
                 step=0,

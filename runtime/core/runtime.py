@@ -20,6 +20,7 @@ from typing import Protocol, TypeVar
 
 import anyio
 import jax
+from jax.sharding import Mesh
 
 from runtime.core.bus import EventBus, Handler, Subscription
 from runtime.core.config import RuntimeConfig
@@ -29,7 +30,7 @@ from runtime.core.events import Event, RunFinished, ScaleUpAvailable
 from runtime.core.executor import BoundaryHook, RunResult, StepExecutor
 from runtime.core.health import DeviceHealth
 from runtime.core.job import TrainJob
-from runtime.core.mesh import MeshPolicy, device_ids
+from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
 
 log = logging.getLogger(__name__)
 
@@ -178,18 +179,31 @@ class Runtime:
 
     async def _precompile(self) -> None:
         """After each mesh change, compile the step (and its snapshot copy) for the meshes a next failure would
-        lead to."""
+        lead to.
+
+        A compile that fails here stops nothing: for the current mesh the step meets the same error and ends
+        the run with ``StepError``; a likely next mesh that cannot run the job is logged, and a failure that
+        leads to it meets the error then.
+        """
         async for mesh in self.executor.mesh_updates:
             compiler = self.executor.compiler
             if compiler is None:
                 continue
-            if not compiler.is_ready(mesh):
-                await anyio.to_thread.run_sync(self.executor.prepare, mesh)  # the executor needs it first
+            if not compiler.is_ready(mesh) and not await self._prepare(mesh):  # the executor needs it first
+                continue
             healthy = await anyio.to_thread.run_sync(self.health.healthy)
             for candidate in self.policy.likely_meshes(mesh, healthy):
                 if self.executor.mesh_updates.statistics().current_buffer_used:
                     break  # the mesh changed again: plan for the new one
-                await anyio.to_thread.run_sync(self.executor.prepare, candidate)
+                await self._prepare(candidate)
+
+    async def _prepare(self, mesh: Mesh) -> bool:
+        try:
+            await anyio.to_thread.run_sync(self.executor.prepare, mesh)
+        except Exception as exc:
+            log.warning("compiling ahead for mesh %s failed: %s: %s", mesh_shape(mesh), type(exc).__name__, exc)
+            return False
+        return True
 
     async def _watch_for_devices(self, interval: float) -> None:
         """Publish ScaleUpAvailable when healthy devices would allow a larger mesh than the current one."""
