@@ -12,6 +12,7 @@ import argparse
 import datetime
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -38,21 +39,28 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def open_tier(location: str) -> CheckpointTier:
-    """The tier that reads ``location``: GCS for ``gs://``, else a local directory."""
+    """The tier that reads ``location``: GCS for ``gs://``, else a local directory.
+
+    Raises:
+        StorageError: a local ``location`` that is not a directory (nothing is created to look into it).
+    """
     if location.startswith("gs://"):
         from storage.gcs import GcsTier
 
         return GcsTier(location)
+    from runtime.core.errors import StorageError
     from storage.disk import DiskTier
 
+    if not Path(location).is_dir():
+        raise StorageError(f"{location}: no such directory")
     return DiskTier(location)
 
 
 def list_command(args: argparse.Namespace) -> int:
     from runtime.core.errors import StorageError
 
-    tier = open_tier(args.location)
     try:
+        tier = open_tier(args.location)
         infos = tier.list(timeout=args.timeout)
     except StorageError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -75,8 +83,8 @@ def list_command(args: argparse.Namespace) -> int:
 def verify_command(args: argparse.Namespace) -> int:
     from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 
-    tier = open_tier(args.location)
     try:
+        tier = open_tier(args.location)
         steps = [args.step] if args.step is not None else [i.step for i in tier.list(timeout=args.timeout)]
     except StorageError as exc:
         print(f"error: {exc}", file=sys.stderr)

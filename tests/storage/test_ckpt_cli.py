@@ -55,3 +55,13 @@ def test_console_script_exit_status(tmp_path: Path) -> None:
     )
     assert done.returncode == 1, done.stderr
     assert "_METADATA" in done.stdout
+
+
+@pytest.mark.parametrize("action", ["list", "verify"])
+def test_a_missing_directory_exits_2_and_is_not_created(
+    tmp_path: Path, action: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-such-run" / "checkpoints"
+    assert main(["checkpoints", action, str(missing)]) == 2
+    assert f"{missing}: no such directory" in capsys.readouterr().err
+    assert not missing.exists()
