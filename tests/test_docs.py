@@ -22,7 +22,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
         "MalformedHeartbeat", "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt", "MalformedNotice",
         "RecoveryFailed",
     ]),
-    ("Conditions", ev, ["Straggler"]),
+    ("Conditions", ev, ["Straggler", "MeshReduced"]),
     ("Maintenance notices (all derive from `Notice`)", ev, [
         "Notice", "MaintenanceScheduled", "MaintenanceStarted", "MaintenanceCompleted", "Preempted", "HostError",
     ]),

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from runtime import ElasticRuntime, MeshReduced, RunStarted, RuntimeConfig, read_events
 from runtime.core.compiler import shardings_for
 from runtime.core.errors import ConfigError, MeshUnavailable
 from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
+from runtime.testing.demo_model import demo_job
 
 
 def devices(ids: list[int]) -> list[jax.Device]:
@@ -96,3 +100,15 @@ def test_state_reshards_onto_a_smaller_mesh_unchanged() -> None:
         assert isinstance(on_small[key].sharding, NamedSharding)
         assert on_small[key].sharding.mesh.devices.size == 6
         np.testing.assert_array_equal(np.asarray(on_small[key]), host[key])
+
+
+def test_a_run_that_starts_below_the_policys_shape_says_so(tmp_path: Path) -> None:
+    config = RuntimeConfig(run_dir=str(tmp_path), precompile=False, scale_up_poll_s=None)
+    policy = MeshPolicy({"data": 4, "model": 4}, global_batch=24)  # 16 devices asked for, 8 there
+    ElasticRuntime(demo_job(global_batch=24, features=16, hidden=64), config=config, mesh_policy=policy).run(2)
+    events = read_events(tmp_path / "events.jsonl")
+    reduced = [e for e in events if isinstance(e, MeshReduced)]
+    assert len(reduced) == 1
+    assert reduced[0].target_shape == {"data": 4, "model": 4} and reduced[0].mesh_shape == {"data": 2, "model": 4}
+    started = next(e for e in events if isinstance(e, RunStarted))
+    assert started.mesh_shape == reduced[0].mesh_shape

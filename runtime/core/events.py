@@ -32,6 +32,7 @@ __all__ = [
     "MalformedHeartbeat",
     "MalformedNotice",
     "MeshChanged",
+    "MeshReduced",
     "Notice",
     "Preempted",
     "ProcessLost",
@@ -163,6 +164,14 @@ class Straggler(Event, frozen=True, kw_only=True):
     worker: int
     step_time_s: float
     group_median_s: float
+
+
+class MeshReduced(Event, frozen=True, kw_only=True):
+    """The run starts on ``mesh_shape``, smaller than the policy's ``target_shape``: too few healthy devices."""
+
+    target_shape: dict[str, int]
+    mesh_shape: dict[str, int]
+    devices: tuple[int, ...]
 
 
 class MalformedHeartbeat(Failure, frozen=True, kw_only=True):

@@ -36,6 +36,7 @@ from runtime.core.events import (
     CheckpointFailed,
     Event,
     MeshChanged,
+    MeshReduced,
     RecoveryFailed,
     RunStarted,
     StateRestored,
@@ -205,6 +206,16 @@ class StepExecutor:
     async def _start(self, steps: int) -> None:
         healthy = await anyio.to_thread.run_sync(self.health.healthy)
         mesh = self.policy.fit(healthy)
+        if mesh_shape(mesh) != self.policy.target_shape:
+            log.warning("starting on mesh %s, smaller than the policy's %s", mesh_shape(mesh), self.policy.target_shape)
+            await self.bus.publish(
+                MeshReduced(
+                    source="executor",
+                    target_shape=self.policy.target_shape,
+                    mesh_shape=mesh_shape(mesh),
+                    devices=device_ids(mesh),
+                )
+            )
         try:
             self._initial = self.job.init()
             # Snapshotting every step, the copy to host memory is compiled into the step itself.
