@@ -405,9 +405,10 @@ class TieredCheckpointer:
 
     # --- restore ---------------------------------------------------------------------------------------
 
-    def _on_corrupt(self, tier: str, exc: CheckpointInvalid) -> None:
+    def _on_corrupt(self, tier: str, step: int, exc: CheckpointInvalid) -> None:
         self._emit(
             CheckpointCorrupt(
+                step=step,
                 source=_SOURCE,
                 tier=tier,
                 path=exc.path,

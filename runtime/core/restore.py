@@ -15,7 +15,7 @@ __all__ = ["CorruptionListener", "RestoreSource", "restore_newest"]
 log = logging.getLogger(__name__)
 
 PyTree = Any
-CorruptionListener = Callable[[str, CheckpointInvalid], None]  # (source name, what failed verification)
+CorruptionListener = Callable[[str, int, CheckpointInvalid], None]  # (source name, step, what failed)
 
 
 class RestoreSource(Protocol):
@@ -62,7 +62,7 @@ def restore_newest(
             except CheckpointInvalid as exc:
                 problems.append(f"{source.name} step {step}: {exc}")
                 for listener in source.corruption_listeners:
-                    listener(source.name, exc)
+                    listener(source.name, step, exc)
             except (SnapshotUnavailable, StorageError) as exc:
                 problems.append(f"{source.name} step {step}: {exc}")
     names = ", ".join(s.name for s in sources) or "no source"

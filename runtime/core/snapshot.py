@@ -126,7 +126,7 @@ class RamTier:
     def __init__(self) -> None:
         self.listeners: list[Callable[[HostSnapshot], None]] = []
         self.failure_listeners: list[Callable[[int, BaseException], None]] = []
-        self.corruption_listeners: list[Callable[[str, CheckpointInvalid], None]] = []  # host memory: never
+        self.corruption_listeners: list[Callable[[str, int, CheckpointInvalid], None]] = []  # host memory: never
         self._lock = threading.Lock()
         self._committed: HostSnapshot | None = None
         self._copies: dict[Any, Any] = {}  # (tree structure, host shardings) -> the compiled copy

@@ -212,7 +212,7 @@ def test_newest_verified_step_across_tiers(tmp_path: Path, gcs_uri: str) -> None
     tier, snap = checkpointer.restore_latest(like)
     assert (tier, snap.step) == ("gcs", 10)  # same step from the slower tier beats an older one
     corrupt = [e for e in checkpointer.take_events() if isinstance(e, CheckpointCorrupt)]
-    assert len(corrupt) == 1 and corrupt[0].tier == "disk" and bad in corrupt[0].path
+    assert len(corrupt) == 1 and corrupt[0].tier == "disk" and bad in corrupt[0].path and corrupt[0].step == 10
     gcs.delete(10, timeout=10)
     disk.save(snapshot(7), timeout=30)
     tier, snap = checkpointer.restore_latest(like)

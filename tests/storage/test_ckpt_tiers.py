@@ -99,7 +99,7 @@ def test_damage_is_detected_never_loaded(
     with pytest.raises(CheckpointInvalid):
         t.restore(2, small_state(0), timeout=60)
     reported: list[tuple[str, CheckpointInvalid]] = []
-    t.corruption_listeners.append(lambda name, exc: reported.append((name, exc)))
+    t.corruption_listeners.append(lambda name, step, exc: reported.append((name, exc)))
     fallback = t.latest(small_state(0))
     assert fallback.step == 1
     same(fallback.tree, small_state(1))

@@ -49,11 +49,11 @@ def test_a_corrupt_checkpoint_is_reported_and_the_same_step_comes_from_a_slower_
         tier.save(snapshot(9), timeout=30)
     victim = next(p for p in shm.path_of(9).rglob("*") if p.is_file() and p.stat().st_size > 1000)  # an array
     victim.write_bytes(victim.read_bytes()[:-5])
-    reported: list[tuple[str, CheckpointInvalid]] = []
-    shm.corruption_listeners.append(lambda name, exc: reported.append((name, exc)))
+    reported: list[tuple[str, int, CheckpointInvalid]] = []
+    shm.corruption_listeners.append(lambda name, step, exc: reported.append((name, step, exc)))
     source, restored = restore_newest([shm, disk], timeout=30)
     assert (source.name, restored.step) == ("disk", 9)
-    assert [name for name, _ in reported] == ["shm"]
+    assert [(name, step) for name, step, _ in reported] == [("shm", 9)]
 
 
 def test_nothing_restorable_names_every_tier(tmp_path: Path) -> None:
