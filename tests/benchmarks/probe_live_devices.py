@@ -2,12 +2,13 @@
 
 Not collected by pytest. 3 processes x 2 CPU devices join with ``jax.distributed.initialize`` (recoverability
 on, JAX's heartbeat timeout 3 s) and loop over ``with live_devices(all devices) as live:`` around a jitted
-sum over an array sharded on the live devices. Once every process has run ``--warm`` steps, process 2 is
+sum over an array sharded on the live devices. Once every process has run ``--warm`` steps, ``--victim`` is
 killed with SIGKILL. For each survivor it reports whether the loop raised ``ProcessFailureError`` (and how
-long after the kill), and whether, and how long after the kill, it then ran a step on the 4 live devices
-without re-forming. ``--wait`` bounds the wait (a survivor that never reports is "hung").
+long after the kill), whether, and how long after the kill, it then ran a step on the 4 live devices
+without re-forming, or whether JAX ended it. ``--wait`` bounds the wait (a survivor that never reports is
+"hung"). ``--victim 0`` kills the process that hosts JAX's coordination service.
 
-    .venv-latest/bin/python tests/benchmarks/probe_live_devices.py [--trials 2] [--wait 40]
+    .venv-latest/bin/python tests/benchmarks/probe_live_devices.py [--trials 3] [--wait 30] [--victim 2]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-NPROCS, LOCAL_DEVICES, VICTIM = 3, 2, 2
+NPROCS, LOCAL_DEVICES = 3, 2
 
 
 def child(process_id: int, port: int) -> None:
@@ -71,7 +72,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def trial(warm: int, wait: float) -> dict[str, Any]:
+def trial(warm: int, wait: float, victim: int) -> dict[str, Any]:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [
@@ -91,7 +92,7 @@ def trial(warm: int, wait: float) -> dict[str, Any]:
     steps = [0] * NPROCS
     killed_at: float | None = None
     steps_at_kill: list[int] = []
-    found: dict[int, dict[str, Any]] = {i: {} for i in range(NPROCS) if i != VICTIM}
+    found: dict[int, dict[str, Any]] = {i: {} for i in range(NPROCS) if i != victim}
     deadline = time.time() + 120
     try:
         while time.time() < deadline:
@@ -99,12 +100,15 @@ def trial(warm: int, wait: float) -> dict[str, Any]:
                 line = key.fileobj.readline()  # type: ignore[union-attr]
                 if not line:
                     sel.unregister(key.fileobj)
+                    if killed_at is not None and key.data != victim:  # JAX ended a survivor
+                        code = procs[key.data].wait()
+                        found[key.data].update(exited_after_s=round(time.time() - killed_at, 3), exit_code=code)
                     continue
                 if not line.startswith("{"):
                     continue  # not one of ours (a library printing to stdout)
                 record, i = json.loads(line), key.data
                 steps[i] = record["step"]
-                if killed_at is None or i == VICTIM:
+                if killed_at is None or i == victim:
                     continue
                 after = round(record["t"] - killed_at, 3)
                 if record["event"] in ("raised", "error") and "raised_after_s" not in found[i]:
@@ -113,9 +117,9 @@ def trial(warm: int, wait: float) -> dict[str, Any]:
                     found[i].setdefault("resumed_after_s", after)
             if killed_at is None and min(steps) >= warm:
                 killed_at, steps_at_kill = time.time(), list(steps)
-                procs[VICTIM].send_signal(signal.SIGKILL)
+                procs[victim].send_signal(signal.SIGKILL)
                 deadline = killed_at + wait
-            if killed_at is not None and all("resumed_after_s" in f for f in found.values()):
+            if killed_at is not None and all("resumed_after_s" in f or "exit_code" in f for f in found.values()):
                 break
     finally:
         for proc in procs:
@@ -126,9 +130,10 @@ def trial(warm: int, wait: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--warm", type=int, default=20, help="steps every process runs before the kill")
-    parser.add_argument("--wait", type=float, default=40.0, help="seconds to wait for the survivors after it")
+    parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the survivors after it")
+    parser.add_argument("--victim", type=int, default=2, help="the process killed (0 hosts JAX's service)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -137,7 +142,7 @@ def main() -> None:
         return
     import jax
 
-    results = [trial(args.warm, args.wait) for _ in range(args.trials)]
+    results = [trial(args.warm, args.wait, args.victim) for _ in range(args.trials)]
     resumed = [s["resumed_after_s"] for r in results for s in r["survivors"].values() if "resumed_after_s" in s]
     survivors = sum(len(r["survivors"]) for r in results)
     print(json.dumps({"jax": jax.__version__, "python": sys.version.split()[0], "trials": results}, indent=1))
