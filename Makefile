@@ -1,16 +1,31 @@
 # Quick start: `make demo` and `make test`. Both set up .venv on first use.
+# `make test-latest` tests the other end of the supported range in .venv-latest: the newest Python 3 that
+# pyenv has (3.13) with the newest jax, jaxlib and orbax-checkpoint that pyproject.toml admits.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LATEST_PYTHON_VERSION ?= 3.13.0
+LATEST := .venv-latest
+LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test lint bench clean chaos
+.PHONY: demo test test-latest lint bench clean chaos
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints/default.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints/default.txt -e '.[dev]'
 	touch $(STAMP)
+
+$(LATEST_STAMP): pyproject.toml
+	test -x $(LATEST)/bin/python || { py="$$(.ci/latest-python $(LATEST_PYTHON_VERSION))" && "$$py" -m venv $(LATEST); }
+	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[dev]' \
+		jax jaxlib orbax-checkpoint
+	$(LATEST)/bin/python -c 'import sys, jax, jaxlib, orbax.checkpoint as o; \
+		print("latest env: Python", sys.version.split()[0], "jax", jax.__version__, "jaxlib", \
+		jaxlib.__version__, "orbax-checkpoint", o.__version__)'
+	touch $(LATEST_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/elastic-runtime demo
@@ -24,6 +39,10 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest
 
+# Lint and mypy run once, in `make test`; this runs the suite only.
+test-latest: $(LATEST_STAMP)
+	$(LATEST)/bin/pytest
+
 bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/run_all.py
 
@@ -32,4 +51,4 @@ chaos: $(STAMP)
 	$(BIN)/python tests/multiprocess/chaos.py --rounds $(or $(ROUNDS),10)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) runs .pytest_cache .mypy_cache .ruff_cache

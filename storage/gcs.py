@@ -33,6 +33,7 @@ from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential_jitter
 
+from runtime.compat import cloud_storage as cloud_storage_compat
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.snapshot import HostSnapshot
 from storage import manifest as mf
@@ -268,7 +269,7 @@ class GcsTier:
             deadline,
             lambda: blob.create_resumable_upload_session(size=size, timeout=self._timeout(deadline), retry=None),
         )
-        http = self.client._http  # the client's authorized session
+        http = cloud_storage_compat.authorized_session(self.client)
         state: dict[str, Any] = {"offset": 0, "resync": False, "done": None}
 
         def query() -> None:

@@ -23,10 +23,10 @@ import google_crc32c
 import jax
 import numpy as np
 
+from runtime.compat import orbax as orbax_compat
 from storage.manifest import FileEntry, KeyPart, key_of
 
 PyTree = Any
-_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 _WRITE_CHUNK = 64 << 20
 # Dtypes whose zarr v2 spelling is numpy's own type string; JAX's extra types are spelled by name.
 _PLAIN_KINDS = frozenset("biufc")
@@ -157,7 +157,7 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
     }
     now = time.time_ns()
     checkpoint_metadata = {
-        "item_handlers": _HANDLER,
+        "item_handlers": orbax_compat.pytree_handler_name(),
         "metrics": {},
         "performance_metrics": {},
         "init_timestamp_nsecs": now,

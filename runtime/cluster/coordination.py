@@ -23,9 +23,9 @@ def start_coordination_service(port: int, num_processes: int, *, heartbeat_timeo
     error and terminate). Hosted by the controller, which is never restarted, it outlives any worker.
     ``recoverable``: a task that disappears is not an error for the others.
     """
-    from jax._src.lib import _jax
+    from runtime.compat import jax as jax_compat
 
-    return _jax.get_distributed_runtime_service(
+    return jax_compat.distributed_runtime_service(
         f"127.0.0.1:{port}",
         num_processes,
         heartbeat_timeout=heartbeat_timeout_s,

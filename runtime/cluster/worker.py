@@ -401,15 +401,14 @@ def _join_group(form: Form) -> None:
     is then killed every survivor's coordination client polls an error and terminates its process (and a
     Python error callback cannot stand in: jaxlib 0.10.2 aborts casting its status). With the service in
     the never-restarted controller, any worker, process 0 included, can die without taking the others down.
-    This uses the same private entry points ``initialize`` uses, as narrowly as possible.
+    This uses the same private entry points ``initialize`` uses, through :mod:`runtime.compat.jax`.
     """
-    from jax._src import distributed
-    from jax._src.lib import _jax
+    from runtime.compat import jax as jax_compat
 
-    state = distributed.global_state
+    state = jax_compat.distributed_state()
     if state.client is not None:
         raise RuntimeError("jax.distributed is already initialized in this process")
-    client = _jax.get_distributed_runtime_client(
+    client = jax_compat.distributed_runtime_client(
         form.coordinator,
         form.process_id,
         init_timeout=int(os.environ.get(ENV_JAX_INIT_S, "60")),
@@ -428,9 +427,9 @@ def _join_group(form: Form) -> None:
 
 def _leave_group() -> None:
     """Disconnect from the old group's service (still up in the controller, so this returns at once)."""
-    from jax._src import distributed
+    from runtime.compat import jax as jax_compat
 
-    state = distributed.global_state
+    state = jax_compat.distributed_state()
     client, state.client = state.client, None
     if client is not None:
         try:

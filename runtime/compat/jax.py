@@ -1,0 +1,110 @@
+"""The private JAX and jaxlib entry points elastic-runtime uses, each checked on use.
+
+The multi-process mode hosts each generation's coordination service in the controller and connects the
+workers to it itself, because ``jax.distributed.initialize`` would host it in process 0 (whose loss then
+ends every survivor) and passes no ``shutdown_timeout`` to the client. No public API does this in jax 0.10
+to 0.12: ``jax.distributed`` exports only ``initialize``, ``is_initialized`` and ``shutdown``, so this
+module reaches, as ``initialize`` itself does, into ``jax._src.distributed.global_state`` and jaxlib's
+``get_distributed_runtime_client`` and ``get_distributed_runtime_service``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from runtime.compat.errors import incompatible
+
+SUPPORTED = "0.10-0.12"
+_STATE_FIELDS = ("client", "coordinator_address", "process_id", "num_processes")
+
+
+def _private(module: str, path: str, distribution: str = "jax") -> Any:
+    """``module`` imported, then the dotted attribute ``path`` looked up on it."""
+    where = f"{module}.{path}"
+    try:
+        found: Any = importlib.import_module(module)
+    except ImportError as exc:
+        raise incompatible(distribution, where, f"cannot be imported ({exc})", SUPPORTED) from exc
+    for name in path.split("."):
+        if not hasattr(found, name):
+            raise incompatible(distribution, where, "is missing", SUPPORTED)
+        found = getattr(found, name)
+    return found
+
+
+def _call(distribution: str, where: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return function(*args, **kwargs)
+    except TypeError as exc:  # nanobind's "incompatible function arguments": the signature changed
+        raise incompatible(distribution, where, f"changed its arguments ({exc})", SUPPORTED) from exc
+
+
+def distributed_state() -> Any:
+    """JAX's process-wide distributed state (``jax._src.distributed.global_state``).
+
+    The worker sets ``client``, ``coordinator_address``, ``process_id`` and ``num_processes`` on it, as
+    ``jax.distributed.initialize`` does, so that ``jax.devices()`` and ``multihost_utils`` see the group.
+
+    Raises:
+        IncompatibleVersion: the state object, or one of those fields, is gone.
+    """
+    state = _private("jax._src.distributed", "global_state")
+    for field in _STATE_FIELDS:
+        if not hasattr(state, field):
+            raise incompatible("jax", f"jax._src.distributed.global_state.{field}", "is missing", SUPPORTED)
+    return state
+
+
+def distributed_runtime_client(
+    coordinator: str,
+    process_id: int,
+    *,
+    init_timeout: int,
+    use_compression: bool,
+    heartbeat_timeout: int,
+    shutdown_timeout: int,
+) -> Any:
+    """A coordination-service client for ``process_id``, not yet connected (jaxlib's
+    ``_jax.get_distributed_runtime_client``, which ``jax.distributed.initialize`` calls). Timeouts in seconds.
+
+    Raises:
+        IncompatibleVersion: the function is gone or no longer takes these arguments.
+    """
+    where = "jax._src.lib._jax.get_distributed_runtime_client"
+    function = _private("jax._src.lib", "_jax.get_distributed_runtime_client", "jaxlib")
+    return _call(
+        "jaxlib",
+        where,
+        function,
+        coordinator,
+        process_id,
+        init_timeout=init_timeout,
+        use_compression=use_compression,
+        heartbeat_timeout=heartbeat_timeout,
+        shutdown_timeout=shutdown_timeout,
+    )
+
+
+def distributed_runtime_service(
+    address: str, num_processes: int, *, heartbeat_timeout: int, shutdown_timeout: int, recoverable: bool
+) -> Any:
+    """A running coordination service on ``address`` for ``num_processes`` tasks (jaxlib's
+    ``_jax.get_distributed_runtime_service``, which ``jax.distributed.initialize`` calls in process 0).
+    Timeouts in seconds; ``recoverable``: a task that disappears is not an error for the others.
+
+    Raises:
+        IncompatibleVersion: the function is gone or no longer takes these arguments.
+    """
+    where = "jax._src.lib._jax.get_distributed_runtime_service"
+    function = _private("jax._src.lib", "_jax.get_distributed_runtime_service", "jaxlib")
+    return _call(
+        "jaxlib",
+        where,
+        function,
+        address,
+        num_processes,
+        heartbeat_timeout=heartbeat_timeout,
+        shutdown_timeout=shutdown_timeout,
+        recoverable=recoverable,
+    )
