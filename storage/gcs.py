@@ -1,14 +1,20 @@
 """The GCS tier: committed disk checkpoints copied to a bucket, for the loss of the whole machine.
 
 Layout mirrors the disk tier under a prefix: ``gs://BUCKET/PREFIX/step_0000000120/state/...`` and
-``.../step_0000000120/manifest.json``. Upload: every data file first, in parallel (files above
-``chunk_size`` go as resumable uploads), each checked against the manifest's CRC32C as the server computed
-it; the manifest object last. A reader lists only steps whose manifest object exists, so an upload cut off at
-any point (a killed process, a lost network) is invisible. GCS generation preconditions are not relied on.
+``.../step_0000000120/manifest.json``. Upload: every data file first, in parallel, each checked against the
+manifest's CRC32C as the server computed it; the manifest object last. A reader lists only steps whose manifest
+object exists, so an upload cut off at any point (a killed process, a lost network) is invisible. GCS
+generation preconditions are not relied on.
 
-Every request carries a timeout and is retried with tenacity on 429, 5xx, timeouts and broken connections,
-with jittered exponential backoff, within the caller's deadline. Google Cloud errors are converted to
-:class:`~runtime.core.errors.StorageError` and :class:`~runtime.core.errors.CheckpointInvalid` here, at the adapter.
+google-cloud-storage does the transfers and the retries: each request carries a timeout and a
+:class:`RequestRetry`, api_core's ``Retry`` on 408, 429, 5xx, timeouts and broken connections, with jittered
+exponential backoff, at most ``max_attempts`` attempts of one request, within the caller's deadline. It is
+passed explicitly because the library's default retries an upload only under a generation precondition.
+Restores go through ``transfer_manager.download_many``. One part is our own: files above ``chunk_size`` go
+over a resumable session that, after a failed piece, asks the server how much it holds
+(:meth:`GcsTier._upload_resumable` says why the library's cannot). Google Cloud errors are converted to
+:class:`~runtime.core.errors.StorageError` and :class:`~runtime.core.errors.CheckpointInvalid` here, at the
+adapter.
 """
 
 from __future__ import annotations
@@ -17,21 +23,23 @@ import base64
 import contextlib
 import functools
 import http.client
+import itertools
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 import requests
 from google.api_core import exceptions as api_exceptions
+from google.api_core.retry import Retry
 from google.cloud import storage
+from google.cloud.storage import transfer_manager
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential_jitter
 
 from runtime.compat import cloud_storage as cloud_storage_compat
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
@@ -74,6 +82,35 @@ def is_retryable(exc: BaseException) -> bool:
     return cause is not None and cause is not exc and is_retryable(cause)
 
 
+def _is_retryable_download(exc: BaseException) -> bool:
+    # The library resumes a repeated download after the bytes it already holds, so damaged bytes are not cured
+    # by repeating the request: the whole file is downloaded again instead (GcsTier._download_many).
+    return not isinstance(exc, DataCorruption) and is_retryable(exc)
+
+
+class RequestRetry(Retry):
+    """api_core's ``Retry`` that also gives up after ``max_attempts`` attempts of one request.
+
+    The library wraps each request it makes (one piece of a resumable upload, one page of a listing, one
+    download) in ``retry(func)``; every wrapped call counts its own attempts, as it keeps its own timeout.
+    """
+
+    max_attempts = 0  # 0: only the timeout bounds the attempts
+
+    def __call__(self, func: Callable[..., T], on_error: Callable[[Exception], Any] | None = None) -> Callable[..., T]:
+        if not self.max_attempts:
+            return super().__call__(func, on_error)
+        retryable, limit = self._predicate, self.max_attempts
+
+        @functools.wraps(func)
+        def attempts_bounded(*args: Any, **kwargs: Any) -> T:
+            failures = itertools.count(1)
+            one = self.with_predicate(lambda exc: retryable(exc) and next(failures) < limit)
+            return one(func, on_error)(*args, **kwargs)
+
+        return attempts_bounded
+
+
 def parse_gs_uri(uri: str) -> tuple[str, str]:
     """``gs://bucket/some/prefix`` -> ("bucket", "some/prefix"). Raises ValueError for anything else."""
     if not uri.startswith("gs://"):
@@ -110,8 +147,9 @@ class GcsTier:
             its own.
         request_timeout_s: per-request read timeout (connect timeout is the smaller of it and 10 s).
         max_attempts: attempts per request before its error is final.
+        backoff_s: the first retry's longest wait; each later one may wait twice as long, up to 4 s (tests
+            pass 0, which never waits).
         staging_dir: where a restore downloads to before verifying and loading (default: the system temp dir).
-        sleep: the backoff's sleep (tests inject one that does not wait).
     """
 
     def __init__(
@@ -124,8 +162,8 @@ class GcsTier:
         chunk_size: int = 32 << 20,
         request_timeout_s: float = 60.0,
         max_attempts: int = 10,
+        backoff_s: float = 0.1,
         staging_dir: str | os.PathLike[str] | None = None,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.bucket_name, self.prefix = parse_gs_uri(uri)
         self.uri = f"gs://{self.bucket_name}/{self.prefix}".rstrip("/")
@@ -135,9 +173,9 @@ class GcsTier:
         self.chunk_size = max(256 << 10, chunk_size // (256 << 10) * (256 << 10))
         self.request_timeout_s = request_timeout_s
         self.max_attempts = max(1, max_attempts)
+        self.backoff_s = max(0.0, backoff_s)
         self.staging_dir = staging_dir
         self.corruption_listeners: list[CorruptionListener] = []
-        self._sleep = sleep
         self._client = client
         self.retries = 0  # requests repeated after a retryable error, for tests and logs
 
@@ -164,44 +202,82 @@ class GcsTier:
         read = min(self.request_timeout_s, left)
         return (min(10.0, read), read)
 
-    def _call(self, what: str, deadline: float, fn: Callable[[], T]) -> T:
-        """Run one request with retries inside ``deadline``. Raises StorageError; NotFound passes through."""
+    def _retry(self, deadline: float, retryable: Callable[[BaseException], bool] = is_retryable) -> RequestRetry:
+        """The retry policy for requests made before ``deadline``: passed to every library call."""
 
-        def before_sleep(state: Any) -> None:
+        def on_error(exc: Exception) -> None:
             self.retries += 1
-            exc = state.outcome.exception() if state.outcome else None
-            log.info("%s: retrying %s after %s: %s", self.name, what, type(exc).__name__, exc)
+            log.info("%s: retrying a request after %s: %s", self.name, type(exc).__name__, exc)
 
-        retrying = Retrying(
-            retry=retry_if_exception(is_retryable),
-            stop=stop_after_attempt(self.max_attempts) | stop_after_delay(max(deadline - time.monotonic(), 0)),
-            wait=wait_exponential_jitter(multiplier=0.1, max=4.0),
-            sleep=self._sleep,
-            before_sleep=before_sleep,
-            reraise=True,
+        retry = RequestRetry(
+            predicate=lambda exc: time.monotonic() < deadline and retryable(exc),
+            initial=self.backoff_s,
+            maximum=4.0,
+            timeout=max(deadline - time.monotonic(), 0.0),
+            on_error=on_error,
         )
+        retry.max_attempts = self.max_attempts
+        return retry
+
+    def _request_args(
+        self, deadline: float, retryable: Callable[[BaseException], bool] = is_retryable
+    ) -> dict[str, Any]:
+        return {"timeout": self._timeout(deadline), "retry": self._retry(deadline, retryable)}
+
+    def _parallel(self, job: Callable[[T], None], items: Sequence[T]) -> None:
+        """``job`` on every item in ``self.workers`` threads; raises the first error once all have ended."""
+        if items:
+            with ThreadPoolExecutor(max_workers=min(self.workers, len(items)), thread_name_prefix="gcs") as pool:
+                for _ in pool.map(job, items):
+                    pass
+
+    @contextlib.contextmanager
+    def _failing_as_storage_error(self, what: str) -> Iterator[None]:
+        """Convert a Google Cloud or network error that the retries did not cure; NotFound passes through."""
         try:
-            return retrying(fn)
-        except api_exceptions.NotFound:
-            raise
-        except (CheckpointInvalid, StorageError):
+            yield
+        except (api_exceptions.NotFound, CheckpointInvalid, SnapshotUnavailable, StorageError):
             raise
         except Exception as exc:
             raise StorageError(f"{self.name}: {what} failed: {type(exc).__name__}: {exc}") from exc
 
-    def _parallel(self, jobs: list[Callable[[], None]]) -> None:
-        if not jobs:
-            return
-        with ThreadPoolExecutor(max_workers=min(self.workers, len(jobs)), thread_name_prefix="gcs") as pool:
-            futures = [pool.submit(job) for job in jobs]
-            errors = []
-            for future in futures:
-                try:
-                    future.result()
-                except Exception as exc:
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
+    def _download_many(self, step: int, entries: Sequence[FileEntry], staging: Path, deadline: float) -> None:
+        """Download ``entries`` of ``step`` into ``staging`` through ``transfer_manager``, in ``self.workers`` threads.
+
+        The library retries each request; a file whose bytes arrived damaged (DataCorruption) is downloaded
+        again whole, up to ``max_attempts`` times.
+
+        Raises:
+            CheckpointInvalid: an object does not exist.
+            StorageError: a download failed beyond the retries, or the deadline passed.
+        """
+        for entry in entries:
+            (staging / entry.path).parent.mkdir(parents=True, exist_ok=True)
+        pending = entries
+        for attempt in itertools.count(1):
+            blobs = [self._bucket().blob(self._key(step, entry.path)) for entry in pending]
+            results = transfer_manager.download_many(
+                [(blob, str(staging / entry.path)) for blob, entry in zip(blobs, pending, strict=True)],
+                download_kwargs={"checksum": "crc32c", **self._request_args(deadline, _is_retryable_download)},
+                worker_type=transfer_manager.THREAD,
+                max_workers=min(self.workers, len(pending)),
+                raise_exception=False,  # every outcome, so that each failure is named and damage is retried
+            )
+            damaged = []
+            for entry, blob, result in zip(pending, blobs, results, strict=True):
+                where = f"gs://{self.bucket_name}/{blob.name}"
+                if isinstance(result, DataCorruption) and attempt < self.max_attempts and time.monotonic() < deadline:
+                    log.info("%s: downloading %s again after %s", self.name, where, result)
+                    damaged.append(entry)
+                elif isinstance(result, api_exceptions.NotFound):
+                    raise CheckpointInvalid(f"{where} is missing", path=where, reason="missing") from result
+                elif isinstance(result, Exception):
+                    with self._failing_as_storage_error(f"downloading {where}"):
+                        raise result
+            if not damaged:
+                return
+            self.retries += len(damaged)
+            pending = damaged
 
     # --- writing -------------------------------------------------------------------------------------
 
@@ -225,15 +301,10 @@ class GcsTier:
             if entry.size > self.chunk_size:
                 crc = self._upload_resumable(bucket, key, local, entry.size, deadline)
             else:
-
-                def attempt() -> int | None:
-                    blob = bucket.blob(key)
-                    blob.upload_from_filename(
-                        str(local), timeout=self._timeout(deadline), retry=None, checksum="crc32c"
-                    )
-                    return _crc_of(blob.crc32c)
-
-                crc = self._call(f"uploading {local}", deadline, attempt)
+                blob = bucket.blob(key)
+                with self._failing_as_storage_error(f"uploading {local} to gs://{self.bucket_name}/{key}"):
+                    blob.upload_from_filename(str(local), checksum="crc32c", **self._request_args(deadline))
+                crc = _crc_of(blob.crc32c)
             # The server's CRC32C of what it stored must be the one the manifest promises.
             if crc is not None and crc != entry.crc32c:
                 reason = f"crc32c {crc:08x} after upload, manifest says {entry.crc32c:08x}"
@@ -241,17 +312,15 @@ class GcsTier:
                     f"{local} -> gs://{self.bucket_name}/{key}: {reason}", path=str(local), reason=reason
                 )
 
-        self._parallel([functools.partial(upload_one, entry) for entry in manifest.files])
+        # Not transfer_manager.upload_many: it can only call the library's uploads (see _upload_resumable).
+        self._parallel(upload_one, manifest.files)
         manifest_bytes = (directory / mf.MANIFEST_NAME).read_bytes()
         manifest_key = self._key(manifest.step, mf.MANIFEST_NAME)
         # Last: until this object exists, no reader sees the step.
-        self._call(
-            f"committing {manifest_key}",
-            deadline,
-            lambda: bucket.blob(manifest_key).upload_from_string(
-                manifest_bytes, content_type="application/json", timeout=self._timeout(deadline), retry=None
-            ),
-        )
+        with self._failing_as_storage_error(f"committing {manifest_key}"):
+            bucket.blob(manifest_key).upload_from_string(
+                manifest_bytes, content_type="application/json", **self._request_args(deadline)
+            )
         return self._info(manifest)
 
     def _upload_resumable(
@@ -261,14 +330,17 @@ class GcsTier:
 
         A failed piece does not restart the file: the next attempt asks the server how much it holds
         (``Content-Range: bytes */SIZE``) and goes on from there, so a 30% fault rate still converges.
+
+        Not the library's resumable upload (``Blob.upload_from_file`` with ``chunk_size``): its
+        ``transmit_next_chunk`` prepares a piece once and its retry resends it from the same offset, never
+        calling ``recover()``. A server that applied the piece before the connection dropped refuses that
+        (the emulator: 400 "Invalid Content-Range start: expected 1048576, got 0"), and 400 is final. So
+        this method puts its pieces through the client's authorized session itself.
         """
         where = f"gs://{self.bucket_name}/{key}"
         blob = bucket.blob(key)
-        session: str = self._call(
-            f"starting a resumable upload of {where}",
-            deadline,
-            lambda: blob.create_resumable_upload_session(size=size, timeout=self._timeout(deadline), retry=None),
-        )
+        with self._failing_as_storage_error(f"starting a resumable upload of {where}"):
+            session: str = blob.create_resumable_upload_session(size=size, **self._request_args(deadline))
         http = cloud_storage_compat.authorized_session(self.client)
         state: dict[str, Any] = {"offset": 0, "resync": False, "done": None}
 
@@ -325,7 +397,8 @@ class GcsTier:
         while state["done"] is None:
             if time.monotonic() > deadline:
                 raise StorageError(f"{self.name}: uploading {local} to {where}: deadline passed")
-            self._call(f"uploading {local} at byte {state['offset']}", deadline, attempt)
+            with self._failing_as_storage_error(f"uploading {local} at byte {state['offset']}"):
+                self._retry(deadline)(attempt)()
         return _crc_of(state["done"].get("crc32c"))
 
     def save(self, snapshot: HostSnapshot, *, timeout: float) -> CheckpointInfo:
@@ -343,55 +416,32 @@ class GcsTier:
         deadline = time.monotonic() + timeout
         bucket = self._bucket()
         manifest_key = self._key(step, mf.MANIFEST_NAME)
-
-        def delete_manifest() -> None:
-            with contextlib.suppress(api_exceptions.NotFound):
-                bucket.blob(manifest_key).delete(timeout=self._timeout(deadline), retry=None)
-
-        self._call(f"deleting {manifest_key}", deadline, delete_manifest)
-        names = self._call(
-            f"listing {self._key(step)}",
-            deadline,
-            lambda: [
-                b.name
-                for b in self.client.list_blobs(
-                    self.bucket_name, prefix=self._key(step) + "/", timeout=self._timeout(deadline), retry=None
-                )
-            ],
-        )
+        with self._failing_as_storage_error(f"deleting {manifest_key}"), contextlib.suppress(api_exceptions.NotFound):
+            bucket.blob(manifest_key).delete(**self._request_args(deadline))
+        names = list(self._blobs(deadline, self._key(step) + "/"))
 
         def delete_one(name: str) -> None:
-            def attempt() -> None:
-                with contextlib.suppress(api_exceptions.NotFound):
-                    bucket.blob(name).delete(timeout=self._timeout(deadline), retry=None)
+            with self._failing_as_storage_error(f"deleting {name}"), contextlib.suppress(api_exceptions.NotFound):
+                bucket.blob(name).delete(**self._request_args(deadline))
 
-            self._call(f"deleting {name}", deadline, attempt)
-
-        self._parallel([functools.partial(delete_one, name) for name in names])
+        # transfer_manager has no deletes, and Bucket.delete_blobs deletes one object after another.
+        self._parallel(delete_one, names)
 
     # --- reading -------------------------------------------------------------------------------------
 
     def _blobs(self, deadline: float, prefix: str) -> dict[str, Any]:
-        return self._call(
-            f"listing gs://{self.bucket_name}/{prefix}",
-            deadline,
-            lambda: {
+        with self._failing_as_storage_error(f"listing gs://{self.bucket_name}/{prefix}"):
+            return {
                 b.name: b
-                for b in self.client.list_blobs(
-                    self.bucket_name, prefix=prefix, timeout=self._timeout(deadline), retry=None
-                )
-            },
-        )
+                for b in self.client.list_blobs(self.bucket_name, prefix=prefix, **self._request_args(deadline))
+            }
 
     def _read_manifest(self, step: int, deadline: float) -> Manifest:
         key = self._key(step, mf.MANIFEST_NAME)
         where = f"gs://{self.bucket_name}/{key}"
         try:
-            data = self._call(
-                f"reading {where}",
-                deadline,
-                lambda: self._bucket().blob(key).download_as_bytes(timeout=self._timeout(deadline), retry=None),
-            )
+            with self._failing_as_storage_error(f"reading {where}"):
+                data = self._bucket().blob(key).download_as_bytes(**self._request_args(deadline))
         except api_exceptions.NotFound as exc:
             raise SnapshotUnavailable(f"{where} does not exist: step {step} is not committed in GCS") from exc
         return mf.decode(data, where=where)
@@ -457,26 +507,8 @@ class GcsTier:
         deadline = started + timeout
         manifest = self._read_manifest(step, deadline)
         staging = Path(tempfile.mkdtemp(prefix="gcs-restore-", dir=self.staging_dir))
-        bucket = self._bucket()
         try:
-
-            def download_one(entry: FileEntry) -> None:
-                key = self._key(step, entry.path)
-                local = staging / entry.path
-                local.parent.mkdir(parents=True, exist_ok=True)
-
-                def attempt() -> None:
-                    bucket.blob(key).download_to_filename(
-                        str(local), timeout=self._timeout(deadline), retry=None, checksum="crc32c"
-                    )
-
-                try:
-                    self._call(f"downloading gs://{self.bucket_name}/{key}", deadline, attempt)
-                except api_exceptions.NotFound as exc:
-                    where = f"gs://{self.bucket_name}/{key}"
-                    raise CheckpointInvalid(f"{where} is missing", path=where, reason="missing") from exc
-
-            self._parallel([functools.partial(download_one, entry) for entry in manifest.files])
+            self._download_many(step, manifest.files, staging, deadline)
             try:
                 tree = load_directory(staging, manifest, like, Deadline(deadline - time.monotonic(), "loading"))
             except CheckpointInvalid as exc:

@@ -31,7 +31,7 @@ def test_uploads_commit_through_30_percent_faults(tmp_path: Path, gcs_uri: str, 
         request_timeout_s=1.0,
         workers=4,
         max_attempts=30,
-        sleep=lambda s: None,
+        backoff_s=0,
     )
     for step in (1, 2, 3):
         info = disk.save(_snapshot(step), timeout=60)
@@ -58,9 +58,7 @@ def test_resumable_uploads_commit_through_faults(
     fault_proxy.reseed(seed)
     fault_proxy.rate = 0.3
     fault_proxy.faults = ("error", "drop", "drop_after")
-    gcs = GcsTier(
-        gcs_uri, client=client_for(fault_proxy.url), chunk_size=1 << 20, max_attempts=30, sleep=lambda s: None
-    )
+    gcs = GcsTier(gcs_uri, client=client_for(fault_proxy.url), chunk_size=1 << 20, max_attempts=30, backoff_s=0)
     gcs.upload(info.location, timeout=120)
     assert sum("uploadType=resumable" in seen for seen in fault_proxy.seen) >= 3
     assert sum(fault_proxy.injected.values()) >= 1 and gcs.retries >= 1

@@ -41,7 +41,7 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Check
         yield disk, corrupt_disk
     else:
         uri = request.getfixturevalue("gcs_uri")
-        gcs = GcsTier(uri, staging_dir=tmp_path, sleep=lambda s: None)
+        gcs = GcsTier(uri, staging_dir=tmp_path, backoff_s=0)
 
         def corrupt_gcs(step: int, rel: str, how: Callable[[bytes], bytes]) -> None:
             blob = gcs.client.bucket(BUCKET).blob(gcs._key(step, rel))
