@@ -430,11 +430,15 @@ class GcsTier:
     # --- reading -------------------------------------------------------------------------------------
 
     def _blobs(self, deadline: float, prefix: str) -> dict[str, Any]:
-        with self._failing_as_storage_error(f"listing gs://{self.bucket_name}/{prefix}"):
-            return {
-                b.name: b
-                for b in self.client.list_blobs(self.bucket_name, prefix=prefix, **self._request_args(deadline))
-            }
+        """The objects under ``prefix``. Raises StorageError, also when the bucket does not exist."""
+        try:
+            with self._failing_as_storage_error(f"listing gs://{self.bucket_name}/{prefix}"):
+                return {
+                    b.name: b
+                    for b in self.client.list_blobs(self.bucket_name, prefix=prefix, **self._request_args(deadline))
+                }
+        except api_exceptions.NotFound as exc:  # a listing finds no object missing: the bucket is
+            raise StorageError(f"{self.name}: bucket gs://{self.bucket_name} does not exist") from exc
 
     def _read_manifest(self, step: int, deadline: float) -> Manifest:
         key = self._key(step, mf.MANIFEST_NAME)

@@ -65,3 +65,10 @@ def test_a_missing_directory_exits_2_and_is_not_created(
     assert main(["checkpoints", action, str(missing)]) == 2
     assert f"{missing}: no such directory" in capsys.readouterr().err
     assert not missing.exists()
+
+
+@pytest.mark.parametrize("action", ["list", "verify"])
+def test_a_missing_bucket_exits_2_with_a_message(gcs_uri: str, action: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["checkpoints", action, "--timeout", "20", "gs://no-such-bucket-here/x"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-bucket-here" in err and "Traceback" not in err
