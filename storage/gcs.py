@@ -45,7 +45,8 @@ from runtime.compat import cloud_storage as cloud_storage_compat
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.snapshot import HostSnapshot
 from storage import manifest as mf
-from storage.disk import Deadline, DiskTier, load_directory, read_manifest
+from storage.checked_read import Deadline, load_directory
+from storage.disk import DiskTier, read_manifest
 from storage.manifest import FileEntry, Manifest
 from storage.tier import CheckpointInfo, CorruptionListener, PyTree, latest_verified, snapshot_from
 
