@@ -113,6 +113,7 @@ class TieredCheckpointer:
             "ckpt-gcs", self._upload, step_of=_step, on_skip=self._skipped(gcs), doing="upload"
         )
         self._uploading: set[int] = set()  # disk steps GCS is reading: retention leaves them alone
+        self.report_every_s = 10.0  # how often the end of a run says what it still waits for
         self.newest: dict[str, int] = {}  # tier -> newest step committed by this checkpointer
         self._due_disk = 0  # newest snapshot step that came due for the disk (saved or skipped)
         self._last_uploaded = 0  # newest disk step handed to GCS
@@ -189,16 +190,47 @@ class TieredCheckpointer:
         not turn a finished run into a failed one.
         """
         try:
-            await anyio.to_thread.run_sync(self.wait, self.timeout_s)
+            await self._wait_saying_so(ctx)
             if self.shm is not None:  # the mirror skipped the last snapshot if it was still copying one
                 await anyio.to_thread.run_sync(self._mirror_final)
-                await anyio.to_thread.run_sync(self.wait, self.timeout_s)
+                await self._wait_saying_so(ctx)
             if self.save_on_finish and self.disk is not None:
                 await anyio.to_thread.run_sync(self._commit_final)
-                await anyio.to_thread.run_sync(self.wait, self.timeout_s)
+                await self._wait_saying_so(ctx)
         except TimeoutError as exc:
             log.warning("checkpoints at the end of the run: %s", exc)
         await self._flush(ctx)
+
+    async def _wait_saying_so(self, ctx: RuntimeContext) -> None:
+        """Wait for the saves in progress; every ``report_every_s``, say what the run waits for and how far
+        it got (a final upload to a slow bucket can take minutes).
+
+        Raises:
+            TimeoutError: they are still running after ``timeout_s``.
+        """
+        started, every_s = time.monotonic(), self.report_every_s
+        while True:
+            left = self.timeout_s - (time.monotonic() - started)
+            try:
+                await anyio.to_thread.run_sync(self.wait, min(every_s, max(left, 0.0)))
+                return
+            except TimeoutError:
+                if left <= every_s:
+                    raise
+            await self._flush(ctx)
+            log.warning("the run is over; %s (%.0f s so far)", self._in_progress(), time.monotonic() - started)
+
+    def _in_progress(self) -> str:
+        """What the lanes are saving now, for the message while the end of a run waits for them."""
+        parts = []
+        if self._shm_lane.busy() and self.shm is not None:
+            parts.append(f"copying step {self._shm_lane.step} to {self.shm.name}")
+        if self._disk_lane.busy():
+            parts.append(f"saving step {self._disk_lane.step} to disk")
+        if self._gcs_lane.busy() and self.gcs is not None:
+            step, done, total = self.gcs.upload_progress
+            parts.append(f"uploading step {step} to {self.gcs.uri}: {done / 2**20:.1f} of {total / 2**20:.1f} MiB")
+        return "waiting for " + ("; ".join(parts) or "the checkpoint saves")
 
     def _mirror_final(self) -> None:
         try:

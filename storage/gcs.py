@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -179,6 +180,7 @@ class GcsTier:
         self.corruption_listeners: list[CorruptionListener] = []
         self._client = client
         self.retries = 0  # requests repeated after a retryable error, for tests and logs
+        self.upload_progress = (-1, 0, 0)  # (step, bytes uploaded, bytes in all) of the newest upload
 
     # --- plumbing ------------------------------------------------------------------------------------
 
@@ -295,6 +297,9 @@ class GcsTier:
         directory = Path(directory)
         manifest = read_manifest(directory)
         bucket = self._bucket()
+        total = sum(entry.size for entry in manifest.files)
+        self.upload_progress = (manifest.step, 0, total)
+        lock = threading.Lock()
 
         def upload_one(entry: FileEntry) -> None:
             local = directory / entry.path
@@ -312,6 +317,9 @@ class GcsTier:
                 raise CheckpointInvalid(
                     f"{local} -> gs://{self.bucket_name}/{key}: {reason}", path=str(local), reason=reason
                 )
+            with lock:
+                step, done, _ = self.upload_progress
+                self.upload_progress = (step, done + entry.size, total)
 
         # Not transfer_manager.upload_many: it can only call the library's uploads (see _upload_resumable).
         self._parallel(upload_one, manifest.files)

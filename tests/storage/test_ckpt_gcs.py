@@ -65,3 +65,24 @@ def test_resumable_uploads_commit_through_faults(
     fault_proxy.rate = 0.0
     restored = gcs.restore(4, None, timeout=60)
     np.testing.assert_array_equal(restored.tree["w"], big["w"])
+
+
+def test_the_end_of_a_run_says_what_it_waits_for(
+    tmp_path: Path, gcs_uri: str, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig
+    from runtime.testing.demo_model import demo_job
+
+    fault_proxy.rate, fault_proxy.faults, fault_proxy.slow_s = 1.0, ("slow",), 0.3  # every request held 0.3 s
+    config = RuntimeConfig(run_dir=str(tmp_path), gcs_uri=gcs_uri, disk_every=1000, precompile=False)
+    policy = MeshPolicy({"data": 4, "model": 2})
+    runtime = ElasticRuntime(demo_job(global_batch=24, features=16, hidden=64), config=config, mesh_policy=policy)
+    assert runtime.checkpointer is not None and runtime.checkpointer.gcs is not None
+    runtime.checkpointer.gcs._client = client_for(fault_proxy.url)
+    runtime.checkpointer.report_every_s = 0.2
+    with caplog.at_level("WARNING", logger="storage.cascade"):
+        result = runtime.run(3)
+    waits = [r.getMessage() for r in caplog.records if "the run is over; waiting for" in r.getMessage()]
+    assert waits, caplog.text
+    assert any(f"uploading step 3 to {gcs_uri}" in w and "MiB" in w for w in waits), waits
+    assert result.step == 3 and runtime.checkpointer.newest.get("gcs") == 3  # and it did finish
