@@ -86,8 +86,8 @@ class ElasticRuntime(Runtime):
             self.checkpointer.attach(self)
         self.maintenance = attach_maintenance(self, default_handlers=default_handlers)
 
-    def run(self, steps: int) -> RunResult:
-        """Run to ``steps`` committed steps in a new event loop (for ordinary scripts).
+    def run(self, steps: int, *, resume: bool = False) -> RunResult:
+        """Run to ``steps`` committed steps in a new event loop (see :meth:`Runtime.run_async`).
 
         Under ``elastic-runtime launch`` this process is one worker of a multi-process group: the job runs
         as that worker (``runtime.cluster.worker.run_worker``) and the process exits when the group is done,
@@ -95,7 +95,7 @@ class ElasticRuntime(Runtime):
         """
         if is_worker():
             run_worker(self.job, steps)
-        return super().run(steps)
+        return super().run(steps, resume=resume)
 
 
 def default_controller(config: LaunchConfig) -> Controller:

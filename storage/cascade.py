@@ -115,6 +115,7 @@ class TieredCheckpointer:
         self._uploading: set[int] = set()  # disk steps GCS is reading: retention leaves them alone
         self.report_every_s = 10.0  # how often the end of a run says what it still waits for
         self.newest: dict[str, int] = {}  # tier -> newest step committed by this checkpointer
+        self._first_step: int | None = None  # the first snapshot this checkpointer was offered
         self._due_disk = 0  # newest snapshot step that came due for the disk (saved or skipped)
         self._last_uploaded = 0  # newest disk step handed to GCS
         self._ctx: RuntimeContext | None = None
@@ -315,6 +316,10 @@ class TieredCheckpointer:
 
     def _on_snapshot(self, snapshot: HostSnapshot) -> None:
         """From the RAM copy thread: hand a due snapshot to the shm and disk threads (never blocks)."""
+        if self._first_step is None:
+            # The cadences count from here: a resumed run's first snapshot is no reason to save at once.
+            self._first_step = snapshot.step
+            self._due_disk = self._last_uploaded = snapshot.step - 1
         if self.shm is not None:
             self._shm_lane.submit(snapshot)
         # "Crosses a multiple" rather than "is a multiple": any RAM cadence then still reaches the disk.

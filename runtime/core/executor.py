@@ -31,7 +31,7 @@ from runtime.core.classify import classify
 from runtime.core.commands import Abort, Command, Pause, Remesh, Restore, Resume
 from runtime.core.compiler import StepCompiler
 from runtime.core.config import RuntimeConfig
-from runtime.core.errors import RecoveryError, SnapshotUnavailable, StepError
+from runtime.core.errors import ConfigError, RecoveryError, SnapshotUnavailable, StepError, StorageError
 from runtime.core.events import (
     CheckpointFailed,
     Event,
@@ -179,9 +179,10 @@ class StepExecutor:
 
     # --- the run ---------------------------------------------------------------------------------------
 
-    async def run(self, steps: int) -> RunResult:
-        """Run until ``steps`` steps are committed. Raises StepError or RecoveryError when it cannot."""
-        await self._start(steps)
+    async def run(self, steps: int, *, resume: bool = False) -> RunResult:
+        """Run until ``steps`` steps are committed (``resume``: from the newest step the durable tiers hold).
+        Raises StepError, RecoveryError or ConfigError when it cannot."""
+        await self._start(steps, resume)
         try:
             while self.step < steps:
                 await self._boundary()
@@ -203,7 +204,7 @@ class StepExecutor:
             recoveries=self.recovery.failures,
         )
 
-    async def _start(self, steps: int) -> None:
+    async def _start(self, steps: int, resume: bool) -> None:
         healthy = await anyio.to_thread.run_sync(self.health.healthy)
         mesh = self.policy.fit(healthy)
         if mesh_shape(mesh) != self.policy.target_shape:
@@ -229,14 +230,66 @@ class StepExecutor:
             raise StepError(
                 f"the job cannot start on mesh {mesh_shape(mesh)}: {event.error_type}: {event.message}", step=0
             ) from exc
+        durable = [source for source in self.restore_sources if source is not self.ram]
+        resumed = None
+        if resume:
+            resumed = await self._resume(durable, steps, mesh)
+        else:
+            await anyio.to_thread.run_sync(self._refuse_earlier_checkpoints, durable)
         await self.bus.publish(
             RunStarted(
-                step=0,
+                step=self.step,
                 source="executor",
                 target_steps=steps,
                 mesh_shape=mesh_shape(mesh),
                 devices=device_ids(mesh),
             )
+        )
+        if resumed is not None:
+            await self.bus.publish(resumed)
+
+    def _refuse_earlier_checkpoints(self, durable: list[RestoreSource]) -> None:
+        """Raises ConfigError when a tier already holds checkpoints: an earlier run's, which a new run would
+        mix with its own (retention, "latest" restores)."""
+        timeout = self.config.checkpoint_timeout_s
+        held = {}
+        for source in durable:
+            try:
+                steps = source.steps(timeout=timeout)
+            except (StorageError, SnapshotUnavailable) as exc:
+                log.warning("cannot tell whether %s holds checkpoints: %s", source.name, exc)
+                continue
+            if steps:
+                held[source.name] = max(steps)
+        if held:
+            found = ", ".join(f"{name} up to step {step}" for name, step in held.items())
+            raise ConfigError(
+                f"the checkpoint tiers already hold an earlier run's checkpoints ({found}): run(steps, "
+                "resume=True) continues from the newest; a new run_dir (or checkpoint_dir, ram_dir, gcs_uri) "
+                "starts afresh"
+            )
+
+    async def _resume(self, durable: list[RestoreSource], steps: int, mesh: Mesh) -> StateRestored | None:
+        """Restore the newest verified step any durable tier holds, before the first step; returns the event
+        that says so (published after RunStarted), or None when there was nothing to resume from."""
+        started = time.monotonic()
+        timeout = self.config.checkpoint_timeout_s
+        try:
+            found, snapshot = await anyio.to_thread.run_sync(
+                lambda: restore_newest(durable, self._initial, timeout=timeout)
+            )
+        except SnapshotUnavailable as exc:
+            log.warning("resume: nothing to resume from, starting at step 0 (%s)", exc)
+            return None
+        if snapshot.step > steps:
+            raise ConfigError(f"resume: the newest checkpoint is step {snapshot.step}, beyond the target {steps}")
+        self.state = await anyio.to_thread.run_sync(self._place, snapshot.tree, mesh)
+        self.step = self.high_water = snapshot.step  # what an earlier process committed counts as committed
+        self.data_position = snapshot.data_position
+        self.cadence.restarted(snapshot.step)
+        seconds = time.monotonic() - started
+        return StateRestored(
+            step=snapshot.step, source="executor", restored_from=found.name, lost_steps=0, seconds=seconds
         )
 
     def _set_mesh(self, mesh: Mesh) -> None:

@@ -12,6 +12,7 @@ Typical use (through :class:`runtime.ElasticRuntime`, this class with the built-
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -115,17 +116,25 @@ class Runtime:
 
     # --- running ---------------------------------------------------------------------------------------
 
-    def run(self, steps: int) -> RunResult:
-        """Run to ``steps`` committed steps in a new event loop (for ordinary scripts)."""
-        return anyio.run(self.run_async, steps)
+    def run(self, steps: int, *, resume: bool = False) -> RunResult:
+        """Run to ``steps`` committed steps in a new event loop (for ordinary scripts); see :meth:`run_async`."""
+        return anyio.run(functools.partial(self.run_async, steps, resume=resume))
 
-    async def run_async(self, steps: int) -> RunResult:
-        """Run to ``steps`` committed steps inside the caller's event loop.
+    async def run_async(self, steps: int, *, resume: bool = False) -> RunResult:
+        """Run to ``steps`` committed steps (in all: a resumed run counts the steps it restored) inside the
+        caller's event loop.
+
+        Args:
+            steps: the step to reach.
+            resume: first restore the newest verified step any durable tier holds (``/dev/shm``, disk, GCS,
+                from the fastest holding it), as an earlier process of the same job left it. Without it, tiers
+                that already hold checkpoints are an error: a new run would mix its checkpoints with theirs.
 
         Raises:
             StepError: the user's step raised; the last committed state is intact.
             RecoveryError: a failure could not be recovered from.
             MeshUnavailable: the mesh policy does not fit the devices at start.
+            ConfigError: the tiers hold checkpoints and ``resume`` is off, or the newest is beyond ``steps``.
         """
         if self._used:
             raise RuntimeError("an ElasticRuntime runs once; build a new one for another run")
@@ -141,7 +150,7 @@ class Runtime:
                 tg.start_soon(self._helpers, helpers)
                 finished = RunFinished(source="runtime", ok=False, reason="cancelled")
                 try:
-                    result = await self.executor.run(steps)
+                    result = await self.executor.run(steps, resume=resume)
                     await self.bus.join()  # handlers of the last steps' events may still ask for a checkpoint
                     for component in self.components:
                         finish = getattr(component, "finish", None)

@@ -19,7 +19,7 @@ from tests_storage_helpers import snapshot
 
 from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, read_events
 from runtime.core.context import RuntimeContext
-from runtime.core.errors import StorageError
+from runtime.core.errors import ConfigError, StorageError
 from runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
@@ -27,6 +27,7 @@ from runtime.core.events import (
     CheckpointSkipped,
     Event,
     RunFinished,
+    RunStarted,
     StateRestored,
     StepCompleted,
 )
@@ -178,13 +179,7 @@ def test_restore_onto_a_smaller_mesh(tmp_path: Path) -> None:
     # A new runtime (as after a restart) on 4 of the 8 devices, resuming from the disk tier.
     small = MeshPolicy({"data": 2, "model": 2})
     second = ElasticRuntime(job(), config=config(tmp_path, disk_every=5), mesh_policy=small)
-
-    def resume(next_step: int) -> None:
-        if next_step == 1:
-            second.context.restore("disk")
-
-    second.at_step_boundary(resume)
-    resumed = second.run(16)
+    resumed = second.run(16, resume=True)
     restored = events_of(resumed.events_path, StateRestored)
     assert restored[0].restored_from == "disk" and restored[0].step == 10  # type: ignore[attr-defined]
     assert second.executor.mesh is not None and second.executor.mesh.devices.size == 4
@@ -242,8 +237,7 @@ def test_ram_dir_mirror_survives_a_restart(tmp_path: Path) -> None:
         second = ElasticRuntime(
             job(), config=config(tmp_path / "2", ram_dir=str(ram_dir), checkpoint_dir=""), mesh_policy=MeshPolicy(MESH)
         )
-        second.at_step_boundary(lambda n: second.context.restore("latest") if n == 1 else None)
-        resumed = second.run(9)
+        resumed = second.run(9, resume=True)
         restored = events_of(resumed.events_path, StateRestored)
         assert restored[0].restored_from == "shm" and restored[0].step == 9  # type: ignore[attr-defined]
         for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(saved.state), strict=True):
@@ -265,8 +259,7 @@ def test_corrupt_newest_disk_checkpoint_falls_back_with_an_event(tmp_path: Path)
     second = ElasticRuntime(
         job(), config=config(tmp_path / "2", checkpoint_dir=str(disk.root)), mesh_policy=MeshPolicy(MESH)
     )
-    second.at_step_boundary(lambda n: second.context.restore("disk") if n == 1 else None)
-    result = second.run(12)
+    result = second.run(12, resume=True)
     corrupt = events_of(result.events_path, CheckpointCorrupt)
     assert len(corrupt) == 1 and corrupt[0].tier == "disk" and str(bad) == corrupt[0].path  # type: ignore[attr-defined]
     restored = events_of(result.events_path, StateRestored)
@@ -295,3 +288,30 @@ def test_save_request_to_gcs_goes_through_disk_and_unknown_tiers_are_skipped(tmp
     assert committed[0].step == committed[1].step
     skipped = events_of(result.events_path, CheckpointSkipped)
     assert [(e.tier, e.reason) for e in skipped] == [("tape", "no such tier")]  # type: ignore[attr-defined]
+
+
+def test_a_run_folder_with_checkpoints_resumes_only_when_asked(tmp_path: Path) -> None:
+    ElasticRuntime(job(), config=config(tmp_path, disk_every=4), mesh_policy=MeshPolicy(MESH)).run(10)
+    again = ElasticRuntime(job(), config=config(tmp_path, disk_every=4), mesh_policy=MeshPolicy(MESH))
+    with pytest.raises(ConfigError, match=r"disk up to step 10.*resume=True"):
+        again.run(20)
+    resumed_rt = ElasticRuntime(job(), config=config(tmp_path, disk_every=4), mesh_policy=MeshPolicy(MESH))
+    resumed = resumed_rt.run(20, resume=True)
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    last_start = max(i for i, e in enumerate(events) if isinstance(e, RunStarted))
+    tail = events[last_start:]
+    assert tail[0].step == 10  # type: ignore[attr-defined]
+    restored = [e for e in tail if isinstance(e, StateRestored)]
+    assert [(e.step, e.restored_from, e.lost_steps) for e in restored] == [(10, "disk", 0)]
+    commits = [e.step for e in tail if isinstance(e, StepCompleted)]
+    assert commits == list(range(11, 21))  # the first process's steps are not run again
+    due = sorted({e.step for e in tail if isinstance(e, CheckpointCommitted | CheckpointSkipped) and e.tier == "disk"})
+    assert due == [12, 16, 20]  # the cadence counts on from step 10: nothing due at once at step 11
+    reference = ElasticRuntime(job(), config=config(tmp_path / "ref", checkpoint_dir=""), mesh_policy=MeshPolicy(MESH))
+    expected = reference.run(20)
+    assert resumed.step == 20 and resumed.data_position == 20
+    for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(expected.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    beyond = ElasticRuntime(job(), config=config(tmp_path, disk_every=4), mesh_policy=MeshPolicy(MESH))
+    with pytest.raises(ConfigError, match="step 20, beyond the target 15"):
+        beyond.run(15, resume=True)
