@@ -9,6 +9,8 @@ Run it:  .venv/bin/python examples/custom_handler.py
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import jax
 
@@ -65,7 +67,9 @@ def main() -> None:
     runtime = injector.attach(
         ElasticRuntime(
             demo_job(),
-            config=RuntimeConfig(run_dir="runs/custom-handler", handler_timeout_s=GRACE_S + 10),
+            config=RuntimeConfig(
+                run_dir=time.strftime("runs/custom-handler-%Y%m%d-%H%M%S"), handler_timeout_s=GRACE_S + 10
+            ),
             mesh_policy=policy,
             default_handlers=False,  # we subscribe the chain ourselves, with our own first link
         )

@@ -8,6 +8,7 @@ without the fault.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import jax
@@ -58,7 +59,11 @@ def main() -> None:
     # Four devices train; the other four are spares that replace a lost one without changing the mesh.
     policy = MeshPolicy({"data": 4}, global_batch=64)
     injector = FaultInjector().lose_devices(at_step=30, devices=[2])
-    runtime = injector.attach(ElasticRuntime(job, config=RuntimeConfig(run_dir="runs/custom-loop"), mesh_policy=policy))
+    runtime = injector.attach(
+        ElasticRuntime(
+            job, config=RuntimeConfig(run_dir=time.strftime("runs/custom-loop-%Y%m%d-%H%M%S")), mesh_policy=policy
+        )
+    )
 
     @runtime.on(RecoveryCompleted)
     async def report(event: RecoveryCompleted, ctx: RuntimeContext) -> None:
