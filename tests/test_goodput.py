@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from runtime.analysis.goodput import goodput
+from runtime.analysis.goodput import (
+    INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION,
+    WASTED_PROGRESS_FROM_DISRUPTION,
+    goodput,
+)
 from runtime.core.eventlog import EventLog, encode_event
 from runtime.core.events import (
     CheckpointCommitted,
@@ -205,3 +209,47 @@ def test_report_names_the_bad_line(tmp_path: Path, damage: object, message: str)
 def test_report_on_a_missing_log(tmp_path: Path) -> None:
     proc = report_cli(str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "no event log" in proc.stderr
+
+
+def killed_and_resumed_run() -> list[Event]:
+    """Two processes in one log, worked out by hand.
+
+    The first (monotonic clock = wall time - 100) commits steps 1-4, one a second from wall time 101, each
+    0.5 s of work, and is killed after step 4 (no RunFinished). No process trains from 104 to 110. The second
+    (another process: monotonic clock = wall time + 390) resumes at step 2 from GCS (0.3 s), so steps 3 and 4
+    run again, and commits steps 3-6 from 111, then finishes at 114.5.
+    """
+
+    def at(wall: float, offset: float) -> dict[str, float]:
+        return {"wall_time": wall, "mono_time": wall + offset}
+
+    first = [
+        RunStarted(step=0, target_steps=6, mesh_shape=SHAPE8, devices=tuple(range(8)), **at(100.0, -100.0)),
+        *(
+            StepCompleted(step=s, duration_s=0.5, mesh_shape=SHAPE8, data_position=s, **at(100.0 + s, -100.0))
+            for s in range(1, 5)
+        ),
+    ]
+    second = [
+        RunStarted(step=2, target_steps=6, mesh_shape=SHAPE8, devices=tuple(range(8)), **at(110.0, 390.0)),
+        StateRestored(step=2, restored_from="gcs", lost_steps=0, seconds=0.3, **at(110.3, 390.0)),
+        *(
+            StepCompleted(step=s, duration_s=0.5, mesh_shape=SHAPE8, data_position=s, **at(108.0 + s, 390.0))
+            for s in range(3, 7)
+        ),
+        RunFinished(step=6, ok=True, **at(114.5, 390.0)),
+    ]
+    return first + second
+
+
+def test_a_killed_and_resumed_run_counts_the_restart_as_a_disruption() -> None:
+    report = goodput(killed_and_resumed_run())
+    assert report.wall_s == pytest.approx(4.0 + 6.0 + 4.5)  # each process's time and the gap between them
+    assert report.steps == 6
+    assert report.productive_s == pytest.approx(6 * 0.5)  # each step once, as last committed
+    assert report.badput_s[WASTED_PROGRESS_FROM_DISRUPTION] == pytest.approx(2 * 0.5)  # steps 3, 4 run twice
+    assert report.badput_s[INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION] == pytest.approx(6.0)  # nobody trained
+    assert report.productive_s + sum(report.badput_s.values()) == pytest.approx(report.wall_s)
+    (restart,) = report.failures
+    assert (restart.kind, restart.step, restart.lost_steps, restart.restored_from) == ("ProcessRestart", 5, 2, "gcs")
+    assert restart.recovery_s == pytest.approx(111.0 - 104.0) and restart.wasted_s == pytest.approx(1.0)

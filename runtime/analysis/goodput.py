@@ -99,9 +99,97 @@ class GoodputReport:
 def goodput(events: Sequence[Event]) -> GoodputReport:
     """Account for the wall time of the run recorded in ``events``.
 
+    A run folder used by several processes (a job killed and resumed) holds one attempt per process, each
+    from its ``RunStarted``: each is accounted on its own, and the time between one attempt's last event and
+    the next one's start (no process training) is a disruption, as are the steps the next attempt runs again.
+
     Raises:
         ValueError: the events hold no RunStarted (not the log of a run).
     """
+    parts = attempts(events)
+    if len(parts) < 2:
+        return _one_attempt(events)
+    return _combine(parts, [_one_attempt(part) for part in parts])
+
+
+def attempts(events: Sequence[Event]) -> list[list[Event]]:
+    """The attempts in a log: one slice per ``RunStarted`` (what comes before the first belongs to it)."""
+    starts = [i for i, e in enumerate(events) if isinstance(e, RunStarted)]
+    if len(starts) < 2:
+        return [list(events)]
+    bounds = [0, *starts[1:], len(events)]
+    return [list(events[bounds[k] : bounds[k + 1]]) for k in range(len(starts))]
+
+
+def _combine(parts: list[list[Event]], reports: list[GoodputReport]) -> GoodputReport:
+    """One report for several attempts: a step counts once (its last commit); the gaps between attempts and
+    the steps a later attempt ran again are the cost of each restart."""
+    badput = dict.fromkeys(BADPUT_TYPES, 0.0)
+    for report in reports:
+        for kind, seconds in report.badput_s.items():
+            badput[kind] += seconds
+    final: dict[int, StepCompleted] = {}
+    failures: list[FailureRecord] = []
+    wall = sum(report.wall_s for report in reports)
+    for k, (part, report) in enumerate(zip(parts, reports, strict=True)):
+        failures += report.failures
+        commits = [e for e in part if isinstance(e, StepCompleted) and e.step is not None]
+        if k > 0:
+            failures.append(_restart(parts[k - 1], part, final, badput))
+            wall += max(_start_of(part).wall_time - parts[k - 1][-1].wall_time, 0.0)
+        for commit in commits:
+            final[commit.step or 0] = commit
+    productive = sum(c.duration_s for c in final.values())
+    checkpoints: dict[str, int] = {}
+    for report in reports:
+        for tier, count in report.checkpoints.items():
+            checkpoints[tier] = checkpoints.get(tier, 0) + count
+    return GoodputReport(
+        wall_s=wall,
+        productive_s=productive,
+        badput_s=badput,
+        steps=max(final, default=0),
+        failures=failures,
+        checkpoints=checkpoints,
+    )
+
+
+def _start_of(part: list[Event]) -> RunStarted:
+    return next(e for e in part if isinstance(e, RunStarted))
+
+
+def _restart(
+    before: list[Event], after: list[Event], final: dict[int, StepCompleted], badput: dict[str, float]
+) -> FailureRecord:
+    """What the restart between two attempts cost: the time no process trained, and the steps run again
+    (``final`` holds the commits so far; those the new attempt runs again are moved to wasted progress)."""
+    started = _start_of(after)
+    finished = next((e for e in reversed(before) if isinstance(e, RunFinished)), None)
+    gap = max(started.wall_time - before[-1].wall_time, 0.0)
+    resumed_at = started.step or 0
+    committed = max(final, default=0)
+    redone = [final[s] for s in range(resumed_at + 1, committed + 1) if s in final]
+    wasted = sum(c.duration_s for c in redone)
+    # The earlier commits of those steps were counted productive by their attempt: they are wasted now.
+    badput[WASTED_PROGRESS_FROM_DISRUPTION] += wasted
+    if finished is not None and finished.ok:
+        badput[OTHER] += gap  # a run that finished and was continued later: idle, not a disruption
+    else:
+        badput[INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION] += gap
+    first = next((e for e in after if isinstance(e, StepCompleted)), None)
+    restored = next((e for e in after if isinstance(e, StateRestored)), None)
+    return FailureRecord(
+        kind="ProcessRestart" if finished is None else f"RunFinished(ok={finished.ok})",
+        step=committed + 1,
+        detection_s=0.0,
+        recovery_s=None if first is None else first.wall_time - before[-1].wall_time,
+        lost_steps=max(committed - resumed_at, 0),
+        wasted_s=wasted,
+        restored_from="init" if restored is None else restored.restored_from,
+    )
+
+
+def _one_attempt(events: Sequence[Event]) -> GoodputReport:
     started = next((e for e in events if isinstance(e, RunStarted)), None)
     if started is None:
         raise ValueError("no RunStarted event: this is not the event log of a run")
