@@ -16,11 +16,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig  # noqa: E402
+from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, TrainJob  # noqa: E402
 from runtime.testing.demo_model import demo_job  # noqa: E402
 
 
-def job():  # type: ignore[no-untyped-def]
+def job() -> TrainJob:
     return demo_job(global_batch=32, features=32, hidden=256)
 
 
