@@ -27,7 +27,9 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
         "Notice", "MaintenanceScheduled", "MaintenanceStarted", "MaintenanceCompleted", "Preempted", "HostError",
     ]),
     ("Checkpoints", ev, ["CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped"]),
-    ("Recovery", ev, ["RecoveryStarted", "MeshChanged", "StateRestored", "RecoveryCompleted", "ScaleUpAvailable"]),
+    ("Recovery", ev, [
+        "RecoveryStarted", "MeshChanged", "StateRestored", "RecoveryCompleted", "ScaleUpAvailable", "StateTransformed",
+    ]),
     ("Requests", ev, ["SaveCheckpoint", "Drain"]),
     ("Multi-process groups (logged by the controller)", ev, [
         "WorkerStarted", "WorkerExited", "WorkerKilled", "GroupForming", "GroupFormed",

@@ -10,7 +10,18 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from runtime import ElasticRuntime, MeshPolicy, RunFinished, RuntimeConfig, StepError, StepFailed, TrainJob, read_events
+from runtime import (
+    ElasticRuntime,
+    MeshPolicy,
+    RunFinished,
+    RuntimeConfig,
+    StateTransformed,
+    StepCompleted,
+    StepError,
+    StepFailed,
+    TrainJob,
+    read_events,
+)
 from runtime.testing.demo_model import demo_job
 
 
@@ -44,3 +55,57 @@ def test_a_user_error_is_a_step_error_with_its_events_logged(tmp_path: Path, cas
     failed = [e for e in events if isinstance(e, StepFailed)]
     assert len(failed) == 1 and named in failed[0].message
     assert isinstance(events[-1], RunFinished) and not events[-1].ok and named in events[-1].reason
+
+
+def counting_job() -> TrainJob:
+    """w += 1 a step: exact arithmetic, so a transform's effect can be checked to the bit."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    class Zeros:
+        def batch(self, position: int) -> Any:
+            return np.zeros((8, 2), np.float32)
+
+    return TrainJob(
+        init=lambda: {"w": jnp.zeros(8, jnp.float32)},
+        step=lambda state, batch: ({"w": state["w"] + 1}, {"loss": jnp.sum(batch)}),
+        data=Zeros(),
+        state_specs=P(),
+    )
+
+
+def transform_at_step_3(tmp_path: Path, fn: Any) -> ElasticRuntime:
+    # Events after every step: a command sent by a handler lands a step or two later, well before the end.
+    config = RuntimeConfig(run_dir=str(tmp_path), scale_up_poll_s=None, precompile=False, event_batch_s=0)
+    runtime = ElasticRuntime(counting_job(), config=config, mesh_policy=MeshPolicy({"data": 8}))
+
+    @runtime.on(StepCompleted)
+    async def after_three(event: StepCompleted, ctx: Any) -> None:
+        if event.step == 3:
+            ctx.transform_state(fn, reason="lower the learning rate")
+
+    return runtime
+
+
+def test_a_handler_transforms_the_state_at_the_next_boundary(tmp_path: Path) -> None:
+    result = transform_at_step_3(tmp_path, lambda s: {"w": s["w"] * 10}).run(30)
+    (done,) = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, StateTransformed)]
+    assert done.reason == "lower the learning rate" and 3 <= (done.step or 0) < 30
+    k = done.step or 0
+    assert list(result.state["w"]) == [k * 10.0 + (30 - k)] * 8  # applied once, to step k's state, then stepped on
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (lambda s: 1 / 0, "ZeroDivisionError"),
+        (lambda s: {"w": s["w"][:4]}, "changed the state's structure, shapes or dtypes"),
+    ],
+)
+def test_a_transform_that_raises_or_reshapes_is_a_step_error(tmp_path: Path, fn: Any, message: str) -> None:
+    with pytest.raises(StepError, match=message):
+        transform_at_step_3(tmp_path, fn).run(30)
+    events = read_events(tmp_path / "events.jsonl")
+    failed = [e for e in events if isinstance(e, StepFailed)]
+    assert len(failed) == 1 and message in f"{failed[0].error_type}: {failed[0].message}"
+    assert isinstance(events[-1], RunFinished) and not events[-1].ok

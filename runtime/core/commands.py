@@ -3,11 +3,13 @@ step boundary (``StepExecutor.send``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from jax.sharding import Mesh
 
-__all__ = ["Abort", "Command", "Pause", "Remesh", "Restore", "Resume"]
+__all__ = ["Abort", "Command", "Pause", "Remesh", "Restore", "Resume", "TransformState"]
 
 
 @dataclass(frozen=True)
@@ -36,4 +38,10 @@ class Abort:
     reason: str
 
 
-Command = Pause | Resume | Remesh | Restore | Abort
+@dataclass(frozen=True)
+class TransformState:
+    fn: Callable[[Any], Any]
+    reason: str
+
+
+Command = Pause | Resume | Remesh | Restore | Abort | TransformState

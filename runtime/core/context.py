@@ -7,13 +7,14 @@ out at the next step boundary, in order, and each is announced by an event (``Me
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from jax.sharding import Mesh
 
 from runtime.core.bus import Handler, Subscription
-from runtime.core.commands import Abort, Pause, Remesh, Restore, Resume
+from runtime.core.commands import Abort, Pause, Remesh, Restore, Resume, TransformState
 from runtime.core.config import RuntimeConfig
 from runtime.core.events import Event, SaveCheckpoint
 from runtime.core.mesh import MeshPolicy, device_ids
@@ -93,6 +94,14 @@ class RuntimeContext:
     def restore(self, source: str = "latest") -> None:
         """Restore onto the current mesh from ``source``: a tier name, or "latest" (fastest tier first)."""
         self._runtime.executor.send(Restore(source))
+
+    def transform_state(self, fn: Callable[[Any], Any], reason: str = "") -> None:
+        """Replace the state at the next boundary with ``fn(state)`` (a pytree of the same structure, shapes
+        and dtypes), e.g. to lower a learning rate kept in the state after a failure. ``fn`` gets the
+        committed state as placed on the current mesh; its result is placed the same way. Announced by
+        ``StateTransformed``; an error in ``fn`` or a changed structure ends the run with ``StepError``.
+        The RAM snapshot holds the transformed state from the next committed step on."""
+        self._runtime.executor.send(TransformState(fn, reason))
 
     def abort(self, reason: str) -> None:
         """Give up: the run stops with RecoveryError(reason)."""

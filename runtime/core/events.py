@@ -45,6 +45,7 @@ __all__ = [
     "ScaleUpAvailable",
     "SliceLost",
     "StateRestored",
+    "StateTransformed",
     "StepCompleted",
     "StepFailed",
     "Straggler",
@@ -297,6 +298,13 @@ class StateRestored(Event, frozen=True, kw_only=True):
 
     restored_from: str
     lost_steps: int
+    seconds: float
+
+
+class StateTransformed(Event, frozen=True, kw_only=True):
+    """A handler's state transform (``ctx.transform_state``) replaced the state of ``step``, for ``reason``."""
+
+    reason: str
     seconds: float
 
 

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, NoReturn
 
 import anyio
 import jax
+import jax.numpy as jnp
 import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from jax.sharding import Mesh
@@ -28,7 +29,7 @@ from jax.sharding import Mesh
 from runtime.core.bus import EventBus
 from runtime.core.cadence import SnapshotCadence
 from runtime.core.classify import classify
-from runtime.core.commands import Abort, Command, Pause, Remesh, Restore, Resume
+from runtime.core.commands import Abort, Command, Pause, Remesh, Restore, Resume, TransformState
 from runtime.core.compiler import StepCompiler
 from runtime.core.config import RuntimeConfig
 from runtime.core.errors import ConfigError, RecoveryError, SnapshotUnavailable, StepError, StorageError
@@ -40,6 +41,7 @@ from runtime.core.events import (
     RecoveryFailed,
     RunStarted,
     StateRestored,
+    StateTransformed,
     StepCompleted,
     StepFailed,
 )
@@ -350,6 +352,35 @@ class StepExecutor:
                 await self._restore(source)
             case Abort(reason):
                 await self._fail_recovery(reason)
+            case TransformState(fn, reason):
+                await self._transform(fn, reason)
+
+    async def _transform(self, fn: Callable[[PyTree], PyTree], reason: str) -> None:
+        """Replace the committed state with ``fn(state)``, placed like it. Raises StepError when ``fn``
+        raises or changes the state's structure, shapes or dtypes (it is the user's code)."""
+        assert self.mesh is not None
+        if self.state is None:
+            await self._fail_recovery(f"transform_state ({reason}) asked for before a state was restored")
+        started, mesh, state = time.monotonic(), self.mesh, self.state
+
+        def apply() -> PyTree:
+            new = fn(state)
+            before = [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+            after = [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(new)]
+            if str(jax.tree.structure(state)) != str(jax.tree.structure(new)) or before != after:
+                raise ValueError("the transform changed the state's structure, shapes or dtypes")
+            return self._place(new, mesh)
+
+        try:
+            self.state = await anyio.to_thread.run_sync(apply)
+        except Exception as exc:
+            event = StepFailed(step=self.step, source="executor", error_type=type(exc).__name__, message=str(exc))
+            await self.bus.publish(event)
+            raise StepError(
+                f"transform_state ({reason}) at step {self.step} raised {event.error_type}: {exc}", step=self.step
+            ) from exc
+        seconds = time.monotonic() - started
+        await self.bus.publish(StateTransformed(step=self.step, source="executor", reason=reason, seconds=seconds))
 
     async def _remesh(self, mesh: Mesh, reason: str) -> None:
         old = self.mesh
