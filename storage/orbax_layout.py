@@ -106,6 +106,37 @@ def _crc_of_array(array: np.ndarray) -> int:
     return int(google_crc32c.value(view))
 
 
+_COMMIT_NAME = "commit_success.txt"
+
+
+def _tuple_key(key: tuple[KeyPart, ...]) -> str:
+    """A key path as ``_METADATA`` spells it: the repr of a tuple of strings."""
+    return "(" + ", ".join(repr(str(k)) for k in key) + ("," if len(key) == 1 else "") + ")"
+
+
+def _entry(key: tuple[KeyPart, ...], value_type: str) -> dict[str, Any]:
+    """One node of ``_METADATA``'s tree: an array (``np.ndarray``) or an empty node, which is not read back."""
+    return {
+        "key_metadata": [{"key": str(k), "key_type": 1 if isinstance(k, int) else 2} for k in key],
+        "value_metadata": {"value_type": value_type, "skip_deserialize": value_type != "np.ndarray"},
+    }
+
+
+def _is_empty(node: Any) -> bool:
+    return node is None or (isinstance(node, dict | list | tuple) and len(node) == 0)
+
+
+def _empty_type(node: Any) -> str:
+    """Orbax's name for an empty node; an empty NamedTuple (optax's ``EmptyState``) it records as None."""
+    if isinstance(node, dict):
+        return "Dict"
+    if isinstance(node, list):
+        return "List"
+    if isinstance(node, tuple) and not hasattr(node, "_fields"):
+        return "Tuple"
+    return "None"
+
+
 def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
     """Write ``tree`` in Orbax's layout under ``state_dir``; every file is fsynced.
 
@@ -143,11 +174,13 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
         crc = _crc_of_array(array)
         add(chunk, _write_file(chunk, memoryview(array.reshape(-1).view(np.uint8).data)), crc)
         written.append(directory)
-        tuple_key = "(" + ", ".join(repr(str(k)) for k in key) + ("," if len(key) == 1 else "") + ")"
-        tree_metadata[tuple_key] = {
-            "key_metadata": [{"key": str(k), "key_type": 1 if isinstance(k, int) else 2} for k in key],
-            "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False},
-        }
+        tree_metadata[_tuple_key(key)] = _entry(key, "np.ndarray")
+    # Empty nodes (None, {}, [], (), optax's EmptyState) hold no array, but Orbax records them: without them
+    # a restore with the state as ``item`` finds another tree structure.
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty)[0]:
+        if _is_empty(node):
+            key = key_of(path)
+            tree_metadata[_tuple_key(key)] = _entry(key, _empty_type(node))
     metadata = {
         "tree_metadata": tree_metadata,
         "use_ocdbt": False,
@@ -164,8 +197,10 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
         "commit_timestamp_nsecs": now,
         "custom_metadata": {},
     }
-    for name, document in (("_METADATA", metadata), ("_CHECKPOINT_METADATA", checkpoint_metadata)):
-        data = json.dumps(document).encode()
+    documents = {"_METADATA": metadata, "_CHECKPOINT_METADATA": checkpoint_metadata}
+    files = [(name, json.dumps(document).encode()) for name, document in documents.items()]
+    files.append((_COMMIT_NAME, f"Checkpoint commit was successful to {state_dir}".encode()))  # as Orbax writes
+    for name, data in files:
         add(state_dir / name, _write_file(state_dir / name, data), int(google_crc32c.value(data)))
     fsync_all(written)  # every file and every directory entry is durable before the manifest is written
     return entries
