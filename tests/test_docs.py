@@ -20,7 +20,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Failures (all derive from `Failure`)", ev, [
         "Failure", "StepFailed", "DeviceLost", "SliceLost", "ProcessLost", "WorkerLost", "WorkerHung",
         "MalformedHeartbeat", "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt", "MalformedNotice",
-        "RecoveryFailed",
+        "RecoveryFailed", "DataMismatch",
     ]),
     ("Conditions", ev, ["Straggler", "MeshReduced"]),
     ("Maintenance notices (all derive from `Notice`)", ev, [

@@ -50,6 +50,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         device_poll_s: interval of device health polls while waiting.
         scale_up_poll_s: interval of the watch for returning devices; unset turns scale-up off.
         precompile: compile the step for likely degraded meshes in the background.
+        check_data: fingerprint (CRC32C) every batch read, and compare the batches read again after a restore
+            with what was read there before; a difference is a ``DataMismatch`` event naming the position.
+            Costs a pass over every batch, so off by default.
         event_batch_s: steps run back to back in the worker thread for up to this long before their events
             are published, while the next step computes (a handler's command interrupts at once); 0
             publishes after every step.
@@ -91,6 +94,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     scale_up_poll_s: Seconds | None = 1.0
     precompile: bool = True
     event_batch_s: SecondsOrZero = 0.05
+    check_data: bool = False
     # --- checkpointing (storage/) ---------------------------------------------------------------------
     ram_dir: str | None = None
     checkpoint_dir: str | None = None

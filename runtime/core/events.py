@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointSkipped",
     "CheckpointStarted",
+    "DataMismatch",
     "DeviceLost",
     "Drain",
     "Event",
@@ -165,6 +166,15 @@ class Straggler(Event, frozen=True, kw_only=True):
     worker: int
     step_time_s: float
     group_median_s: float
+
+
+class DataMismatch(Failure, frozen=True, kw_only=True):
+    """The batch read at ``position`` after a restore differs from the one read there before: the data source
+    is not deterministic, so the replayed steps train on other data (``check_data``; the run goes on)."""
+
+    position: int
+    expected_crc32c: str
+    got_crc32c: str
 
 
 class MeshReduced(Event, frozen=True, kw_only=True):

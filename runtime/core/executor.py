@@ -32,6 +32,7 @@ from runtime.core.classify import classify
 from runtime.core.commands import Abort, Command, Pause, Remesh, Restore, Resume, TransformState
 from runtime.core.compiler import StepCompiler
 from runtime.core.config import RuntimeConfig
+from runtime.core.datacheck import DataCheck
 from runtime.core.errors import ConfigError, RecoveryError, SnapshotUnavailable, StepError, StorageError
 from runtime.core.events import (
     CheckpointFailed,
@@ -139,6 +140,7 @@ class StepExecutor:
         self._from_threads: deque[Event] = deque()
         self._attention = threading.Event()  # set when a command waits: the step thread returns to the loop
         self._batches = BatchPrefetcher(job.data)
+        self._data_check = DataCheck() if config.check_data else None
         # The step left computing while the loop publishes a batch of events, and when the step before it
         # was complete; it is committed when the thread comes back, or before any command applies.
         self._computing: tuple[_InFlight, float] | None = None
@@ -560,6 +562,11 @@ class StepExecutor:
         assert self.compiler is not None
         loading = time.perf_counter()
         host_batch = self._batches.batch(position)
+        if self._data_check is not None:
+            mismatch = self._data_check.check(position, host_batch, step=step)
+            if mismatch is not None:
+                log.warning("step %d: %s", step, mismatch.message)
+                self._from_threads.append(mismatch)
         data_s = time.perf_counter() - loading
         # The next batch loads from now on, through this step's dispatch and the previous one's commit: on CPU
         # devices the dispatch itself can take half a step, and a batch loaded only after it was often late.
