@@ -29,6 +29,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Checkpoints", ev, ["CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped"]),
     ("Recovery", ev, [
         "RecoveryStarted", "MeshChanged", "StateRestored", "RecoveryCompleted", "ScaleUpAvailable", "StateTransformed",
+        "MeshReady",
     ]),
     ("Requests", ev, ["SaveCheckpoint", "Drain"]),
     ("Multi-process groups (logged by the controller)", ev, [

@@ -24,6 +24,7 @@ from runtime import (
     HandlerFailed,
     MeshChanged,
     MeshPolicy,
+    MeshReady,
     RecoveryCompleted,
     RecoveryError,
     RecoveryFailed,
@@ -371,3 +372,40 @@ def test_too_many_failures_end_the_run(tmp_path: Path) -> None:
     ))  # fmt: skip
     with pytest.raises(RecoveryError, match="3 failures exceed max_recoveries=2"):
         runtime.run(STEPS)
+
+
+def test_recovery_says_how_long_it_waited_for_a_compile(tmp_path: Path) -> None:
+    # Without compiling ahead, the shrunk mesh's step compiles during the recovery.
+    cold = injector_run(tmp_path / "cold", precompile=False)
+    (done,) = [e for e in cold if isinstance(e, RecoveryCompleted)]
+    assert 0 < done.compile_wait_s < done.recovery_s
+    # Compiled ahead (MeshReady before the fault): the recovery waits for no compile.
+    warm = injector_run(tmp_path / "warm", precompile=True)
+    ready = [e for e in warm if isinstance(e, MeshReady)]
+    (done,) = [e for e in warm if isinstance(e, RecoveryCompleted)]
+    assert [0, 1, 2, 3, 4, 5] in [sorted(e.devices) for e in ready if e.mono_time < done.mono_time]
+    assert done.compile_wait_s == 0.0
+
+
+def injector_run(run_dir: Path, *, precompile: bool) -> list[Any]:
+    """Lose slice 3 at step 8 on the data4-model2 layout; with ``precompile``, only once the mesh left
+    without it (devices 0-5; the meshes without slices 0, 1 and 2 are compiled too, in that order) is ready."""
+    injector = FaultInjector().lose_slice(8, slice_index=3, slice_size=2)
+    runtime = injector.attach(
+        ElasticRuntime(small_job(), config=config(run_dir, precompile=precompile), mesh_policy=LAYOUTS["data4-model2"])
+    )
+    degraded_ready = anyio.Event()
+
+    @runtime.on(MeshReady)
+    async def note(event: MeshReady, ctx: Any) -> None:
+        if sorted(event.devices) == [0, 1, 2, 3, 4, 5]:  # the mesh left when slice 3 is lost
+            degraded_ready.set()
+
+    async def before_the_fault(step: int) -> None:
+        if precompile and step == 8:
+            with anyio.fail_after(120):
+                await degraded_ready.wait()
+
+    runtime.at_step_boundary(before_the_fault)
+    runtime.run(STEPS)
+    return read_events(run_dir / "events.jsonl")

@@ -67,6 +67,7 @@ class FailureRecord:
     lost_steps: int
     wasted_s: float  # computation thrown away: the failed attempt and committed steps run again
     restored_from: str
+    compile_wait_s: float = 0.0  # of the recovery, waiting for the new mesh's programs to compile
 
 
 @dataclass
@@ -274,4 +275,5 @@ def _record(
         lost_steps=lost_steps,
         wasted_s=attempt_s + sum(c.duration_s for c in rolled_back),
         restored_from="" if done is None else done.restored_from,
+        compile_wait_s=0.0 if done is None else done.compile_wait_s,
     )

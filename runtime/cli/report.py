@@ -80,13 +80,14 @@ def render(report: GoodputReport, path: Path) -> str:
     if report.failures:
         lines += [
             "",
-            f"  {'failure':14s} {'step':>6s} {'detect s':>9s} {'recover s':>10s} {'lost':>5s} {'wasted s':>9s}  from",
+            f"  {'failure':14s} {'step':>6s} {'detect s':>9s} {'recover s':>10s} {'compile s':>10s} {'lost':>5s} "
+            f"{'wasted s':>9s}  from",
         ]
         for f in report.failures:
             recovered = "never" if f.recovery_s is None else f"{f.recovery_s:.3f}"
             lines.append(
-                f"  {f.kind:14s} {f.step:6d} {f.detection_s:9.3f} {recovered:>10s} {f.lost_steps:5d} "
-                f"{f.wasted_s:9.3f}  {f.restored_from or '-'}"
+                f"  {f.kind:14s} {f.step:6d} {f.detection_s:9.3f} {recovered:>10s} {f.compile_wait_s:10.3f} "
+                f"{f.lost_steps:5d} {f.wasted_s:9.3f}  {f.restored_from or '-'}"
             )
     if report.checkpoints:
         tiers = ", ".join(f"{tier} {count}" for tier, count in sorted(report.checkpoints.items()))

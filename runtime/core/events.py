@@ -33,6 +33,7 @@ __all__ = [
     "MalformedHeartbeat",
     "MalformedNotice",
     "MeshChanged",
+    "MeshReady",
     "MeshReduced",
     "Notice",
     "Preempted",
@@ -319,7 +320,8 @@ class StateTransformed(Event, frozen=True, kw_only=True):
 
 
 class RecoveryCompleted(Event, frozen=True, kw_only=True):
-    """The first step after a failure committed; ``recovery_s`` runs from the failure to this commit."""
+    """The first step after a failure committed; ``recovery_s`` runs from the failure to this commit, of which
+    ``compile_wait_s`` waited for the new mesh's programs (0 when they were compiled ahead)."""
 
     cause: str
     failed_step: int
@@ -327,6 +329,16 @@ class RecoveryCompleted(Event, frozen=True, kw_only=True):
     lost_steps: int
     restored_from: str
     mesh_shape: dict[str, int]
+    compile_wait_s: float = 0.0
+
+
+class MeshReady(Event, frozen=True, kw_only=True):
+    """The programs a step on ``mesh_shape`` (``devices``) runs are compiled, ahead of need, in ``seconds``:
+    a failure that leads to this mesh recovers without compiling."""
+
+    mesh_shape: dict[str, int]
+    devices: tuple[int, ...]
+    seconds: float
 
 
 class RecoveryFailed(Failure, frozen=True, kw_only=True):

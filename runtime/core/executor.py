@@ -301,12 +301,17 @@ class StepExecutor:
         self.mesh_history.append(mesh_shape(mesh))
         self.mesh_updates_send.send_nowait(mesh)
 
-    def prepare(self, mesh: Mesh) -> None:
-        """Compile what steps on ``mesh`` run (blocking): the step, and the snapshot copy queued behind it."""
+    def prepare(self, mesh: Mesh) -> float:
+        """Compile what steps on ``mesh`` run (blocking): the step, and the snapshot copy queued behind it.
+        Returns the seconds it took (waiting for a compile under way included; 0 when all was ready)."""
         assert self.compiler is not None
+        if self.compiler.is_ready(mesh) and (self.compiler.host_copy or self.config.snapshot_every == 0):
+            return 0.0
+        started = time.perf_counter()
         self.compiler.get(mesh)
         if not self.compiler.host_copy and self.config.snapshot_every > 0:
             self.ram.prepare(self.compiler.state_abstract(mesh))
+        return time.perf_counter() - started
 
     def _place(self, tree: PyTree, mesh: Mesh) -> PyTree:
         assert self.compiler is not None
@@ -572,7 +577,12 @@ class StepExecutor:
         # devices the dispatch itself can take half a step, and a batch loaded only after it was often late.
         self._batches.prefetch(position + 1)
         compiler = self.compiler
-        compiled = compiler.get(mesh)
+        if compiler.is_ready(mesh):
+            compiled = compiler.get(mesh)
+        else:  # compiled here, or waited for: after a failure, part of the recovery's time
+            waiting = time.perf_counter()
+            compiled = compiler.get(mesh)
+            self.recovery.waited_for_compile(time.perf_counter() - waiting)
         copy_due = not compiler.host_copy and self.config.snapshot_every > 0 and self.cadence.due(step)
         if copy_due:  # a copy compiled here (a layout not prepared ahead) is no part of the copy's cost
             self.ram.prepare(state)

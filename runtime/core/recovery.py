@@ -29,6 +29,7 @@ class Recovery:
     restore_step: int | None = None  # set by the restore; until then no commit ends the recovery
     restored_from: str = ""
     lost_steps: int = 0
+    compile_wait_s: float = 0.0  # of its time, waiting for a program of the new mesh to compile
 
 
 class RecoveryTracker:
@@ -72,6 +73,11 @@ class RecoveryTracker:
             self.current.restore_step, self.current.restored_from = step, restored_from
             self.current.lost_steps, self.current.strategy = lost_steps, strategy
 
+    def waited_for_compile(self, seconds: float) -> None:
+        """Charge ``seconds`` of waiting for a compile to the recovery under way, if any."""
+        if self.current is not None:
+            self.current.compile_wait_s += seconds
+
     def committed(self, step: int, mesh_shape: dict[str, int]) -> RecoveryCompleted | None:
         """Step ``step`` was committed. Returns the ``RecoveryCompleted`` to publish when it ends a recovery."""
         recovery = self.current
@@ -87,4 +93,5 @@ class RecoveryTracker:
             lost_steps=recovery.lost_steps,
             restored_from=recovery.restored_from,
             mesh_shape=mesh_shape,
+            compile_wait_s=recovery.compile_wait_s,
         )

@@ -12,6 +12,7 @@ Typical use (through :class:`runtime.ElasticRuntime`, this class with the built-
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -26,8 +27,9 @@ from jax.sharding import Mesh
 from runtime.core.bus import EventBus, Handler, Subscription
 from runtime.core.config import RuntimeConfig
 from runtime.core.context import RuntimeContext
+from runtime.core.errors import BusClosed
 from runtime.core.eventlog import EventLog
-from runtime.core.events import Event, RunFinished, ScaleUpAvailable
+from runtime.core.events import Event, MeshReady, RunFinished, ScaleUpAvailable
 from runtime.core.executor import BoundaryHook, RunResult, StepExecutor
 from runtime.core.health import DeviceHealth
 from runtime.core.job import TrainJob
@@ -208,10 +210,20 @@ class Runtime:
 
     async def _prepare(self, mesh: Mesh) -> bool:
         try:
-            await anyio.to_thread.run_sync(self.executor.prepare, mesh)
+            seconds = await anyio.to_thread.run_sync(self.executor.prepare, mesh)
         except Exception as exc:
             log.warning("compiling ahead for mesh %s failed: %s: %s", mesh_shape(mesh), type(exc).__name__, exc)
             return False
+        if seconds > 0:
+            ready = MeshReady(
+                step=self.executor.step,
+                source="compiler",
+                mesh_shape=mesh_shape(mesh),
+                devices=device_ids(mesh),
+                seconds=seconds,
+            )
+            with contextlib.suppress(BusClosed):  # the run ended while this compile ran: nobody to tell
+                await self.bus.publish(ready)
         return True
 
     async def _watch_for_devices(self, interval: float) -> None:
