@@ -1,7 +1,7 @@
 """A training process for the resume test to kill -9 and to resume: the small demo job on 8 CPU devices,
 with disk and GCS tiers, slowed down so that the test can catch it mid-run.
 
-Usage: python resume_worker.py RUN_DIR CHECKPOINT_DIR GS_URI STEPS RESULT.npz [--resume]
+Usage: python resume_worker.py RUN_DIR CHECKPOINT_DIR GS_URI STEPS RESULT.npz [--resume] [--slow]
 (the GCS client reaches the emulator through STORAGE_EMULATOR_HOST).
 """
 
@@ -36,7 +36,8 @@ def main() -> None:
         scale_up_poll_s=None,
     )
     runtime = ElasticRuntime(job(), config=config, mesh_policy=MeshPolicy({"data": 4, "model": 2}))
-    runtime.at_step_boundary(lambda step: time.sleep(0.05))  # about 20 steps a second: killable mid-run
+    if "--slow" in sys.argv[6:]:
+        runtime.at_step_boundary(lambda step: time.sleep(0.05))  # about 20 steps a second: killable mid-run
     done = runtime.run(int(steps), resume="--resume" in sys.argv[6:])
     np.savez(result, *[np.asarray(leaf) for leaf in jax.tree.leaves(done.state)])
     print(f"FINISHED {done.step}", flush=True)

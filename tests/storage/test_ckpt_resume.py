@@ -21,7 +21,7 @@ from runtime.testing.demo_model import demo_job
 from storage.gcs import GcsTier
 
 WORKER = Path(__file__).with_name("resume_worker.py")
-STEPS = 40
+STEPS = 200  # the slowed first process takes more than 10 s to get there: it is killed long before
 
 
 def test_killed_wiped_and_resumed_from_gcs_matches_an_uninterrupted_run(
@@ -30,7 +30,7 @@ def test_killed_wiped_and_resumed_from_gcs_matches_an_uninterrupted_run(
     run_dir, checkpoints, result = tmp_path / "run", tmp_path / "checkpoints", tmp_path / "final.npz"
     command = [sys.executable, str(WORKER), str(run_dir), str(checkpoints), gcs_uri, str(STEPS), str(result)]
     env = {**os.environ, "STORAGE_EMULATOR_HOST": gcs_emulator.url}
-    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen([*command, "--slow"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     gcs = GcsTier(gcs_uri, client=client_for(gcs_emulator.url), staging_dir=tmp_path)
     try:
         deadline = time.monotonic() + 120
