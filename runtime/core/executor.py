@@ -33,7 +33,7 @@ from runtime.core.commands import Abort, Command, Pause, Remesh, Restore, Resume
 from runtime.core.compiler import StepCompiler
 from runtime.core.config import RuntimeConfig
 from runtime.core.datacheck import DataCheck
-from runtime.core.errors import ConfigError, RecoveryError, SnapshotUnavailable, StepError, StorageError
+from runtime.core.errors import ConfigError, RecoveryError, SnapshotUnavailable, StepError
 from runtime.core.events import (
     CheckpointFailed,
     Event,
@@ -51,7 +51,7 @@ from runtime.core.job import PyTree, TrainJob
 from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
 from runtime.core.prefetch import BatchPrefetcher
 from runtime.core.recovery import RecoveryTracker
-from runtime.core.restore import RestoreSource, restore_newest
+from runtime.core.restore import RestoreSource, refuse_earlier_checkpoints, restore_newest
 from runtime.core.snapshot import RamTier
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ class StepExecutor:
         if resume:
             resumed = await self._resume(durable, steps, mesh)
         else:
-            await anyio.to_thread.run_sync(self._refuse_earlier_checkpoints, durable)
+            await anyio.to_thread.run_sync(refuse_earlier_checkpoints, durable, self.config.checkpoint_timeout_s)
         await self.bus.publish(
             RunStarted(
                 step=self.step,
@@ -251,27 +251,6 @@ class StepExecutor:
         )
         if resumed is not None:
             await self.bus.publish(resumed)
-
-    def _refuse_earlier_checkpoints(self, durable: list[RestoreSource]) -> None:
-        """Raises ConfigError when a tier already holds checkpoints: an earlier run's, which a new run would
-        mix with its own (retention, "latest" restores)."""
-        timeout = self.config.checkpoint_timeout_s
-        held = {}
-        for source in durable:
-            try:
-                steps = source.steps(timeout=timeout)
-            except (StorageError, SnapshotUnavailable) as exc:
-                log.warning("cannot tell whether %s holds checkpoints: %s", source.name, exc)
-                continue
-            if steps:
-                held[source.name] = max(steps)
-        if held:
-            found = ", ".join(f"{name} up to step {step}" for name, step in held.items())
-            raise ConfigError(
-                f"the checkpoint tiers already hold an earlier run's checkpoints ({found}): run(steps, "
-                "resume=True) continues from the newest; a new run_dir (or checkpoint_dir, ram_dir, gcs_uri) "
-                "starts afresh"
-            )
 
     async def _resume(self, durable: list[RestoreSource], steps: int, mesh: Mesh) -> StateRestored | None:
         """Restore the newest verified step any durable tier holds, before the first step; returns the event

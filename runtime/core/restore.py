@@ -7,10 +7,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.errors import CheckpointInvalid, ConfigError, SnapshotUnavailable, StorageError
 from runtime.core.snapshot import HostSnapshot
 
-__all__ = ["CorruptionListener", "RestoreSource", "restore_newest"]
+__all__ = ["CorruptionListener", "RestoreSource", "refuse_earlier_checkpoints", "restore_newest"]
 
 log = logging.getLogger(__name__)
 
@@ -67,3 +67,24 @@ def restore_newest(
                 problems.append(f"{source.name} step {step}: {exc}")
     names = ", ".join(s.name for s in sources) or "no source"
     raise SnapshotUnavailable(f"nothing restorable in {names} ({'; '.join(problems) or 'none committed'})")
+
+
+def refuse_earlier_checkpoints(sources: Sequence[RestoreSource], timeout: float) -> None:
+    """Raises ConfigError when a source already holds checkpoints: an earlier run's, which a new run (one
+    that does not resume) would mix with its own, in retention and in "latest" restores."""
+    held = {}
+    for source in sources:
+        try:
+            steps = source.steps(timeout=timeout)
+        except (StorageError, SnapshotUnavailable) as exc:
+            log.warning("cannot tell whether %s holds checkpoints: %s", source.name, exc)
+            continue
+        if steps:
+            held[source.name] = max(steps)
+    if held:
+        found = ", ".join(f"{name} up to step {step}" for name, step in held.items())
+        raise ConfigError(
+            f"the checkpoint tiers already hold an earlier run's checkpoints ({found}): run(steps, "
+            "resume=True) continues from the newest; a new run_dir (or checkpoint_dir, ram_dir, gcs_uri) "
+            "starts afresh"
+        )
