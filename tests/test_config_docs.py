@@ -5,6 +5,7 @@ Regenerate it after changing a field: ``.venv/bin/python tests/test_config_docs.
 
 from __future__ import annotations
 
+import inspect
 import re
 import types
 import typing
@@ -34,12 +35,13 @@ def descriptions() -> dict[str, str]:
     """Field name -> its description, from the docstring's ``name: text`` entries (continuations joined)."""
     found: dict[str, str] = {}
     current = ""
-    for line in (RuntimeConfig.__doc__ or "").splitlines():
-        entry = re.match(r"^ {8}(\w+): (.*)$", line)
+    # cleandoc: Python 3.13 strips a docstring's indentation when it compiles it, 3.11 keeps it.
+    for line in inspect.cleandoc(RuntimeConfig.__doc__ or "").splitlines():
+        entry = re.match(r"^ {4}(\w+): (.*)$", line)
         if entry and entry.group(1) in RuntimeConfig.__struct_fields__:
             current = entry.group(1)
             found[current] = entry.group(2).strip()
-        elif current and re.match(r"^ {12}\S", line):
+        elif current and re.match(r"^ {8}\S", line):
             found[current] += " " + line.strip()
         else:
             current = ""
