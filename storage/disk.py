@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,9 @@ class DiskTier:
         self.name = name
         self.check_space = check_space
         self.corruption_listeners: list[CorruptionListener] = []
+        # Called with the step once its files are written, before the manifest commits them: what a crash
+        # there leaves must stay invisible (the crash tests use it).
+        self.before_commit: list[Callable[[int], None]] = []
 
     def path_of(self, step: int) -> Path:
         return self.root / mf.step_dirname(step)
@@ -133,6 +137,8 @@ class DiskTier:
                 save_orbax(directory / STATE_DIR, snapshot.tree)
             deadline.check()
             manifest = self._describe(directory, snapshot, deadline, files)
+            for listener in self.before_commit:
+                listener(snapshot.step)
             write_manifest(directory, manifest)
             _fsync_path(self.root, directory=True)
         except StorageError as exc:

@@ -6,15 +6,14 @@ neighbours' replica, and losing any one worker loses no committed step. A re-for
 broadcasting the newest copy from one member (:func:`broadcast_state`), which is how a replacement worker
 takes its shards from its peers.
 
-:class:`ReplicaFiles` keeps the same copy in files, one per process, under ``/dev/shm`` by default (survives
-the loss of every worker process, not of the host) or any directory (a disk tier for full restarts).
-Files are written to a temporary name and renamed, so a kill mid-write leaves the previous file intact.
-No pickle: ``np.load(allow_pickle=False)``.
+:class:`ReplicaFiles` keeps the same copy in files, one folder per process, under ``/dev/shm`` by default
+(survives the loss of every worker process, not of the host) or any directory, in the disk tier's format:
+Orbax's layout with a manifest that lists every file's size and CRC32C, committed last, so a kill mid-write
+leaves the previous replica whole and a damaged one is detected on read. No pickle.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -27,10 +26,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.core.errors import SnapshotUnavailable
+from runtime.core.errors import SnapshotUnavailable, StorageError
+from runtime.core.restore import restore_newest
 from runtime.core.snapshot import HostSnapshot
+from storage.disk import DiskTier
 
 log = logging.getLogger(__name__)
+
+_TIMEOUT_S = 120.0  # one replica write or read; /dev/shm is memory
 
 PyTree = Any
 
@@ -84,41 +87,43 @@ def broadcast_state(tree: PyTree, *, is_source: bool) -> PyTree:
 
 
 class ReplicaFiles:
-    """One file per process with its newest replica, written in the background, newest-wins on read.
+    """This process's newest replica on its host, in the disk tier's format (a manifest with the CRC32C of
+    every file, committed last), written in the background; ``newest`` reads any process's, verified.
 
     Args:
-        directory: where the files live (``/dev/shm/...`` to survive process restarts on this host).
-        name: this process's file name (stable across its restarts, e.g. ``rank-0``).
+        directory: where the replicas of every process live (``/dev/shm/...`` to survive process restarts
+            on this host); each process has a folder of its own in it.
+        name: this process's folder (stable across its restarts, e.g. ``worker-0``).
+        keep: replicas kept per process (the newest ones; two, so a crash mid-write leaves one whole).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], name: str) -> None:
+    def __init__(self, directory: str | os.PathLike[str], name: str, *, keep: int = 2) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.path = self.directory / f"{name}.npz"
+        self.tier = DiskTier(self.directory / name, name="shm", check_space=False)
+        self.keep = keep
+        for torn in self.tier.sweep():  # an earlier process of this name was killed mid-write
+            log.info("removed a torn replica: %s", torn)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-file")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
-        self.on_write: list[Callable[[int], None]] = []  # called with the step mid-write, in the writer thread
+
+    @property
+    def on_write(self) -> list[Callable[[int], None]]:
+        """Called with the step mid-write (its files written, not yet committed), in the writer thread."""
+        return self.tier.before_commit
 
     def save(self, snapshot: HostSnapshot) -> None:
-        """Start writing ``replica``, after the previous write finished (so no committed step is skipped)."""
+        """Start writing ``snapshot``, after the previous write finished (so no committed step is skipped)."""
         self.wait()
         with self._lock:
             self._pending = self._pool.submit(self._write, snapshot)
 
     def _write(self, snapshot: HostSnapshot) -> None:
         started = time.monotonic()
-        leaves = jax.tree.leaves(snapshot.tree)
-        meta = json.dumps({"step": snapshot.step, "data_position": snapshot.data_position, "leaves": len(leaves)})
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}.npz")
-        arrays: dict[str, Any] = {f"leaf{i}": leaf for i, leaf in enumerate(leaves)}
-        with open(tmp, "wb") as f:
-            np.savez(f, meta=np.frombuffer(meta.encode(), np.uint8), **arrays)
-            f.flush()
-            for hook in self.on_write:
-                hook(snapshot.step)
-        os.replace(tmp, self.path)  # atomic: readers see the old file or the new one, never half of one
-        log.debug("replica file step %d written in %.3f s", snapshot.step, time.monotonic() - started)
+        self.tier.save(snapshot, timeout=_TIMEOUT_S)
+        for info in self.tier.list(timeout=_TIMEOUT_S)[self.keep :]:
+            self.tier.delete(info.step, timeout=_TIMEOUT_S)
+        log.debug("replica of step %d written in %.3f s", snapshot.step, time.monotonic() - started)
 
     def wait(self) -> None:
         with self._lock:
@@ -126,40 +131,21 @@ class ReplicaFiles:
         if pending is not None:
             try:
                 pending.result()
-            except OSError as exc:  # a failed write leaves the previous file; training goes on
-                log.error("replica file write failed: %s", exc)
+            except StorageError as exc:  # a failed write leaves the previous replica; training goes on
+                log.error("replica write failed: %s", exc)
 
     def newest(self, like: PyTree) -> HostSnapshot:
-        """The newest readable replica in the directory (any process's file) with the structure of ``like``.
+        """The newest replica of any process here that verifies and has the structure of ``like``.
 
         Raises:
-            SnapshotUnavailable: no file holds a usable replica.
+            SnapshotUnavailable: none does.
         """
-        leaves_like, treedef = jax.tree.flatten(like)
-        best: HostSnapshot | None = None
-        for path in sorted(self.directory.glob("*.npz")):
-            if ".tmp" in path.name:
-                continue  # a write that a kill interrupted
-            try:
-                with np.load(path, allow_pickle=False) as data:
-                    meta = json.loads(bytes(data["meta"]).decode())
-                    if best is not None and meta["step"] <= best.step:
-                        continue
-                    leaves = [data[f"leaf{i}"] for i in range(meta["leaves"])]
-            except (OSError, ValueError, KeyError) as exc:
-                log.warning("replica file %s is unreadable, skipped: %s", path, exc)
-                continue
-            shapes_ok = len(leaves) == len(leaves_like) and all(
-                a.shape == np.shape(b) and a.dtype == np.asarray(b).dtype
-                for a, b in zip(leaves, leaves_like, strict=True)
-            )
-            if not shapes_ok:
-                log.warning("replica file %s does not match the state's structure, skipped", path)
-                continue
-            best = replica(meta["step"], meta["data_position"], jax.tree.unflatten(treedef, leaves))
-        if best is None:
-            raise SnapshotUnavailable(f"no usable replica file in {self.directory}")
-        return best
+        folders = sorted(p for p in self.directory.iterdir() if p.is_dir()) if self.directory.is_dir() else []
+        tiers = [DiskTier(folder, name="shm", check_space=False) for folder in folders]
+        try:
+            return restore_newest(tiers, like, timeout=_TIMEOUT_S)[1]
+        except SnapshotUnavailable as exc:
+            raise SnapshotUnavailable(f"no usable replica in {self.directory}: {exc}") from exc
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

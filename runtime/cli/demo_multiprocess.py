@@ -57,7 +57,7 @@ def run_group(
         command=command or worker_command(steps),
         nprocs=processes,
         run_dir=str(run_dir),
-        result_path=str(run_dir / "final.npz"),
+        result_path=str(run_dir / "final"),
         faults=faults,
         strategy=Strategy(strategy),
         **extra,
@@ -71,8 +71,9 @@ def run_group(
 def run_multiprocess_demo(args: argparse.Namespace) -> int:
     """The ``demo --processes N`` entry point."""
     from runtime.cli.progress import ProgressPrinter
-    from runtime.testing.compare import compare_files
+    from runtime.testing.compare import compare_states
     from runtime.testing.grammar import Fault
+    from storage.disk import DiskTier
 
     steps = args.steps
     kill_at = args.kill_worker_at
@@ -112,8 +113,11 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
         say("verifying: fault-free run of the same group ...")
         reference = run_group(processes=args.processes, steps=steps, run_dir=run_dir / "reference", faults=[])
         full = all(size == args.processes for size in result.world_size_history)
-        got, want = run_dir / "run" / "final.npz", run_dir / "reference" / "final.npz"
-        summary["reference_match"] = compare_files(got, want) if reference.ok and full else {"match": False}
+        if reference.ok and full:
+            got, want = (DiskTier(run_dir / name / "final").latest(None).tree for name in ("run", "reference"))
+            summary["reference_match"] = compare_states(got, want, bitwise=True)
+        else:
+            summary["reference_match"] = {"match": False}
     say(
         f"\nfinished {summary['steps_completed']} steps in {summary['seconds']:.2f} s; "
         f"detected after {summary['detected_after_s']} s, recovered in {summary['recovery_s']} s "

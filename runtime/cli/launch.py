@@ -30,7 +30,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
     parser.add_argument("--run-dir", default=None, help="event log, worker logs, summary.json")
-    parser.add_argument("--result", default=None, help="where process 0 writes the final state (.npz)")
+    parser.add_argument(
+        "--result", default=None, help="a folder where process 0 commits the final state (disk tier format)"
+    )
     parser.add_argument(
         "--replica-dir", default=None, help="replica files (default: a fresh /dev/shm dir, removed at the end)"
     )

@@ -45,7 +45,7 @@ class LaunchConfig:
         max_failures: failures the run survives.
         run_dir: event log, worker logs and ``summary.json``; a temporary directory when unset.
         replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<pid>``.
-        result_path: where process 0 writes the final state (``.npz``).
+        result_path: a folder where process 0 commits the final state, in the disk tier's format.
         faults: fault injection: process and worker faults of ``runtime.testing.grammar``
             (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.testing.process_faults``.
     """

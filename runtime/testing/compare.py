@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["RTOL", "compare_files", "compare_states"]
+__all__ = ["RTOL", "compare_states"]
 
 RTOL = 1e-5  # runs that trained on a shrunk data axis sum gradients in another order: ~1e-6 apart
 
@@ -25,11 +24,3 @@ def compare_states(result: Any, reference: Any, *, bitwise: bool, rtol: float = 
         same = all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in pairs)
         return {"comparison": "bitwise", "match": same, "max_rel_error": worst}
     return {"comparison": f"rtol {rtol:g}", "match": worst <= rtol, "max_rel_error": worst}
-
-
-def compare_files(got: Path, want: Path) -> dict[str, Any]:
-    """Compare two final-state files (``.npz``, as multi-process runs write them) bitwise."""
-    with np.load(got) as a, np.load(want) as b:
-        if sorted(a.files) != sorted(b.files):
-            return {"comparison": "bitwise", "match": False, "max_rel_error": float("inf")}
-        return compare_states(dict(a), dict(b), bitwise=True)

@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from runtime.cli.demo_multiprocess import run_group
 from runtime.core.eventlog import read_events
 from runtime.core.events import StateRestored, StepCompleted
 from runtime.testing.grammar import Fault
+from storage.disk import DiskTier
 
 NPROCS = 3
 STEPS = 40
@@ -58,8 +60,10 @@ def plan(rng: random.Random) -> dict[str, Any]:
 
 def check(run_dir: Path, reference: Path) -> list[str]:
     problems = []
-    with np.load(run_dir / "final.npz") as got, np.load(reference) as want:
-        problems += [f"{k} differs" for k in want.files if not np.array_equal(got[k], want[k])]
+    got, want = (jax.tree.leaves(DiskTier(folder).latest(None).tree) for folder in (run_dir / "final", reference))
+    problems += [
+        f"leaf {i} differs" for i, (a, b) in enumerate(zip(got, want, strict=True)) if not np.array_equal(a, b)
+    ]
     committed = 0
     for event in read_events(run_dir / "events.jsonl"):
         if isinstance(event, StepCompleted):
@@ -90,7 +94,7 @@ def main() -> int:
             try:
                 result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec)
                 problems = [] if result.ok else [f"run failed: {result.reason}"]
-                problems += check(run_dir, root / "reference" / "final.npz")
+                problems += check(run_dir, root / "reference" / "final")
             except Exception as exc:
                 problems = [f"{type(exc).__name__}: {exc}"]
                 result = None
