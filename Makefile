@@ -51,4 +51,4 @@ chaos: $(STAMP)
 	$(BIN)/python tests/multiprocess/chaos.py --rounds $(or $(ROUNDS),10)
 
 clean:
-	rm -rf $(VENV) $(LATEST) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST) runs .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
