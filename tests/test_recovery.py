@@ -409,3 +409,14 @@ def injector_run(run_dir: Path, *, precompile: bool) -> list[Any]:
     runtime.at_step_boundary(before_the_fault)
     runtime.run(STEPS)
     return read_events(run_dir / "events.jsonl")
+
+
+@pytest.mark.parametrize("snapshot_every", [1, 5])
+def test_preparing_a_mesh_already_compiled_compiles_nothing_and_says_so(tmp_path: Path, snapshot_every: int) -> None:
+    runtime = ElasticRuntime(
+        small_job(), config=config(tmp_path, snapshot_every=snapshot_every), mesh_policy=LAYOUTS["data4-model2"]
+    )
+    runtime.run(6)
+    mesh = runtime.executor.mesh
+    assert mesh is not None
+    assert runtime.executor.prepare(mesh) == 0.0  # 0: nothing compiled, so no MeshReady is announced again

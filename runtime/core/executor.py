@@ -284,13 +284,12 @@ class StepExecutor:
         """Compile what steps on ``mesh`` run (blocking): the step, and the snapshot copy queued behind it.
         Returns the seconds it took (waiting for a compile under way included; 0 when all was ready)."""
         assert self.compiler is not None
-        if self.compiler.is_ready(mesh) and (self.compiler.host_copy or self.config.snapshot_every == 0):
-            return 0.0
         started = time.perf_counter()
+        compiled = not self.compiler.is_ready(mesh)
         self.compiler.get(mesh)
         if not self.compiler.host_copy and self.config.snapshot_every > 0:
-            self.ram.prepare(self.compiler.state_abstract(mesh))
-        return time.perf_counter() - started
+            compiled = self.ram.prepare(self.compiler.state_abstract(mesh)) or compiled
+        return time.perf_counter() - started if compiled else 0.0
 
     def _place(self, tree: PyTree, mesh: Mesh) -> PyTree:
         assert self.compiler is not None

@@ -145,10 +145,12 @@ class RamTier:
             self.report_failure(step, exc)
             return None
 
-    def prepare(self, like: PyTree) -> None:
+    def prepare(self, like: PyTree) -> bool:
         """Compile the copy for the layout of ``like`` (arrays, or ShapeDtypeStructs with shardings) now, so
-        that the first snapshot on a new mesh does not wait for it."""
+        that the first snapshot on a new mesh does not wait for it. True when it was compiled now."""
+        known = len(self._copies)
         self._compiled_copy(like)
+        return len(self._copies) > known
 
     def copy_to_host(self, state: PyTree, *, step: int) -> tuple[PyTree, float] | None:
         """``state`` copied into host memory (complete on return) and the seconds the copy took, not counting
