@@ -229,11 +229,7 @@ class StepExecutor:
             self._set_mesh(mesh)
             self.state = await anyio.to_thread.run_sync(self._place, self._initial, mesh)
         except Exception as exc:  # the user's init, data or state specs: nothing ran, nothing to recover
-            event = StepFailed(step=0, source="executor", error_type=type(exc).__name__, message=str(exc))
-            await self.bus.publish(event)
-            raise StepError(
-                f"the job cannot start on mesh {mesh_shape(mesh)}: {event.error_type}: {event.message}", step=0
-            ) from exc
+            await self._stop_on_user_error(exc, 0, f"the job cannot start on mesh {mesh_shape(mesh)}")
         durable = [source for source in self.restore_sources if source is not self.ram]
         resumed = None
         if resume:
@@ -359,11 +355,7 @@ class StepExecutor:
         try:
             self.state = await anyio.to_thread.run_sync(apply)
         except Exception as exc:
-            event = StepFailed(step=self.step, source="executor", error_type=type(exc).__name__, message=str(exc))
-            await self.bus.publish(event)
-            raise StepError(
-                f"transform_state ({reason}) at step {self.step} raised {event.error_type}: {exc}", step=self.step
-            ) from exc
+            await self._stop_on_user_error(exc, self.step, f"transform_state ({reason}) at step {self.step}")
         seconds = time.monotonic() - started
         await self.bus.publish(StateTransformed(step=self.step, source="executor", reason=reason, seconds=seconds))
 
@@ -659,6 +651,13 @@ class StepExecutor:
             await self._fail_recovery(f"{failures} failures exceed max_recoveries={self.config.max_recoveries}")
         log.warning("step %d failed: %s: %s; waiting for recovery", step, event.error_type, event.message)
         await self.bus.publish(started)
+
+    async def _stop_on_user_error(self, exc: Exception, step: int, what: str) -> NoReturn:
+        """An error in the user's code outside a step (init, data, specs, a state transform): StepFailed, and
+        the run stops with StepError."""
+        event = StepFailed(step=step, source="executor", error_type=type(exc).__name__, message=str(exc))
+        await self.bus.publish(event)
+        raise StepError(f"{what}: {event.error_type}: {event.message}", step=step) from exc
 
     async def _fail_recovery(self, reason: str) -> NoReturn:
         await self.bus.publish(RecoveryFailed(step=self.step, source="executor", reason=reason, message=reason))
