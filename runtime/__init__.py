@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.core.config import RuntimeConfig, load_config
 from runtime.core.context import RuntimeContext
+from runtime.core.datasets import IndexedBatches
 from runtime.core.errors import (
     BusClosed,
     CheckpointInvalid,
@@ -45,6 +46,7 @@ __all__ = [
     "ElasticRuntime",
     "ElasticRuntimeError",
     "EventLogError",
+    "IndexedBatches",
     "MeshPolicy",
     "MeshUnavailable",
     "RecoveryError",

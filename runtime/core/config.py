@@ -50,6 +50,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         device_poll_s: interval of device health polls while waiting.
         scale_up_poll_s: interval of the watch for returning devices; unset turns scale-up off.
         precompile: compile the step for likely degraded meshes in the background.
+        compile_cache: JAX's persistent compilation cache during the run, so that a restarted or resumed job
+            loads its compiled steps: ``run_dir`` (``<run_dir>/xla-cache``, unless the program set
+            ``jax_compilation_cache_dir`` itself), ``jax`` (JAX's own setting, untouched), ``off``, or a folder.
         check_data: fingerprint (CRC32C) every batch read, and compare the batches read again after a restore
             with what was read there before; a difference is a ``DataMismatch`` event naming the position.
             Costs a pass over every batch, so off by default.
@@ -93,6 +96,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     device_poll_s: Seconds = 0.5
     scale_up_poll_s: Seconds | None = 1.0
     precompile: bool = True
+    compile_cache: str = "run_dir"
     event_batch_s: SecondsOrZero = 0.05
     check_data: bool = False
     # --- checkpointing (storage/) ---------------------------------------------------------------------
@@ -122,6 +126,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         self._check_ranges()
         self._check_maintenance()
         self._check_checkpointing()
+        self._check_compile_cache()
 
     def _check_ranges(self) -> None:
         """The ``msgspec.Meta`` bounds of every field, for a config built in code (decoding checks them too)."""
@@ -137,6 +142,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                     limit = getattr(kind, bound)
                     if limit is not None and not _holds(value, symbol, limit):
                         raise ConfigError(f"config: {field.name}={value!r} is out of range (must be {symbol} {limit})")
+
+    def _check_compile_cache(self) -> None:
+        if not self.compile_cache.strip():
+            raise ConfigError("config: compile_cache='' names no folder (use 'off' to turn the cache off)")
 
     def _check_checkpointing(self) -> None:
         if self.gcs_uri is not None:

@@ -25,6 +25,7 @@ import jax
 from jax.sharding import Mesh
 
 from runtime.core.bus import EventBus, Handler, Subscription
+from runtime.core.compile_cache import persistent_cache
 from runtime.core.config import RuntimeConfig
 from runtime.core.context import RuntimeContext
 from runtime.core.errors import BusClosed
@@ -143,6 +144,10 @@ class Runtime:
         self._used = True
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        with persistent_cache(self.config.compile_cache, self.config.run_dir):
+            return await self._run(steps, resume)
+
+    async def _run(self, steps: int, resume: bool) -> RunResult:
         result: RunResult | None = None
         error: Exception | None = None
         try:
