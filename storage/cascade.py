@@ -134,7 +134,7 @@ class TieredCheckpointer:
         if directory is None and config.run_dir:
             directory = str(Path(config.run_dir) / "checkpoints")
         disk = DiskTier(directory) if directory else None
-        shm = DiskTier(config.ram_dir, name="shm") if config.ram_dir else None
+        shm = DiskTier(config.ram_dir, name="shm", packed=True, sync=False) if config.ram_dir else None
         gcs = None
         if config.gcs_uri:
             from storage.gcs import GcsTier  # google-cloud-storage loads only when a bucket is named

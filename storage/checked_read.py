@@ -20,7 +20,7 @@ import numpy as np
 
 from runtime.core.errors import CheckpointInvalid, StorageError
 from storage import manifest as mf
-from storage import orbax_layout
+from storage import orbax_layout, packed
 from storage.manifest import FileEntry, KeyPart, Manifest
 from storage.tier import PyTree, rebuild_tree
 
@@ -107,6 +107,8 @@ def verify_directory(directory: Path, manifest: Manifest, deadline: Deadline | N
 
 def load_directory(directory: Path, manifest: Manifest, like: PyTree, deadline: Deadline) -> PyTree:
     """Load a committed checkpoint directory, verifying every file on the way. Raises CheckpointInvalid."""
+    if manifest.layout == packed.LAYOUT:
+        return rebuild_tree(manifest, packed.read_arrays(directory, manifest), like)
     if manifest.layout != LAYOUT:
         reason = f"layout {manifest.layout!r} is not {LAYOUT!r}"
         raise CheckpointInvalid(f"{directory}: {reason}", path=str(directory), reason=reason)

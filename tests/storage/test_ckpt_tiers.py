@@ -30,10 +30,12 @@ def same(a: object, b: object) -> None:
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.fixture(params=["disk", "gcs"])
+@pytest.fixture(params=["disk", "gcs", "shm"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[CheckpointTier, Corrupt]]:
-    if request.param == "disk":
-        disk = DiskTier(tmp_path / "ckpt")
+    if request.param in ("disk", "shm"):
+        # shm: the /dev/shm mirror's tier, every array in one file (storage.packed), nothing fsynced.
+        shm = request.param == "shm"
+        disk = DiskTier(tmp_path / "ckpt", name=request.param, packed=shm, sync=not shm)
 
         def corrupt_disk(step: int, rel: str, how: Callable[[bytes], bytes]) -> None:
             path = disk.path_of(step) / rel
@@ -107,6 +109,7 @@ def test_damage_is_detected_never_loaded(
     assert [name for name, _ in reported] == [t.name] and bad in reported[0][1].path
 
 
+@pytest.mark.parametrize("tier", ["disk", "gcs"], indirect=True)  # the Orbax layout's small files
 def test_small_metadata_file_damage_is_detected(tier: tuple[CheckpointTier, Corrupt]) -> None:
     t, corrupt = tier
     t.save(snapshot(4), timeout=60)

@@ -1,0 +1,97 @@
+"""The packed layout: every array of a snapshot in one file, for the ``/dev/shm`` mirror.
+
+The mirror exists so that the newest snapshot survives a restart of the process on the same host; nothing but
+this library reads it, so it need not be Orbax's layout. Orbax's layout costs two files and a directory per
+array (350 files for a flax model of 116 arrays), and on a busy host that many small writes took 0.3-0.9 s
+per snapshot (a median) where one sequential write of the same bytes takes milliseconds.
+
+``ROOT/step_N/state.bin`` holds the arrays in the manifest's leaf order, each starting at a multiple of 64
+bytes (zero padding between), so ``np.frombuffer`` reads each in place. The manifest lists the one file with
+its size and CRC32C, computed from the arrays in memory as they are written.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import jax
+import numpy as np
+
+from runtime.core.errors import CheckpointInvalid
+from storage import manifest as mf
+from storage.manifest import FileEntry, KeyPart, Manifest
+
+LAYOUT = "packed"
+FILE = "state.bin"
+_ALIGN = 64
+_ZEROS = bytes(_ALIGN)
+
+
+def _padding(offset: int) -> int:
+    return -offset % _ALIGN
+
+
+def write_tree(directory: Path, tree: Any, *, sync: bool) -> list[FileEntry]:
+    """Write the leaves of ``tree`` into ``directory/state.bin`` (fsynced if ``sync``); returns its manifest entry."""
+    crc = 0
+    size = 0
+    fd = os.open(directory / FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as out:
+            for leaf in jax.tree.leaves(tree):
+                pad = _ZEROS[: _padding(size)]
+                data = _bytes_of(np.ascontiguousarray(leaf))
+                out.write(pad)
+                out.write(data.data)
+                crc = google_crc32c.extend(google_crc32c.extend(crc, pad), data)
+                size += len(pad) + data.size
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return [FileEntry(path=FILE, size=size, crc32c=int(crc))]
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+    view = array.reshape(-1).view(np.uint8)
+    view.flags.writeable = False  # google_crc32c reads read-only numpy buffers without a copy
+    return view
+
+
+def read_arrays(directory: Path, manifest: Manifest) -> dict[tuple[KeyPart, ...], np.ndarray]:
+    """The arrays of a packed checkpoint, by key, after checking the file's size and CRC32C.
+
+    Raises:
+        CheckpointInvalid: the file is missing, of another size, or its checksum differs.
+    """
+    entry = next((f for f in manifest.files if f.path == FILE), None)
+    path = directory / FILE
+
+    def invalid(reason: str) -> CheckpointInvalid:
+        return CheckpointInvalid(f"{path}: {reason}", path=str(path), reason=reason)
+
+    if entry is None:
+        raise invalid(f"the manifest lists no {FILE}")
+    try:
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+    except OSError as exc:
+        raise invalid(f"cannot be read ({exc})") from exc
+    if len(data) != entry.size:
+        raise invalid(f"holds {len(data)} bytes, the manifest says {entry.size}")
+    if int(google_crc32c.value(_bytes_of(np.frombuffer(data, np.uint8)))) != entry.crc32c:
+        raise invalid("CRC32C differs from the manifest's")
+    arrays = {}
+    offset = 0
+    for leaf in manifest.leaves:
+        offset += _padding(offset)
+        dtype = mf.dtype_of(leaf.dtype)
+        count = int(np.prod(leaf.shape, dtype=np.int64))
+        arrays[leaf.key] = np.frombuffer(data, dtype, count, offset).reshape(leaf.shape)
+        offset += count * dtype.itemsize
+    if offset != len(data):
+        raise invalid(f"holds {len(data)} bytes, its leaves take {offset}")
+    return arrays
