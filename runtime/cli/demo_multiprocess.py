@@ -60,7 +60,7 @@ def run_group(
         result_path=str(run_dir / "final"),
         faults=faults,
         strategy=Strategy(strategy),
-        **extra,
+        **({"target_steps": steps} | extra),
     )
     controller = default_controller(config)
     if printer is not None:
