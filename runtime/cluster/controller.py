@@ -328,7 +328,10 @@ class Controller(GroupFormer):
             count=report.count,
             message=report.reason,
         )
-        await self.bus.publish(event)
+        try:
+            await self.bus.publish(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+            self.event_log.append(event)  # the last summaries, when the run was cancelled from outside
 
     async def _hello(self, message: Message, stream: SocketStream, peer: str) -> WorkerProcess | str:
         """The worker an authenticated connection's first message names, or why it is refused."""

@@ -18,6 +18,7 @@ Because abandoned threads are blocked inside XLA, the process ends with ``os._ex
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -111,12 +112,19 @@ class ControllerLink:
                 log.error("lost the controller connection while sending: %s", exc)
                 self.inbox.put(Stop(reason=f"controller connection lost: {exc}"))
 
+    def close(self) -> None:
+        """Close the connection; the reader thread then puts a Stop in ``inbox``."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # ends the reader's loop, which then closes its file
+        self.sock.close()
+
     def _read(self) -> None:
-        for line in self._lines:
-            try:
-                self.inbox.put(decode_from_controller(line))
-            except MalformedMessage as exc:
-                log.error("malformed message from the controller ignored: %s", exc)
+        with self._lines, contextlib.suppress(OSError):
+            for line in self._lines:
+                try:
+                    self.inbox.put(decode_from_controller(line))
+                except MalformedMessage as exc:
+                    log.error("malformed message from the controller ignored: %s", exc)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
         self.inbox.put(Stop(reason="controller connection closed"))
 
