@@ -279,13 +279,13 @@ class Controller(GroupFormer):
         while True:
             for proc, code in self.pool.newly_exited():
                 self.monitor.mark_gone(proc.worker, f"process exited with {code}")
+                await self.bus.publish(
+                    WorkerExited(step=self.group_step, source="controller", worker=proc.worker, returncode=code)
+                )
                 if proc.spare and proc.hello is None and not self._stopping:
                     # Never watched, so no verdict would replace it: start its successor now, not at the next
                     # failure (which would then wait for a cold start).
                     self._top_up_spares()
-                await self.bus.publish(
-                    WorkerExited(step=self.group_step, source="controller", worker=proc.worker, returncode=code)
-                )
             await anyio.sleep(0.02)
 
     async def _stop_all(self, reason: str) -> None:

@@ -242,7 +242,7 @@ def test_attacks_by_a_local_process_are_refused_and_training_is_unaffected(
     assert result.ok and result.step == STEPS, result.reason
     assert attacker.problems == []
     assert attacker.connections > 300 + 2 * (NPROCS + 1)
-    assert set(result.digests) >= set(range(NPROCS)) and len(set(result.digests.values())) == 1
+    assert len(result.digests) >= NPROCS and len(set(result.digests.values())) == 1
     assert "forged" not in result.digests.values()
     events = read_events(tmp_path / "events.jsonl")
     refused = [e for e in events if isinstance(e, ConnectionRefused)]
