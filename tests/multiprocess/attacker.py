@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -105,23 +107,47 @@ class Attacker:
             for worker in workers:
                 self._send([encode(Hello(worker=worker, pid=1, target_steps=1))], f"polling for worker {worker}")
 
-    def everything(self, workers: int, stop: threading.Event) -> None:
-        """Every attack above at once, right after launch; polling goes on until ``stop``."""
+    def impostors(self, workers: int, stop: threading.Event) -> None:
+        """An impostor Hello (with a forged Heartbeat and Finished) and a guessed proof for each of ``workers``
+        ids at once, right after launch."""
         attacks = [threading.Thread(target=self.impostor_hello, args=(w,)) for w in range(workers)]
         attacks += [threading.Thread(target=self.guess_proof, args=(w,)) for w in range(workers)]
+        _run_all(attacks)
+
+    def everything(self, workers: int, stop: threading.Event) -> None:
+        """Every attack above at once, right after launch; polling goes on until ``stop``."""
+        attacks = [threading.Thread(target=self.impostors, args=(workers, stop))]
         attacks.append(threading.Thread(target=self.idle, args=(300,)))
         attacks.append(threading.Thread(target=self.malformed_flood, args=(1000,)))
         attacks.append(threading.Thread(target=self.poll, args=(range(workers, workers + 4), stop)))
-        for thread in attacks:
-            thread.start()
-        for thread in attacks:
-            thread.join()
+        _run_all(attacks)
 
 
-def wait_for_port(controller: object, stop: threading.Event) -> int:
-    """The controller's port, once it listens (0 if ``stop`` is set first)."""
-    while not stop.wait(0.01):
-        port = getattr(controller, "port", 0)
-        if port:
-            return int(port)
-    return 0
+def _run_all(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def run_under_attack(controller: Any, attack: Callable[[Attacker, threading.Event], None]) -> tuple[Any, Attacker]:
+    """Run ``controller`` (blocking) while ``attack`` runs in a thread from the moment the controller listens;
+    ``attack``'s event is set when the run is over. Returns the run's result and the attacker."""
+    stop = threading.Event()
+    attacker = Attacker(0)
+
+    def main() -> None:
+        while not stop.wait(0.01):
+            if controller.port:
+                attacker.port = controller.port
+                attack(attacker, stop)
+                return
+
+    thread = threading.Thread(target=main)
+    thread.start()
+    try:
+        result = controller.run()
+    finally:
+        stop.set()
+        thread.join()
+    return result, attacker

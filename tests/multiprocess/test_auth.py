@@ -22,7 +22,7 @@ import anyio
 import jax
 import numpy as np
 import pytest
-from attacker import Attacker, wait_for_port
+from attacker import Attacker, run_under_attack
 from conftest import NPROCS, STEPS
 
 from runtime.cli.demo_multiprocess import group_controller
@@ -224,21 +224,10 @@ def test_attacks_by_a_local_process_are_refused_and_training_is_unaffected(
 ) -> None:
     caplog.set_level(logging.INFO)
     controller = group_controller(processes=NPROCS, steps=STEPS, run_dir=tmp_path, faults=[])
-    stop = threading.Event()
-    attacker = Attacker(0)
-
-    def attack() -> None:
-        attacker.port = wait_for_port(controller, stop)
-        if attacker.port:
-            attacker.everything(NPROCS + 1, stop)
-
-    thread = threading.Thread(target=attack)
-    thread.start()
-    try:
-        result = controller.run()
-    finally:
-        stop.set()
-        thread.join()
+    # Impostor Hello, forged Heartbeat(600) and Finished, guessed proofs with target_steps=1 for ids 0-3 (3:
+    # the spare), polling ids 4-7 for the next spare's Warm all run long, 300 idle connections, a flood of
+    # malformed lines: all right after launch.
+    result, attacker = run_under_attack(controller, lambda attacker, stop: attacker.everything(NPROCS + 1, stop))
     assert result.ok and result.step == STEPS, result.reason
     assert attacker.problems == []
     assert attacker.connections > 300 + 2 * (NPROCS + 1)
