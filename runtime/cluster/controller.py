@@ -339,7 +339,7 @@ class Controller(GroupFormer):
             return f"first message must be Hello, got {type(message).__name__}"
         proc = self.pool.get(message.worker)
         if proc is None or proc.stream is not None or proc.gone:
-            return f"worker id {message.worker} was not started by this controller, or is already connected"
+            return f"worker id {message.worker} was not started by this controller, is already connected, or is gone"
         if not descends_from(message.pid, proc.popen.pid):
             # A cross-check, not a proof (the pid is what the peer says): the secret is the proof.
             return f"worker {message.worker} is process {proc.popen.pid}, not {message.pid}"
