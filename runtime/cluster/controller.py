@@ -59,6 +59,8 @@ __all__ = ["Controller"]
 
 log = logging.getLogger(__name__)
 
+_SPARE_RETRIES = 3  # spares in a row replaced at once when they die before their Hello
+
 
 def _first_leaf(group: BaseExceptionGroup[Any], kind: type[BaseException]) -> BaseException | None:
     """The first exception of type ``kind`` in a (nested) exception group."""
@@ -115,6 +117,7 @@ class Controller(GroupFormer):
         # worker's client is still attached makes that client terminate its process.
         self._services: list[Any] = []
         self._stopping = False
+        self._spares_dead_before_hello = 0  # in a row: reset by any Hello
         self.result = LaunchResult(
             ok=False,
             step=0,
@@ -284,8 +287,13 @@ class Controller(GroupFormer):
                 )
                 if proc.spare and proc.hello is None and not self._stopping:
                     # Never watched, so no verdict would replace it: start its successor now, not at the next
-                    # failure (which would then wait for a cold start).
-                    self._top_up_spares()
+                    # failure (which would then wait for a cold start). Not forever, though: spares that keep
+                    # dying before their Hello (a broken environment) are left to the next failure.
+                    self._spares_dead_before_hello += 1
+                    if self._spares_dead_before_hello <= _SPARE_RETRIES:
+                        self._top_up_spares()
+                    else:
+                        log.warning("%d spares in a row died before their Hello; none started now", _SPARE_RETRIES + 1)
             await anyio.sleep(0.02)
 
     async def _stop_all(self, reason: str) -> None:
@@ -355,6 +363,7 @@ class Controller(GroupFormer):
         if self.target_steps < 0:
             self.target_steps = message.target_steps  # the first of the controller's own workers to say hello
         self.monitor.register(proc.worker)
+        self._spares_dead_before_hello = 0
         self._wake.set()
         return proc
 
