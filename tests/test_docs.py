@@ -19,8 +19,8 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Run progress", ev, ["RunStarted", "RunFinished", "StepCompleted"]),
     ("Failures (all derive from `Failure`)", ev, [
         "Failure", "StepFailed", "DeviceLost", "SliceLost", "ProcessLost", "WorkerLost", "WorkerHung",
-        "MalformedHeartbeat", "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt", "MalformedNotice",
-        "RecoveryFailed", "DataMismatch",
+        "MalformedHeartbeat", "ConnectionRefused", "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt",
+        "MalformedNotice", "RecoveryFailed", "DataMismatch",
     ]),
     ("Conditions", ev, ["Straggler", "MeshReduced"]),
     ("Maintenance notices (all derive from `Notice`)", ev, [

@@ -37,7 +37,7 @@ def worker_command(steps: int) -> list[str]:
     return [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(steps)]
 
 
-def run_group(
+def group_controller(
     *,
     processes: int,
     steps: int,
@@ -48,7 +48,7 @@ def run_group(
     command: list[str] | None = None,
     **extra: Any,
 ) -> Any:
-    """Run the demo job (or ``command``) as a launched group; returns the controller's LaunchResult."""
+    """The controller of the demo job (or ``command``) as a launched group, not started yet."""
     from runtime.cluster.config import LaunchConfig, Strategy
     from runtime.core.events import Event
     from runtime.defaults import default_controller
@@ -60,12 +60,20 @@ def run_group(
         result_path=str(run_dir / "final"),
         faults=faults,
         strategy=Strategy(strategy),
-        **extra,
+        **({"target_steps": steps} | extra),
     )
     controller = default_controller(config)
     if printer is not None:
         controller.bus.subscribe(Event, printer, priority=-100)
-    return controller.run()
+    return controller
+
+
+def run_group(**kwargs: Any) -> Any:
+    """Run the demo job (or ``command``) as a launched group; returns the controller's LaunchResult.
+
+    Takes the keywords of :func:`group_controller`.
+    """
+    return group_controller(**kwargs).run()
 
 
 def run_multiprocess_demo(args: argparse.Namespace) -> int:

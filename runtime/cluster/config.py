@@ -48,6 +48,12 @@ class LaunchConfig:
         result_path: a folder where process 0 commits the final state, in the disk tier's format.
         faults: fault injection: process and worker faults of ``runtime.testing.grammar``
             (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.testing.process_faults``.
+        target_steps: the run's target; None: the first of the controller's own workers to say ``Hello``
+            sets it. Either way a worker cannot change it: a ``Hello`` with another target is refused.
+        secret: what every connection to the controller's port proves (``runtime.cluster.auth``); None: a
+            fresh random one for this run, handed to the workers the controller starts in their environment.
+            Kept out of ``repr``.
+        auth_timeout_s: how long a connection may take to prove the secret before it is closed.
     """
 
     command: list[str]
@@ -68,6 +74,9 @@ class LaunchConfig:
     result_path: str | None = None
     faults: list[Fault] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    target_steps: int | None = None
+    secret: str | None = field(default=None, repr=False)
+    auth_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.nprocs < 1:

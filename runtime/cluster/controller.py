@@ -30,18 +30,20 @@ from typing import Any
 import anyio
 from anyio.abc import SocketStream
 
+from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.context import ControllerContext
 from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
-from runtime.cluster.processes import ProcessPool, WorkerProcess, is_stopped
+from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from, is_stopped
 from runtime.cluster.protocol import Finished, Heartbeat, Hello, Joined, Message, Stop, Warm
-from runtime.cluster.server import WorkerServer
+from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
 from runtime.core.errors import BusClosed
 from runtime.core.eventlog import EventLog
 from runtime.core.events import (
+    ConnectionRefused,
     Event,
     MalformedHeartbeat,
     RunFinished,
@@ -56,6 +58,8 @@ from runtime.core.recovery import RecoveryTracker
 __all__ = ["Controller"]
 
 log = logging.getLogger(__name__)
+
+_SPARE_RETRIES = 3  # spares in a row replaced at once when they die before their Hello
 
 
 def _first_leaf(group: BaseExceptionGroup[Any], kind: type[BaseException]) -> BaseException | None:
@@ -86,16 +90,21 @@ class Controller(GroupFormer):
         self.context = ControllerContext(self)
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
         self.monitor = HeartbeatMonitor(timeout_s=config.heartbeat_timeout_s, hang_timeout_s=config.hang_timeout_s)
-        self.pool = ProcessPool(config, self.run_dir / "workers", self.replica_dir)
+        # Never logged, never on a command line: the workers get it in their environment.
+        self.secret = config.secret or auth.new_secret()
+        self.pool = ProcessPool(config, self.run_dir / "workers", self.replica_dir, self.secret)
         self.group = Membership(config.nprocs)
         self.recovery = RecoveryTracker("controller", config.max_failures)
         self.server = WorkerServer(
+            secret=self.secret,
             on_hello=self._hello,
             on_message=self._on_message,
-            on_malformed=self._malformed,
+            on_report=self._report,
             on_closed=lambda proc, reason: self.monitor.mark_gone(proc.worker, reason),
+            auth_timeout_s=config.auth_timeout_s,
         )
-        self.target_steps = -1
+        # The controller's, never a worker's to change: fixed by the config, else by the first worker's Hello.
+        self.target_steps = config.target_steps if config.target_steps is not None else -1
         self.port = 0
         self._restored = False  # the current generation got its Restore
         self._requests: set[int] = set()
@@ -108,6 +117,7 @@ class Controller(GroupFormer):
         # worker's client is still attached makes that client terminate its process.
         self._services: list[Any] = []
         self._stopping = False
+        self._spares_dead_before_hello = 0  # in a row: reset by any Hello
         self.result = LaunchResult(
             ok=False,
             step=0,
@@ -170,6 +180,7 @@ class Controller(GroupFormer):
                             inner.start_soon(listener.serve, self.server.serve)
                             inner.start_soon(watch, self.monitor, self._on_verdict)
                             inner.start_soon(self._reap)
+                            inner.start_soon(self.server.report_due)
 
                 tg.start_soon(run_bus)
                 tg.start_soon(run_helpers)
@@ -188,6 +199,7 @@ class Controller(GroupFormer):
                     with anyio.CancelScope(shield=True):
                         await self._stop_all(reason or "run finished")
                         helpers.cancel()
+                        await self.server.flush()
                         for service in self._services:
                             await anyio.to_thread.run_sync(service.shutdown)
                         finished = RunFinished(
@@ -273,6 +285,15 @@ class Controller(GroupFormer):
                 await self.bus.publish(
                     WorkerExited(step=self.group_step, source="controller", worker=proc.worker, returncode=code)
                 )
+                if proc.spare and proc.hello is None and not self._stopping:
+                    # Never watched, so no verdict would replace it: start its successor now, not at the next
+                    # failure (which would then wait for a cold start). Not forever, though: spares that keep
+                    # dying before their Hello (a broken environment) are left to the next failure.
+                    self._spares_dead_before_hello += 1
+                    if self._spares_dead_before_hello <= _SPARE_RETRIES:
+                        self._top_up_spares()
+                    else:
+                        log.warning("%d spares in a row died before their Hello; none started now", _SPARE_RETRIES + 1)
             await anyio.sleep(0.02)
 
     async def _stop_all(self, reason: str) -> None:
@@ -301,20 +322,38 @@ class Controller(GroupFormer):
 
     # --- messages from workers -----------------------------------------------------------------------------
 
-    async def _malformed(self, peer: str, reason: str) -> None:
-        log.warning("controller: ignored message from %s: %s", peer, reason)
-        await self.bus.publish(
-            MalformedHeartbeat(step=self.group_step, source="controller", peer=peer, reason=reason, message=reason)
+    async def _report(self, report: Report) -> None:
+        """A (rate-limited) report of refused connections or malformed lines: one warning and one event."""
+        what = "refused a connection" if report.kind == "refused" else "ignored a message"
+        more = f" ({report.count} in the last {self.server.limiter.interval_s:.0f} s)" if report.count > 1 else ""
+        log.warning("controller: %s from %s%s: %s", what, report.peer, more, report.reason)
+        kind = ConnectionRefused if report.kind == "refused" else MalformedHeartbeat
+        event = kind(
+            step=self.group_step,
+            source="controller",
+            peer=report.peer,
+            reason=report.reason,
+            count=report.count,
+            message=report.reason,
         )
+        try:
+            await self.bus.publish(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+            self.event_log.append(event)  # the last summaries, when the run was cancelled from outside
 
-    async def _hello(self, message: Message, stream: SocketStream, peer: str) -> WorkerProcess | None:
+    async def _hello(self, message: Message, stream: SocketStream, peer: str) -> WorkerProcess | str:
+        """The worker an authenticated connection's first message names, or why it is refused."""
         if not isinstance(message, Hello):
-            await self._malformed(peer, f"first message must be Hello, got {type(message).__name__}; closed")
-            return None
+            return f"first message must be Hello, got {type(message).__name__}"
         proc = self.pool.get(message.worker)
         if proc is None or proc.stream is not None or proc.gone:
-            await self._malformed(peer, f"unknown worker id {message.worker} (or already connected); closed")
-            return None
+            return f"worker id {message.worker} was not started by this controller, is already connected, or is gone"
+        if not descends_from(message.pid, proc.popen.pid):
+            # A cross-check, not a proof (the pid is what the peer says): the secret is the proof.
+            return f"worker {message.worker} is process {proc.popen.pid}, not {message.pid}"
+        if self.target_steps >= 0 and message.target_steps != self.target_steps:
+            target = self.target_steps
+            return f"worker {message.worker} asks for {message.target_steps} steps; this run's target is {target}"
         proc.stream, proc.hello = stream, message
         if self._stopping:
             await self.server.send(proc, Stop(reason="the run is over"))
@@ -322,8 +361,9 @@ class Controller(GroupFormer):
         if self._restored:
             await self._warm_spares()
         if self.target_steps < 0:
-            self.target_steps = message.target_steps
+            self.target_steps = message.target_steps  # the first of the controller's own workers to say hello
         self.monitor.register(proc.worker)
+        self._spares_dead_before_hello = 0
         self._wake.set()
         return proc
 

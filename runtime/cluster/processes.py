@@ -12,6 +12,7 @@ from pathlib import Path
 
 from anyio.abc import SocketStream
 
+from runtime.cluster.auth import ENV_TOKEN
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
@@ -26,7 +27,7 @@ from runtime.cluster.protocol import (
     Joined,
 )
 
-__all__ = ["ProcessPool", "WorkerProcess", "is_stopped"]
+__all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped"]
 
 
 @dataclass
@@ -60,6 +61,21 @@ def is_stopped(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
 
 
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether ``pid`` is ``ancestor`` or a descendant of it (a worker command may be a wrapper, ``sh -c ...``)."""
+    for _ in range(64):  # a process tree deeper than this is no worker's
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[-1].split()[1])  # the parent's pid; the name before ")" may hold spaces
+        if pid <= 1:
+            return False
+    return False
+
+
 class ProcessPool:
     """Starts worker processes with the worker environment, one log file each, and tracks them by id.
 
@@ -67,10 +83,13 @@ class ProcessPool:
         config: the run's settings (command, devices per worker, heartbeat interval, extra environment).
         logs: the folder of the workers' log files.
         replica_dir: the workers' replica folder.
+        secret: what the workers prove to the controller; handed over in their environment, which only their
+            user can read (``/proc/PID/environ``), unlike the command line.
     """
 
-    def __init__(self, config: LaunchConfig, logs: Path, replica_dir: str) -> None:
+    def __init__(self, config: LaunchConfig, logs: Path, replica_dir: str, secret: str) -> None:
         self.config = config
+        self.secret = secret
         self.logs = logs
         self.replica_dir = replica_dir
         self.controller_address = ""  # host:port, set once the controller listens
@@ -100,6 +119,7 @@ class ProcessPool:
                 ENV_LOCAL_DEVICES: str(self.config.local_devices),
                 ENV_HEARTBEAT_S: str(self.config.heartbeat_interval_s),
                 ENV_COMPILE_CACHE: str(Path(self.replica_dir) / "xla-cache"),
+                ENV_TOKEN: self.secret,
             }
         )
         if self.config.result_path:

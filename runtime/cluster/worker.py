@@ -18,6 +18,7 @@ Because abandoned threads are blocked inside XLA, the process ends with ``os._ex
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -33,6 +34,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from runtime.cluster import auth
 from runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
     ENV_CONTROLLER,
@@ -58,7 +60,7 @@ from runtime.cluster.protocol import (
     decode_from_controller,
     encode,
 )
-from runtime.core.errors import SnapshotUnavailable
+from runtime.core.errors import AuthenticationFailed, SnapshotUnavailable
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
@@ -79,11 +81,22 @@ def is_worker() -> bool:
 
 
 class ControllerLink:
-    """The connection to the controller: a lock-protected sender and a reader thread feeding ``inbox``."""
+    """The connection to the controller: a lock-protected sender and a reader thread feeding ``inbox``.
 
-    def __init__(self, address: str, timeout: float = 30.0) -> None:
+    Opening it proves ``secret`` to the controller and checks the controller's proof of it in turn.
+
+    Raises:
+        AuthenticationFailed: either side's proof of the secret was refused.
+        OSError: the controller cannot be reached (or did not answer within ``timeout``).
+    """
+
+    def __init__(self, address: str, secret: str, timeout: float = 30.0) -> None:
         host, _, port = address.rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self._lines = self.sock.makefile("rb")
+        answer, expected = auth.answer(secret, self._lines.readline(auth.MAX_LINE))
+        self.sock.sendall(auth.encode(answer))
+        auth.check_welcome(expected, self._lines.readline(auth.MAX_LINE))
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.inbox: queue.Queue[Inbound] = queue.Queue()
@@ -99,13 +112,19 @@ class ControllerLink:
                 log.error("lost the controller connection while sending: %s", exc)
                 self.inbox.put(Stop(reason=f"controller connection lost: {exc}"))
 
+    def close(self) -> None:
+        """Close the connection; the reader thread then puts a Stop in ``inbox``."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # ends the reader's loop, which then closes its file
+        self.sock.close()
+
     def _read(self) -> None:
-        buffer = self.sock.makefile("rb")
-        for line in buffer:
-            try:
-                self.inbox.put(decode_from_controller(line))
-            except MalformedMessage as exc:
-                log.error("malformed message from the controller ignored: %s", exc)
+        with self._lines, contextlib.suppress(OSError):
+            for line in self._lines:
+                try:
+                    self.inbox.put(decode_from_controller(line))
+                except MalformedMessage as exc:
+                    log.error("malformed message from the controller ignored: %s", exc)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
         self.inbox.put(Stop(reason="controller connection closed"))
 
@@ -476,8 +495,13 @@ def run_worker(job: TrainJob, steps: int) -> NoReturn:
     replica_dir = os.environ.get(ENV_REPLICA_DIR, f"/dev/shm/elastic-runtime-{os.getppid()}")
     code = 1
     replicas = ReplicaFiles(replica_dir, f"worker-{worker}")
+    # Read once and dropped from the environment, so that what the script starts does not inherit it.
+    secret = auth.load_secret()
+    os.environ.pop(auth.ENV_TOKEN, None)
     try:
-        link = ControllerLink(os.environ[ENV_CONTROLLER])
+        if secret is None:
+            raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
+        link = ControllerLink(os.environ[ENV_CONTROLLER], secret)
         code = Worker(job, steps, worker=worker, link=link, replicas=replicas).serve()
         replicas.wait()
     except Exception:

@@ -37,6 +37,11 @@ class RecoveryError(ElasticRuntimeError):
         self.last_committed_step = last_committed_step
 
 
+class AuthenticationFailed(ElasticRuntimeError):
+    """A connection to the controller's port did not prove the run's secret, or the controller did not prove it
+    to a worker: the connection is closed before any message of it is read."""
+
+
 class BusClosed(ElasticRuntimeError):
     """An event was published after the bus was closed."""
 

@@ -18,6 +18,7 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointSkipped",
     "CheckpointStarted",
+    "ConnectionRefused",
     "DataMismatch",
     "DeviceLost",
     "Drain",
@@ -187,10 +188,29 @@ class MeshReduced(Event, frozen=True, kw_only=True):
 
 
 class MalformedHeartbeat(Failure, frozen=True, kw_only=True):
-    """A line on the controller's port did not decode, or named a worker the controller does not know."""
+    """A line on an authenticated connection to the controller's port did not decode, or named another worker.
+
+    Rate-limited: the first such line from a host (``peer``) is reported at once, then one event each 10 s
+    says how many more came (``count``) and the last one's ``reason``.
+    """
 
     peer: str
     reason: str
+    count: int = 1
+
+
+class ConnectionRefused(Failure, frozen=True, kw_only=True):
+    """The controller closed a connection to its port before accepting a message from it: no or a wrong proof
+    of the run's secret, no proof within the handshake deadline, too many connections waiting to prove it, or
+    a ``Hello`` for a worker id the controller did not start, already connected, or with another pid.
+
+    Rate-limited like :class:`MalformedHeartbeat`: ``count`` connections from host ``peer``, the last one
+    refused for ``reason``.
+    """
+
+    peer: str
+    reason: str
+    count: int = 1
 
 
 class HandlerFailed(Failure, frozen=True, kw_only=True):

@@ -2,8 +2,11 @@
 
 Each round kills real worker processes at random steps with random signals (kill -9 or SIGSTOP), sometimes
 a second one while the group re-forms, sometimes from inside a worker mid-step or mid-replica-write, or
-deadlocks a worker's step, and checks the final state against a fault-free run (bitwise: every recovery
-keeps the full world size) and the event log for lost committed steps.
+deadlocks a worker's step, or has a local process without the run's secret try to take the run over (an
+impostor ``Hello``, a forged ``Heartbeat(step=600)`` and ``Finished`` for every id, with a kill on top; or
+300 idle connections and a flood of malformed lines), and checks the final state against a fault-free run
+(bitwise: every recovery keeps the full world size), the event log for lost committed steps, and that the
+attacker was only ever sent the handshake's challenge.
 
     .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1]
 """
@@ -21,8 +24,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from attacker import run_under_attack
 
-from runtime.cli.demo_multiprocess import run_group
+from runtime.cli.demo_multiprocess import group_controller, run_group
 from runtime.core.eventlog import read_events
 from runtime.core.events import StateRestored, StepCompleted
 from runtime.testing.grammar import Fault
@@ -33,7 +37,9 @@ STEPS = 40
 
 
 def plan(rng: random.Random) -> dict[str, Any]:
-    kind = rng.choice(["kill", "kill", "stop", "two", "during-recovery", "midstep", "replica", "hang"])
+    kind = rng.choice(
+        ["kill", "kill", "stop", "two", "during-recovery", "midstep", "replica", "hang", "impostor", "flood"]
+    )
     step = rng.randrange(3, STEPS - 8)
     pid = rng.randrange(NPROCS)
     match kind:
@@ -54,6 +60,10 @@ def plan(rng: random.Random) -> dict[str, Any]:
             return {"faults": [Fault("die-midstep", pid, step=step)]}
         case "hang":
             return {"faults": [Fault("hang", pid, step=step)], "hang_timeout_s": 2.0}
+        case "impostor":
+            return {"faults": [Fault("kill", pid, step=step)], "attack": "impostor"}
+        case "flood":
+            return {"faults": [], "attack": "flood"}
         case _:
             return {"faults": [Fault("die-writing-replica", pid, step=step)]}
 
@@ -75,6 +85,19 @@ def check(run_dir: Path, reference: Path) -> list[str]:
     return problems
 
 
+def run_round(run_dir: Path, spec: dict[str, Any]) -> tuple[Any, list[str]]:
+    """One round; with an ``attack``, what the attacker got through is a problem too."""
+    attack = spec.pop("attack", None)
+    controller = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec)
+    if attack is None:
+        return controller.run(), []
+    if attack == "impostor":
+        result, attacker = run_under_attack(controller, lambda a, stop: a.impostors(NPROCS + 1, stop))
+    else:
+        result, attacker = run_under_attack(controller, lambda a, stop: (a.idle(300), a.malformed_flood(1000)))
+    return result, attacker.problems
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=10)
@@ -92,8 +115,8 @@ def main() -> int:
             run_dir = root / f"round-{i}"
             started = time.monotonic()
             try:
-                result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec)
-                problems = [] if result.ok else [f"run failed: {result.reason}"]
+                result, problems = run_round(run_dir, dict(spec))
+                problems += [] if result.ok else [f"run failed: {result.reason}"]
                 problems += check(run_dir, root / "reference" / "final")
             except Exception as exc:
                 problems = [f"{type(exc).__name__}: {exc}"]

@@ -29,18 +29,10 @@ from runtime.core.events import (
 from runtime.testing.grammar import Fault, parse_faults
 from storage.disk import DiskTier
 
-STEPS = 30
+STEPS = 30  # as the fault-free `reference` run (conftest.py) has
 NPROCS = 3
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference")
-    result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, faults=[])
-    assert result.ok and result.step == STEPS and result.recoveries == []
-    return run_dir / "final"
 
 
 def run(tmp_path: Path, **kwargs: Any) -> tuple[Any, list[Any]]:

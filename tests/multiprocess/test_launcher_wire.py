@@ -1,10 +1,12 @@
-"""The controller's heartbeat port under bad input: malformed lines and unknown worker ids are logged and
-recorded as events, and the controller keeps serving. Real sockets; the workers are stand-ins that never
-connect, so no JAX process starts."""
+"""The controller's heartbeat port under bad input from a peer that knows the secret: malformed lines and
+unknown worker ids are logged and recorded as (rate-limited) events, and the controller keeps serving. Real
+sockets; the workers are stand-ins that never connect, so no JAX process starts. Peers without the secret:
+test_auth.py."""
 
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -12,9 +14,10 @@ import anyio
 import pytest
 
 from runtime.cluster.config import LaunchConfig
-from runtime.cluster.protocol import MAX_LINE, Heartbeat, Hello, MalformedMessage, decode_from_worker, encode
+from runtime.cluster.protocol import MAX_LINE, Heartbeat, Hello, MalformedMessage, Stop, decode_from_worker, encode
+from runtime.cluster.worker import ControllerLink
 from runtime.core.eventlog import read_events
-from runtime.core.events import MalformedHeartbeat
+from runtime.core.events import ConnectionRefused, MalformedHeartbeat
 from runtime.defaults import default_controller
 
 
@@ -29,20 +32,21 @@ def test_messages_round_trip_and_garbage_is_named() -> None:
         decode_from_worker(b'{"type": "Form", "generation": 1}\n')  # wrong direction
 
 
-async def _exchange(port: int) -> None:
-    async def send(lines: list[bytes]) -> None:
-        stream = await anyio.connect_tcp("127.0.0.1", port)
-        async with stream:
-            for line in lines:
-                await stream.send(line)
-            await anyio.sleep(0.1)
+def _exchange(port: int, secret: str, worker_0_pid: int) -> None:
+    def send(lines: list[bytes]) -> None:
+        link = ControllerLink(f"127.0.0.1:{port}", secret)
+        for line in lines:
+            link.sock.sendall(line)
+        link.sock.shutdown(socket.SHUT_WR)  # the controller reads every line, then closes its side too
+        assert isinstance(link.inbox.get(timeout=10), Stop)
+        link.close()
 
-    await send([b"garbage\n", b'{"type": "Heartbeat"}\n'])  # malformed before any Hello
-    await send([encode(Hello(worker=4242, pid=1, target_steps=5))])  # an id the controller never started
-    await send([b"x" * (MAX_LINE + 10) + b"\n"])  # an oversized line
-    hello = encode(Hello(worker=0, pid=1, target_steps=5))
+    oversized = b"x" * (MAX_LINE + 10) + b"\n"
+    send([b"garbage\n", b'{"type": "Heartbeat"}\n', oversized])  # malformed before any Hello
+    send([encode(Hello(worker=4242, pid=1, target_steps=5))])  # an id the controller never started
+    hello = encode(Hello(worker=0, pid=worker_0_pid, target_steps=5))
     beat = encode(Heartbeat(worker=7, generation=0, step=1, sent_at=0.0))  # claims another worker's id
-    await send([hello, beat, b"\xff\xfe\n"])
+    send([hello, beat, b"\xff\xfe\n", oversized])
 
 
 def test_malformed_heartbeats_and_unknown_ids_do_not_crash_the_controller(
@@ -53,6 +57,7 @@ def test_malformed_heartbeats_and_unknown_ids_do_not_crash_the_controller(
     command = [sys.executable, "-c", "import time; time.sleep(60)"]
     config = LaunchConfig(command=command, nprocs=2, spares=0, run_dir=str(tmp_path), spawn_timeout_s=30)
     controller = default_controller(config)
+    controller.server.limiter.interval_s = 3600.0  # one summary per host, at the end: the counts are exact
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -60,18 +65,20 @@ def test_malformed_heartbeats_and_unknown_ids_do_not_crash_the_controller(
             with anyio.fail_after(10):
                 while not controller.port:
                     await anyio.sleep(0.01)
-            await _exchange(controller.port)
-            await anyio.sleep(0.2)
+            await anyio.to_thread.run_sync(_exchange, controller.port, controller.secret, controller.pool[0].popen.pid)
             assert controller.bus.dispatched > 0  # still dispatching: alive
+            for proc in controller.pool:
+                proc.popen.kill()
             tg.cancel_scope.cancel()
 
     anyio.run(main)
     text = caplog.text
-    assert "controller: ignored message from 127.0.0.1" in text
-    assert "unknown worker id 4242" in text
-    assert "xxxxxxxx" in text or "longer than" in text  # the oversized line was refused, however it was cut
-    assert "worker 0's connection sent" in text
-    events = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, MalformedHeartbeat)]
-    reasons = " | ".join(e.reason for e in events)
-    assert len(events) >= 6, reasons
-    assert "unknown worker id 4242" in reasons
+    assert "controller: ignored a message from 127.0.0.1" in text
+    assert "controller: refused a connection from 127.0.0.1" in text
+    events = read_events(tmp_path / "events.jsonl")
+    malformed = [e for e in events if isinstance(e, MalformedHeartbeat)]
+    # Rate-limited: the first line at once, then one summary of the other five, naming the last.
+    assert [e.count for e in malformed] == [1, 5], malformed
+    assert "xxxxxxxx" in malformed[-1].reason or "longer than" in malformed[-1].reason  # however it was cut
+    [refused] = [e for e in events if isinstance(e, ConnectionRefused)]
+    assert "worker id 4242 was not started" in refused.reason

@@ -1,0 +1,153 @@
+"""A local process that does not know the run's secret, attacking the controller's port (tests and chaos).
+
+Each attack is what an earlier version let any local user do (issue 17): say ``Hello`` for the ids the
+controller hands out, forge a ``Heartbeat(step=600)`` and ``Finished``, ask for ``target_steps=1``, poll the
+next ids for a fresh spare's ``Warm``, open hundreds of idle connections, flood malformed lines. Blocking
+sockets, run in a thread next to the controller. Every connection must end closed by the controller, and
+the only thing it may ever have received is the handshake's ``Challenge``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from runtime.cluster.auth import Answer, Challenge
+from runtime.cluster.protocol import Finished, Heartbeat, Hello, Joined, encode
+
+_challenge = msgspec.json.Decoder(Challenge)
+
+
+@dataclass
+class Attacker:
+    """Attacks on ``port``; ``connections`` counts the ones opened, ``problems`` what the controller let through."""
+
+    port: int
+    timeout_s: float = 30.0
+    connections: int = 0
+    problems: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _open(self) -> socket.socket | None:
+        try:
+            sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout_s)
+        except OSError:
+            return None  # the run is over: the listener is closed
+        with self._lock:
+            self.connections += 1
+        return sock
+
+    def _finish(self, sock: socket.socket, what: str) -> None:
+        """Read until the controller closes ``sock``; anything but a Challenge got through."""
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except TimeoutError:
+            self._problem(f"{what}: still open after {self.timeout_s} s")
+        except OSError:
+            pass  # reset by the controller: closed
+        finally:
+            sock.close()
+        for line in received.splitlines():
+            try:
+                _challenge.decode(line)
+            except msgspec.MsgspecError:
+                self._problem(f"{what}: the controller sent {line[:100]!r}")
+
+    def _problem(self, text: str) -> None:
+        with self._lock:
+            self.problems.append(text)
+
+    def _send(self, lines: list[bytes], what: str) -> None:
+        sock = self._open()
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):  # the controller may close it before the last line
+            for line in lines:
+                sock.sendall(line)
+        self._finish(sock, what)
+
+    def impostor_hello(self, worker: int) -> None:
+        """The old takeover: Hello for ``worker``, Joined, Heartbeat(step=600) and Finished, no handshake."""
+        lines = [
+            encode(Hello(worker=worker, pid=1, target_steps=600)),
+            encode(Joined(worker=worker, generation=1, best_step=600, tier="ram", join_s=0.0)),
+            encode(Heartbeat(worker=worker, generation=1, step=600, sent_at=0.0)),
+            encode(Finished(worker=worker, generation=1, step=600, digest="forged")),
+        ]
+        self._send(lines, f"impostor Hello for worker {worker}")
+
+    def guess_proof(self, worker: int) -> None:
+        """Answer the challenge with a made-up proof, then ask for ``target_steps=1`` as ``worker``."""
+        answer = msgspec.json.encode(Answer(nonce="a" * 32, proof="0" * 64)) + b"\n"
+        self._send([answer, encode(Hello(worker=worker, pid=1, target_steps=1))], f"guessed proof for {worker}")
+
+    def malformed_flood(self, lines: int) -> None:
+        """``lines`` malformed lines on one connection, then one malformed line on each of ``lines // 10``."""
+        self._send([b"\xff not json at all\n"] * lines, "malformed flood")
+        for _ in range(lines // 10):
+            self._send([b'{"type": "Heartbeat"}\n'], "malformed line")
+
+    def idle(self, count: int) -> None:
+        """``count`` connections that never send a byte; each must be closed by the controller."""
+        socks = [sock for sock in (self._open() for _ in range(count)) if sock is not None]
+        for sock in socks:
+            self._finish(sock, "idle connection")
+
+    def poll(self, workers: range, stop: threading.Event, interval_s: float = 0.2) -> None:
+        """Claim each of ``workers`` (a fresh spare's id among them), again and again until ``stop``."""
+        while not stop.wait(interval_s):
+            for worker in workers:
+                self._send([encode(Hello(worker=worker, pid=1, target_steps=1))], f"polling for worker {worker}")
+
+    def impostors(self, workers: int, stop: threading.Event) -> None:
+        """An impostor Hello (with a forged Heartbeat and Finished) and a guessed proof for each of ``workers``
+        ids at once, right after launch."""
+        attacks = [threading.Thread(target=self.impostor_hello, args=(w,)) for w in range(workers)]
+        attacks += [threading.Thread(target=self.guess_proof, args=(w,)) for w in range(workers)]
+        _run_all(attacks)
+
+    def everything(self, workers: int, stop: threading.Event) -> None:
+        """Every attack above at once, right after launch; polling goes on until ``stop``."""
+        attacks = [threading.Thread(target=self.impostors, args=(workers, stop))]
+        attacks.append(threading.Thread(target=self.idle, args=(300,)))
+        attacks.append(threading.Thread(target=self.malformed_flood, args=(1000,)))
+        attacks.append(threading.Thread(target=self.poll, args=(range(workers, workers + 4), stop)))
+        _run_all(attacks)
+
+
+def _run_all(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def run_under_attack(controller: Any, attack: Callable[[Attacker, threading.Event], None]) -> tuple[Any, Attacker]:
+    """Run ``controller`` (blocking) while ``attack`` runs in a thread from the moment the controller listens;
+    ``attack``'s event is set when the run is over. Returns the run's result and the attacker."""
+    stop = threading.Event()
+    attacker = Attacker(0)
+
+    def main() -> None:
+        while not stop.wait(0.01):
+            if controller.port:
+                attacker.port = controller.port
+                attack(attacker, stop)
+                return
+
+    thread = threading.Thread(target=main)
+    thread.start()
+    try:
+        result = controller.run()
+    finally:
+        stop.set()
+        thread.join()
+    return result, attacker

@@ -1,0 +1,22 @@
+"""The fault-free run every multi-process test compares with, made once per session (a launch costs ~10 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.cli.demo_multiprocess import run_group
+
+# The runs compared with it must use the same: 3 worker processes x 2 CPU devices, 30 steps of the demo model.
+STEPS = 30
+NPROCS = 3
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder holding the final state of a fault-free run, in the disk tier's format."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, faults=[])
+    assert result.ok and result.step == STEPS and result.recoveries == []
+    return run_dir / "final"
