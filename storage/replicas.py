@@ -146,6 +146,7 @@ class ReplicaFiles:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-file")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
+        self.skipped: list[str] = []  # what the last :meth:`newest` would not restore, "PATH: why"
 
     @property
     def on_write(self) -> list[Callable[[int], None]]:
@@ -176,10 +177,10 @@ class ReplicaFiles:
 
     def newest(
         self, like: PyTree, identity: dict[str, str] | None = None, *, max_step: int | None = None
-    ) -> tuple[HostSnapshot, list[str]]:
+    ) -> HostSnapshot:
         """The newest replica of any process here that verifies, has the structure of ``like`` and carries
-        ``identity`` (its run and job); never one past ``max_step``. Also returns the replicas it skipped,
-        each as ``"PATH: why"``.
+        ``identity`` (its run and job); never one past ``max_step``. The replicas it skipped are then in
+        :attr:`skipped`, each as ``"PATH: why"``.
 
         Raises:
             SnapshotUnavailable: none does; the message lists what was skipped and why.
@@ -187,6 +188,7 @@ class ReplicaFiles:
         folders = sorted(p for p in self.directory.iterdir() if p.is_dir()) if self.directory.is_dir() else []
         candidates: list[tuple[int, DiskTier]] = []
         skipped: list[str] = []
+        self.skipped = skipped
         for folder in folders:
             tier = DiskTier(folder, name="shm", check_space=False)
             try:
@@ -203,7 +205,7 @@ class ReplicaFiles:
         problems = list(skipped)
         for step, tier in sorted(candidates, key=lambda c: c[0], reverse=True):
             try:
-                return tier.restore(step, like, timeout=_TIMEOUT_S), skipped
+                return tier.restore(step, like, timeout=_TIMEOUT_S)
             except (CheckpointInvalid, SnapshotUnavailable, StorageError) as exc:
                 problems.append(f"{tier.path_of(step)}: {exc}")
         raise SnapshotUnavailable(f"no usable replica in {self.directory} ({'; '.join(problems) or 'none committed'})")

@@ -21,8 +21,8 @@ def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> N
         theirs.save(replica(4, 40, small_state(4)))
         theirs.wait()
         assert [i.step for i in mine.tier.list(timeout=10)] == [3, 2]  # two kept per process
-        newest, skipped = mine.newest(small_state(0))
-        assert skipped == []
+        newest = mine.newest(small_state(0))
+        assert mine.skipped == []
         assert (newest.step, newest.data_position) == (4, 40)
         np.testing.assert_array_equal(newest.tree["params"]["w"], small_state(4)["params"]["w"])
         # A damaged replica is detected by its CRC32C and the next newest is read instead.
@@ -30,7 +30,7 @@ def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> N
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 1
         victim.write_bytes(bytes(data))
-        assert mine.newest(small_state(0))[0].step == 3
+        assert mine.newest(small_state(0)).step == 3
         # Another job's state (other shapes) is never taken.
         with pytest.raises(SnapshotUnavailable, match="no usable replica"):
             mine.newest({"w": np.zeros(3, np.float32)})
@@ -51,7 +51,7 @@ def test_a_write_cut_off_before_its_commit_stays_invisible(tmp_path: Path) -> No
         files.on_write.append(crash)
         files.save(replica(2, 20, small_state(2)))
         files.wait()  # the failure is logged; the previous replica stays
-        assert files.newest(small_state(0))[0].step == 1
+        assert files.newest(small_state(0)).step == 1
     finally:
         files.close()
 
@@ -66,9 +66,9 @@ def test_a_replica_of_another_run_or_job_or_past_the_target_is_skipped_and_named
         mine.wait()
         other.save(replica(9, 90, small_state(9), theirs))  # newer, but another run's
         other.wait()
-        newest, skipped = mine.newest(small_state(0), ours)
+        newest = mine.newest(small_state(0), ours)
         assert newest.step == 2 and newest.metadata == ours
-        [why] = skipped
+        [why] = mine.skipped
         assert "worker-1" in why and "another run's replica" in why and "run-b" in why
         # A step past the target is refused too, even of this run.
         with pytest.raises(SnapshotUnavailable, match="past the target step 1"):
