@@ -69,18 +69,21 @@ def replica(step: int, data_position: int, tree: PyTree, identity: dict[str, str
 def partly_held(shapes: PyTree, shardings: PyTree) -> list[str]:
     """The leaves (as tree paths) of which this process would hold only a part under ``shardings``: a state
     sharded across processes, which no host copy of one process holds whole (see :func:`host_copy`)."""
-    found = []
-    leaves = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):
-        shape = np.shape(leaf)
+    found: list[str] = []
 
-        def key(index: tuple[slice, ...]) -> tuple[tuple[int | None, int | None, int | None], ...]:
-            return tuple((s.start, s.stop, s.step) for s in index)  # slices are not hashable before 3.12
+    def key(index: tuple[slice, ...]) -> tuple[tuple[int | None, int | None, int | None], ...]:
+        return tuple((s.start, s.stop, s.step) for s in index)  # slices are not hashable before Python 3.12
 
-        every = {key(index) for index in sharding.devices_indices_map(shape).values()}
-        mine = {key(index) for index in sharding.addressable_devices_indices_map(shape).values()}
-        if not every <= mine:
-            found.append(jax.tree_util.keystr(path))
+    def check(prefix: Any, sharding: Any, subtree: PyTree) -> None:
+        # ``shardings`` is a prefix of the state (one sharding may stand for a whole subtree).
+        for path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
+            shape = np.shape(leaf)
+            every = {key(index) for index in sharding.devices_indices_map(shape).values()}
+            mine = {key(index) for index in sharding.addressable_devices_indices_map(shape).values()}
+            if not every <= mine:
+                found.append(jax.tree_util.keystr(tuple(prefix) + tuple(path)) or "the state")
+
+    jax.tree_util.tree_map_with_path(check, shardings, shapes)
     return found
 
 

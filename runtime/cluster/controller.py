@@ -117,7 +117,7 @@ class Controller(GroupFormer):
         self._stopping = False
         # Ending the run early: an error that ends it (a worker's StepError, JobUnsupported) or a signal
         # (SIGTERM, SIGINT) cancels the supervision, and the run drains like any other end.
-        self._supervision = anyio.CancelScope()
+        self._supervision: anyio.CancelScope | None = None  # made in the event loop, by run_async
         self._error: ElasticRuntimeError | None = None
         self._signal = ""
         self._skipped_seen: set[str] = set()
@@ -165,6 +165,7 @@ class Controller(GroupFormer):
     async def run_async(self) -> LaunchResult:
         """Run the group to completion, or until SIGTERM/SIGINT (then ``ok`` is False and the run can be
         resumed). Raises LaunchError, RecoveryError, StepError or JobUnsupported when it cannot go on."""
+        self._supervision = anyio.CancelScope()
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         self.pool.controller_address = f"127.0.0.1:{self.port}"
@@ -194,7 +195,7 @@ class Controller(GroupFormer):
                 try:
                     for _ in range(self.config.nprocs + self.config.spares):
                         self._spawn()
-                    with self._supervision:
+                    with self._supervision:  # ended early by end() and by signals
                         await self._supervise()
                     if self._error is not None:
                         raise self._error
@@ -256,7 +257,8 @@ class Controller(GroupFormer):
         if self._error is None:
             self._error = error
         self._stopping = True
-        self._supervision.cancel()
+        if self._supervision is not None:
+            self._supervision.cancel()
 
     async def _watch_signals(self) -> None:
         """SIGTERM (what ``timeout``, systemd and Kubernetes send) and SIGINT drain the run: workers stopped,
@@ -267,7 +269,8 @@ class Controller(GroupFormer):
                 log.warning("controller: %s at step %d; stopping the workers", name, self.group_step)
                 self._signal = self._signal or name
                 self._stopping = True
-                self._supervision.cancel()
+                if self._supervision is not None:
+                    self._supervision.cancel()
 
     async def _supervise(self) -> None:
         await self._form(reason="start", strategy=Strategy.START)

@@ -158,9 +158,16 @@ class GroupFormer:
             # until JAX's initialization timeout, so they are replaced too: fall back to restarting.
             log.warning("generation %d did not form (%s); restarting its workers", generation, outcome)
             strategy = Strategy.RESTART
-            if not outcome.startswith("member lost"):  # a lost member was counted when it was reported
+            lost = {w for w in members if self.pool[w].gone}
+            if not lost:  # a stall; a lost member was counted when it was reported
                 step = self.group.step
                 self._publish_nowait(self.recovery.fail(outcome, failed_step=step + 1, last_committed_step=step))
+            if self.recovery.over_budget:  # members that die while forming, again and again, end the run too
+                raise RecoveryError(
+                    f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures} "
+                    f"(the last: {outcome} in generation {generation}){self._why(lost)}",
+                    last_committed_step=self.group.step,
+                )
         await self._restore(members, strategy, coordinator, started)
         # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
         self._top_up_spares()

@@ -225,9 +225,9 @@ class Worker:
         partial = partly_held(self.template, self.state_shardings)
         if partial:
             # host_copy would fail after step 1 in every worker, and every replacement would fail the same way.
+            names = ", ".join(partial[:3]) + (f" and {len(partial) - 3} more" if len(partial) > 3 else "")
             message = (
-                f"the state is sharded across processes ({', '.join(partial[:3])}"
-                f"{' ...' if len(partial) > 3 else ''} use the 'data' axis, which spans processes); "
+                f"the state is sharded across processes: {names} use the 'data' axis, which spans processes; "
                 "multi-process mode needs every process to hold the whole state: shard it over 'model' only"
             )
             self._report_failure("JobUnsupported", message, "", step=self.step)
