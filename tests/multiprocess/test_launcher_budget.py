@@ -176,7 +176,7 @@ def test_kill_9_of_the_controller_then_resume_continues_bitwise(tmp_path: Path, 
     pids = worker_pids(tmp_path)
     os.kill(pids[0], signal.SIGSTOP)  # stopped: it cannot notice its controller go
     controller.kill()
-    controller.wait()
+    controller.communicate()
     wait_until_gone(pids)  # every worker dies with its controller, the stopped one too
     committed = max(e.step or 0 for e in events_so_far(tmp_path) if isinstance(e, StepCompleted))
     assert Path(default_replica_dir(tmp_path)).is_dir()  # the replicas survived the controller
