@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,24 +26,23 @@ import pytest
 
 from runtime.cli.demo_multiprocess import run_group, worker_command
 from runtime.cluster.runfolder import default_replica_dir
-from runtime.core.errors import EventLogError, JobUnsupported, RecoveryError, StepError
+from runtime.core.errors import JobUnsupported, RecoveryError, StepError
 from runtime.core.eventlog import read_events
 from runtime.core.events import (
-    Event,
     GroupFormed,
     ReplicaSkipped,
     RunFinished,
     StepCompleted,
     StepFailed,
     WorkerHung,
-    WorkerStarted,
 )
+from runtime.testing import launched
+from runtime.testing.launched import alive, events_so_far, wait_for_step, wait_until_gone, worker_pids
 from storage.disk import DiskTier
 
 STEPS = 30
 NPROCS = 2
 SCRIPT = Path(__file__).with_name("faulty_train.py")
-ROOT = Path(__file__).parents[2]
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -133,41 +131,7 @@ def test_a_replica_folder_of_another_run_is_skipped_and_never_restored(tmp_path:
 
 
 def launch(run_dir: Path, *extra: str, step_delay_s: float = 0.0) -> subprocess.Popen[bytes]:
-    """``elastic-runtime launch`` as a process of its own, as a user (or systemd) starts it."""
-    env = dict(os.environ, ELASTIC_STEP_DELAY_S=str(step_delay_s))
-    command = [sys.executable, "-m", "runtime.cli", "launch", "--nprocs", str(NPROCS), "--run-dir", str(run_dir)]
-    command += ["--result", str(run_dir / "final"), *extra, "--", *worker_command(STEPS)]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def events_so_far(run_dir: Path) -> list[Event]:
-    try:
-        return read_events(run_dir / "events.jsonl")
-    except (EventLogError, FileNotFoundError):  # a line being written
-        return []
-
-
-def wait_for_step(run_dir: Path, controller: subprocess.Popen[bytes], step: int) -> None:
-    while not any(isinstance(e, StepCompleted) and (e.step or 0) >= step for e in events_so_far(run_dir)):
-        assert controller.poll() is None, controller.stdout.read().decode() if controller.stdout else ""
-        time.sleep(0.1)
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def worker_pids(run_dir: Path) -> list[int]:
-    return [e.pid for e in events_so_far(run_dir) if isinstance(e, WorkerStarted)]
-
-
-def wait_until_gone(pids: list[int]) -> None:
-    while any(alive(pid) for pid in pids):  # bounded by the test's timeout
-        time.sleep(0.05)
+    return launched.launch(run_dir, worker_command(STEPS), *extra, nprocs=NPROCS, step_delay_s=step_delay_s)
 
 
 def test_kill_9_of_the_controller_then_resume_continues_bitwise(tmp_path: Path, reference: Path) -> None:
@@ -177,7 +141,7 @@ def test_kill_9_of_the_controller_then_resume_continues_bitwise(tmp_path: Path, 
     os.kill(pids[0], signal.SIGSTOP)  # stopped: it cannot notice its controller go
     controller.kill()
     controller.communicate()
-    wait_until_gone(pids)  # every worker dies with its controller, the stopped one too
+    assert wait_until_gone(pids) == []  # every worker dies with its controller, the stopped one too
     committed = max(e.step or 0 for e in events_so_far(tmp_path) if isinstance(e, StepCompleted))
     assert Path(default_replica_dir(tmp_path)).is_dir()  # the replicas survived the controller
     again = launch(tmp_path, "--resume")
