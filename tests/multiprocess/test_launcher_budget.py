@@ -37,6 +37,7 @@ from runtime.core.events import (
     WorkerHung,
 )
 from runtime.testing import launched
+from runtime.testing.grammar import parse_faults
 from runtime.testing.launched import alive, events_so_far, wait_for_step, wait_until_gone, worker_pids
 from storage.disk import DiskTier
 
@@ -103,6 +104,20 @@ def test_a_crash_at_the_same_step_every_attempt_ends_within_the_budget(tmp_path:
     assert len([e for e in events if isinstance(e, GroupFormed)]) == 3  # the start and two retries
     got = summary(tmp_path)
     assert got["ok"] is False and "step 12 failed 3 times" in got["reason"]
+
+
+def test_a_failure_during_a_recovery_counts_against_the_budget(tmp_path: Path) -> None:
+    # Two failures: a kill at step 5, and a second kill while the group re-forms. With a budget of one, the
+    # second ends the run, although no step failed twice and the first recovery had not ended.
+    with pytest.raises(RecoveryError, match="2 failures exceed max_failures=1"):
+        run_group(
+            processes=NPROCS,
+            steps=STEPS,
+            run_dir=tmp_path,
+            faults=parse_faults("kill:1@5,kill:0@forming"),
+            max_failures=1,
+        )
+    assert summary(tmp_path)["ok"] is False
 
 
 def test_a_state_sharded_across_processes_is_refused_before_step_1(tmp_path: Path) -> None:
