@@ -45,7 +45,7 @@ from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined,
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
 from runtime.cluster.server import WorkerServer
 from runtime.core.bus import EventBus
-from runtime.core.errors import BusClosed, ElasticRuntimeError, JobUnsupported, StepError
+from runtime.core.errors import BusClosed, ElasticRuntimeError, JobUnsupported, RecoveryError, StepError
 from runtime.core.eventlog import EventLog
 from runtime.core.events import (
     Event,
@@ -501,6 +501,16 @@ class Controller(GroupFormer):
             self._publish_nowait(
                 self.recovery.fail(reason, failed_step=self.group_step + 1, last_committed_step=self.group_step)
             )
+        if self.recovery.over_budget:
+            # Here, where every failure is counted: one while a group forms ends the run as surely as any.
+            self.end(
+                RecoveryError(
+                    f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures} "
+                    f"(the last: {reason} at step {self.group_step + 1}){self._why(lost)}",
+                    last_committed_step=self.group_step,
+                )
+            )
+            return
         self._request_reason = reason
         self._request_strategy = strategy or self._request_strategy
         self._wake.set()
