@@ -10,10 +10,16 @@ takes its shards from its peers.
 (survives the loss of every worker process, not of the host) or any directory, in the disk tier's format:
 Orbax's layout with a manifest that lists every file's size and CRC32C, committed last, so a kill mid-write
 leaves the previous replica whole and a damaged one is detected on read. No pickle.
+
+Every replica carries its run's identity in its manifest's metadata (:func:`run_identity`: the run id and
+a fingerprint of the job: state structure, shapes, dtypes, target steps); :meth:`ReplicaFiles.newest`
+restores only replicas of this run and names the ones it skipped, so a folder that holds another run's
+files never resumes the wrong run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -26,8 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.core.errors import SnapshotUnavailable, StorageError
-from runtime.core.restore import restore_newest
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.snapshot import HostSnapshot
 from storage.disk import DiskTier
 
@@ -38,10 +43,48 @@ _TIMEOUT_S = 120.0  # one replica write or read; /dev/shm is memory
 PyTree = Any
 
 
-def replica(step: int, data_position: int, tree: PyTree) -> HostSnapshot:
-    """A worker's replica: the state after ``step`` as host arrays, with the data position to resume exactly."""
+def job_fingerprint(like: PyTree, target_steps: int) -> str:
+    """A hash of what makes two runs' states interchangeable: the tree structure, every leaf's shape and
+    dtype, and the target step count."""
+    leaves, structure = jax.tree.flatten(like)
+    parts = [str(structure), str(target_steps)]
+    parts += [f"{np.shape(leaf)}:{getattr(leaf, 'dtype', None) or np.asarray(leaf).dtype}" for leaf in leaves]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def run_identity(run_id: str, like: PyTree, target_steps: int) -> dict[str, str]:
+    """The metadata every replica of this run carries (and a restore requires)."""
+    return {"run_id": run_id, "job": job_fingerprint(like, target_steps)}
+
+
+def replica(step: int, data_position: int, tree: PyTree, identity: dict[str, str] | None = None) -> HostSnapshot:
+    """A worker's replica: the state after ``step`` as host arrays, with the data position to resume exactly,
+    and the run's identity (:func:`run_identity`) as its metadata."""
     nbytes = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(tree))
-    return HostSnapshot(step=step, data_position=data_position, tree=tree, nbytes=nbytes, seconds=0.0, metadata={})
+    return HostSnapshot(
+        step=step, data_position=data_position, tree=tree, nbytes=nbytes, seconds=0.0, metadata=dict(identity or {})
+    )
+
+
+def partly_held(shapes: PyTree, shardings: PyTree) -> list[str]:
+    """The leaves (as tree paths) of which this process would hold only a part under ``shardings``: a state
+    sharded across processes, which no host copy of one process holds whole (see :func:`host_copy`)."""
+    found: list[str] = []
+
+    def key(index: tuple[slice, ...]) -> tuple[tuple[int | None, int | None, int | None], ...]:
+        return tuple((s.start, s.stop, s.step) for s in index)  # slices are not hashable before Python 3.12
+
+    def check(prefix: Any, sharding: Any, subtree: PyTree) -> None:
+        # ``shardings`` is a prefix of the state (one sharding may stand for a whole subtree).
+        for path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
+            shape = np.shape(leaf)
+            every = {key(index) for index in sharding.devices_indices_map(shape).values()}
+            mine = {key(index) for index in sharding.addressable_devices_indices_map(shape).values()}
+            if not every <= mine:
+                found.append(jax.tree_util.keystr(tuple(prefix) + tuple(path)) or "the state")
+
+    jax.tree_util.tree_map_with_path(check, shardings, shapes)
+    return found
 
 
 def host_copy(tree: PyTree) -> PyTree:
@@ -106,6 +149,7 @@ class ReplicaFiles:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-file")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
+        self.skipped: list[str] = []  # what the last :meth:`newest` would not restore, "PATH: why"
 
     @property
     def on_write(self) -> list[Callable[[int], None]]:
@@ -134,18 +178,58 @@ class ReplicaFiles:
             except StorageError as exc:  # a failed write leaves the previous replica; training goes on
                 log.error("replica write failed: %s", exc)
 
-    def newest(self, like: PyTree) -> HostSnapshot:
-        """The newest replica of any process here that verifies and has the structure of ``like``.
+    def newest(
+        self, like: PyTree, identity: dict[str, str] | None = None, *, max_step: int | None = None
+    ) -> HostSnapshot:
+        """The newest replica of any process here that verifies, has the structure of ``like`` and carries
+        ``identity`` (its run and job); never one past ``max_step``. The replicas it skipped are then in
+        :attr:`skipped`, each as ``"PATH: why"``.
 
         Raises:
-            SnapshotUnavailable: none does.
+            SnapshotUnavailable: none does; the message lists what was skipped and why.
         """
         folders = sorted(p for p in self.directory.iterdir() if p.is_dir()) if self.directory.is_dir() else []
-        tiers = [DiskTier(folder, name="shm", check_space=False) for folder in folders]
-        try:
-            return restore_newest(tiers, like, timeout=_TIMEOUT_S)[1]
-        except SnapshotUnavailable as exc:
-            raise SnapshotUnavailable(f"no usable replica in {self.directory}: {exc}") from exc
+        candidates: list[tuple[int, DiskTier]] = []
+        skipped: list[str] = []
+        self.skipped = skipped
+        for folder in folders:
+            tier = DiskTier(folder, name="shm", check_space=False)
+            try:
+                steps = tier.steps(timeout=_TIMEOUT_S)
+            except StorageError as exc:
+                skipped.append(f"{folder}: cannot list: {exc}")
+                continue
+            for step in steps:
+                why = _not_ours(tier, step, identity, max_step)
+                if why:
+                    skipped.append(f"{tier.path_of(step)}: {why}")
+                else:
+                    candidates.append((step, tier))
+        problems = list(skipped)
+        for step, tier in sorted(candidates, key=lambda c: c[0], reverse=True):
+            try:
+                return tier.restore(step, like, timeout=_TIMEOUT_S)
+            except (CheckpointInvalid, SnapshotUnavailable, StorageError) as exc:
+                problems.append(f"{tier.path_of(step)}: {exc}")
+        raise SnapshotUnavailable(f"no usable replica in {self.directory} ({'; '.join(problems) or 'none committed'})")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _not_ours(tier: DiskTier, step: int, identity: dict[str, str] | None, max_step: int | None) -> str:
+    """Why replica ``step`` of ``tier`` must not be restored in this run; "" when it may."""
+    if max_step is not None and step > max_step:
+        return f"step {step} is past the target step {max_step}"
+    if not identity:
+        return ""
+    try:
+        metadata = tier.manifest(step).metadata
+    except (CheckpointInvalid, SnapshotUnavailable) as exc:
+        return f"unreadable manifest: {exc}"
+    for key, want in identity.items():
+        got = metadata.get(key)
+        if got != want:
+            what = "another run's replica" if key == "run_id" else "another job's replica (structure, shapes or target)"
+            return f"{what}: {key} {got!r}, this run's {want!r}"
+    return ""

@@ -26,7 +26,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Maintenance notices (all derive from `Notice`)", ev, [
         "Notice", "MaintenanceScheduled", "MaintenanceStarted", "MaintenanceCompleted", "Preempted", "HostError",
     ]),
-    ("Checkpoints", ev, ["CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped"]),
+    ("Checkpoints", ev, ["CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped", "ReplicaSkipped"]),
     ("Recovery", ev, [
         "RecoveryStarted", "MeshChanged", "StateRestored", "RecoveryCompleted", "ScaleUpAvailable", "StateTransformed",
         "MeshReady",

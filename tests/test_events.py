@@ -63,6 +63,16 @@ def test_the_log_reads_back_in_order(tmp_path: Path) -> None:
     assert read_events(tmp_path / "run" / "events.jsonl") == SAMPLES
 
 
+def test_a_line_torn_by_a_kill_is_dropped_before_the_log_is_appended_to(tmp_path: Path) -> None:
+    # A controller killed mid-write leaves half a line; the resumed run's controller appends to the same log.
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(encode_event(SAMPLES[0]) + b"\n" + encode_event(SAMPLES[1])[:10])
+    log = EventLog(path)
+    log.append(SAMPLES[2])
+    log.close()
+    assert read_events(path) == [SAMPLES[0], SAMPLES[2]]
+
+
 def test_a_corrupt_line_is_named(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     lines = [encode_event(SAMPLES[0]), b'{"type":"StepCompleted","step":"three"}', encode_event(SAMPLES[1])]

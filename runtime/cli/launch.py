@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
+from runtime.core.errors import ElasticRuntimeError
 from runtime.defaults import default_controller
 from runtime.testing.grammar import Fault, parse_faults
 
@@ -29,12 +30,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
-    parser.add_argument("--run-dir", default=None, help="event log, worker logs, summary.json")
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        help="event log, worker logs, summary.json; an unfinished run in it is continued (default: a new temp dir)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the unfinished run in --run-dir from the newest step any replica holds (error if none)",
+    )
     parser.add_argument(
         "--result", default=None, help="a folder where process 0 commits the final state (disk tier format)"
     )
     parser.add_argument(
-        "--replica-dir", default=None, help="replica files (default: a fresh /dev/shm dir, removed at the end)"
+        "--replica-dir",
+        default=None,
+        help="replica files (default: /dev/shm/elastic-runtime-<hash of --run-dir>, removed when the run ends)",
     )
     parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
     parser.add_argument(
@@ -56,6 +68,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         command = command[1:]
     if not command:
         raise SystemExit("elastic-runtime launch: give the worker command after --")
+    if args.resume and not args.run_dir:
+        raise SystemExit("elastic-runtime launch: --resume needs --run-dir (the run folder names the run)")
     return LaunchConfig(
         command=command,
         nprocs=args.nprocs,
@@ -69,6 +83,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         result_path=args.result,
         replica_dir=args.replica_dir,
         max_failures=args.max_failures,
+        resume=args.resume,
         faults=[fault for faults in args.fault for fault in faults],
     )
 
@@ -83,7 +98,7 @@ def _faults(text: str) -> list[Fault]:
 def launch_main(args: argparse.Namespace) -> int:
     try:
         result = default_controller(config_from_args(args)).run()
-    except (LaunchError, ValueError) as exc:
+    except (LaunchError, ElasticRuntimeError, ValueError) as exc:
         print(f"elastic-runtime launch: {exc}", file=sys.stderr)
         return 1
     print(json.dumps({k: v for k, v in result.__dict__.items() if k != "digests"}, default=str))

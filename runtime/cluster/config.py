@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from runtime.core.retry import Backoff, RetryPolicy
 from runtime.testing.grammar import Fault
 
 __all__ = ["LaunchConfig", "LaunchError", "LaunchResult", "Strategy"]
@@ -24,7 +25,8 @@ RECOVERY_STRATEGIES = (Strategy.REFORM, Strategy.RESTART)
 
 
 class LaunchError(RuntimeError):
-    """The run could not go on: too few workers, too many failures, or a group that never formed."""
+    """The run could not go on: too few workers, or a group that never formed. (Too many failures, or a step
+    that keeps failing, is a ``RecoveryError``; an error in the user's code a ``StepError``.)"""
 
 
 @dataclass
@@ -42,9 +44,16 @@ class LaunchConfig:
         form_timeout_s: how long a new group may take to form before its stragglers are replaced.
         spawn_timeout_s: how long a re-forming waits for replacements before going on with ``min_nprocs``.
         start_timeout_s: how long the first group may take to start.
-        max_failures: failures the run survives.
-        run_dir: event log, worker logs and ``summary.json``; a temporary directory when unset.
-        replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<pid>``.
+        max_failures: failures the run survives: every lost or hung member counts, also one lost during a
+            recovery.
+        retry: when a step that failed is tried again, and when the run gives up on it
+            (:mod:`runtime.core.retry`; default: 3 failures of one step, backing off 0, 0.5 s).
+        run_dir: event log, worker logs and ``summary.json``; a temporary directory when unset. The run
+            folder names the run: an unfinished run in it is continued (see ``runtime/cluster/runfolder.py``).
+        replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<hash of run_dir>``,
+            removed when the controller ends (it stays only when the controller itself was killed).
+        resume: require an unfinished run in ``run_dir`` to continue (raise ValueError if there is none).
+        drain_timeout_s: on SIGTERM/SIGINT or at the end, how long workers get to stop before SIGKILL.
         result_path: a folder where process 0 commits the final state, in the disk tier's format.
         faults: fault injection: process and worker faults of ``runtime.testing.grammar``
             (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.testing.process_faults``.
@@ -69,10 +78,13 @@ class LaunchConfig:
     spawn_timeout_s: float = 60.0
     start_timeout_s: float = 120.0
     max_failures: int = 10
+    retry: RetryPolicy = field(default_factory=Backoff)
     run_dir: str | None = None
     replica_dir: str | None = None
     result_path: str | None = None
     faults: list[Fault] = field(default_factory=list)
+    resume: bool = False
+    drain_timeout_s: float = 10.0
     extra_env: dict[str, str] = field(default_factory=dict)
     target_steps: int | None = None
     secret: str | None = field(default=None, repr=False)
@@ -107,3 +119,5 @@ class LaunchResult:
     events_path: str
     run_dir: str
     reason: str = ""
+    run_id: str = ""
+    resumed_from: int = -1  # the step a resumed run continued from; -1 when it did not resume

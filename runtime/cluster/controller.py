@@ -11,6 +11,10 @@ Strategies: ``reform`` (survivors re-initialize ``jax.distributed`` in-process a
 the state from its peers) and ``restart`` (every worker process replaced, state from the replica files in
 ``/dev/shm``), the fallback when a re-forming group does not come together in time.
 
+A run ends early, every worker stopped and ``summary.json`` written, on an error in the user's code (a
+worker's ``Failed``: ``StepError``), a job this mode cannot run (``JobUnsupported``), a spent failure budget
+or a step that keeps failing (``RecoveryError``), or SIGTERM/SIGINT (drained; the run folder resumes it).
+
 This module is the async shell; the decisions live in synchronous parts tested on their own: the group
 (``membership.py``), the failure budget and recovery timing (``runtime/core/recovery.py``), the processes
 (``processes.py``) and the wire (``server.py``).
@@ -20,9 +24,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,17 +42,20 @@ from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from, is_stopped
-from runtime.cluster.protocol import Finished, Heartbeat, Hello, Joined, Message, Stop, Warm
+from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined, Message, Stop, Warm
+from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
-from runtime.core.errors import BusClosed
+from runtime.core.errors import BusClosed, ElasticRuntimeError, JobUnsupported, RecoveryError, StepError
 from runtime.core.eventlog import EventLog
 from runtime.core.events import (
     ConnectionRefused,
     Event,
     MalformedHeartbeat,
+    ReplicaSkipped,
     RunFinished,
     StepCompleted,
+    StepFailed,
     WorkerExited,
     WorkerHung,
     WorkerKilled,
@@ -62,7 +70,9 @@ log = logging.getLogger(__name__)
 _SPARE_RETRIES = 3  # spares in a row replaced at once when they die before their Hello
 
 
-def _first_leaf(group: BaseExceptionGroup[Any], kind: type[BaseException]) -> BaseException | None:
+def _first_leaf(
+    group: BaseExceptionGroup[Any], kind: type[BaseException] | tuple[type[BaseException], ...]
+) -> BaseException | None:
     """The first exception of type ``kind`` in a (nested) exception group."""
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
@@ -85,14 +95,17 @@ class Controller(GroupFormer):
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="elastic-launch-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "workers").mkdir(exist_ok=True)
-        self.replica_dir = config.replica_dir or f"/dev/shm/elastic-runtime-{os.getpid()}-{int(time.time())}"
+        self.record = open_run(self.run_dir, resume=config.resume)
+        self.replica_dir = config.replica_dir or default_replica_dir(self.run_dir)
         self.event_log = EventLog(self.run_dir / "events.jsonl")
         self.context = ControllerContext(self)
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
         self.monitor = HeartbeatMonitor(timeout_s=config.heartbeat_timeout_s, hang_timeout_s=config.hang_timeout_s)
         # Never logged, never on a command line: the workers get it in their environment.
         self.secret = config.secret or auth.new_secret()
-        self.pool = ProcessPool(config, self.run_dir / "workers", self.replica_dir, self.secret)
+        self.pool = ProcessPool(
+            config, self.run_dir / "workers", self.replica_dir, self.secret, run_id=self.record.run_id
+        )
         self.group = Membership(config.nprocs)
         self.recovery = RecoveryTracker("controller", config.max_failures)
         self.server = WorkerServer(
@@ -118,6 +131,12 @@ class Controller(GroupFormer):
         self._services: list[Any] = []
         self._stopping = False
         self._spares_dead_before_hello = 0  # in a row: reset by any Hello
+        # Ending the run early: an error that ends it (a worker's StepError, JobUnsupported) or a signal
+        # (SIGTERM, SIGINT) cancels the supervision, and the run drains like any other end.
+        self._supervision: anyio.CancelScope | None = None  # made in the event loop, by run_async
+        self._error: ElasticRuntimeError | None = None
+        self._signal = ""
+        self._skipped_seen: set[str] = set()
         self.result = LaunchResult(
             ok=False,
             step=0,
@@ -130,6 +149,7 @@ class Controller(GroupFormer):
             survivor_restarts=0,
             events_path=str(self.event_log.path),
             run_dir=str(self.run_dir),
+            run_id=self.record.run_id,
         )
 
     @property
@@ -148,17 +168,20 @@ class Controller(GroupFormer):
     # --- running -------------------------------------------------------------------------------------------
 
     def run(self) -> LaunchResult:
-        """Run in a new event loop. Raises LaunchError (unwrapped from the task group) when it cannot go on."""
+        """Run in a new event loop. Raises LaunchError, RecoveryError, StepError or JobUnsupported (unwrapped
+        from the task group) when it cannot go on."""
         try:
             return anyio.run(self.run_async)
         except BaseExceptionGroup as group:
-            error = _first_leaf(group, LaunchError)
+            error = _first_leaf(group, (LaunchError, ElasticRuntimeError))
             if error is not None:
                 raise error from group
             raise
 
     async def run_async(self) -> LaunchResult:
-        """Run the group to completion. Raises LaunchError when it cannot go on."""
+        """Run the group to completion, or until SIGTERM/SIGINT (then ``ok`` is False and the run can be
+        resumed). Raises LaunchError, RecoveryError, StepError or JobUnsupported when it cannot go on."""
+        self._supervision = anyio.CancelScope()
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         self.pool.controller_address = f"127.0.0.1:{self.port}"
@@ -172,23 +195,35 @@ class Controller(GroupFormer):
                     bus_done.set()
 
                 helpers = anyio.CancelScope()
+                helpers_done = anyio.Event()
 
                 async def run_helpers() -> None:
                     # The wire, the monitor and the reaper publish events: they end before the bus closes.
-                    with helpers:
-                        async with anyio.create_task_group() as inner:
-                            inner.start_soon(listener.serve, self.server.serve)
-                            inner.start_soon(watch, self.monitor, self._on_verdict)
-                            inner.start_soon(self._reap)
-                            inner.start_soon(self.server.report_due)
+                    try:
+                        with helpers:
+                            async with anyio.create_task_group() as inner:
+                                inner.start_soon(listener.serve, self.server.serve)
+                                inner.start_soon(watch, self.monitor, self._on_verdict)
+                                inner.start_soon(self._reap)
+                                inner.start_soon(self.server.report_due)
+                                if threading.current_thread() is threading.main_thread():  # signals go to it only
+                                    inner.start_soon(self._watch_signals)
+                    finally:
+                        helpers_done.set()  # also when the run is cancelled from outside
 
                 tg.start_soon(run_bus)
                 tg.start_soon(run_helpers)
                 try:
                     for _ in range(self.config.nprocs + self.config.spares):
                         self._spawn()
-                    await self._supervise()
-                    self.result.ok = True
+                    with self._supervision:  # ended early by end() and by signals
+                        await self._supervise()
+                    if self._error is not None:
+                        raise self._error
+                    if self._signal:
+                        reason = f"stopped by {self._signal} at step {self.group_step}; the run can be resumed"
+                    else:
+                        self.result.ok = True
                 except Exception as exc:
                     reason = f"{type(exc).__name__}: {exc}"
                     raise
@@ -199,6 +234,11 @@ class Controller(GroupFormer):
                     with anyio.CancelScope(shield=True):
                         await self._stop_all(reason or "run finished")
                         helpers.cancel()
+                        with anyio.move_on_after(5):
+                            await helpers_done.wait()
+                        # Closed before the last refusals are counted: a connection the kernel queued after
+                        # that would be neither served nor counted.
+                        await listener.aclose()
                         await self.server.flush()
                         for service in self._services:
                             await anyio.to_thread.run_sync(service.shutdown)
@@ -223,15 +263,41 @@ class Controller(GroupFormer):
             self.event_log.close()
             if self.config.replica_dir is None:  # ours, in /dev/shm: memory, not storage
                 shutil.rmtree(self.replica_dir, ignore_errors=True)
+            self._write_summary(reason)  # also when the run failed: summary.json then says why
+        return self.result
+
+    def _write_summary(self, reason: str) -> None:
         self.result.step = self.group_step
         self.result.target_steps = self.target_steps
+        self.result.reason = self.result.reason or reason
         digests = {self.result.digests.get(w) for w in self.members}
         if self.result.ok and len(digests) != 1:
             # Replicas must agree bit for bit; if they do not, the run's result cannot be trusted.
             log.error("members %s finished with different states: %s", self.members, self.result.digests)
             self.result.ok, self.result.reason = False, "replicas diverged"
+        if self.result.ok:
+            mark_finished(self.run_dir, self.record.run_id)
         (self.run_dir / "summary.json").write_text(json.dumps(self.result.__dict__, default=str))
-        return self.result
+
+    def end(self, error: ElasticRuntimeError) -> None:
+        """End the run with ``error`` (the first one wins): every worker is stopped, the run fails with it."""
+        if self._error is None:
+            self._error = error
+        self._stopping = True
+        if self._supervision is not None:
+            self._supervision.cancel()
+
+    async def _watch_signals(self) -> None:
+        """SIGTERM (what ``timeout``, systemd and Kubernetes send) and SIGINT drain the run: workers stopped,
+        ``RunFinished`` and ``summary.json`` written, the replica folder in /dev/shm removed."""
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                log.warning("controller: %s at step %d; stopping the workers", name, self.group_step)
+                self._signal = self._signal or name
+                self._stopping = True
+                if self._supervision is not None:
+                    self._supervision.cancel()
 
     async def _supervise(self) -> None:
         await self._form(reason="start", strategy=Strategy.START)
@@ -300,11 +366,13 @@ class Controller(GroupFormer):
         for proc in self.pool:
             if proc.popen.poll() is not None:
                 continue
-            if proc.stream is None:
-                proc.popen.kill()  # still starting: nothing to save, no need to wait for its Hello
+            if proc.stream is None or is_stopped(proc.popen.pid):
+                # Still starting (nothing to save, no need to wait for its Hello), or stopped (SIGSTOP: it
+                # cannot read a Stop): killed, not asked.
+                proc.popen.kill()
             else:
                 await self.server.send(proc, Stop(reason=reason))
-        with anyio.move_on_after(10):
+        with anyio.move_on_after(self.config.drain_timeout_s):
             while self.pool.running():
                 await anyio.sleep(0.05)
         self.pool.kill_all()
@@ -382,7 +450,10 @@ class Controller(GroupFormer):
                     await self._progress(seconds)
             case Joined(generation=gen) if gen == self.group.generation:
                 proc.joined = message
+                await self._skipped(proc, message.skipped)
                 self._wake.set()
+            case Failed(generation=gen) if gen == self.group.generation:
+                await self._failed(proc, message)
             case Finished(generation=gen) if gen == self.group.generation:
                 proc.finished = message
                 self.result.digests[proc.worker] = message.digest
@@ -392,6 +463,34 @@ class Controller(GroupFormer):
                     self._wake.set()
             case _:
                 log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
+
+    async def _skipped(self, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
+        for entry in skipped:
+            path, _, why = entry.partition(": ")
+            if path not in self._skipped_seen:  # every worker reads the same folder: one event per path
+                self._skipped_seen.add(path)
+                log.warning("controller: replica %s not restored: %s", path, why)
+                await self.bus.publish(
+                    ReplicaSkipped(step=self.group_step, source=f"worker-{proc.worker}", path=path, reason=why)
+                )
+
+    async def _failed(self, proc: WorkerProcess, failed: Failed) -> None:
+        """The user's code failed in a worker, or the job cannot run in this mode: the run ends now. Another
+        group would run the same data and program into the same error, so nothing is replaced or retried."""
+        await self.bus.publish(
+            StepFailed(
+                step=failed.step,
+                source=f"worker-{proc.worker}",
+                error_type=failed.error_type,
+                message=failed.message,
+            )
+        )
+        where = f"worker {proc.worker} (pid {proc.popen.pid}, log {self.pool.logs / f'worker-{proc.worker}.log'})"
+        if failed.error_type == JobUnsupported.__name__:
+            self.end(JobUnsupported(f"refused before step 1 by {where}: {failed.message}"))
+            return
+        text = f"step {failed.step} failed in {where}: {failed.error_type}: {failed.message}"
+        self.end(StepError(f"{text}\n{failed.traceback}".rstrip(), step=failed.step))
 
     # --- progress and failures -----------------------------------------------------------------------------
 
@@ -453,6 +552,16 @@ class Controller(GroupFormer):
             self._publish_nowait(
                 self.recovery.fail(reason, failed_step=self.group_step + 1, last_committed_step=self.group_step)
             )
+        if self.recovery.over_budget:
+            # Here, where every failure is counted: one while a group forms ends the run as surely as any.
+            self.end(
+                RecoveryError(
+                    f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures} "
+                    f"(the last: {reason} at step {self.group_step + 1}){self._why(lost)}",
+                    last_committed_step=self.group_step,
+                )
+            )
+            return
         self._request_reason = reason
         self._request_strategy = strategy or self._request_strategy
         self._wake.set()

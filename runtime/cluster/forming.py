@@ -19,10 +19,11 @@ from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Stra
 from runtime.cluster.coordination import free_port, start_coordination_service
 from runtime.cluster.heartbeat import HeartbeatMonitor
 from runtime.cluster.membership import JoinReport, Membership
-from runtime.cluster.processes import ProcessPool, WorkerProcess
+from runtime.cluster.processes import ProcessPool, WorkerProcess, log_tail
 from runtime.cluster.protocol import Form, Restore
 from runtime.cluster.server import WorkerServer
 from runtime.core.bus import EventBus
+from runtime.core.errors import RecoveryError
 from runtime.core.events import Event, GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
 from runtime.core.recovery import RecoveryTracker
 from runtime.testing.process_faults import worker_faults_text
@@ -70,11 +71,35 @@ class GroupFormer:
         raise NotImplementedError
 
     async def _regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
+        """Replace ``lost`` and re-form. Raises RecoveryError when the failure budget is spent or the step
+        the group was running has failed as often as the retry policy allows; a step that failed before is
+        tried again only after the policy's backoff."""
+        committed = self.group.step
         if self.recovery.over_budget:
-            raise LaunchError(f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures}")
+            raise RecoveryError(
+                f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures} "
+                f"(the last: {reason} at step {committed + 1}){self._why(lost)}",
+                last_committed_step=committed,
+            )
+        if self._restored:  # the group was training: its attempt at the next step failed
+            attempt = self.recovery.attempt_failed(committed + 1)
+            wait = self.config.retry(attempt)
+            if wait is None:
+                raise RecoveryError(
+                    f"step {attempt.step} failed {attempt.attempts} times ({reason}); giving up{self._why(lost)}",
+                    last_committed_step=committed,
+                )
+            if wait > 0:
+                log.warning("step %d failed %d times; retrying in %.2f s", attempt.step, attempt.attempts, wait)
+                await anyio.sleep(wait)
         strategy = strategy or self.config.strategy
         self._request_strategy = None
         await self._form(reason=reason, strategy=strategy)
+
+    def _why(self, lost: set[int]) -> str:
+        """What the lost workers' logs say (their tracebacks): the reason a step keeps failing is in there."""
+        logs = [self.pool.logs / f"worker-{w}.log" for w in sorted(lost)]
+        return "".join(f"\nworker log {path}:\n{log_tail(path)}" for path in logs)
 
     async def _form(self, *, reason: str, strategy: Strategy) -> None:
         """Form a new generation of the group; on a member lost meanwhile, form again; falls back to restart."""
@@ -133,9 +158,16 @@ class GroupFormer:
             # until JAX's initialization timeout, so they are replaced too: fall back to restarting.
             log.warning("generation %d did not form (%s); restarting its workers", generation, outcome)
             strategy = Strategy.RESTART
-            if self.recovery.current is None:
+            lost = {w for w in members if self.pool[w].gone}
+            if not lost:  # a stall; a lost member was counted when it was reported
                 step = self.group.step
                 self._publish_nowait(self.recovery.fail(outcome, failed_step=step + 1, last_committed_step=step))
+            if self.recovery.over_budget:  # members that die while forming, again and again, end the run too
+                raise RecoveryError(
+                    f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures} "
+                    f"(the last: {outcome} in generation {generation}){self._why(lost)}",
+                    last_committed_step=self.group.step,
+                )
         await self._restore(members, strategy, coordinator, started)
         # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
         self._top_up_spares()
@@ -193,7 +225,16 @@ class GroupFormer:
             assert joined is not None
             reports.append(JoinReport(joined.best_step, joined.tier))
         plan = self.group.plan_restore(reports)
-        for gap in self.group.restore(plan.step):
+        if 0 <= self.target_steps < plan.step:
+            raise RecoveryError(
+                f"refusing to restore step {plan.step}: past the run's target of {self.target_steps} steps",
+                last_committed_step=self.group.step,
+            )
+        gaps = self.group.restore(plan.step)
+        if strategy == Strategy.START:
+            self.result.resumed_from = plan.step if plan.step > 0 else -1
+            gaps = []  # a resumed run: the controller before this one logged those steps
+        for gap in gaps:
             # Committed by the member(s) restored from before the old group could report them all: the new
             # group continues from them, so they count as the group's committed steps.
             await self.bus.publish(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +23,16 @@ from runtime.cluster.protocol import (
     ENV_LOCAL_DEVICES,
     ENV_REPLICA_DIR,
     ENV_RESULT,
+    ENV_RUN_ID,
     ENV_WORKER,
     Finished,
     Hello,
     Joined,
 )
 
-__all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped"]
+__all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail"]
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -76,6 +81,25 @@ def descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
+def log_tail(path: Path, limit: int = 3000) -> str:
+    """The end of a worker's log that says why it failed: from its last traceback on, else its last lines."""
+    try:
+        text = path.read_bytes()[-64 * 1024 :].decode(errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+    start = text.rfind("Traceback (most recent call last)")
+    tail = text[start:] if start >= 0 else "\n".join(text.strip().splitlines()[-5:])
+    return tail.strip()[-limit:]
+
+
+def _die_with_controller() -> None:
+    """In the child, before exec: SIGKILL when the controller dies, however it dies (``kill -9`` included).
+    A worker that is stopped (SIGSTOP) cannot notice its connection closing; SIGKILL needs no cooperation.
+    Survives exec; the controller spawns from its event loop's thread, whose exit is what triggers it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class ProcessPool:
     """Starts worker processes with the worker environment, one log file each, and tracks them by id.
 
@@ -85,13 +109,15 @@ class ProcessPool:
         replica_dir: the workers' replica folder.
         secret: what the workers prove to the controller; handed over in their environment, which only their
             user can read (``/proc/PID/environ``), unlike the command line.
+        run_id: the run's id, which the workers write into (and require of) every replica.
     """
 
-    def __init__(self, config: LaunchConfig, logs: Path, replica_dir: str, secret: str) -> None:
+    def __init__(self, config: LaunchConfig, logs: Path, replica_dir: str, secret: str, run_id: str = "") -> None:
         self.config = config
         self.secret = secret
         self.logs = logs
         self.replica_dir = replica_dir
+        self.run_id = run_id
         self.controller_address = ""  # host:port, set once the controller listens
         self.procs: dict[int, WorkerProcess] = {}
         self._next_worker = 0
@@ -116,6 +142,7 @@ class ProcessPool:
                 ENV_CONTROLLER: self.controller_address,
                 ENV_WORKER: str(worker),
                 ENV_REPLICA_DIR: self.replica_dir,
+                ENV_RUN_ID: self.run_id,
                 ENV_LOCAL_DEVICES: str(self.config.local_devices),
                 ENV_HEARTBEAT_S: str(self.config.heartbeat_interval_s),
                 ENV_COMPILE_CACHE: str(Path(self.replica_dir) / "xla-cache"),
@@ -126,7 +153,12 @@ class ProcessPool:
             env[ENV_RESULT] = self.config.result_path
         logfile = open(self.logs / f"worker-{worker}.log", "wb")  # noqa: SIM115 - child owns it
         popen = subprocess.Popen(
-            self.config.command, env=env, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True
+            self.config.command,
+            env=env,
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a terminal's Ctrl-C goes to the controller, which stops the workers
+            preexec_fn=_die_with_controller if sys.platform == "linux" else None,
         )
         logfile.close()
         proc = WorkerProcess(worker=worker, popen=popen)

@@ -1,7 +1,8 @@
 """The controller-worker protocol: small tagged msgspec messages, one JSON object a line, over loopback TCP.
 
 Workers say who they are (:class:`Hello`), report progress (:class:`Heartbeat`), say which step they can
-restore (:class:`Joined`) and that they are done (:class:`Finished`). The controller tells them which group to
+restore (:class:`Joined`), that they are done (:class:`Finished`) or that the user's code failed
+(:class:`Failed`). The controller tells them which group to
 form (:class:`Form`), which step to restore from whom (:class:`Restore`) and when to stop (:class:`Stop`).
 The union is declared once and one decoder per direction is reused. Anything that does not decode is
 reported as :class:`MalformedMessage` by the reader, never raised into the controller's loop.
@@ -23,9 +24,11 @@ __all__ = [
     "ENV_LOCAL_DEVICES",
     "ENV_REPLICA_DIR",
     "ENV_RESULT",
+    "ENV_RUN_ID",
     "ENV_STEP_DELAY_S",
     "ENV_WORKER",
     "ControllerMessage",
+    "Failed",
     "Finished",
     "Form",
     "Heartbeat",
@@ -47,6 +50,7 @@ ENV_WORKER = "ELASTIC_WORKER_ID"  # this process's worker id (unique for the run
 ENV_REPLICA_DIR = "ELASTIC_REPLICA_DIR"  # where replica files live (default under /dev/shm)
 ENV_LOCAL_DEVICES = "ELASTIC_LOCAL_DEVICES"  # CPU devices per process
 ENV_RESULT = "ELASTIC_RESULT"  # a folder where process 0 commits the final state (disk tier format), if set
+ENV_RUN_ID = "ELASTIC_RUN_ID"  # the run's id: written into every replica, and only its replicas are restored
 ENV_HEARTBEAT_S = "ELASTIC_HEARTBEAT_S"
 ENV_JAX_HEARTBEAT_S = "ELASTIC_JAX_HEARTBEAT_S"
 ENV_JAX_SHUTDOWN_S = "ELASTIC_JAX_SHUTDOWN_S"
@@ -90,6 +94,7 @@ class Joined(Message, frozen=True, kw_only=True):
     best_step: int
     tier: str  # "ram" (own memory), "shm" (a /dev/shm or disk file), or "none"
     join_s: float  # shutdown + re-initialize of jax.distributed, as the worker measured it
+    skipped: tuple[str, ...] = ()  # replica files it would not restore, each "PATH: why" (another run's)
 
 
 class Finished(Message, frozen=True, kw_only=True):
@@ -99,6 +104,18 @@ class Finished(Message, frozen=True, kw_only=True):
     generation: int
     step: int
     digest: str
+
+
+class Failed(Message, frozen=True, kw_only=True):
+    """The user's code failed in this worker (its data or step raised), or the job is one this mode cannot
+    run (``error_type`` ``JobUnsupported``). Not a lost worker: the run ends, nothing is retried."""
+
+    worker: int
+    generation: int
+    step: int
+    error_type: str
+    message: str
+    traceback: str = ""
 
 
 # --- controller -> worker ---------------------------------------------------------------------------------
@@ -135,7 +152,7 @@ class Stop(Message, frozen=True, kw_only=True):
     reason: str
 
 
-WorkerMessage = Union[Hello, Heartbeat, Joined, Finished]  # noqa: UP007 - msgspec needs a Union object
+WorkerMessage = Union[Hello, Heartbeat, Joined, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
 ControllerMessage = Union[Form, Restore, Warm, Stop]  # noqa: UP007
 
 
@@ -153,10 +170,10 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message) + b"\n"
 
 
-def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Finished:
+def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Finished | Failed:
     """Decode one line a worker sent. Raises MalformedMessage naming what was wrong."""
     try:
-        message: Hello | Heartbeat | Joined | Finished = _from_worker.decode(line)
+        message: Hello | Heartbeat | Joined | Finished | Failed = _from_worker.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
     return message

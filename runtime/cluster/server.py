@@ -145,7 +145,12 @@ class WorkerServer:
             await self.flush(final=False)
 
     async def flush(self, final: bool = True) -> None:
-        """Report every summary still counting (at the end of the run)."""
+        """Report every summary still counting (at the end of the run, after :meth:`serve` was cancelled: the
+        connections it left half-way through the handshake count as refused)."""
+        if final:
+            for host in self._pending.values():
+                await self.note("refused", host, "the run ended before it proved the secret")
+            self._pending.clear()
         for report in self.limiter.due(final):
             await self.on_report(report)
 

@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -45,8 +46,10 @@ from runtime.cluster.protocol import (
     ENV_LOCAL_DEVICES,
     ENV_REPLICA_DIR,
     ENV_RESULT,
+    ENV_RUN_ID,
     ENV_STEP_DELAY_S,
     ENV_WORKER,
+    Failed,
     Finished,
     Form,
     Heartbeat,
@@ -60,12 +63,13 @@ from runtime.cluster.protocol import (
     decode_from_controller,
     encode,
 )
+from runtime.core.classify import is_infrastructure_failure
 from runtime.core.errors import AuthenticationFailed, SnapshotUnavailable
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
 from storage.disk import DiskTier
-from storage.replicas import ReplicaFiles, broadcast_state, host_copy, replica
+from storage.replicas import ReplicaFiles, broadcast_state, host_copy, partly_held, replica, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +155,11 @@ class Worker:
         self.step_time_s: float | None = None
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
         self.template: PyTree = job.init()
+        # Written into every replica, and required of any replica restored: another run's (or job's) files in
+        # the same folder are never taken for ours.
+        run_id = os.environ.get(ENV_RUN_ID, "")
+        self.identity = run_identity(run_id, self.template, steps) if run_id else {}
+        self._skipped: tuple[str, ...] = ()  # replica files the last read would not restore, for Joined
         self.mesh: Any = None
         self.compiled: Any = None
         self.state_shardings: Any = None
@@ -232,6 +241,16 @@ class Worker:
         compiler = StepCompiler(self.job, self.template, self.job.data.batch(0))
         self.state_shardings = compiler.state_shardings(self.mesh)
         self.batch_shardings = compiler.batch_shardings(self.mesh)
+        partial = partly_held(self.template, self.state_shardings)
+        if partial:
+            # host_copy would fail after step 1 in every worker, and every replacement would fail the same way.
+            names = ", ".join(partial[:3]) + (f" and {len(partial) - 3} more" if len(partial) > 3 else "")
+            message = (
+                f"the state is sharded across processes: {names} use the 'data' axis, which spans processes; "
+                "multi-process mode needs every process to hold the whole state: shard it over 'model' only"
+            )
+            self._report_failure("JobUnsupported", message, "", step=self.step)
+            return
         self.compiled = compiler.get(self.mesh)
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
@@ -252,6 +271,7 @@ class Worker:
                 best_step=best,
                 tier=tier,
                 join_s=time.monotonic() - started,
+                skipped=self._skipped,
             )
         )
 
@@ -283,9 +303,12 @@ class Worker:
         if not read_files:  # a spare joining survivors: it takes the state from them, files are slower
             return 0, "none"
         try:
-            self.ram = self.replicas.newest(self.template)  # a restarted worker: the files survived us
+            # A restarted worker, or a resumed run: the files survived us.
+            self.ram = self.replicas.newest(self.template, self.identity, max_step=self.target_steps)
         except SnapshotUnavailable:
             return 0, "none"
+        finally:
+            self._skipped = tuple(self.replicas.skipped)
         return self.ram.step, "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
 
     def _restore(self, restore: Restore) -> tuple[PyTree, float]:
@@ -306,7 +329,7 @@ class Worker:
             tree, position = payload["tree"], int(payload["position"])
         self.state = self._place(tree, self.state_shardings)
         self.step = restore.step
-        self.ram = replica(restore.step, position if restore.source >= 0 else 0, tree)
+        self.ram = replica(restore.step, position if restore.source >= 0 else 0, tree, self.identity)
         jax.block_until_ready(self.state)
         self._heartbeat()
         return self.state, 0.0
@@ -337,7 +360,7 @@ class Worker:
                 if not self._defer(message):
                     return message
             future = self._pool.submit(self._run_step, self.state, position, self.step + 1)
-            outcome = self._await(future)
+            outcome = self._await(future, users_code=True)
             if isinstance(outcome, Message):
                 return outcome
             if outcome is None:  # the step raised: not committed; wait for the controller to re-form
@@ -345,14 +368,17 @@ class Worker:
             new_state, seconds = outcome
             self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
             position += 1
-            self.ram = replica(self.step, position, host_copy(new_state))
+            self.ram = replica(self.step, position, host_copy(new_state), self.identity)
             self.replicas.save(self.ram)
             self._heartbeat()
         self._finish(target)
         return None
 
-    def _await(self, future: Future[tuple[PyTree, float]]) -> tuple[PyTree, float] | Inbound | None:
-        """The step's result; a controller message if one came while the step hung; None if the step raised."""
+    def _await(
+        self, future: Future[tuple[PyTree, float]], *, users_code: bool = False
+    ) -> tuple[PyTree, float] | Inbound | None:
+        """The step's result; a controller message if one came while the step hung; None if the step raised.
+        ``users_code``: the future runs the user's data and step, whose own errors end the run."""
         while True:
             try:
                 return future.result(timeout=0.02)
@@ -360,7 +386,12 @@ class Worker:
                 if self.link.inbox.empty() or self._defer_head():
                     continue
             except Exception as exc:
-                log.error("step %d failed: %s: %s; waiting for the group to re-form", self.step + 1, type(exc), exc)
+                if users_code and _is_users_error(exc):
+                    # The same data and program would fail again in any group: the run ends, not this worker.
+                    log.exception("step %d failed in the user's code; reporting it to the controller", self.step + 1)
+                    self._report_failure(type(exc).__name__, str(exc), traceback.format_exc(), step=self.step + 1)
+                else:
+                    log.error("step %d failed: %s: %s; waiting for the group to re-form", self.step + 1, type(exc), exc)
                 return None
             try:
                 return future.result(timeout=_ABANDON_GRACE_S)
@@ -372,6 +403,18 @@ class Worker:
                 return self.link.inbox.get()
             except Exception:
                 return self.link.inbox.get()
+
+    def _report_failure(self, error_type: str, message: str, trace: str, *, step: int) -> None:
+        """Tell the controller the run cannot go on; it stops every worker (this one waits for its Stop)."""
+        failed = Failed(
+            worker=self.worker,
+            generation=self.generation,
+            step=step,
+            error_type=error_type,
+            message=message,
+            traceback=trace[-4000:],  # the end of a traceback names the failing line
+        )
+        self.link.send(failed)
 
     def _defer(self, message: Inbound) -> bool:
         """Keep a planned Form (``at_step`` ahead) for its step boundary; True if ``message`` was kept."""
@@ -409,6 +452,14 @@ class Worker:
         if result and self.process_id == 0:  # in the disk tier's format: verified, and plain Orbax reads it
             DiskTier(result, name="result", check_space=False).save(self.ram, timeout=600.0)
         self.link.send(Finished(worker=self.worker, generation=self.generation, step=target, digest=digest))
+
+
+def _is_users_error(exc: BaseException) -> bool:
+    """An error of the user's data or step, not of the group. Any JAX runtime error is taken for the group's:
+    a collective whose peer died may raise one (rather than hang), and that is recovered by re-forming."""
+    from jax.errors import JaxRuntimeError
+
+    return not isinstance(exc, JaxRuntimeError) and not is_infrastructure_failure(exc)
 
 
 def _join_group(form: Form) -> None:

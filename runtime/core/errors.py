@@ -11,6 +11,11 @@ class ConfigError(ElasticRuntimeError, ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
 
 
+class JobUnsupported(ElasticRuntimeError):
+    """The job cannot run in the mode it was started in (in multi-process mode: a state sharded across
+    processes, which no single process could save or restore whole). Raised before the first step."""
+
+
 class MeshUnavailable(ElasticRuntimeError):
     """The mesh policy cannot build a mesh from the devices that are healthy now."""
 

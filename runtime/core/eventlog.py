@@ -45,6 +45,7 @@ class EventLog:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_line(self.path)
         self._file: IO[bytes] | None = self.path.open("ab")
 
     def append(self, event: Event) -> None:
@@ -60,6 +61,24 @@ class EventLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _drop_torn_line(path: Path) -> None:
+    """A process killed mid-write (a controller's ``kill -9``) can leave half a line at the end of its log;
+    a resumed run appends to the same log, so that half line goes, or it would sit mid-file, unreadable."""
+    try:
+        with path.open("r+b") as file:
+            size = file.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            file.seek(max(0, size - (1 << 20)))
+            tail = file.read()
+            if tail.endswith(b"\n"):
+                return
+            cut = tail.rfind(b"\n")
+            file.truncate(size - len(tail) + cut + 1 if cut >= 0 else max(0, size - len(tail)))
+    except FileNotFoundError:
+        return
 
 
 def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:

@@ -42,6 +42,7 @@ __all__ = [
     "RecoveryCompleted",
     "RecoveryFailed",
     "RecoveryStarted",
+    "ReplicaSkipped",
     "RunFinished",
     "RunStarted",
     "SaveCheckpoint",
@@ -300,6 +301,14 @@ class CheckpointSkipped(Event, frozen=True, kw_only=True):
     """A save to ``tier`` was skipped (e.g. the previous one is still running); ``reason`` says why."""
 
     tier: str
+    reason: str
+
+
+class ReplicaSkipped(Event, frozen=True, kw_only=True):
+    """A replica at ``path`` was not restored: ``reason`` says why (another run's or another job's files,
+    or a step past the run's target). Published once per path."""
+
+    path: str
     reason: str
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.core.events import RecoveryCompleted, RecoveryStarted
+from runtime.core.retry import RetryState
 
 __all__ = ["Recovery", "RecoveryTracker"]
 
@@ -47,6 +48,7 @@ class RecoveryTracker:
         self.clock = clock
         self.failures = 0
         self.current: Recovery | None = None
+        self.step_attempts: dict[int, int] = {}  # step -> failed attempts at getting past it
 
     @property
     def over_budget(self) -> bool:
@@ -66,6 +68,12 @@ class RecoveryTracker:
         return RecoveryStarted(
             step=failed_step, source=self.source, cause=cause, last_committed_step=last_committed_step
         )
+
+    def attempt_failed(self, step: int) -> RetryState:
+        """An attempt at getting past ``step`` failed (one per re-forming, not per lost member): the state a
+        retry policy (:mod:`runtime.core.retry`) decides on."""
+        self.step_attempts[step] = self.step_attempts.get(step, 0) + 1
+        return RetryState(step=step, attempts=self.step_attempts[step], failures=self.failures)
 
     def restored(self, step: int, *, restored_from: str, lost_steps: int, strategy: str = "") -> None:
         """The state of ``step`` is in place: the first commit after it ends the recovery."""

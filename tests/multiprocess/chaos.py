@@ -6,16 +6,23 @@ deadlocks a worker's step, or has a local process without the run's secret try t
 impostor ``Hello``, a forged ``Heartbeat(step=600)`` and ``Finished`` for every id, with a kill on top; or
 300 idle connections and a flood of malformed lines), and checks the final state against a fault-free run
 (bitwise: every recovery keeps the full world size), the event log for lost committed steps, and that the
-attacker was only ever sent the handshake's challenge.
+attacker was only ever sent the handshake's challenge. Three cases act on the controller or on the job: a
+crash that repeats at the same step in every attempt (the run must end within the retry budget with the
+worker's error), ``kill -9`` of the controller then ``launch --resume`` (bitwise again, no worker left
+behind), and SIGTERM to the controller (``RunFinished``, ``summary.json``, no /dev/shm folder, no process
+left).
 
-    .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1]
+    .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1] [--cases resume,sigterm,repeat]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -26,9 +33,12 @@ import jax
 import numpy as np
 from attacker import run_under_attack
 
-from runtime.cli.demo_multiprocess import group_controller, run_group
+from runtime.cli.demo_multiprocess import group_controller, run_group, worker_command
+from runtime.cluster.runfolder import default_replica_dir
+from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
-from runtime.core.events import StateRestored, StepCompleted
+from runtime.core.events import RunFinished, StateRestored, StepCompleted
+from runtime.testing import launched
 from runtime.testing.grammar import Fault
 from storage.disk import DiskTier
 
@@ -36,13 +46,32 @@ NPROCS = 3
 STEPS = 40
 
 
-def plan(rng: random.Random) -> dict[str, Any]:
-    kind = rng.choice(
-        ["kill", "kill", "stop", "two", "during-recovery", "midstep", "replica", "hang", "impostor", "flood"]
-    )
+# Cases that act on the controller or the job rather than on one worker: run by ``controller_round``.
+CONTROLLER_CASES = ("repeat", "resume", "sigterm")
+
+
+CASES = (
+    "kill",
+    "kill",
+    "stop",
+    "two",
+    "during-recovery",
+    "midstep",
+    "replica",
+    "hang",
+    "impostor",
+    "flood",
+    *CONTROLLER_CASES,
+)
+
+
+def plan(rng: random.Random, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
+    kind = rng.choice(cases)
     step = rng.randrange(3, STEPS - 8)
     pid = rng.randrange(NPROCS)
     match kind:
+        case "repeat" | "resume" | "sigterm":
+            return {"case": kind, "step": step}
         case "kill":
             return {"faults": [Fault("kill", pid, step=step)]}
         case "stop":
@@ -66,6 +95,47 @@ def plan(rng: random.Random) -> dict[str, Any]:
             return {"faults": [], "attack": "flood"}
         case _:
             return {"faults": [Fault("die-writing-replica", pid, step=step)]}
+
+
+def controller_round(case: str, step: int, run_dir: Path, reference: Path) -> list[str]:
+    """One of ``CONTROLLER_CASES`` at ``step``; returns what went wrong."""
+    if case == "repeat":
+        script = Path(__file__).with_name("faulty_train.py")
+        command = [sys.executable, str(script), "--steps", str(STEPS), "--crash-at", str(step)]
+        try:
+            run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, faults=[], command=command)
+        except RecoveryError as exc:
+            wanted = (f"step {step} failed 3 times", "corrupt record")
+            return [f"RecoveryError without {w!r}: {exc}" for w in wanted if w not in str(exc)]
+        return ["a crash repeating at every attempt did not end the run"]
+    controller = launched.launch(run_dir, worker_command(STEPS), nprocs=NPROCS, step_delay_s=0.1)
+    launched.wait_for_step(run_dir, controller, step)
+    pids = launched.worker_pids(run_dir)
+    problems: list[str] = []
+    if case == "sigterm":
+        controller.send_signal(signal.SIGTERM)
+        controller.communicate(timeout=120)
+        last = read_events(run_dir / "events.jsonl")[-1]
+        if not (isinstance(last, RunFinished) and "SIGTERM" in last.reason):
+            problems.append(f"last event {last!r}")
+        if json.loads((run_dir / "summary.json").read_text())["ok"] is not False:
+            problems.append("summary.json says ok")
+    else:  # resume
+        os.kill(pids[step % len(pids)], signal.SIGSTOP)  # a stopped worker must not outlive its controller
+        controller.kill()
+        controller.communicate()
+        problems += [f"worker {pid} outlived its controller" for pid in launched.wait_until_gone(pids)]
+        again = launched.launch(run_dir, worker_command(STEPS), "--resume", nprocs=NPROCS)
+        output, _ = again.communicate(timeout=300)
+        result = json.loads(output.decode().strip().splitlines()[-1]) if again.returncode == 0 else {}
+        if not result.get("ok") or result.get("resumed_from", -1) < step - 1:
+            problems.append(f"resume: {result or output.decode()[-500:]}")
+        else:
+            problems += check(run_dir, reference)
+    if Path(default_replica_dir(run_dir)).exists():
+        problems.append("the /dev/shm replica folder was left behind")
+    problems += [f"process {pid} left behind" for pid in launched.wait_until_gone(launched.worker_pids(run_dir))]
+    return problems
 
 
 def check(run_dir: Path, reference: Path) -> list[str]:
@@ -102,7 +172,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=int(time.time()))
+    parser.add_argument("--cases", default=",".join(dict.fromkeys(CASES)), help="comma-separated cases to draw from")
     args = parser.parse_args()
+    cases = tuple(args.cases.split(","))
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="chaos-mp-"))
     print(f"chaos: {args.rounds} rounds, seed {args.seed}", flush=True)
@@ -111,13 +183,17 @@ def main() -> int:
         reference = run_group(processes=NPROCS, steps=STEPS, run_dir=root / "reference", faults=[])
         assert reference.ok
         for i in range(args.rounds):
-            spec = plan(rng)
+            spec = plan(rng, cases)
             run_dir = root / f"round-{i}"
             started = time.monotonic()
             try:
-                result, problems = run_round(run_dir, dict(spec))
-                problems += [] if result.ok else [f"run failed: {result.reason}"]
-                problems += check(run_dir, root / "reference" / "final")
+                if "case" in spec:
+                    result = None
+                    problems = controller_round(spec["case"], spec["step"], run_dir, root / "reference" / "final")
+                else:
+                    result, problems = run_round(run_dir, dict(spec))
+                    problems += [] if result.ok else [f"run failed: {result.reason}"]
+                    problems += check(run_dir, root / "reference" / "final")
             except Exception as exc:
                 problems = [f"{type(exc).__name__}: {exc}"]
                 result = None

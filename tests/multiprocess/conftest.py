@@ -5,12 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from launch_support import NPROCS, STEPS
 
 from runtime.cli.demo_multiprocess import run_group
-
-# The runs compared with it must use the same: 3 worker processes x 2 CPU devices, 30 steps of the demo model.
-STEPS = 30
-NPROCS = 3
 
 
 @pytest.fixture(scope="session")

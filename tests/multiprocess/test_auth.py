@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 from attacker import Attacker, run_under_attack
-from conftest import NPROCS, STEPS
+from launch_support import NPROCS, STEPS
 
 from runtime.cli.demo_multiprocess import group_controller
 from runtime.cluster import auth

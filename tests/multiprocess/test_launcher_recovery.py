@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
 
 from runtime.cli.demo_multiprocess import run_group
 from runtime.core.eventlog import read_events
@@ -28,9 +29,6 @@ from runtime.core.events import (
 )
 from runtime.testing.grammar import Fault, parse_faults
 from storage.disk import DiskTier
-
-STEPS = 30  # as the fault-free `reference` run (conftest.py) has
-NPROCS = 3
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import pytest
 from gcs_support import small_state
 
 from runtime.core.errors import SnapshotUnavailable
-from storage.replicas import ReplicaFiles, replica
+from storage.replicas import ReplicaFiles, job_fingerprint, replica, run_identity
 
 
 def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> None:
@@ -22,6 +22,7 @@ def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> N
         theirs.wait()
         assert [i.step for i in mine.tier.list(timeout=10)] == [3, 2]  # two kept per process
         newest = mine.newest(small_state(0))
+        assert mine.skipped == []
         assert (newest.step, newest.data_position) == (4, 40)
         np.testing.assert_array_equal(newest.tree["params"]["w"], small_state(4)["params"]["w"])
         # A damaged replica is detected by its CRC32C and the next newest is read instead.
@@ -53,3 +54,29 @@ def test_a_write_cut_off_before_its_commit_stays_invisible(tmp_path: Path) -> No
         assert files.newest(small_state(0)).step == 1
     finally:
         files.close()
+
+
+def test_a_replica_of_another_run_or_job_or_past_the_target_is_skipped_and_named(tmp_path: Path) -> None:
+    ours, theirs = run_identity("run-a", small_state(0), 100), run_identity("run-b", small_state(0), 100)
+    assert job_fingerprint(small_state(0), 100) != job_fingerprint(small_state(0), 300)  # the target counts
+    assert job_fingerprint(small_state(0), 100) != job_fingerprint({"w": np.zeros(3, np.float32)}, 100)
+    mine, other = ReplicaFiles(tmp_path, "worker-0"), ReplicaFiles(tmp_path, "worker-1")
+    try:
+        mine.save(replica(2, 20, small_state(2), ours))
+        mine.wait()
+        other.save(replica(9, 90, small_state(9), theirs))  # newer, but another run's
+        other.wait()
+        newest = mine.newest(small_state(0), ours)
+        assert newest.step == 2 and newest.metadata == ours
+        [why] = mine.skipped
+        assert "worker-1" in why and "another run's replica" in why and "run-b" in why
+        # A step past the target is refused too, even of this run.
+        with pytest.raises(SnapshotUnavailable, match="past the target step 1"):
+            mine.newest(small_state(0), ours, max_step=1)
+        # Same run id, other job (a changed script resumed into the same folder): skipped as well.
+        changed = run_identity("run-a", small_state(0), 300)
+        with pytest.raises(SnapshotUnavailable, match="another job's replica"):
+            mine.newest(small_state(0), changed)
+    finally:
+        mine.close()
+        other.close()

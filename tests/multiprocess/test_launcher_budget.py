@@ -1,0 +1,191 @@
+"""A run that cannot go on ends, and says why; a run that was cut off goes on. Real worker processes, real
+signals, no mocks.
+
+- an error in the user's data ends the run at once (StepError), with the worker's traceback;
+- a crash at the same step in every attempt ends within the retry budget (RecoveryError), backing off;
+- a state sharded across processes is refused before step 1 (JobUnsupported);
+- a replica folder holding another run's files is skipped with an event, never restored;
+- ``kill -9`` of the controller (with a SIGSTOPped worker), then ``launch --resume``: no worker left behind,
+  the run continues from the newest replicated step, and ends bitwise equal to a fault-free run;
+- SIGTERM to the controller: ``RunFinished``, ``summary.json``, no /dev/shm folder, no process left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+from runtime.cli.demo_multiprocess import run_group, worker_command
+from runtime.cluster.runfolder import default_replica_dir
+from runtime.core.errors import JobUnsupported, RecoveryError, StepError
+from runtime.core.eventlog import read_events
+from runtime.core.events import (
+    GroupFormed,
+    ReplicaSkipped,
+    RunFinished,
+    StepCompleted,
+    StepFailed,
+    WorkerHung,
+)
+from runtime.testing import launched
+from runtime.testing.grammar import parse_faults
+from runtime.testing.launched import alive, events_so_far, wait_for_step, wait_until_gone, worker_pids
+from storage.disk import DiskTier
+
+STEPS = 30
+NPROCS = 2
+SCRIPT = Path(__file__).with_name("faulty_train.py")
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fault-free run; its replica folder is kept (an explicit one is not removed) for the skip test."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, faults=[], replica_dir=str(run_dir / "replicas"))
+    assert result.ok and result.step == STEPS
+    return run_dir
+
+
+def leaves(folder: Path) -> list[np.ndarray]:
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(DiskTier(folder).latest(None).tree)]
+
+
+def assert_bitwise_equal(got: Path, want: Path) -> None:
+    for i, (a, b) in enumerate(zip(leaves(got), leaves(want), strict=True)):
+        assert np.array_equal(a, b), f"leaf {i} differs from the fault-free run"
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    return data
+
+
+def faulty(tmp_path: Path, *flags: str, **extra: Any) -> Any:
+    command = [sys.executable, str(SCRIPT), "--steps", str(STEPS), *flags]
+    return run_group(processes=NPROCS, steps=STEPS, run_dir=tmp_path, faults=[], command=command, **extra)
+
+
+def test_an_error_in_the_users_data_ends_the_run_at_once(tmp_path: Path) -> None:
+    with pytest.raises(StepError, match="step 12 failed in worker") as caught:
+        faulty(tmp_path, "--raise-at", "12")
+    assert caught.value.step == 12
+    message = str(caught.value)
+    assert "ValueError: corrupt record at data position 11" in message and "Traceback" in message
+    events = read_events(tmp_path / "events.jsonl")
+    assert any(isinstance(e, StepFailed) and e.step == 12 for e in events)
+    assert not any(isinstance(e, WorkerHung) for e in events)  # reported, not waited out as a hang
+    assert [e.generation for e in events if isinstance(e, GroupFormed)] == [1]  # nothing re-formed
+    [finished] = [e for e in events if isinstance(e, RunFinished)]
+    assert not finished.ok and "StepError" in finished.reason
+    got = summary(tmp_path)
+    assert got["ok"] is False and "corrupt record" in got["reason"]
+
+
+def test_a_crash_at_the_same_step_every_attempt_ends_within_the_budget(tmp_path: Path) -> None:
+    # Every worker's process dies at step 12, in every group: re-forming cannot fix it. The step is tried
+    # again at once, then after 0.5 s, and the third failure ends the run with the workers' own traceback.
+    with pytest.raises(RecoveryError, match="step 12 failed 3 times") as caught:
+        faulty(tmp_path, "--crash-at", "12")
+    message = str(caught.value)
+    assert "ValueError: corrupt record at data position 11" in message and "worker log" in message
+    assert caught.value.last_committed_step == 11
+    events = read_events(tmp_path / "events.jsonl")
+    assert len([e for e in events if isinstance(e, GroupFormed)]) == 3  # the start and two retries
+    got = summary(tmp_path)
+    assert got["ok"] is False and "step 12 failed 3 times" in got["reason"]
+
+
+def test_a_failure_during_a_recovery_counts_against_the_budget(tmp_path: Path) -> None:
+    # Two failures: a kill at step 5, and a second kill while the group re-forms. With a budget of one, the
+    # second ends the run, although no step failed twice and the first recovery had not ended.
+    with pytest.raises(RecoveryError, match="2 failures exceed max_failures=1"):
+        run_group(
+            processes=NPROCS,
+            steps=STEPS,
+            run_dir=tmp_path,
+            faults=parse_faults("kill:1@5,kill:0@forming"),
+            max_failures=1,
+        )
+    assert summary(tmp_path)["ok"] is False
+
+
+def test_a_state_sharded_across_processes_is_refused_before_step_1(tmp_path: Path) -> None:
+    with pytest.raises(JobUnsupported, match="sharded across processes") as caught:
+        faulty(tmp_path, "--sharded")
+    assert "before step 1" in str(caught.value) and "'model'" in str(caught.value)
+    events = read_events(tmp_path / "events.jsonl")
+    assert not any(isinstance(e, StepCompleted) for e in events)
+    assert summary(tmp_path)["ok"] is False
+
+
+def test_a_replica_folder_of_another_run_is_skipped_and_never_restored(tmp_path: Path, reference: Path) -> None:
+    # The reference run left its replicas of steps 29 and 30 in this folder; this run is another run.
+    shared = reference / "replicas"
+    assert any(shared.rglob("manifest.json"))
+    result = run_group(processes=NPROCS, steps=STEPS, run_dir=tmp_path, faults=[], replica_dir=str(shared))
+    assert result.ok and result.step == STEPS and result.resumed_from == -1
+    events = read_events(tmp_path / "events.jsonl")
+    skipped = [e for e in events if isinstance(e, ReplicaSkipped)]
+    assert skipped and all("another run's replica" in e.reason for e in skipped)
+    assert len({e.path for e in skipped}) == len(skipped)  # one event per replica, however many workers read it
+    [formed] = [e for e in events if isinstance(e, GroupFormed)]
+    assert formed.restore_step == 0
+    assert len({e.step for e in events if isinstance(e, StepCompleted)}) == STEPS  # every step trained here
+    assert_bitwise_equal(tmp_path / "final", reference / "final")
+
+
+def launch(run_dir: Path, *extra: str, step_delay_s: float = 0.0) -> subprocess.Popen[bytes]:
+    return launched.launch(run_dir, worker_command(STEPS), *extra, nprocs=NPROCS, step_delay_s=step_delay_s)
+
+
+def test_kill_9_of_the_controller_then_resume_continues_bitwise(tmp_path: Path, reference: Path) -> None:
+    controller = launch(tmp_path, step_delay_s=0.15)
+    wait_for_step(tmp_path, controller, 10)
+    pids = worker_pids(tmp_path)
+    os.kill(pids[0], signal.SIGSTOP)  # stopped: it cannot notice its controller go
+    controller.kill()
+    controller.communicate()
+    assert wait_until_gone(pids) == []  # every worker dies with its controller, the stopped one too
+    committed = max(e.step or 0 for e in events_so_far(tmp_path) if isinstance(e, StepCompleted))
+    assert Path(default_replica_dir(tmp_path)).is_dir()  # the replicas survived the controller
+    again = launch(tmp_path, "--resume")
+    output, _ = again.communicate(timeout=150)
+    assert again.returncode == 0, output.decode()
+    result = json.loads(output.decode().strip().splitlines()[-1])
+    assert result["ok"] and result["step"] == STEPS
+    # From the newest replicated step: at most the replica still being written when the controller died.
+    assert committed - 1 <= result["resumed_from"] <= committed + 1, (committed, result["resumed_from"])
+    assert_bitwise_equal(tmp_path / "final", reference / "final")
+    assert not Path(default_replica_dir(tmp_path)).exists()
+    # The log of both controllers reads back whole, and the second continued where the first stopped.
+    steps = [e.step for e in read_events(tmp_path / "events.jsonl") if isinstance(e, StepCompleted)]
+    assert max(steps) == STEPS and set(steps) == set(range(1, STEPS + 1))
+
+
+def test_sigterm_drains_the_run(tmp_path: Path) -> None:
+    controller = launch(tmp_path, step_delay_s=0.15)
+    wait_for_step(tmp_path, controller, 5)
+    pids = worker_pids(tmp_path)
+    controller.send_signal(signal.SIGTERM)
+    output, _ = controller.communicate(timeout=60)
+    assert controller.returncode == 1, output.decode()
+    events = read_events(tmp_path / "events.jsonl")
+    finished = events[-1]
+    assert isinstance(finished, RunFinished) and not finished.ok and "SIGTERM" in finished.reason
+    got = summary(tmp_path)
+    assert got["ok"] is False and "SIGTERM" in got["reason"] and got["step"] >= 5
+    assert not Path(default_replica_dir(tmp_path)).exists()
+    assert not [pid for pid in pids if alive(pid)]
+    # An unfinished run: the same folder resumes it (here from step 0: the /dev/shm replicas went with it).
+    assert json.loads((tmp_path / "run.json").read_text())["finished"] is False

@@ -1,0 +1,30 @@
+"""The run folder names the run: an unfinished run is continued, a finished one is followed by a new run,
+and the default replica folder follows the run folder, not the process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
+
+
+def test_an_unfinished_run_is_continued_and_a_finished_one_is_not(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nothing to resume"):
+        open_run(tmp_path, resume=True)
+    first = open_run(tmp_path, resume=False)
+    assert not first.resumed
+    again = open_run(tmp_path, resume=True)  # a controller killed before the end: the same run goes on
+    assert again.resumed and again.run_id == first.run_id
+    assert open_run(tmp_path, resume=False).run_id == first.run_id
+    mark_finished(tmp_path, first.run_id)
+    with pytest.raises(ValueError, match="its run finished"):
+        open_run(tmp_path, resume=True)
+    assert open_run(tmp_path, resume=False).run_id != first.run_id
+
+
+def test_the_default_replica_folder_follows_the_run_folder(tmp_path: Path) -> None:
+    assert default_replica_dir(tmp_path / "a") == default_replica_dir(tmp_path / "x" / ".." / "a")
+    assert default_replica_dir(tmp_path / "a") != default_replica_dir(tmp_path / "b")
+    assert default_replica_dir(tmp_path / "a").startswith("/dev/shm/elastic-runtime-")
