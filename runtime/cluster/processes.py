@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -31,8 +30,6 @@ from runtime.cluster.protocol import (
 )
 
 __all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail"]
-
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -92,12 +89,11 @@ def log_tail(path: Path, limit: int = 3000) -> str:
     return tail.strip()[-limit:]
 
 
-def _die_with_controller() -> None:
-    """In the child, before exec: SIGKILL when the controller dies, however it dies (``kill -9`` included).
-    A worker that is stopped (SIGSTOP) cannot notice its connection closing; SIGKILL needs no cooperation.
-    Survives exec; the controller spawns from its event loop's thread, whose exit is what triggers it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def dying_with_controller(command: list[str]) -> list[str]:
+    """``command`` wrapped so that it is killed when the controller dies (:mod:`runtime.cluster.deathsig`)."""
+    if sys.platform != "linux":
+        return command
+    return [sys.executable, "-S", str(Path(__file__).with_name("deathsig.py")), str(os.getpid()), *command]
 
 
 class ProcessPool:
@@ -153,12 +149,11 @@ class ProcessPool:
             env[ENV_RESULT] = self.config.result_path
         logfile = open(self.logs / f"worker-{worker}.log", "wb")  # noqa: SIM115 - child owns it
         popen = subprocess.Popen(
-            self.config.command,
+            dying_with_controller(list(self.config.command)),
             env=env,
             stdout=logfile,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a terminal's Ctrl-C goes to the controller, which stops the workers
-            preexec_fn=_die_with_controller if sys.platform == "linux" else None,
         )
         logfile.close()
         proc = WorkerProcess(worker=worker, popen=popen)
