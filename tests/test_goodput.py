@@ -15,6 +15,7 @@ from runtime.analysis.goodput import (
     WASTED_PROGRESS_FROM_DISRUPTION,
     goodput,
 )
+from runtime.cli.report import timeline_clock
 from runtime.core.eventlog import EventLog, encode_event
 from runtime.core.events import (
     CheckpointCommitted,
@@ -253,3 +254,10 @@ def test_a_killed_and_resumed_run_counts_the_restart_as_a_disruption() -> None:
     (restart,) = report.failures
     assert (restart.kind, restart.step, restart.lost_steps, restart.restored_from) == ("ProcessRestart", 5, 2, "gcs")
     assert restart.recovery_s == pytest.approx(111.0 - 104.0) and restart.wasted_s == pytest.approx(1.0)
+
+
+def test_the_timeline_places_each_attempt_by_wall_time_and_counts_within_it_by_its_own_clock() -> None:
+    events = killed_and_resumed_run()
+    t = timeline_clock(events)
+    assert [round(t(e), 6) for e in events if isinstance(e, StepCompleted)] == [1, 2, 3, 4, 11, 12, 13, 14]
+    assert t(events[-1]) == pytest.approx(14.5)  # mono times 500 s apart between the processes: ignored

@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.analysis.goodput import GoodputReport, goodput
+from runtime.analysis.goodput import GoodputReport, attempts, goodput
 from runtime.core.errors import EventLogError
 from runtime.core.eventlog import read_events
 from runtime.core.events import (
@@ -103,7 +103,7 @@ def plot_timeline(events: Sequence[Event], report: GoodputReport, out: Path) -> 
     import matplotlib.pyplot as plt
 
     start = next(e for e in events if isinstance(e, RunStarted))
-    t = lambda e: e.mono_time - start.mono_time  # noqa: E731 - a tiny local conversion
+    t = timeline_clock(events)
     fig, (ax, mesh_ax) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, height_ratios=[3, 1])
     commits = [e for e in events if isinstance(e, StepCompleted)]
     ax.plot(
@@ -136,6 +136,28 @@ def plot_timeline(events: Sequence[Event], report: GoodputReport, out: Path) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def timeline_clock(events: Sequence[Event]) -> Callable[[Event], float]:
+    """Seconds since the run's first start, for any event of any attempt.
+
+    Within an attempt the monotonic clock counts (the wall clock may be stepped); attempts are placed by their
+    starts' wall times, since each attempt is another process, possibly after a reboot or on another host,
+    whose monotonic clock has another origin.
+    """
+    parts = attempts(events)
+    first = next(e for e in parts[0] if isinstance(e, RunStarted))
+    origin: dict[int, tuple[float, float]] = {}  # id(event) -> (its attempt's start mono time, that start's offset)
+    for part in parts:
+        started = next(e for e in part if isinstance(e, RunStarted))
+        for event in part:
+            origin[id(event)] = (started.mono_time, started.wall_time - first.wall_time)
+
+    def seconds(event: Event) -> float:
+        mono, offset = origin[id(event)]
+        return offset + event.mono_time - mono
+
+    return seconds
 
 
 def _size(shape: dict[str, int]) -> int:
