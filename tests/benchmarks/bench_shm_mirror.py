@@ -1,9 +1,15 @@
-"""The ``/dev/shm`` mirror: one save of the flax example's state (91 arrays) in the packed layout the mirror
-writes (one file, no fsync) against Orbax's layout as the disk tier writes it (two files and a directory
-per array, fsynced), both through ``DiskTier.save`` into ``/dev/shm``, alternating, on an idle machine and
-while the example's training step runs back to back in another thread (a busy host, as during training).
+"""The ``/dev/shm`` mirror (``RuntimeConfig.ram_dir``) in the packed layout it writes (one file, no fsync)
+against Orbax's layout as the disk tier writes it (two files and a directory per array, fsynced), with the
+flax example's state (91 arrays, 5.4 MB):
 
-    .venv/bin/python tests/benchmarks/bench_shm_mirror.py [--repeats 20] [--json]
+- one save through ``DiskTier.save`` into ``/dev/shm``, alternating, on an idle machine and while the
+  example's training step runs back to back in another thread;
+- in a run: the example trains ``--steps`` steps with the mirror on, once per layout (the Orbax layout is
+  the mirror as it was before the packed one), and the figures are the mirrored snapshots committed and
+  skipped (a snapshot that comes due while the mirror still writes the previous one is skipped) and how far
+  the newest mirrored step trailed each committed step (what a process crash would lose).
+
+    .venv/bin/python tests/benchmarks/bench_shm_mirror.py [--repeats 20] [--steps 60] [--json]
 """
 
 from __future__ import annotations
@@ -60,9 +66,50 @@ def measure(tiers: dict[str, DiskTier], tree: Any, repeats: int) -> dict[str, li
     return seconds
 
 
+def in_a_run(job: Any, steps: int, *, packed: bool) -> dict[str, float]:
+    """Train with the mirror on; the mirror's tier in the layout asked for."""
+    import storage.cascade
+    from runtime import (
+        CheckpointCommitted,
+        CheckpointSkipped,
+        ElasticRuntime,
+        MeshPolicy,
+        RuntimeConfig,
+        StepCompleted,
+        read_events,
+    )
+
+    def mirror_tier(root: str, *, name: str, **_: Any) -> DiskTier:
+        return DiskTier(root, name=name, packed=packed, sync=not packed)
+
+    real = storage.cascade.DiskTier
+    storage.cascade.DiskTier = mirror_tier  # type: ignore[assignment, misc]  # the one tier built with ram_dir
+    try:
+        with tempfile.TemporaryDirectory() as run_dir, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+            config = RuntimeConfig(run_dir=run_dir, ram_dir=shm, checkpoint_dir="")
+            policy = MeshPolicy({"data": 4, "model": 2}, global_batch=48, slice_size=2)
+            ElasticRuntime(job, config=config, mesh_policy=policy).run(steps)
+            events = read_events(Path(run_dir) / "events.jsonl")
+    finally:
+        storage.cascade.DiskTier = real  # type: ignore[misc]
+    newest, behind = 0, []
+    for event in events:
+        if isinstance(event, CheckpointCommitted):
+            newest = max(newest, event.step or 0)
+        elif isinstance(event, StepCompleted):
+            behind.append((event.step or 0) - newest)
+    return {
+        "committed": sum(isinstance(e, CheckpointCommitted) for e in events),
+        "skipped": sum(isinstance(e, CheckpointSkipped) for e in events),
+        "steps_behind_median": float(np.median(behind)),
+        "steps_behind_max": float(max(behind)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     example = load_example()
@@ -97,7 +144,11 @@ def main() -> None:
             result[f"{load}_ratio_orbax_to_packed"] = round(medians["orbax_layout"] / medians["packed"], 1)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    for name, packed in (("packed", True), ("orbax_layout", False)):
+        for key, value in in_a_run(job, args.steps, packed=packed).items():
+            result[f"run_{name}_{key}"] = value
     result["repeats"] = args.repeats
+    result["steps"] = args.steps
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
 
 

@@ -8,6 +8,7 @@
 #     .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #         $(.venv/bin/pip freeze | grep -i -E '^(msgspec|tenacity|google|grpc|proto|pyasn1|opentelemetry)') \
+#         $(.venv/bin/pip freeze | grep -i -E '^(flax|optax|chex|treescope|msgpack|rich|markdown-it|mdurl|pygments|toolz)=') \
 #         cryptography cffi pycparser
 #
 # Figures go to $OUT (default ./gpu-out); every part has its own time limit, so one that hangs cannot take
@@ -39,5 +40,8 @@ print(jax.__version__, ocp.__version__, jax.devices())'
 part fused_copy_donation 120 python3 -m pytest -q -p no:cacheprovider tests/test_ram.py -k fused_step
 part checkpoint_4gib 180 python3 tests/benchmarks/bench_checkpoint.py --mb 4096 --repeats 3 --blocking-only --dir /tmp/ckpt
 part overhead_demo_model 150 python3 tests/benchmarks/bench_overhead.py --steps 200 --repeats 8
+# The flax example's recovery needs 8 devices to lose a slice of: the machine's 16 cores as 8 CPU devices
+# (JAX_PLATFORMS=cpu), where compiles take what they take on a larger host than this VM.
+part flax_recovery_16_cores 300 env JAX_PLATFORMS=cpu python3 tests/benchmarks/bench_flax_recovery.py --repeats 2
 part overhead_large_model 150 python3 tests/benchmarks/bench_overhead.py --steps 200 --repeats 5 \
     --batch 256 --features 1024 --hidden 16384
