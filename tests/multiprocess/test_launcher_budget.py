@@ -7,7 +7,7 @@ signals, no mocks.
 - a replica folder holding another run's files is skipped with an event, never restored;
 - ``kill -9`` of the controller (with a SIGSTOPped worker), then ``launch --resume``: no worker left behind,
   the run continues from the newest replicated step, and ends bitwise equal to a fault-free run;
-- SIGTERM to the controller: ``RunFinished``, ``summary.json``, no /dev/shm folder, no process left.
+- SIGTERM or SIGINT to the controller: ``RunFinished``, ``summary.json``, no /dev/shm folder, no process left.
 """
 
 from __future__ import annotations
@@ -173,18 +173,19 @@ def test_kill_9_of_the_controller_then_resume_continues_bitwise(tmp_path: Path, 
     assert max(steps) == STEPS and set(steps) == set(range(1, STEPS + 1))
 
 
-def test_sigterm_drains_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_drains_the_run(tmp_path: Path, sig: signal.Signals) -> None:
     controller = launch(tmp_path, step_delay_s=0.15)
     wait_for_step(tmp_path, controller, 5)
     pids = worker_pids(tmp_path)
-    controller.send_signal(signal.SIGTERM)
+    controller.send_signal(sig)
     output, _ = controller.communicate(timeout=60)
     assert controller.returncode == 1, output.decode()
     events = read_events(tmp_path / "events.jsonl")
     finished = events[-1]
-    assert isinstance(finished, RunFinished) and not finished.ok and "SIGTERM" in finished.reason
+    assert isinstance(finished, RunFinished) and not finished.ok and sig.name in finished.reason
     got = summary(tmp_path)
-    assert got["ok"] is False and "SIGTERM" in got["reason"] and got["step"] >= 5
+    assert got["ok"] is False and sig.name in got["reason"] and got["step"] >= 5
     assert not Path(default_replica_dir(tmp_path)).exists()
     assert not [pid for pid in pids if alive(pid)]
     # An unfinished run: the same folder resumes it (here from step 0: the /dev/shm replicas went with it).
