@@ -48,6 +48,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="replica files (default: /dev/shm/elastic-runtime-<hash of --run-dir>, removed when the run ends)",
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="the run's target, the controller's own (a worker whose script asks for another is refused); "
+        "default: what the first of the controller's workers asks for",
+    )
     parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
     parser.add_argument(
         "--fault",
@@ -83,6 +90,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         result_path=args.result,
         replica_dir=args.replica_dir,
         max_failures=args.max_failures,
+        target_steps=args.steps,
         resume=args.resume,
         faults=[fault for faults in args.fault for fault in faults],
     )

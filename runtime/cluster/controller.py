@@ -46,7 +46,7 @@ from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined,
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
-from runtime.core.errors import BusClosed, ElasticRuntimeError, JobUnsupported, RecoveryError, StepError
+from runtime.core.errors import BusClosed, ConfigError, ElasticRuntimeError, JobUnsupported, RecoveryError, StepError
 from runtime.core.eventlog import EventLog
 from runtime.core.events import (
     ConnectionRefused,
@@ -421,7 +421,11 @@ class Controller(GroupFormer):
             return f"worker {message.worker} is process {proc.popen.pid}, not {message.pid}"
         if self.target_steps >= 0 and message.target_steps != self.target_steps:
             target = self.target_steps
-            return f"worker {message.worker} asks for {message.target_steps} steps; this run's target is {target}"
+            why = f"worker {message.worker} asks for {message.target_steps} steps; this run's target is {target}"
+            # Our own process (it proved the secret, its pid checks out): the worker command disagrees with the
+            # run, and every replacement would too. End the run rather than replace workers forever.
+            self.end(ConfigError(f"{why}: the worker command and `launch --steps` must agree"))
+            return why
         proc.stream, proc.hello = stream, message
         if self._stopping:
             await self.server.send(proc, Stop(reason="the run is over"))

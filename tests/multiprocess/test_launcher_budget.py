@@ -190,3 +190,14 @@ def test_a_signal_drains_the_run(tmp_path: Path, sig: signal.Signals) -> None:
     assert not [pid for pid in pids if alive(pid)]
     # An unfinished run: the same folder resumes it (here from step 0: the /dev/shm replicas went with it).
     assert json.loads((tmp_path / "run.json").read_text())["finished"] is False
+
+
+def test_a_worker_command_that_disagrees_with_launch_steps_ends_the_run_at_once(tmp_path: Path) -> None:
+    # The workers prove the secret and are the controller's own: every replacement would disagree too, so the
+    # run ends with the reason instead of replacing workers until the spawn deadline.
+    controller = launch(tmp_path, "--steps", str(STEPS + 5))
+    output, _ = controller.communicate(timeout=60)
+    assert controller.returncode == 1
+    assert f"asks for {STEPS} steps; this run's target is {STEPS + 5}" in output.decode()
+    assert "must agree" in output.decode()
+    assert len(list((tmp_path / "workers").iterdir())) <= NPROCS + 1  # the group and its spare, nobody more
