@@ -182,9 +182,9 @@ def test_a_hello_is_checked_against_the_started_process_and_the_run_target(tmp_p
         real = controller.pool[0].popen.pid
         cases = [
             Hello(worker=4242, pid=real, target_steps=5),  # an id the controller never started
-            Hello(worker=0, pid=os.getpid(), target_steps=5),  # not the process started as worker 0
-            Hello(worker=0, pid=real, target_steps=1),  # a target other than the run's
+            Hello(worker=0, pid=os.getpid(), target_steps=1),  # not the process started as worker 0
         ]
+        # (The started process itself asking for another target ends the run: test_launcher_budget.py.)
         for hello in cases:
             link = ControllerLink(f"127.0.0.1:{port}", controller.secret)
             link.send(hello)
