@@ -128,9 +128,10 @@ class GroupFormer:
             # Growing is planned: every member re-forms after committing the same step, so no collective is
             # cut off; after a failure the group re-forms now (in-flight steps are abandoned).
             at_step = max(self.pool[w].step for w in survivors) + 3 if strategy == Strategy.GROW and survivors else -1
-            port, service = self._new_service(len(members))
+            host = self.config.coordinator_host or self.config.listen_host
+            port, service = self._new_service(host, len(members))
             self._services.append(service)
-            coordinator = f"127.0.0.1:{port}"
+            coordinator = f"{host}:{port}"
             for process_id, worker in enumerate(members):
                 form = Form(
                     generation=generation,
@@ -172,12 +173,17 @@ class GroupFormer:
         # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
         self._top_up_spares()
 
-    def _new_service(self, num_processes: int, attempts: int = 5) -> tuple[int, Any]:
-        """A coordination service on a free port; another port if the chosen one was taken meanwhile."""
+    def _new_service(self, host: str, num_processes: int, attempts: int = 5) -> tuple[int, Any]:
+        """A coordination service on a free port of ``host`` (in ``coordinator_ports``, if given); another port
+        if the chosen one was taken meanwhile."""
         for attempt in range(attempts):
-            port = free_port()
             try:
-                return port, start_coordination_service(port, num_processes)
+                port = free_port(host, self.config.coordinator_ports)
+            except OSError as exc:
+                generation = self.group.generation
+                raise LaunchError(f"cannot host generation {generation}'s coordination service: {exc}") from exc
+            try:
+                return port, start_coordination_service(host, port, num_processes)
             except Exception as exc:  # port taken between free_port() and the bind (shared machine)
                 log.warning("coordination service on port %d failed (attempt %d): %s", port, attempt + 1, exc)
         raise LaunchError(f"could not start a coordination service in {attempts} attempts")
@@ -193,13 +199,16 @@ class GroupFormer:
             if len(chosen) >= need:
                 break
             starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
-            if len(starting) + len(chosen) < need:
+            if self.config.starts_workers and len(starting) + len(chosen) < need:
                 self._spawn()
                 continue
+            # Workers the controller does not start are the orchestrator's to replace: after a loss the group
+            # goes on without them at once where min_nprocs allows, and grows back when they say hello.
+            soon = not self.config.starts_workers and bool(survivors)
+            assert self.config.min_nprocs is not None
+            if (soon or time.monotonic() > deadline) and len(survivors) + len(chosen) >= self.config.min_nprocs:
+                break  # go on smaller; the next re-forming grows the group back
             if time.monotonic() > deadline:
-                assert self.config.min_nprocs is not None
-                if len(survivors) + len(chosen) >= self.config.min_nprocs:
-                    break  # go on smaller; the next re-forming grows the group back
                 raise LaunchError(f"only {len(survivors) + len(chosen)} workers ready after {timeout_s} s")
             with anyio.move_on_after(0.1):
                 await self._wake.wait()
