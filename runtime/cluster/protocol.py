@@ -16,6 +16,7 @@ import msgspec
 
 __all__ = [
     "ENV_COMPILE_CACHE",
+    "ENV_CONNECT_S",
     "ENV_CONTROLLER",
     "ENV_HEARTBEAT_S",
     "ENV_JAX_HEARTBEAT_S",
@@ -56,6 +57,7 @@ ENV_JAX_HEARTBEAT_S = "ELASTIC_JAX_HEARTBEAT_S"
 ENV_JAX_SHUTDOWN_S = "ELASTIC_JAX_SHUTDOWN_S"
 ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
 ENV_COMPILE_CACHE = "ELASTIC_COMPILE_CACHE"  # persistent XLA cache directory shared by the workers
+ENV_CONNECT_S = "ELASTIC_CONNECT_TIMEOUT_S"  # how long a worker tries to reach the controller (default 120)
 ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room to kill mid-run)
 
 MAX_LINE = 1 << 20  # a heartbeat is ~150 bytes; anything near this is garbage or an attack

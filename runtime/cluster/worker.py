@@ -38,6 +38,7 @@ import numpy as np
 from runtime.cluster import auth
 from runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
+    ENV_CONNECT_S,
     ENV_CONTROLLER,
     ENV_HEARTBEAT_S,
     ENV_JAX_HEARTBEAT_S,
@@ -512,6 +513,25 @@ def _leaves(tree: PyTree) -> list[Any]:
     return list(jax.tree.leaves(tree))
 
 
+def connect(address: str, secret: str, timeout_s: float) -> ControllerLink:
+    """Open the link to the controller, trying again for ``timeout_s`` while nothing listens there yet: a
+    cluster starts the workers and the controller in any order (a worker ``launch`` starts finds it up).
+
+    Raises:
+        AuthenticationFailed: a proof was refused (not retried: the secret will not change).
+        OSError: the controller could not be reached within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ControllerLink(address, secret)
+        except OSError as exc:  # not AuthenticationFailed: a refused proof is final
+            if time.monotonic() > deadline:
+                raise
+            log.info("controller %s not reachable yet (%s); trying again", address, exc)
+            time.sleep(0.5)
+
+
 def run_worker(job: TrainJob, steps: int) -> NoReturn:
     """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
 
@@ -552,7 +572,7 @@ def run_worker(job: TrainJob, steps: int) -> NoReturn:
     try:
         if secret is None:
             raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
-        link = ControllerLink(os.environ[ENV_CONTROLLER], secret)
+        link = connect(os.environ[ENV_CONTROLLER], secret, float(os.environ.get(ENV_CONNECT_S, "120")))
         code = Worker(job, steps, worker=worker, link=link, replicas=replicas).serve()
         replicas.wait()
     except Exception:
