@@ -198,6 +198,7 @@ class GroupFormer:
         chosen: list[int] = []
         deadline = time.monotonic() + timeout_s
         while len(chosen) < need:
+            chosen = [w for w in chosen if self.pool[w].ready_spare]  # one chosen earlier may be gone since
             ready = [p.worker for p in self.pool if p.ready_spare and p.worker not in chosen]
             chosen.extend(ready[: need - len(chosen)])
             if len(chosen) >= need:

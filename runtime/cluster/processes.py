@@ -77,7 +77,7 @@ class WorkerProcess:
     @property
     def ready_spare(self) -> bool:
         """A spare that said hello and can be seated at once."""
-        return self.spare and not self.gone and self.hello is not None
+        return self.spare and not self.gone and not self.closed and self.hello is not None
 
 
 def is_stopped(pid: int) -> bool:

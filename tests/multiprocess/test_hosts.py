@@ -19,14 +19,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
 from netns import SimulatedHosts
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
+from runtime.cluster.config import LaunchConfig, LaunchError
+from runtime.cluster.controller import Controller
 from runtime.cluster.coordination import free_port
+from runtime.cluster.protocol import Hello, Stop
+from runtime.cluster.worker import ControllerLink
 from runtime.core.eventlog import read_events
 from runtime.core.events import ConnectionRefused, GroupFormed, StepCompleted, WorkerLost
+from runtime.defaults import default_controller
 from runtime.testing.compare import compare_states
 
 pytestmark = pytest.mark.timeout(150)
@@ -110,6 +116,63 @@ def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(tmp_path
     assert_no_committed_step_lost(history)
     match = compare_states(final_state(tmp_path / "final"), final_state(reference), bitwise=False)
     assert match["match"], match
+
+
+def test_a_service_takes_any_new_id_once_and_never_again(tmp_path: Path) -> None:
+    # A real controller in service mode, on loopback, with stand-in workers: handshakes and Hellos only.
+    config = LaunchConfig(command=[], nprocs=2, run_dir=str(tmp_path), secret="s3cret", target_steps=5)
+    controller = default_controller(config)
+    controller.server.limiter.interval_s = 3600.0  # one summary at the end: the last reason is kept
+
+    def hello(port: int, worker: int, target_steps: int = 5) -> ControllerLink:
+        link = ControllerLink(f"127.0.0.1:{port}", "s3cret")
+        link.send(Hello(worker=worker, pid=12345, target_steps=target_steps))  # a pid on another host: unchecked
+        return link
+
+    def refused(link: ControllerLink) -> None:
+        message = link.inbox.get(timeout=10)
+        assert isinstance(message, Stop) and "closed" in message.reason, message
+        link.close()
+
+    def attack(port: int) -> None:
+        first = hello(port, 7)  # any id: a replacement's, say
+        refused(hello(port, 7))  # a second Hello for a live id
+        refused(hello(port, 3, target_steps=1))  # a target other than the run's
+        refused(hello(port, -1))
+        first.close()
+        deadline = time.monotonic() + 10
+        while not controller.pool[7].closed:
+            assert time.monotonic() < deadline, "the controller did not see worker 7's connection close"
+            time.sleep(0.01)
+        refused(hello(port, 7))  # ids are never reused, not even a lost worker's
+        taken = hello(port, 0)
+        while 0 not in controller.pool.procs or controller.pool[0].hello is None:
+            assert time.monotonic() < deadline, "worker 0's Hello was not taken"
+            time.sleep(0.01)
+        assert taken.inbox.empty()  # nothing yet: the group waits for a second worker (nprocs=2)
+        taken.close()
+
+    async def serve() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(controller.run_async)
+            with anyio.fail_after(10):
+                while not controller.port:
+                    await anyio.sleep(0.01)
+            await anyio.to_thread.run_sync(attack, controller.port)
+            tg.cancel_scope.cancel()
+
+    anyio.run(serve)
+    refusals = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, ConnectionRefused)]
+    assert "already connected" in refusals[0].reason
+    assert "already connected or was lost" in refusals[-1].reason and sum(e.count for e in refusals) == 4
+    assert sorted(controller.pool.procs) == [0, 7]
+
+
+def test_a_service_needs_a_secret_from_the_user() -> None:
+    with pytest.raises(LaunchError, match=r"refusing to listen on 198\.18\.0\.1 without a secret"):
+        Controller(LaunchConfig(command=["true"], nprocs=1, listen_host="198.18.0.1"))
+    with pytest.raises(LaunchError, match="must prove a secret they know"):
+        Controller(LaunchConfig(command=[], nprocs=1))
 
 
 def test_the_controller_refuses_a_reachable_address_without_a_secret(tmp_path: Path) -> None:
