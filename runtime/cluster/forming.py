@@ -145,6 +145,7 @@ class GroupFormer:
                     read_files=strategy != Strategy.REFORM,
                     faults=worker_faults_text(self.config.faults, process_id) if strategy == Strategy.START else "",
                     at_step=at_step,
+                    run_id=self.result.run_id,
                 )
                 await self.server.send(self.pool[worker], form)
             await self.bus.publish(

@@ -133,6 +133,7 @@ class Form(Message, frozen=True, kw_only=True):
     read_files: bool = True  # look in the replica files when this process holds no state in memory
     faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (runtime.testing.grammar)
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
+    run_id: str = ""  # the run's id, for a worker not started with it in its environment (ELASTIC_RUN_ID)
 
 
 class Restore(Message, frozen=True, kw_only=True):

@@ -226,6 +226,10 @@ class Worker:
 
         started = time.monotonic()
         self._deferred = None
+        if form.run_id and not self.identity:
+            # Started by a cluster, not by launch: the run's id comes with the first Form, before any replica
+            # is read or written, so that only this run's replicas are ever restored here too.
+            self.identity = run_identity(form.run_id, self.template, self.target_steps)
         if form.faults:
             attach_worker_faults(self, form.faults)
         if self.initialized:

@@ -87,6 +87,7 @@ def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(tmp_path
                 return any(isinstance(e, GroupFormed) and e.generation == 2 for e in events(run_dir))
 
             wait_for("step 5", lambda: committed(5), controller)
+            lost_at = time.monotonic()  # the events' mono_time is the same clock (CLOCK_MONOTONIC, one machine)
             hosts.lose(1)
             # The survivors go on without it (min_nprocs) rather than wait for a replacement.
             wait_for("the survivors' group", regrouped, controller)
@@ -110,12 +111,21 @@ def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(tmp_path
     assert result["strategies"] == ["start", "reform", "grow"]
     assert result["world_size_history"] == [NPROCS, NPROCS - 1, NPROCS]
     assert result["survivor_restarts"] == 0
-    formed = [e.members for e in history if isinstance(e, GroupFormed)]
-    assert formed == [(0, 1, 2), (0, 2), (0, 2, 3)]
+    formed = [set(e.members) for e in history if isinstance(e, GroupFormed)]  # in the order they said hello
+    assert formed == [{0, 1, 2}, {0, 2}, {0, 2, 3}]
     assert not [e for e in history if isinstance(e, ConnectionRefused)]
     assert_no_committed_step_lost(history)
     match = compare_states(final_state(tmp_path / "final"), final_state(reference), bitwise=False)
     assert match["match"], match
+    # Figures, printed (not asserted: this machine's load decides them); `pytest -s` shows them.
+    before = max(e.step for e in history if isinstance(e, StepCompleted) and e.mono_time < lost_at)
+    [next_commit] = [e for e in history if isinstance(e, StepCompleted) and e.step == before + 1]
+    figures = {
+        "detected_after_s": round(lost.mono_time - lost_at, 3),
+        "next_commit_after_s": round(next_commit.mono_time - lost_at, 3),
+        "max_rel_error": match["max_rel_error"],
+    }
+    print(f"\nlost host: {json.dumps(figures)}")
 
 
 def test_a_service_takes_any_new_id_once_and_never_again(tmp_path: Path) -> None:
