@@ -491,6 +491,12 @@ class Controller(GroupFormer):
     async def _on_message(self, proc: WorkerProcess, message: Message) -> None:
         match message:
             case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds):
+                if proc.gone and proc.popen is None and not proc.told_to_stop and not self._stopping:
+                    # Judged lost (a partition that healed): its place is taken; it must not wait in a group
+                    # that will never call it again. (One the controller started was killed instead.)
+                    proc.told_to_stop = True
+                    log.warning("controller: worker %d was judged lost and is back; told to exit", worker)
+                    await self.server.send(proc, Stop(reason=f"worker {worker} was judged lost; its place is taken"))
                 if proc.gone or self._stopping:
                     return
                 try:

@@ -52,6 +52,7 @@ class WorkerProcess:
     gone: bool = False
     warmed: bool = False  # was sent Warm
     closed: bool = False  # its connection ended
+    told_to_stop: bool = False  # sent Stop after it was judged lost
 
     @property
     def pid(self) -> int:

@@ -53,7 +53,12 @@ def events(run_dir: Path) -> list[Any]:
     return read_events(path) if path.exists() else []
 
 
-def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(tmp_path: Path, reference: Path) -> None:
+@pytest.mark.parametrize("fault", ["lose", "partition"])
+def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(
+    tmp_path: Path, reference: Path, fault: str
+) -> None:
+    # "partition": host 1's link goes down and comes back after the survivors re-formed; its worker, alive
+    # all along, is never taken back, and is told to exit when its heartbeats reach the controller again.
     token = tmp_path / "token"
     token.write_text(os.urandom(32).hex())
     token.chmod(0o600)
@@ -88,13 +93,19 @@ def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(tmp_path
 
             wait_for("step 5", lambda: committed(5), controller)
             lost_at = time.monotonic()  # the events' mono_time is the same clock (CLOCK_MONOTONIC, one machine)
-            hosts.lose(1)
+            hosts.lose(1) if fault == "lose" else hosts.partition(1)
             # The survivors go on without it (min_nprocs) rather than wait for a replacement.
             wait_for("the survivors' group", regrouped, controller)
+            if fault == "partition":
+                hosts.heal(1)
             # The orchestrator's replacement: a new process on a new host with nothing in its /dev/shm, a new id.
             replacement = worker_env | {"ELASTIC_WORKER_ID": str(NPROCS)}
             hosts.start(NPROCS, worker, replacement, tmp_path / f"worker-{NPROCS}.log")
             out, _ = controller.communicate(timeout=_WAIT_S)
+            deadline = time.monotonic() + _WAIT_S
+            while hosts.pids(1):  # the partitioned worker ends too (told to exit, or its connection closed)
+                assert time.monotonic() < deadline, f"host 1 still runs {hosts.pids(1)} after the run ended"
+                time.sleep(0.1)
         finally:
             if controller.poll() is None:
                 controller.kill()
@@ -125,7 +136,8 @@ def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(tmp_path
         "next_commit_after_s": round(next_commit.mono_time - lost_at, 3),
         "max_rel_error": match["max_rel_error"],
     }
-    print(f"\nlost host: {json.dumps(figures)}")
+    told = "was judged lost and is back; told to exit" in log_text
+    print(f"\n{fault} host: {json.dumps(figures | {'told_to_exit': told})}")
 
 
 def test_a_service_takes_any_new_id_once_and_never_again(tmp_path: Path) -> None:
