@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--coordinator-host",
         default=None,
-        help="the address workers reach the JAX coordination services at (default: the --listen host)",
+        help="the address workers reach the JAX coordination services at; they bind the --listen host (default)",
     )
     parser.add_argument(
         "--coordinator-ports",

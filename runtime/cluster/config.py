@@ -66,8 +66,8 @@ class LaunchConfig:
         auth_timeout_s: how long a connection may take to prove the secret before it is closed.
         listen_host, listen_port: the controller's port (port 0: any free one). Anything but a loopback
             address needs a ``secret`` from the user.
-        coordinator_host: the address the workers reach each generation's JAX coordination service at (it
-            binds there); default: ``listen_host``.
+        coordinator_host: the address the workers reach each generation's JAX coordination service at (the
+            service binds ``listen_host``); default: ``listen_host``.
         coordinator_ports: (low, high), the ports those services may take (one per generation, each kept
             until the run ends); default: any free port.
     """

@@ -15,8 +15,9 @@ def free_port(host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> 
         OSError: every port of ``ports`` is taken.
     """
     candidates = range(ports[0], ports[1] + 1) if ports is not None else [0]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for port in candidates:
-        with socket.socket() as sock:
+        with socket.socket(family) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
@@ -37,7 +38,7 @@ def start_coordination_service(host: str, port: int, num_processes: int, *, hear
     from runtime.compat import jax as jax_compat
 
     return jax_compat.distributed_runtime_service(
-        f"{host}:{port}",
+        f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
         num_processes,
         heartbeat_timeout=heartbeat_timeout_s,
         shutdown_timeout=2,

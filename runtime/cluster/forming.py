@@ -132,10 +132,11 @@ class GroupFormer:
             # Growing is planned: every member re-forms after committing the same step, so no collective is
             # cut off; after a failure the group re-forms now (in-flight steps are abandoned).
             at_step = max(self.pool[w].step for w in survivors) + 3 if strategy == Strategy.GROW and survivors else -1
-            host = self.config.coordinator_host or self.config.listen_host
-            port, service = self._new_service(host, len(members))
+            # Bound where the controller's own port is (a local address, or a wildcard), and named to the workers
+            # by the address they reach it at (a Kubernetes Service's name is not an address one can bind).
+            port, service = self._new_service(self.config.listen_host, len(members))
             self._services.append(service)
-            coordinator = f"{host}:{port}"
+            coordinator = f"{self.config.coordinator_host or self.config.listen_host}:{port}"
             for process_id, worker in enumerate(members):
                 form = Form(
                     generation=generation,
