@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -51,6 +52,32 @@ def _free_subnet() -> int:
     raise RuntimeError("no free /24 in 198.18.0.0/16 for the simulated hosts")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> None:
+    """Remove what a test process killed before its cleanup (SIGKILL, a lost CI runner) left behind: the
+    namespaces, links and bridges named after a process that no longer exists."""
+    for name in _ip("netns", "list", check=False).split():
+        found = re.fullmatch(r"er-(\d+)-h\d+", name)
+        if found and not _alive(int(found[1])):
+            for pid in _ip("netns", "pids", name, check=False).split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", name, check=False)
+    for name in re.findall(r"^\d+: (er\d+(?:br|h\d+))[@:]", _ip("-o", "link", "show", check=False), re.M):
+        found = re.match(r"er(\d+)", name)
+        if found and not _alive(int(found[1])):
+            _ip("link", "del", name, check=False)
+
+
 class SimulatedHosts:
     """``count`` network namespaces on one bridge; a context manager that removes all of it on exit.
 
@@ -78,6 +105,7 @@ class SimulatedHosts:
 
     def __enter__(self) -> SimulatedHosts:
         try:
+            sweep_stale()
             self._octet = _free_subnet()
             _ip("link", "add", self.bridge, "type", "bridge")
             # A bridge without an address of its own takes its lowest port's: losing that host would change
