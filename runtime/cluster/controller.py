@@ -43,7 +43,7 @@ from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
-from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined, Message, Stop, Warm
+from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined, Lease, Message, Stop, Warm
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
@@ -70,6 +70,9 @@ log = logging.getLogger(__name__)
 
 _SPARE_RETRIES = 3  # spares in a row replaced at once when they die before their Hello
 _MAX_WORKER_ID = 2**31 - 1  # ids a worker not started here may claim
+# A worker's lease, as a share of the heartbeat timeout: it stops stepping before the controller, having heard
+# nothing either, re-forms the group without it.
+_LEASE_SHARE = 0.75
 
 
 def is_loopback(host: str) -> bool:
@@ -237,6 +240,8 @@ class Controller(GroupFormer):
                                 inner.start_soon(watch, self.monitor, self._on_verdict)
                                 inner.start_soon(self._reap)
                                 inner.start_soon(self.server.report_due)
+                                if not self.config.starts_workers:
+                                    inner.start_soon(self._renew_leases)
                                 if threading.current_thread() is threading.main_thread():  # signals go to it only
                                     inner.start_soon(self._watch_signals)
                     finally:
@@ -396,6 +401,16 @@ class Controller(GroupFormer):
                     else:
                         log.warning("%d spares in a row died before their Hello; none started now", _SPARE_RETRIES + 1)
             await anyio.sleep(0.02)
+
+    async def _renew_leases(self) -> None:
+        """Renew every live worker's lease each heartbeat interval (service mode: workers on other hosts, which a
+        partition can cut off while they still run; see ``Lease``)."""
+        lease = Lease(seconds=self.config.heartbeat_timeout_s * _LEASE_SHARE)
+        while True:
+            for proc in self.pool:
+                if proc.stream is not None and not proc.gone and not proc.closed and not self._stopping:
+                    await self.server.send(proc, lease)
+            await anyio.sleep(self.config.heartbeat_interval_s)
 
     async def _stop_all(self, reason: str) -> None:
         for proc in self.pool:

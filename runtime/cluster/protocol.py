@@ -35,6 +35,7 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "Joined",
+    "Lease",
     "MalformedMessage",
     "Restore",
     "Stop",
@@ -155,8 +156,16 @@ class Stop(Message, frozen=True, kw_only=True):
     reason: str
 
 
+class Lease(Message, frozen=True, kw_only=True):
+    """The controller still counts on this worker for ``seconds`` from when it arrives; renewed every heartbeat
+    interval (service mode). A worker whose lease runs out (cut off from the controller, which will re-form
+    without it) stops stepping and writing replicas until it hears from the controller again."""
+
+    seconds: float
+
+
 WorkerMessage = Union[Hello, Heartbeat, Joined, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
-ControllerMessage = Union[Form, Restore, Warm, Stop]  # noqa: UP007
+ControllerMessage = Union[Form, Restore, Warm, Stop, Lease]  # noqa: UP007
 
 
 class MalformedMessage(ValueError):
@@ -182,10 +191,10 @@ def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Finished | F
     return message
 
 
-def decode_from_controller(line: bytes) -> Form | Restore | Warm | Stop:
+def decode_from_controller(line: bytes) -> Form | Restore | Warm | Stop | Lease:
     """Decode one line the controller sent. Raises MalformedMessage naming what was wrong."""
     try:
-        message: Form | Restore | Warm | Stop = _from_controller.decode(line)
+        message: Form | Restore | Warm | Stop | Lease = _from_controller.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
     return message
