@@ -78,7 +78,7 @@ def test_the_controller_fails_with_the_compat_error(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(jax._src.lib, "_jax", types.SimpleNamespace())
     entry_point = "jax._src.lib._jax.get_distributed_runtime_service"
     with pytest.raises(IncompatibleVersion, match=_names("jaxlib", entry_point) + "is missing"):
-        start_coordination_service(free_port(), 2)
+        start_coordination_service("127.0.0.1", free_port(), 2)
 
 
 def test_a_changed_signature_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,7 +88,7 @@ def test_a_changed_signature_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(jax._src.lib._jax, "get_distributed_runtime_service", older)
     entry_point = "jax._src.lib._jax.get_distributed_runtime_service"
     with pytest.raises(IncompatibleVersion, match=_names("jaxlib", entry_point) + "changed its arguments"):
-        start_coordination_service(free_port(), 2)
+        start_coordination_service("127.0.0.1", free_port(), 2)
 
 
 # --- orbax-checkpoint --------------------------------------------------------------------------------------

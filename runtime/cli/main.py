@@ -16,6 +16,7 @@ from collections.abc import Sequence
 SUBCOMMAND_MODULES = (
     "runtime.cli.demo",
     "runtime.cli.launch",
+    "runtime.cli.controller",
     "runtime.cli.maintenance",
     "runtime.cli.report",
     "runtime.cli.checkpoints",

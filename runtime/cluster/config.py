@@ -34,7 +34,8 @@ class LaunchConfig:
     """Settings of one multi-process run.
 
     Attributes:
-        command: the worker command line (``python train.py ...``).
+        command: the worker command line (``python train.py ...``); empty: the controller starts no worker and
+            coordinates those that say hello on their own (``elastic-runtime controller``, the service mode).
         nprocs: the group's full size.
         min_nprocs: the smallest group training may go on with while replacements start.
         spares: warm spare processes kept ready to replace a lost worker at once.
@@ -63,6 +64,12 @@ class LaunchConfig:
             fresh random one for this run, handed to the workers the controller starts in their environment.
             Kept out of ``repr``.
         auth_timeout_s: how long a connection may take to prove the secret before it is closed.
+        listen_host, listen_port: the controller's port (port 0: any free one). Anything but a loopback
+            address needs a ``secret`` from the user.
+        coordinator_host: the address the workers reach each generation's JAX coordination service at (the
+            service binds ``listen_host``); default: ``listen_host``.
+        coordinator_ports: (low, high), the ports those services may take (one per generation, each kept
+            until the run ends); default: any free port.
     """
 
     command: list[str]
@@ -89,6 +96,15 @@ class LaunchConfig:
     target_steps: int | None = None
     secret: str | None = field(default=None, repr=False)
     auth_timeout_s: float = 5.0
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    coordinator_host: str | None = None
+    coordinator_ports: tuple[int, int] | None = None
+
+    @property
+    def starts_workers(self) -> bool:
+        """Whether the controller starts its workers (``launch``) or only coordinates them (the service mode)."""
+        return bool(self.command)
 
     def __post_init__(self) -> None:
         if self.nprocs < 1:
@@ -101,6 +117,12 @@ class LaunchConfig:
             choices = ", ".join(RECOVERY_STRATEGIES)
             raise ValueError(f"strategy must be one of {choices}, got {self.strategy!r}")
         self.strategy = Strategy(self.strategy)
+        if self.coordinator_ports is not None:
+            low, high = self.coordinator_ports
+            if not 0 < low <= high < 65536:
+                raise ValueError(f"coordinator ports must be a range LO-HI within 1-65535, got {low}-{high}")
+        if not self.starts_workers:
+            self.spares = 0  # nothing to start: a replacement is the orchestrator's to bring up
 
 
 @dataclass

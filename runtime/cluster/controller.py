@@ -22,6 +22,7 @@ This module is the async shell; the decisions live in synchronous parts tested o
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import shutil
@@ -41,8 +42,8 @@ from runtime.cluster.context import ControllerContext
 from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
-from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from, is_stopped
-from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined, Message, Stop, Warm
+from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
+from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined, Lease, Message, Stop, Warm
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
@@ -68,6 +69,20 @@ __all__ = ["Controller"]
 log = logging.getLogger(__name__)
 
 _SPARE_RETRIES = 3  # spares in a row replaced at once when they die before their Hello
+_MAX_WORKER_ID = 2**31 - 1  # ids a worker not started here may claim
+# A worker's lease, as a share of the heartbeat timeout: it stops stepping before the controller, having heard
+# nothing either, re-forms the group without it.
+_LEASE_SHARE = 0.75
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 def _first_leaf(
@@ -87,10 +102,28 @@ def _first_leaf(
 class Controller(GroupFormer):
     """Starts, supervises and re-forms a group of worker processes. Single use.
 
+    With an empty ``config.command`` it starts nothing (the service mode, ``elastic-runtime controller``): it
+    coordinates the workers that say hello with the run's secret, judges them by their heartbeats only, and
+    takes a replacement in when the orchestrator brings one up.
+
     It subscribes no handler of its own: ``runtime.defaults.default_controller`` adds the built-in ones.
+
+    Raises:
+        LaunchError: asked to listen on an address other hosts can reach, or to coordinate workers it does
+            not start, without a secret from the user (``config.secret``).
     """
 
     def __init__(self, config: LaunchConfig) -> None:
+        if config.secret is None and not is_loopback(config.listen_host):
+            raise LaunchError(
+                f"refusing to listen on {config.listen_host} without a secret: anyone who reaches it could steer "
+                f"the run; set {auth.ENV_TOKEN} or {auth.ENV_TOKEN_FILE} (the same secret on every worker)"
+            )
+        if config.secret is None and not config.starts_workers:
+            raise LaunchError(
+                f"workers this controller does not start must prove a secret they know: set {auth.ENV_TOKEN} "
+                f"or {auth.ENV_TOKEN_FILE} for the controller and every worker"
+            )
         self.config = config
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="elastic-launch-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -113,7 +146,7 @@ class Controller(GroupFormer):
             on_hello=self._hello,
             on_message=self._on_message,
             on_report=self._report,
-            on_closed=lambda proc, reason: self.monitor.mark_gone(proc.worker, reason),
+            on_closed=self._closed,
             auth_timeout_s=config.auth_timeout_s,
         )
         # The controller's, never a worker's to change: fixed by the config, else by the first worker's Hello.
@@ -182,9 +215,10 @@ class Controller(GroupFormer):
         """Run the group to completion, or until SIGTERM/SIGINT (then ``ok`` is False and the run can be
         resumed). Raises LaunchError, RecoveryError, StepError or JobUnsupported when it cannot go on."""
         self._supervision = anyio.CancelScope()
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        host = self.config.listen_host
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=self.config.listen_port)
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        self.pool.controller_address = f"127.0.0.1:{self.port}"
+        self.pool.controller_address = f"{host}:{self.port}"
         reason = ""
         try:
             async with anyio.create_task_group() as tg:
@@ -206,6 +240,8 @@ class Controller(GroupFormer):
                                 inner.start_soon(watch, self.monitor, self._on_verdict)
                                 inner.start_soon(self._reap)
                                 inner.start_soon(self.server.report_due)
+                                if not self.config.starts_workers:
+                                    inner.start_soon(self._renew_leases)
                                 if threading.current_thread() is threading.main_thread():  # signals go to it only
                                     inner.start_soon(self._watch_signals)
                     finally:
@@ -214,7 +250,7 @@ class Controller(GroupFormer):
                 tg.start_soon(run_bus)
                 tg.start_soon(run_helpers)
                 try:
-                    for _ in range(self.config.nprocs + self.config.spares):
+                    for _ in range(self.config.nprocs + self.config.spares if self.config.starts_workers else 0):
                         self._spawn()
                     with self._supervision:  # ended early by end() and by signals
                         await self._supervise()
@@ -327,8 +363,12 @@ class Controller(GroupFormer):
 
     def _spawn(self) -> WorkerProcess:
         proc = self.pool.spawn()
-        self._publish_nowait(WorkerStarted(source="controller", worker=proc.worker, pid=proc.popen.pid, spare=True))
+        self._publish_nowait(WorkerStarted(source="controller", worker=proc.worker, pid=proc.pid, spare=True))
         return proc
+
+    def _closed(self, proc: WorkerProcess, reason: str) -> None:
+        proc.closed = True
+        self.monitor.mark_gone(proc.worker, reason)
 
     def _publish_nowait(self, event: Event) -> None:
         try:
@@ -362,11 +402,21 @@ class Controller(GroupFormer):
                         log.warning("%d spares in a row died before their Hello; none started now", _SPARE_RETRIES + 1)
             await anyio.sleep(0.02)
 
+    async def _renew_leases(self) -> None:
+        """Renew every live worker's lease each heartbeat interval (service mode: workers on other hosts, which a
+        partition can cut off while they still run; see ``Lease``)."""
+        lease = Lease(seconds=self.config.heartbeat_timeout_s * _LEASE_SHARE)
+        while True:
+            for proc in self.pool:
+                if proc.stream is not None and not proc.gone and not proc.closed and not self._stopping:
+                    await self.server.send(proc, lease)
+            await anyio.sleep(self.config.heartbeat_interval_s)
+
     async def _stop_all(self, reason: str) -> None:
         for proc in self.pool:
-            if proc.popen.poll() is not None:
+            if not proc.running():
                 continue
-            if proc.stream is None or is_stopped(proc.popen.pid):
+            if proc.popen is not None and (proc.stream is None or proc.stopped()):
                 # Still starting (nothing to save, no need to wait for its Hello), or stopped (SIGSTOP: it
                 # cannot read a Stop): killed, not asked.
                 proc.popen.kill()
@@ -413,12 +463,14 @@ class Controller(GroupFormer):
         """The worker an authenticated connection's first message names, or why it is refused."""
         if not isinstance(message, Hello):
             return f"first message must be Hello, got {type(message).__name__}"
+        if not self.config.starts_workers:
+            return await self._external_hello(message, stream)
         proc = self.pool.get(message.worker)
         if proc is None or proc.stream is not None or proc.gone:
             return f"worker id {message.worker} was not started by this controller, is already connected, or is gone"
-        if not descends_from(message.pid, proc.popen.pid):
+        if not descends_from(message.pid, proc.pid):
             # A cross-check, not a proof (the pid is what the peer says): the secret is the proof.
-            return f"worker {message.worker} is process {proc.popen.pid}, not {message.pid}"
+            return f"worker {message.worker} is process {proc.pid}, not {message.pid}"
         if self.target_steps >= 0 and message.target_steps != self.target_steps:
             target = self.target_steps
             why = f"worker {message.worker} asks for {message.target_steps} steps; this run's target is {target}"
@@ -426,6 +478,22 @@ class Controller(GroupFormer):
             # run, and every replacement would too. End the run rather than replace workers forever.
             self.end(ConfigError(f"{why}: the worker command and `launch --steps` must agree"))
             return why
+        return await self._admit(proc, message, stream)
+
+    async def _external_hello(self, message: Hello, stream: SocketStream) -> WorkerProcess | str:
+        """A worker the controller did not start: any id not seen before in this run (ids are never reused, so
+        that nothing the lost worker's connection still says can be taken for its replacement's); 0..N-1 are
+        the first group's, a replacement takes a new one (see ``docs/multiprocess.md``, *Several hosts*)."""
+        if not 0 <= message.worker <= _MAX_WORKER_ID:
+            return f"worker id {message.worker} is out of range"
+        if message.worker in self.pool.procs:
+            return f"worker id {message.worker} is already connected or was lost; a replacement takes a new id"
+        if self.target_steps >= 0 and message.target_steps != self.target_steps:
+            target = self.target_steps
+            return f"worker {message.worker} asks for {message.target_steps} steps; this run's target is {target}"
+        return await self._admit(self.pool.admit(message.worker), message, stream)
+
+    async def _admit(self, proc: WorkerProcess, message: Hello, stream: SocketStream) -> WorkerProcess:
         proc.stream, proc.hello = stream, message
         if self._stopping:
             await self.server.send(proc, Stop(reason="the run is over"))
@@ -442,6 +510,12 @@ class Controller(GroupFormer):
     async def _on_message(self, proc: WorkerProcess, message: Message) -> None:
         match message:
             case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds):
+                if proc.gone and proc.popen is None and not proc.told_to_stop and not self._stopping:
+                    # Judged lost (a partition that healed): its place is taken; it must not wait in a group
+                    # that will never call it again. (One the controller started was killed instead.)
+                    proc.told_to_stop = True
+                    log.warning("controller: worker %d was judged lost and is back; told to exit", worker)
+                    await self.server.send(proc, Stop(reason=f"worker {worker} was judged lost; its place is taken"))
                 if proc.gone or self._stopping:
                     return
                 try:
@@ -489,7 +563,7 @@ class Controller(GroupFormer):
                 message=failed.message,
             )
         )
-        where = f"worker {proc.worker} (pid {proc.popen.pid}, log {self.pool.logs / f'worker-{proc.worker}.log'})"
+        where = f"worker {proc.worker} (pid {proc.pid}, log {self.pool.logs / f'worker-{proc.worker}.log'})"
         if failed.error_type == JobUnsupported.__name__:
             self.end(JobUnsupported(f"refused before step 1 by {where}: {failed.message}"))
             return
@@ -526,13 +600,13 @@ class Controller(GroupFormer):
     async def _on_verdict(self, verdict: Verdict) -> None:
         proc = self.pool.get(verdict.worker)
         event = verdict_event(verdict, step=self.group_step)
-        if isinstance(verdict, Lost) and proc is not None and proc.popen.poll() is None and is_stopped(proc.popen.pid):
+        if isinstance(verdict, Lost) and proc is not None and proc.stopped():
             event = WorkerHung(
                 step=self.group_step,
                 source="heartbeat",
                 worker=verdict.worker,
                 stalled_s=verdict.silent_s,
-                message=f"process {proc.popen.pid} is stopped (SIGSTOP?) and silent for {verdict.silent_s:.2f} s",
+                message=f"process {proc.pid} is stopped (SIGSTOP?) and silent for {verdict.silent_s:.2f} s",
             )
         killed = self._kill_times.pop(verdict.worker, None)
         if killed is not None:

@@ -8,25 +8,37 @@ from typing import Any
 __all__ = ["free_port", "start_coordination_service"]
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+def free_port(host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> int:
+    """A TCP port that was free on ``host`` a moment ago: any, or the first free one in ``ports`` (low, high).
+
+    Raises:
+        OSError: every port of ``ports`` is taken.
+    """
+    candidates = range(ports[0], ports[1] + 1) if ports is not None else [0]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in candidates:
+        with socket.socket(family) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            free: int = sock.getsockname()[1]
+            return free
+    raise OSError(f"no free port on {host} in {ports[0]}-{ports[1]}" if ports else f"no free port on {host}")
 
 
-def start_coordination_service(port: int, num_processes: int, *, heartbeat_timeout_s: int = 30) -> Any:
-    """Start a JAX coordination service for one generation of the group, here in the controller.
+def start_coordination_service(host: str, port: int, num_processes: int, *, heartbeat_timeout_s: int = 30) -> Any:
+    """Start a JAX coordination service for one generation of the group, here in the controller, on ``host:port``.
 
     JAX normally runs it inside process 0, whose loss then ends every other worker (their clients poll an
     error and terminate). Hosted by the controller, which is never restarted, it outlives any worker.
-    ``recoverable``: a task that disappears is not an error for the others.
+    ``recoverable``: a task that disappears is not an error for the others. It is not authenticated (JAX
+    has no such option for it): keep its ports on a private network.
     """
     from runtime.compat import jax as jax_compat
 
     return jax_compat.distributed_runtime_service(
-        f"127.0.0.1:{port}",
+        f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
         num_processes,
         heartbeat_timeout=heartbeat_timeout_s,
         shutdown_timeout=2,

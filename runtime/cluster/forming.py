@@ -20,7 +20,7 @@ from runtime.cluster.coordination import free_port, start_coordination_service
 from runtime.cluster.heartbeat import HeartbeatMonitor
 from runtime.cluster.membership import JoinReport, Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, log_tail
-from runtime.cluster.protocol import Form, Restore
+from runtime.cluster.protocol import Form, Restore, Stop
 from runtime.cluster.server import WorkerServer
 from runtime.core.bus import EventBus
 from runtime.core.errors import RecoveryError
@@ -109,6 +109,10 @@ class GroupFormer:
             if strategy == Strategy.RESTART:
                 for worker in survivors:
                     self.kill(worker, "KILL", "restart strategy: every worker is replaced")
+                    if self.pool[worker].popen is None:  # not ours to kill: asked to exit, the cluster replaces it
+                        await self.server.send(
+                            self.pool[worker], Stop(reason="restart strategy: every worker is replaced")
+                        )
                     self.pool[worker].gone = True
                     self.monitor.forget(worker)
                 self.result.survivor_restarts += len(survivors)
@@ -128,9 +132,11 @@ class GroupFormer:
             # Growing is planned: every member re-forms after committing the same step, so no collective is
             # cut off; after a failure the group re-forms now (in-flight steps are abandoned).
             at_step = max(self.pool[w].step for w in survivors) + 3 if strategy == Strategy.GROW and survivors else -1
-            port, service = self._new_service(len(members))
+            # Bound where the controller's own port is (a local address, or a wildcard), and named to the workers
+            # by the address they reach it at (a Kubernetes Service's name is not an address one can bind).
+            port, service = self._new_service(self.config.listen_host, len(members))
             self._services.append(service)
-            coordinator = f"127.0.0.1:{port}"
+            coordinator = f"{self.config.coordinator_host or self.config.listen_host}:{port}"
             for process_id, worker in enumerate(members):
                 form = Form(
                     generation=generation,
@@ -140,6 +146,7 @@ class GroupFormer:
                     read_files=strategy != Strategy.REFORM,
                     faults=worker_faults_text(self.config.faults, process_id) if strategy == Strategy.START else "",
                     at_step=at_step,
+                    run_id=self.result.run_id,
                 )
                 await self.server.send(self.pool[worker], form)
             await self.bus.publish(
@@ -172,12 +179,17 @@ class GroupFormer:
         # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
         self._top_up_spares()
 
-    def _new_service(self, num_processes: int, attempts: int = 5) -> tuple[int, Any]:
-        """A coordination service on a free port; another port if the chosen one was taken meanwhile."""
+    def _new_service(self, host: str, num_processes: int, attempts: int = 5) -> tuple[int, Any]:
+        """A coordination service on a free port of ``host`` (in ``coordinator_ports``, if given); another port
+        if the chosen one was taken meanwhile."""
         for attempt in range(attempts):
-            port = free_port()
             try:
-                return port, start_coordination_service(port, num_processes)
+                port = free_port(host, self.config.coordinator_ports)
+            except OSError as exc:
+                generation = self.group.generation
+                raise LaunchError(f"cannot host generation {generation}'s coordination service: {exc}") from exc
+            try:
+                return port, start_coordination_service(host, port, num_processes)
             except Exception as exc:  # port taken between free_port() and the bind (shared machine)
                 log.warning("coordination service on port %d failed (attempt %d): %s", port, attempt + 1, exc)
         raise LaunchError(f"could not start a coordination service in {attempts} attempts")
@@ -188,18 +200,22 @@ class GroupFormer:
         chosen: list[int] = []
         deadline = time.monotonic() + timeout_s
         while len(chosen) < need:
+            chosen = [w for w in chosen if self.pool[w].ready_spare]  # one chosen earlier may be gone since
             ready = [p.worker for p in self.pool if p.ready_spare and p.worker not in chosen]
             chosen.extend(ready[: need - len(chosen)])
             if len(chosen) >= need:
                 break
             starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
-            if len(starting) + len(chosen) < need:
+            if self.config.starts_workers and len(starting) + len(chosen) < need:
                 self._spawn()
                 continue
+            # Workers the controller does not start are the orchestrator's to replace: after a loss the group
+            # goes on without them at once where min_nprocs allows, and grows back when they say hello.
+            soon = not self.config.starts_workers and bool(survivors)
+            assert self.config.min_nprocs is not None
+            if (soon or time.monotonic() > deadline) and len(survivors) + len(chosen) >= self.config.min_nprocs:
+                break  # go on smaller; the next re-forming grows the group back
             if time.monotonic() > deadline:
-                assert self.config.min_nprocs is not None
-                if len(survivors) + len(chosen) >= self.config.min_nprocs:
-                    break  # go on smaller; the next re-forming grows the group back
                 raise LaunchError(f"only {len(survivors) + len(chosen)} workers ready after {timeout_s} s")
             with anyio.move_on_after(0.1):
                 await self._wake.wait()

@@ -34,10 +34,14 @@ __all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_t
 
 @dataclass
 class WorkerProcess:
-    """One worker process and its connection: a spare until it is seated in a group."""
+    """One worker process and its connection: a spare until it is seated in a group.
+
+    ``popen`` is None for a worker the controller did not start (``elastic-runtime controller``): it may run
+    on another host, so nothing about it is read from ``/proc``; only its heartbeats say it is alive.
+    """
 
     worker: int
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | None
     spare: bool = True
     stream: SocketStream | None = None
     hello: Hello | None = None
@@ -47,11 +51,34 @@ class WorkerProcess:
     generation: int = 0
     gone: bool = False
     warmed: bool = False  # was sent Warm
+    closed: bool = False  # its connection ended
+    told_to_stop: bool = False  # sent Stop after it was judged lost
+
+    @property
+    def pid(self) -> int:
+        """The process id: the one started, else the one its Hello gave (-1 before it)."""
+        if self.popen is not None:
+            return self.popen.pid
+        return self.hello.pid if self.hello is not None else -1
+
+    def exit_code(self) -> int | None:
+        """The started process's exit code; None while it runs, and always for a worker not started here."""
+        return self.popen.poll() if self.popen is not None else None
+
+    def running(self) -> bool:
+        """Started here and not exited, or (not started here) connected."""
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return self.stream is not None and not self.closed and not self.gone  # a lost one may never close
+
+    def stopped(self) -> bool:
+        """Started here and stopped (SIGSTOP); a worker not started here may be on another host: never."""
+        return self.popen is not None and self.popen.poll() is None and is_stopped(self.popen.pid)
 
     @property
     def ready_spare(self) -> bool:
         """A spare that said hello and can be seated at once."""
-        return self.spare and not self.gone and self.hello is not None
+        return self.spare and not self.gone and not self.closed and self.hello is not None
 
 
 def is_stopped(pid: int) -> bool:
@@ -127,6 +154,12 @@ class ProcessPool:
     def get(self, worker: int) -> WorkerProcess | None:
         return self.procs.get(worker)
 
+    def admit(self, worker: int) -> WorkerProcess:
+        """Track a worker the controller did not start (it said hello on its own), as a spare."""
+        proc = WorkerProcess(worker=worker, popen=None)
+        self.procs[worker] = proc
+        return proc
+
     def spawn(self) -> WorkerProcess:
         """Start a new worker process (a spare until seated)."""
         worker = self._next_worker
@@ -163,7 +196,7 @@ class ProcessPool:
     def signal(self, worker: int, sig: str) -> bool:
         """Send ``SIG<sig>`` to ``worker``; False when it has already exited."""
         proc = self.procs.get(worker)
-        if proc is None or proc.popen.poll() is not None:
+        if proc is None or proc.popen is None or proc.popen.poll() is not None:
             return False
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.popen.pid, getattr(signal, f"SIG{sig}"))
@@ -173,7 +206,7 @@ class ProcessPool:
         """Processes that exited since the last call, with their return codes; each is then marked gone."""
         exited = []
         for proc in self:
-            code = proc.popen.poll()
+            code = proc.exit_code()
             if code is not None and not proc.gone:
                 proc.gone = True
                 exited.append((proc, code))
@@ -181,16 +214,16 @@ class ProcessPool:
 
     def spares_missing(self) -> int:
         """How many spares to start to keep ``config.spares`` alive."""
-        alive = [p for p in self if p.spare and not p.gone and p.popen.poll() is None]
+        alive = [p for p in self if p.spare and not p.gone and p.running()]
         return self.config.spares - len(alive)
 
     def running(self) -> bool:
-        return any(p.popen.poll() is None for p in self)
+        return any(p.running() for p in self)
 
     def kill_all(self) -> None:
         """SIGKILL every process still running and wait for it. SIGTERM alone does not stop a JAX process
         once jax.distributed is up (its preemption notifier takes the signal)."""
         for proc in self:
-            if proc.popen.poll() is None:
+            if proc.popen is not None and proc.popen.poll() is None:
                 proc.popen.kill()
                 proc.popen.wait()

@@ -16,6 +16,7 @@ import msgspec
 
 __all__ = [
     "ENV_COMPILE_CACHE",
+    "ENV_CONNECT_S",
     "ENV_CONTROLLER",
     "ENV_HEARTBEAT_S",
     "ENV_JAX_HEARTBEAT_S",
@@ -34,6 +35,7 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "Joined",
+    "Lease",
     "MalformedMessage",
     "Restore",
     "Stop",
@@ -56,6 +58,7 @@ ENV_JAX_HEARTBEAT_S = "ELASTIC_JAX_HEARTBEAT_S"
 ENV_JAX_SHUTDOWN_S = "ELASTIC_JAX_SHUTDOWN_S"
 ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
 ENV_COMPILE_CACHE = "ELASTIC_COMPILE_CACHE"  # persistent XLA cache directory shared by the workers
+ENV_CONNECT_S = "ELASTIC_CONNECT_TIMEOUT_S"  # how long a worker tries to reach the controller (default 120)
 ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room to kill mid-run)
 
 MAX_LINE = 1 << 20  # a heartbeat is ~150 bytes; anything near this is garbage or an attack
@@ -131,6 +134,7 @@ class Form(Message, frozen=True, kw_only=True):
     read_files: bool = True  # look in the replica files when this process holds no state in memory
     faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (runtime.testing.grammar)
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
+    run_id: str = ""  # the run's id, for a worker not started with it in its environment (ELASTIC_RUN_ID)
 
 
 class Restore(Message, frozen=True, kw_only=True):
@@ -152,8 +156,16 @@ class Stop(Message, frozen=True, kw_only=True):
     reason: str
 
 
+class Lease(Message, frozen=True, kw_only=True):
+    """The controller still counts on this worker for ``seconds`` from when it arrives; renewed every heartbeat
+    interval (service mode). A worker whose lease runs out (cut off from the controller, which will re-form
+    without it) stops stepping and writing replicas until it hears from the controller again."""
+
+    seconds: float
+
+
 WorkerMessage = Union[Hello, Heartbeat, Joined, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
-ControllerMessage = Union[Form, Restore, Warm, Stop]  # noqa: UP007
+ControllerMessage = Union[Form, Restore, Warm, Stop, Lease]  # noqa: UP007
 
 
 class MalformedMessage(ValueError):
@@ -179,10 +191,10 @@ def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Finished | F
     return message
 
 
-def decode_from_controller(line: bytes) -> Form | Restore | Warm | Stop:
+def decode_from_controller(line: bytes) -> Form | Restore | Warm | Stop | Lease:
     """Decode one line the controller sent. Raises MalformedMessage naming what was wrong."""
     try:
-        message: Form | Restore | Warm | Stop = _from_controller.decode(line)
+        message: Form | Restore | Warm | Stop | Lease = _from_controller.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
     return message

@@ -38,6 +38,7 @@ import numpy as np
 from runtime.cluster import auth
 from runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
+    ENV_CONNECT_S,
     ENV_CONTROLLER,
     ENV_HEARTBEAT_S,
     ENV_JAX_HEARTBEAT_S,
@@ -55,6 +56,7 @@ from runtime.cluster.protocol import (
     Heartbeat,
     Hello,
     Joined,
+    Lease,
     MalformedMessage,
     Message,
     Restore,
@@ -104,6 +106,8 @@ class ControllerLink:
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.inbox: queue.Queue[Inbound] = queue.Queue()
+        # Monotonic time the controller's lease runs out; no lease until the first one (launch mode has none).
+        self.lease_until = float("inf")
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="controller-reader", daemon=True).start()
 
@@ -116,6 +120,10 @@ class ControllerLink:
                 log.error("lost the controller connection while sending: %s", exc)
                 self.inbox.put(Stop(reason=f"controller connection lost: {exc}"))
 
+    def leased(self) -> bool:
+        """Whether the controller still counts on this worker (its last lease has not run out)."""
+        return time.monotonic() < self.lease_until
+
     def close(self) -> None:
         """Close the connection; the reader thread then puts a Stop in ``inbox``."""
         with contextlib.suppress(OSError):
@@ -126,9 +134,14 @@ class ControllerLink:
         with self._lines, contextlib.suppress(OSError):
             for line in self._lines:
                 try:
-                    self.inbox.put(decode_from_controller(line))
+                    message = decode_from_controller(line)
                 except MalformedMessage as exc:
                     log.error("malformed message from the controller ignored: %s", exc)
+                    continue
+                if isinstance(message, Lease):
+                    self.lease_until = time.monotonic() + message.seconds
+                else:
+                    self.inbox.put(message)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
         self.inbox.put(Stop(reason="controller connection closed"))
 
@@ -225,6 +238,10 @@ class Worker:
 
         started = time.monotonic()
         self._deferred = None
+        if form.run_id and not self.identity:
+            # Started by a cluster, not by launch: the run's id comes with the first Form, before any replica
+            # is read or written, so that only this run's replicas are ever restored here too.
+            self.identity = run_identity(form.run_id, self.template, self.target_steps)
         if form.faults:
             attach_worker_faults(self, form.faults)
         if self.initialized:
@@ -359,6 +376,10 @@ class Worker:
                 message = self.link.inbox.get()
                 if not self._defer(message):
                     return message
+            if not self.link.leased():
+                heard = self._fenced()
+                if heard is not None:
+                    return heard
             future = self._pool.submit(self._run_step, self.state, position, self.step + 1)
             outcome = self._await(future, users_code=True)
             if isinstance(outcome, Message):
@@ -369,20 +390,44 @@ class Worker:
             self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
             position += 1
             self.ram = replica(self.step, position, host_copy(new_state), self.identity)
-            self.replicas.save(self.ram)
+            if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
+                self.replicas.save(self.ram)
             self._heartbeat()
         self._finish(target)
         return None
+
+    def _fenced(self) -> Inbound | None:
+        """The lease ran out: no step and no replica write until the controller is heard again. Returns its
+        next message (a Form, a Stop), or None when only the lease was renewed (a short blip)."""
+        log.warning(
+            "worker %d: no lease from the controller; stopped stepping and writing replicas at step %d",
+            self.worker,
+            self.step,
+        )
+        while True:
+            try:
+                message = self.link.inbox.get(timeout=0.1)
+            except queue.Empty:
+                if self.link.leased():
+                    log.warning("worker %d: lease renewed; stepping again", self.worker)
+                    return None
+                continue
+            if not self._defer(message):  # a planned re-forming waits for its step, as in _train
+                return message
 
     def _await(
         self, future: Future[tuple[PyTree, float]], *, users_code: bool = False
     ) -> tuple[PyTree, float] | Inbound | None:
         """The step's result; a controller message if one came while the step hung; None if the step raised.
         ``users_code``: the future runs the user's data and step, whose own errors end the run."""
+        lapsed = False
         while True:
             try:
                 return future.result(timeout=0.02)
             except FutureTimeout:
+                if not self.link.leased() and not lapsed:
+                    lapsed = True  # a step blocked in a collective cannot be stopped; its replica is not written
+                    log.warning("worker %d: no lease from the controller during step %d", self.worker, self.step + 1)
                 if self.link.inbox.empty() or self._defer_head():
                     continue
             except Exception as exc:
@@ -512,6 +557,25 @@ def _leaves(tree: PyTree) -> list[Any]:
     return list(jax.tree.leaves(tree))
 
 
+def connect(address: str, secret: str, timeout_s: float) -> ControllerLink:
+    """Open the link to the controller, trying again for ``timeout_s`` while nothing listens there yet: a
+    cluster starts the workers and the controller in any order (a worker ``launch`` starts finds it up).
+
+    Raises:
+        AuthenticationFailed: a proof was refused (not retried: the secret will not change).
+        OSError: the controller could not be reached within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ControllerLink(address, secret)
+        except OSError as exc:  # not AuthenticationFailed: a refused proof is final
+            if time.monotonic() > deadline:
+                raise
+            log.info("controller %s not reachable yet (%s); trying again", address, exc)
+            time.sleep(0.5)
+
+
 def run_worker(job: TrainJob, steps: int) -> NoReturn:
     """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
 
@@ -552,7 +616,7 @@ def run_worker(job: TrainJob, steps: int) -> NoReturn:
     try:
         if secret is None:
             raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
-        link = ControllerLink(os.environ[ENV_CONTROLLER], secret)
+        link = connect(os.environ[ENV_CONTROLLER], secret, float(os.environ.get(ENV_CONNECT_S, "120")))
         code = Worker(job, steps, worker=worker, link=link, replicas=replicas).serve()
         replicas.wait()
     except Exception:

@@ -1,0 +1,100 @@
+"""``elastic-runtime controller --listen HOST:PORT --nprocs N``: coordinate workers that other hosts start.
+
+It starts no worker: the cluster (a JobSet, TPU VMs, a script per host) starts them with
+``ELASTIC_CONTROLLER=HOST:PORT``, ``ELASTIC_WORKER_ID`` and the run's secret, and the controller coordinates
+whatever says hello with that secret; see ``docs/multiprocess.md``, *Several hosts*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from runtime.cluster import auth
+from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
+from runtime.core.errors import AuthenticationFailed, ElasticRuntimeError
+from runtime.defaults import default_controller
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "controller",
+        help="coordinate N worker processes that the cluster starts (on other hosts)",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+    )
+    parser.add_argument("--listen", type=_address, required=True, metavar="HOST:PORT", help="the controller's port")
+    parser.add_argument("--nprocs", type=int, required=True, help="worker processes in the full group")
+    parser.add_argument("--min-nprocs", type=int, default=None, help="smallest group to go on with after a loss")
+    parser.add_argument("--local-devices", type=int, default=2, help="devices per worker (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="the run's target (default: the first worker's)")
+    parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
+    parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
+    parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
+    parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the first group")
+    parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
+    parser.add_argument("--run-dir", default=None, help="event log and summary.json (default: a new temp dir)")
+    parser.add_argument(
+        "--coordinator-host",
+        default=None,
+        help="the address workers reach the JAX coordination services at; they bind the --listen host (default)",
+    )
+    parser.add_argument(
+        "--coordinator-ports",
+        type=_ports,
+        default=None,
+        metavar="LO-HI",
+        help="ports for the coordination services, one per group generation (default: any free port)",
+    )
+    parser.set_defaults(func=controller_main)
+    return parser
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def _ports(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    if not low.isdigit() or not high.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a port range LO-HI, got {text!r}")
+    return int(low), int(high)
+
+
+def config_from_args(args: argparse.Namespace) -> LaunchConfig:
+    """The run's settings. Raises AuthenticationFailed when the token file cannot be used."""
+    host, port = args.listen
+    if host in ("0.0.0.0", "::") and not args.coordinator_host:
+        raise SystemExit("elastic-runtime controller: --listen on a wildcard address needs --coordinator-host")
+    return LaunchConfig(
+        command=[],
+        nprocs=args.nprocs,
+        min_nprocs=args.min_nprocs,
+        local_devices=args.local_devices,
+        target_steps=args.steps,
+        strategy=args.strategy,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        hang_timeout_s=args.hang_timeout,
+        start_timeout_s=args.start_timeout,
+        max_failures=args.max_failures,
+        run_dir=args.run_dir,
+        secret=auth.load_secret(),
+        listen_host=host,
+        listen_port=port,
+        coordinator_host=args.coordinator_host,
+        coordinator_ports=args.coordinator_ports,
+    )
+
+
+def controller_main(args: argparse.Namespace) -> int:
+    try:
+        result = default_controller(config_from_args(args)).run()
+    except (LaunchError, ElasticRuntimeError, AuthenticationFailed, ValueError) as exc:
+        print(f"elastic-runtime controller: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in result.__dict__.items() if k != "digests"}, default=str))
+    return 0 if result.ok else 1

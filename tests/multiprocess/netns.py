@@ -1,0 +1,196 @@
+"""Simulated hosts for tests: each one a network namespace with its own address, hostname and ``/dev/shm``.
+
+    with SimulatedHosts(3) as hosts:                # namespaces er-<pid>-h0..h2, a bridge, veth pairs
+        hosts.controller_address                    # the bridge's address, in this (the root) namespace
+        hosts.start(0, ["python", ...], env, log)   # a process on host 0
+        hosts.lose(1)                               # every process on host 1 killed, its link removed
+        hosts.partition(2)                          # host 2's link down (its processes live on)
+
+Addresses come from 198.18.0.0/15, the range reserved for network tests (RFC 2544), never a real private
+range: 198.18.N.1 is the bridge (where the controller listens), 198.18.N.(10+K) host K, with N picked so that
+no other bridge on the machine has the same subnet. Each host's processes run in a mount namespace of their
+own with a fresh tmpfs on ``/dev/shm`` (what a host's RAM replica files live in) and an ``/etc/hosts`` in
+which the host's name resolves to its own address, as on a real cluster: gloo (JAX's CPU collectives)
+advertises the address the host's name resolves to.
+
+Everything made is removed on exit, each command bounded in time. Needs root and ``ip``; if the namespaces
+cannot be made, :class:`SimulatedHosts` raises (the tests fail, they do not skip).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["SimulatedHosts"]
+
+_TIMEOUT_S = 10.0  # any one `ip` command
+
+
+def _ip(*args: str, check: bool = True) -> str:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_TIMEOUT_S)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def _free_subnet() -> int:
+    """A third octet N such that no address of 198.18.N.0/24 is on any interface here."""
+    taken = _ip("-4", "-o", "addr", "show")
+    start = os.getpid() % 250
+    for n in (start + i for i in range(250)):
+        octet = n % 250 + 1
+        if f"inet 198.18.{octet}." not in taken:
+            return octet
+    raise RuntimeError("no free /24 in 198.18.0.0/16 for the simulated hosts")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> None:
+    """Remove what a test process killed before its cleanup (SIGKILL, a lost CI runner) left behind: the
+    namespaces, links and bridges named after a process that no longer exists."""
+    for name in _ip("netns", "list", check=False).split():
+        found = re.fullmatch(r"er-(\d+)-h\d+", name)
+        if found and not _alive(int(found[1])):
+            for pid in _ip("netns", "pids", name, check=False).split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            _ip("netns", "del", name, check=False)
+    for name in re.findall(r"^\d+: (er\d+(?:br|h\d+))[@:]", _ip("-o", "link", "show", check=False), re.M):
+        found = re.match(r"er(\d+)", name)
+        if found and not _alive(int(found[1])):
+            _ip("link", "del", name, check=False)
+
+
+class SimulatedHosts:
+    """``count`` network namespaces on one bridge; a context manager that removes all of it on exit.
+
+    Raises:
+        RuntimeError: a namespace, link or address could not be made (not root, no ``ip``, no netns support).
+    """
+
+    def __init__(self, count: int) -> None:
+        tag = str(os.getpid())
+        self.count = count
+        self.bridge = f"er{tag}br"
+        self.namespaces = [f"er-{tag}-h{k}" for k in range(count)]
+        self._links = [f"er{tag}h{k}" for k in range(count)]  # the root end of each host's veth pair
+        self._folder = Path(tempfile.mkdtemp(prefix="er-hosts-"))
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._octet = 0
+
+    @property
+    def controller_address(self) -> str:
+        """The bridge's address: the controller, in the root namespace, listens here."""
+        return f"198.18.{self._octet}.1"
+
+    def address(self, k: int) -> str:
+        return f"198.18.{self._octet}.{10 + k}"
+
+    def __enter__(self) -> SimulatedHosts:
+        try:
+            sweep_stale()
+            self._octet = _free_subnet()
+            _ip("link", "add", self.bridge, "type", "bridge")
+            # A bridge without an address of its own takes its lowest port's: losing that host would change
+            # the controller's MAC address, and every other host's traffic to it would go nowhere until
+            # their ARP entries expired (seen: every worker judged lost at once).
+            _ip("link", "set", self.bridge, "address", f"02:00:00:00:{self._octet:02x}:01")
+            _ip("addr", "add", f"{self.controller_address}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for k, (ns, link) in enumerate(zip(self.namespaces, self._links, strict=True)):
+                _ip("netns", "add", ns)
+                _ip("link", "add", link, "type", "veth", "peer", "name", f"{link}p")
+                _ip("link", "set", f"{link}p", "netns", ns)
+                _ip("link", "set", link, "master", self.bridge)
+                _ip("link", "set", link, "up")
+                _ip("-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", f"{link}p")
+                _ip("-n", ns, "link", "set", f"{link}p", "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                # The host's name resolves to its own address (gloo advertises that address to its peers).
+                (self._folder / f"hosts-{k}").write_text(f"127.0.0.1 localhost\n{self.address(k)} host{k}\n")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def start(self, k: int, command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        """Start ``command`` on host ``k``: its namespace, hostname ``hostK``, its own ``/dev/shm``."""
+        setup = 'mount -t tmpfs tmpfs /dev/shm && mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"'
+        wrapped = [
+            *("ip", "netns", "exec", self.namespaces[k]),
+            *("unshare", "--mount", "--uts", "--propagation", "private"),
+            *("sh", "-c", setup, str(self._folder / f"hosts-{k}"), f"host{k}", *command),
+        ]
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(wrapped, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self._procs.append(proc)
+        return proc
+
+    def pids(self, k: int) -> list[int]:
+        """Every process in host ``k``'s network namespace."""
+        return [int(pid) for pid in _ip("netns", "pids", self.namespaces[k], check=False).split()]
+
+    def lose(self, k: int) -> None:
+        """Host ``k`` vanishes as a machine that loses power does: its link goes down first (no FIN, no RST
+        reaches anyone), then every process in it is killed and its link removed."""
+        _ip("link", "set", self._links[k], "down", check=False)
+        self._kill(k)
+        _ip("link", "del", self._links[k], check=False)
+
+    def partition(self, k: int) -> None:
+        """Cut host ``k`` off the network; its processes go on."""
+        _ip("link", "set", self._links[k], "down")
+
+    def heal(self, k: int) -> None:
+        _ip("link", "set", self._links[k], "up")
+
+    def _kill(self, k: int) -> None:
+        for _ in range(5):  # a process may fork while we kill; bounded
+            pids = self.pids(k)
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        """Kill every process on every host, remove the namespaces, links and the bridge. Idempotent."""
+        for k, ns in enumerate(self.namespaces):
+            if ns in _ip("netns", "list", check=False).split():
+                self._kill(k)
+                _ip("netns", "del", ns, check=False)
+        for proc in self._procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=_TIMEOUT_S)
+        for link in self._links:  # deleting a namespace removes its end of the pair, and so the pair
+            _ip("link", "del", link, check=False)
+        _ip("link", "del", self.bridge, check=False)
+        for path in self._folder.glob("*"):
+            path.unlink()
+        with contextlib.suppress(OSError):
+            self._folder.rmdir()
