@@ -2,14 +2,17 @@
 
 Each attack is what an earlier version let any local user do (issue 17): say ``Hello`` for the ids the
 controller hands out, forge a ``Heartbeat(step=600)`` and ``Finished``, ask for ``target_steps=1``, poll the
-next ids for a fresh spare's ``Warm``, open hundreds of idle connections, flood malformed lines. Blocking
-sockets, run in a thread next to the controller. Every connection must end closed by the controller, and
+next ids for a fresh spare's ``Warm``, open hundreds of idle connections, flood malformed lines; and, from
+another simulated host (``attacker_main.py``, test_hosts_attacked.py): garbage bytes, a 10 MB line, protocol
+messages without the handshake, a recorded proof replayed. Blocking sockets, run in a thread next to the
+controller or in a process of their own. Every connection must end closed by the controller, and
 the only thing it may ever have received is the handshake's ``Challenge``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
 from collections.abc import Callable
@@ -26,17 +29,22 @@ _challenge = msgspec.json.Decoder(Challenge)
 
 @dataclass
 class Attacker:
-    """Attacks on ``port``; ``connections`` counts the ones opened, ``problems`` what the controller let through."""
+    """Attacks on ``host:port`` (from ``source``'s address if given); ``connections`` counts the ones opened,
+    ``challenges`` the handshake challenges received on them, ``problems`` what the controller let through."""
 
     port: int
     timeout_s: float = 30.0
+    host: str = "127.0.0.1"
+    source: str | None = None
     connections: int = 0
+    challenges: int = 0
     problems: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _open(self) -> socket.socket | None:
         try:
-            sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout_s)
+            source = (self.source, 0) if self.source else None
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s, source_address=source)
         except OSError:
             return None  # the run is over: the listener is closed
         with self._lock:
@@ -60,6 +68,9 @@ class Attacker:
                 _challenge.decode(line)
             except msgspec.MsgspecError:
                 self._problem(f"{what}: the controller sent {line[:100]!r}")
+            else:
+                with self._lock:
+                    self.challenges += 1
 
     def _problem(self, text: str) -> None:
         with self._lock:
@@ -94,6 +105,32 @@ class Attacker:
         self._send([b"\xff not json at all\n"] * lines, "malformed flood")
         for _ in range(lines // 10):
             self._send([b'{"type": "Heartbeat"}\n'], "malformed line")
+
+    def garbage(self, count: int, size: int = 4096) -> None:
+        """``count`` connections that each send ``size`` random bytes (the same on every run)."""
+        noise = random.Random(0)
+        for _ in range(count):
+            self._send([noise.randbytes(size)], "garbage bytes")
+
+    def long_line(self, count: int, size: int = 10 << 20) -> None:
+        """``count`` connections that each send one line of ``size`` bytes (10 MB)."""
+        line = b"x" * (size - 1) + b"\n"
+        for _ in range(count):
+            self._send([line], f"a {size}-byte line")
+
+    def no_proof(self, worker: int) -> None:
+        """Well-formed protocol messages for ``worker`` as the first lines: a Heartbeat(step=600) and a Finished."""
+        lines = [
+            encode(Heartbeat(worker=worker, generation=1, step=600, sent_at=0.0)),
+            encode(Finished(worker=worker, generation=1, step=600, digest="forged")),
+        ]
+        self._send(lines, f"messages without the handshake for worker {worker}")
+
+    def replay(self, answer: bytes, worker: int, count: int) -> None:
+        """A recorded ``Answer`` line (a real proof of the secret, for another connection's nonce) sent again on
+        ``count`` connections, each followed by a Hello for ``worker``."""
+        for _ in range(count):
+            self._send([answer, encode(Hello(worker=worker, pid=1, target_steps=1))], "replayed proof")
 
     def idle(self, count: int) -> None:
         """``count`` connections that never send a byte; each must be closed by the controller."""

@@ -3,6 +3,7 @@
     with SimulatedHosts(3) as hosts:                # namespaces er-<pid>-h0..h2, a bridge, veth pairs
         hosts.controller_address                    # the bridge's address, in this (the root) namespace
         hosts.start(0, ["python", ...], env, log)   # a process on host 0
+        hosts.add_address(3)                        # another address on host 3 (198.18.N.128 on)
         hosts.lose(1)                               # every process on host 1 killed, its link removed
         hosts.partition(2)                          # host 2's link down (its processes live on)
 
@@ -94,6 +95,7 @@ class SimulatedHosts:
         self._folder = Path(tempfile.mkdtemp(prefix="er-hosts-"))
         self._procs: list[subprocess.Popen[bytes]] = []
         self._octet = 0
+        self._extra = 0  # addresses added to hosts beyond their own (add_address)
 
     @property
     def controller_address(self) -> str:
@@ -102,6 +104,13 @@ class SimulatedHosts:
 
     def address(self, k: int) -> str:
         return f"198.18.{self._octet}.{10 + k}"
+
+    def add_address(self, k: int) -> str:
+        """Another address for host ``k`` (198.18.N.128 on): a process there can send from several hosts' addresses."""
+        address = f"198.18.{self._octet}.{128 + self._extra}"
+        _ip("-n", self.namespaces[k], "addr", "add", f"{address}/24", "dev", f"{self._links[k]}p")
+        self._extra += 1
+        return address
 
     def __enter__(self) -> SimulatedHosts:
         try:
