@@ -21,7 +21,6 @@ All on 8 CPU devices, mesh data=4 x model=2, each in-process run with an empty c
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -43,6 +42,9 @@ from runtime.testing import FaultInjector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "flax_lm.py"
+sys.path.insert(0, str(EXAMPLE.parent))
+import flax_lm  # noqa: E402  (examples/flax_lm.py)
+
 GLOBAL_BATCH = 48
 POLICY = MeshPolicy({"data": 4, "model": 2}, global_batch=GLOBAL_BATCH, slice_size=2)
 FAULT_AFTER = 20
@@ -67,15 +69,6 @@ step = jax.jit(job.step, in_shardings=(state_sharding, shardings_for(job.batch_s
 state, metrics = step(state, jax.device_put(job.data.batch(99), shardings_for(job.batch_spec, mesh)))
 print("loss", float(metrics["loss"]), flush=True)
 """
-
-
-def load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("flax_lm", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["flax_lm"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def in_process(job: Any, run_dir: str, *, after_compiles: bool) -> dict[str, float]:
@@ -137,8 +130,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    example = load_example()
-    job = example.make_job(example.ModelConfig(), global_batch=GLOBAL_BATCH)
+
+    job = flax_lm.make_job(flax_lm.ModelConfig(), global_batch=GLOBAL_BATCH)
     late: list[dict[str, float]] = []
     early: list[dict[str, float]] = []
     restarts: list[float] = []

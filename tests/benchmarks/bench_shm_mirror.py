@@ -15,7 +15,6 @@ flax example's state (91 arrays, 5.4 MB):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import sys
@@ -35,15 +34,8 @@ from runtime.core.snapshot import HostSnapshot  # noqa: E402
 from storage.disk import DiskTier  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flax_lm.py"
-
-
-def load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("flax_lm", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["flax_lm"] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(EXAMPLE.parent))
+import flax_lm  # noqa: E402  (examples/flax_lm.py)
 
 
 def train_until(stop: threading.Event, job: Any) -> None:
@@ -112,8 +104,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    example = load_example()
-    job = example.make_job(example.ModelConfig(), global_batch=48)
+
+    job = flax_lm.make_job(flax_lm.ModelConfig(), global_batch=48)
     tree = jax.tree.map(np.asarray, job.init())
     root = Path(tempfile.mkdtemp(prefix="bench-shm-", dir="/dev/shm"))
     result: dict[str, Any] = {

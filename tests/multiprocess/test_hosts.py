@@ -10,12 +10,14 @@ state matches the fault-free run (1e-5 relative: some steps ran on a data axis o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,63 +55,91 @@ def events(run_dir: Path) -> list[Any]:
     return read_events(path) if path.exists() else []
 
 
+@dataclass
+class ServiceRun:
+    """A run of the controller as a service on simulated hosts, as a cluster would start it."""
+
+    controller: subprocess.Popen[bytes]
+    address: str  # the controller's host:port on the bridge
+    run_dir: Path
+    secret: str
+    env: dict[str, str]  # the environment without the worker's own variables (the attacker's too)
+    worker_env: dict[str, str]  # what a cluster gives each worker, but its id
+    worker: list[str]  # the worker command
+
+
+@contextlib.contextmanager
+def service_run(
+    hosts: SimulatedHosts, tmp_path: Path, *, step_delay_s: float, min_nprocs: int | None = None
+) -> Iterator[ServiceRun]:
+    """Start ``elastic-runtime controller`` in the root namespace (secret from a token file) and one worker on
+    each of the first NPROCS hosts; the controller is killed on the way out if it still runs."""
+    secret = os.urandom(32).hex()
+    token = tmp_path / "token"
+    token.write_text(secret)
+    token.chmod(0o600)
+    run_dir = tmp_path / "run"
+    address = f"{hosts.controller_address}:{free_port(hosts.controller_address)}"
+    low = free_port(hosts.controller_address)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+    env["ELASTIC_RUNTIME_TOKEN_FILE"] = str(token)
+    command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", address]
+    command += ["--nprocs", str(NPROCS), "--steps", str(STEPS)]
+    command += [] if min_nprocs is None else ["--min-nprocs", str(min_nprocs)]
+    command += ["--run-dir", str(run_dir), "--coordinator-ports", f"{low}-{low + 20}"]
+    with open(tmp_path / "controller.log", "wb") as log:
+        controller = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log)
+    try:
+        # What a cluster gives each worker: the controller's address, a worker id, the secret (a file).
+        worker_env = env | {
+            "ELASTIC_CONTROLLER": address,
+            "ELASTIC_RESULT": str(tmp_path / "final"),  # process 0 commits the final state there
+            "ELASTIC_STEP_DELAY_S": str(step_delay_s),  # room for what the test does while the run trains
+            "ELASTIC_COMPILE_CACHE": str(tmp_path / "xla-cache"),
+        }
+        worker = [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
+        for k in range(NPROCS):
+            hosts.start(k, worker, worker_env | {"ELASTIC_WORKER_ID": str(k)}, tmp_path / f"worker-{k}.log")
+        yield ServiceRun(controller, address, run_dir, secret, env, worker_env, worker)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait()
+
+
 @pytest.mark.parametrize("fault", ["lose", "partition"])
 def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(
     tmp_path: Path, reference: Path, fault: str
 ) -> None:
     # "partition": host 1's link goes down and comes back after the survivors re-formed; its worker, alive
     # all along, is never taken back, and is told to exit when its heartbeats reach the controller again.
-    token = tmp_path / "token"
-    token.write_text(os.urandom(32).hex())
-    token.chmod(0o600)
-    run_dir = tmp_path / "run"
-    with SimulatedHosts(NPROCS + 1) as hosts:  # the last host is the replacement's, empty until then
-        address = f"{hosts.controller_address}:{free_port(hosts.controller_address)}"
-        low = free_port(hosts.controller_address)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
-        env["ELASTIC_RUNTIME_TOKEN_FILE"] = str(token)
-        command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", address]
-        command += ["--nprocs", str(NPROCS), "--min-nprocs", str(NPROCS - 1), "--steps", str(STEPS)]
-        command += ["--run-dir", str(run_dir), "--coordinator-ports", f"{low}-{low + 20}"]
-        with open(tmp_path / "controller.log", "wb") as log:
-            controller = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log)
-        try:
-            # What a cluster gives each worker: the controller's address, a worker id, the secret (a file).
-            worker_env = env | {
-                "ELASTIC_CONTROLLER": address,
-                "ELASTIC_RESULT": str(tmp_path / "final"),  # process 0 commits the final state there
-                "ELASTIC_STEP_DELAY_S": "0.3",  # room to lose a host mid-run and for the replacement to start
-                "ELASTIC_COMPILE_CACHE": str(tmp_path / "xla-cache"),
-            }
-            worker = [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
-            for k in range(NPROCS):
-                hosts.start(k, worker, worker_env | {"ELASTIC_WORKER_ID": str(k)}, tmp_path / f"worker-{k}.log")
+    with (
+        SimulatedHosts(NPROCS + 1) as hosts,  # the last host is the replacement's, empty until then
+        service_run(hosts, tmp_path, step_delay_s=0.3, min_nprocs=NPROCS - 1) as run,
+    ):
+        controller, run_dir, worker_env, worker = run.controller, run.run_dir, run.worker_env, run.worker
 
-            def committed(step: int) -> bool:
-                return any(isinstance(e, StepCompleted) and e.step >= step for e in events(run_dir))
+        def committed(step: int) -> bool:
+            return any(isinstance(e, StepCompleted) and e.step >= step for e in events(run_dir))
 
-            def regrouped() -> bool:
-                return any(isinstance(e, GroupFormed) and e.generation == 2 for e in events(run_dir))
+        def regrouped() -> bool:
+            return any(isinstance(e, GroupFormed) and e.generation == 2 for e in events(run_dir))
 
-            wait_for("step 5", lambda: committed(5), controller)
-            lost_at = time.monotonic()  # the events' mono_time is the same clock (CLOCK_MONOTONIC, one machine)
-            hosts.lose(1) if fault == "lose" else hosts.partition(1)
-            # The survivors go on without it (min_nprocs) rather than wait for a replacement.
-            wait_for("the survivors' group", regrouped, controller)
-            if fault == "partition":
-                hosts.heal(1)
-            # The orchestrator's replacement: a new process on a new host with nothing in its /dev/shm, a new id.
-            replacement = worker_env | {"ELASTIC_WORKER_ID": str(NPROCS)}
-            hosts.start(NPROCS, worker, replacement, tmp_path / f"worker-{NPROCS}.log")
-            out, _ = controller.communicate(timeout=_WAIT_S)
-            deadline = time.monotonic() + _WAIT_S
-            while hosts.pids(1):  # the partitioned worker ends too (told to exit, or its connection closed)
-                assert time.monotonic() < deadline, f"host 1 still runs {hosts.pids(1)} after the run ended"
-                time.sleep(0.1)
-        finally:
-            if controller.poll() is None:
-                controller.kill()
-                controller.wait()
+        wait_for("step 5", lambda: committed(5), controller)
+        lost_at = time.monotonic()  # the events' mono_time is the same clock (CLOCK_MONOTONIC, one machine)
+        hosts.lose(1) if fault == "lose" else hosts.partition(1)
+        # The survivors go on without it (min_nprocs) rather than wait for a replacement.
+        wait_for("the survivors' group", regrouped, controller)
+        if fault == "partition":
+            hosts.heal(1)
+        # The orchestrator's replacement: a new process on a new host with nothing in its /dev/shm, a new id.
+        replacement = worker_env | {"ELASTIC_WORKER_ID": str(NPROCS)}
+        hosts.start(NPROCS, worker, replacement, tmp_path / f"worker-{NPROCS}.log")
+        out, _ = controller.communicate(timeout=_WAIT_S)
+        deadline = time.monotonic() + _WAIT_S
+        while hosts.pids(1):  # the partitioned worker ends too (told to exit, or its connection closed)
+            assert time.monotonic() < deadline, f"host 1 still runs {hosts.pids(1)} after the run ended"
+            time.sleep(0.1)
     log_text = (tmp_path / "controller.log").read_text()
     assert controller.returncode == 0, log_text
     result = json.loads(out.decode().strip().splitlines()[-1])

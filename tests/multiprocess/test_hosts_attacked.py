@@ -18,9 +18,7 @@ on, so the controller refuses it as a wrong proof.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,11 +26,10 @@ from pathlib import Path
 import pytest
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
 from netns import SimulatedHosts
-from test_hosts import events, wait_for
+from test_hosts import events, service_run, wait_for
 from test_launcher_recovery import final_state
 
 from runtime.cluster import auth
-from runtime.cluster.coordination import free_port
 from runtime.core.eventlog import read_events
 from runtime.core.events import ConnectionRefused, MalformedHeartbeat, StepCompleted, WorkerLost
 from runtime.testing.compare import compare_states
@@ -61,50 +58,24 @@ def record_answer(address: str, secret: str) -> bytes:
 
 @pytest.mark.timeout(150)
 def test_bad_input_from_another_host_is_refused_and_training_is_unaffected(tmp_path: Path, reference: Path) -> None:
-    secret = os.urandom(32).hex()
-    token = tmp_path / "token"
-    token.write_text(secret)
-    token.chmod(0o600)
-    run_dir = tmp_path / "run"
-    with SimulatedHosts(NPROCS + 1) as hosts:  # the last host is the attacker's
+    # The last host is the attacker's; the steps are slowed to leave room for every attack while the run trains.
+    with SimulatedHosts(NPROCS + 1) as hosts, service_run(hosts, tmp_path, step_delay_s=0.5) as run:
+        controller, run_dir, address = run.controller, run.run_dir, run.address
         sources = {kind: hosts.add_address(NPROCS) for kind in KINDS}
-        address = f"{hosts.controller_address}:{free_port(hosts.controller_address)}"
-        low = free_port(hosts.controller_address)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
-        env["ELASTIC_RUNTIME_TOKEN_FILE"] = str(token)
-        command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", address]
-        command += ["--nprocs", str(NPROCS), "--steps", str(STEPS)]
-        command += ["--run-dir", str(run_dir), "--coordinator-ports", f"{low}-{low + 20}"]
-        with open(tmp_path / "controller.log", "wb") as log:
-            controller = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log)
-        try:
-            worker_env = env | {
-                "ELASTIC_CONTROLLER": address,
-                "ELASTIC_RESULT": str(tmp_path / "final"),
-                "ELASTIC_STEP_DELAY_S": "0.5",  # room for every attack while the run trains
-                "ELASTIC_COMPILE_CACHE": str(tmp_path / "xla-cache"),
-            }
-            worker = [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
-            for k in range(NPROCS):
-                hosts.start(k, worker, worker_env | {"ELASTIC_WORKER_ID": str(k)}, tmp_path / f"worker-{k}.log")
 
-            def committed(step: int) -> bool:
-                return any(isinstance(e, StepCompleted) and e.step >= step for e in events(run_dir))
+        def committed(step: int) -> bool:
+            return any(isinstance(e, StepCompleted) and e.step >= step for e in events(run_dir))
 
-            wait_for("step 3", lambda: committed(3), controller)
-            answer = record_answer(address, secret)
-            attack = [sys.executable, str(Path(__file__).with_name("attacker_main.py")), address, answer.hex()]
-            attack += [f"{kind}={source}" for kind, source in sources.items()]
-            started = time.monotonic()
-            attacker = hosts.start(NPROCS, attack, env, tmp_path / "attacker.log")
-            assert attacker.wait(timeout=60) == 0, (tmp_path / "attacker.log").read_text()
-            attack_s = time.monotonic() - started
-            assert controller.poll() is None, "the run ended before the attacks did"
-            out, _ = controller.communicate(timeout=90)
-        finally:
-            if controller.poll() is None:
-                controller.kill()
-                controller.wait()
+        wait_for("step 3", lambda: committed(3), controller)
+        answer = record_answer(address, run.secret)
+        attack = [sys.executable, str(Path(__file__).with_name("attacker_main.py")), address, answer.hex()]
+        attack += [f"{kind}={source}" for kind, source in sources.items()]
+        started = time.monotonic()
+        attacker = hosts.start(NPROCS, attack, run.env, tmp_path / "attacker.log")
+        assert attacker.wait(timeout=60) == 0, (tmp_path / "attacker.log").read_text()
+        attack_s = time.monotonic() - started
+        assert controller.poll() is None, "the run ended before the attacks did"
+        out, _ = controller.communicate(timeout=90)
     log_text = (tmp_path / "controller.log").read_text()
     assert controller.returncode == 0, log_text
     result = json.loads(out.decode().strip().splitlines()[-1])
