@@ -24,7 +24,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "demo", help="train a small model, lose a slice mid-run, recover in-process", description=__doc__
     )
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps to train (default %(default)s)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help=f"steps to train (default {DEFAULT_STEPS}; with --hosts 60)"
+    )
     parser.add_argument("--devices", type=int, default=8, help="virtual CPU devices (default %(default)s)")
     parser.add_argument("--fault-at", type=int, default=None, help="step at which a slice is lost (default steps/3)")
     parser.add_argument("--repair-at", type=int, default=None, help="step at which it returns (default 2*steps/3)")
@@ -45,11 +47,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from runtime.cli.demo_multiprocess import add_multiprocess_arguments
 
     add_multiprocess_arguments(parser)
+    # Multi-host mode on simulated hosts: --hosts N --lose-host-at STEP, handled by runtime/cli/demo_hosts.py.
+    from runtime.cli.demo_hosts import add_hosts_arguments
+
+    add_hosts_arguments(parser)
     parser.set_defaults(func=main)
     return parser
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "hosts", 0):  # multi-host mode on simulated hosts: its own module
+        from runtime.cli.demo_hosts import DEFAULT_STEPS as HOSTS_STEPS
+        from runtime.cli.demo_hosts import run_hosts_demo
+
+        args.steps = HOSTS_STEPS if args.steps is None else args.steps
+        return run_hosts_demo(args)
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS
     if getattr(args, "processes", 0):  # multi-process mode: its own module
         from runtime.cli.demo_multiprocess import run_multiprocess_demo
 

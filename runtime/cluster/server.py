@@ -130,6 +130,9 @@ class WorkerServer:
         self.limiter = ReportLimiter()
         self.refused = 0  # connections refused, all told
         self._pending: dict[anyio.CancelScope, str] = {}  # handshakes in progress, oldest first -> peer
+        # One send at a time on each connection: the lease renewal and the group forming both send, and an
+        # anyio stream refuses a second send while one waits for room (BusyResourceError).
+        self._send_locks: dict[int, anyio.Lock] = {}
 
     async def note(self, kind: Kind, peer: str, reason: str) -> None:
         """Count a refused connection or a malformed line; report it if it is the first in its interval."""
@@ -236,7 +239,11 @@ class WorkerServer:
         """Send ``message`` to ``proc``; a failed send counts as the connection closing."""
         if proc.stream is None:
             return
+        lock = self._send_locks.setdefault(id(proc.stream), anyio.Lock())
         try:
-            await proc.stream.send(encode(message))
+            async with lock:
+                if proc.stream is None:
+                    return
+                await proc.stream.send(encode(message))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             self.on_closed(proc, f"send failed: {exc}")

@@ -1,4 +1,4 @@
-"""The controller as a service for workers on other hosts, each host a network namespace (``netns.py``).
+"""The controller as a service for workers on other hosts, each host a network namespace (``runtime.testing.hosts``).
 
 The controller (``elastic-runtime controller``, a real process in the root namespace) listens on the
 bridge's address with a secret from a token file; one worker x 2 CPU devices per simulated host, started
@@ -24,7 +24,6 @@ from typing import Any
 import anyio
 import pytest
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
-from netns import SimulatedHosts
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
 from runtime.cluster.config import LaunchConfig, LaunchError
@@ -36,6 +35,7 @@ from runtime.core.eventlog import read_events
 from runtime.core.events import ConnectionRefused, GroupFormed, StepCompleted, WorkerLost
 from runtime.defaults import default_controller
 from runtime.testing.compare import compare_states
+from runtime.testing.hosts import SimulatedHosts
 
 pytestmark = pytest.mark.timeout(150)
 

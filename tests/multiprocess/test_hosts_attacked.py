@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
-from netns import SimulatedHosts
 from test_hosts import events, service_run, wait_for
 from test_launcher_recovery import final_state
 
@@ -33,6 +32,7 @@ from runtime.cluster import auth
 from runtime.core.eventlog import read_events
 from runtime.core.events import ConnectionRefused, MalformedHeartbeat, StepCompleted, WorkerLost
 from runtime.testing.compare import compare_states
+from runtime.testing.hosts import SimulatedHosts
 
 # The refusal each kind's first event names (the first of each host is reported at once, with its reason).
 KINDS = {

@@ -1,4 +1,4 @@
-"""Simulated hosts for tests: each one a network namespace with its own address, hostname and ``/dev/shm``.
+"""Simulated hosts (tests, `demo --hosts`): each a network namespace with its own address, hostname, `/dev/shm`.
 
     with SimulatedHosts(3) as hosts:                # namespaces er-<pid>-h0..h2, a bridge, veth pairs
         hosts.controller_address                    # the bridge's address, in this (the root) namespace
