@@ -162,14 +162,22 @@ def answer(secret: str, line: bytes) -> tuple[Answer, str]:
     )
 
 
+class ClosedDuringHandshake(AuthenticationFailed):
+    """The controller closed the connection before its welcome: it refused our proof, or it closed our waiting
+    handshake to make room (it keeps a bounded number; a flood of connections can push a real worker out)."""
+
+
 def check_welcome(expected: str, line: bytes) -> None:
     """The peer's side, second: the controller proved the secret too.
 
     Raises:
-        AuthenticationFailed: the connection closed (the controller refused our proof), or its proof is wrong.
+        ClosedDuringHandshake: the connection closed (our proof refused, or our handshake closed for room).
+        AuthenticationFailed: the controller's proof is wrong.
     """
     if not line:
-        raise AuthenticationFailed("the controller closed the connection: it did not accept our proof of the secret")
+        raise ClosedDuringHandshake(
+            "the controller closed the connection during the handshake: it did not accept our proof of the secret"
+        )
     reply = _decode(_welcome, line, "Welcome")
     if not hmac.compare_digest(reply.proof.encode(), expected.encode()):
         raise AuthenticationFailed("the controller's proof of the secret is wrong: not our controller")

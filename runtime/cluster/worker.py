@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 
 Inbound = Form | Restore | Warm | Stop
 
+# Handshakes the controller may close before a worker gives up (see ``connect``).
+_HANDSHAKE_TRIES = 5
 # How long a step still running when the group re-forms may take to finish before it is abandoned.
 _ABANDON_GRACE_S = 0.2
 
@@ -100,9 +102,14 @@ class ControllerLink:
         host, _, port = address.rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self._lines = self.sock.makefile("rb")
-        answer, expected = auth.answer(secret, self._lines.readline(auth.MAX_LINE))
-        self.sock.sendall(auth.encode(answer))
-        auth.check_welcome(expected, self._lines.readline(auth.MAX_LINE))
+        try:
+            answer, expected = auth.answer(secret, self._lines.readline(auth.MAX_LINE))
+            self.sock.sendall(auth.encode(answer))
+            auth.check_welcome(expected, self._lines.readline(auth.MAX_LINE))
+        except BaseException:
+            self._lines.close()
+            self.sock.close()
+            raise
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.inbox: queue.Queue[Inbound] = queue.Queue()
@@ -561,14 +568,25 @@ def connect(address: str, secret: str, timeout_s: float) -> ControllerLink:
     """Open the link to the controller, trying again for ``timeout_s`` while nothing listens there yet: a
     cluster starts the workers and the controller in any order (a worker ``launch`` starts finds it up).
 
+    A handshake the controller closes is tried again a few times: under a flood of connections the controller
+    closes the oldest waiting handshakes to make room, which may be ours. With a wrong secret every try ends
+    the same way, and the last one's error is raised.
+
     Raises:
-        AuthenticationFailed: a proof was refused (not retried: the secret will not change).
+        AuthenticationFailed: a proof was refused (after the retries above), or the controller's was wrong.
         OSError: the controller could not be reached within ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
+    closed = 0
     while True:
         try:
             return ControllerLink(address, secret)
+        except auth.ClosedDuringHandshake as exc:
+            closed += 1
+            if closed >= _HANDSHAKE_TRIES or time.monotonic() > deadline:
+                raise
+            log.info("controller %s closed our handshake (%s); trying again", address, exc)
+            time.sleep(0.2 * closed)
         except OSError as exc:  # not AuthenticationFailed: a refused proof is final
             if time.monotonic() > deadline:
                 raise

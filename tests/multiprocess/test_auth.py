@@ -31,7 +31,7 @@ from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller import Controller
 from runtime.cluster.protocol import Hello, Stop, encode
 from runtime.cluster.server import ReportLimiter
-from runtime.cluster.worker import ControllerLink
+from runtime.cluster.worker import ControllerLink, connect
 from runtime.core.errors import AuthenticationFailed
 from runtime.core.eventlog import read_events
 from runtime.core.events import ConnectionRefused, Event, MalformedHeartbeat, WorkerExited, WorkerStarted
@@ -146,7 +146,8 @@ def test_without_the_secret_nothing_is_read_idle_connections_close_and_refusals_
         # a worker with the secret still gets in while they are open.
         idle = threading.Thread(target=attacker.idle, args=(300,))
         idle.start()
-        ControllerLink(f"127.0.0.1:{port}", controller.secret).close()  # raises unless both proofs held
+        # As a worker connects (retrying a handshake closed for room); raises unless both proofs held.
+        connect(f"127.0.0.1:{port}", controller.secret, timeout_s=20).close()
         idle.join()
 
     anyio.run(against, controller, attack)
@@ -266,3 +267,16 @@ def test_a_spare_that_dies_before_its_hello_is_replaced_at_once(tmp_path: Path, 
     assert exited and started and started[0] > exited[0]
     assert controller.pool[NPROCS + 1].hello is None  # it died before its hello, as the test means
     assert_same_final_state(tmp_path, reference)
+
+
+def test_a_worker_with_a_wrong_secret_gives_up_after_a_few_closed_handshakes(tmp_path: Path) -> None:
+    controller = stand_in_controller(tmp_path)
+
+    def attack(port: int) -> None:
+        # Each handshake is closed (the proof is refused); retried in case it was closed to make room, then final.
+        with pytest.raises(auth.ClosedDuringHandshake):
+            connect(f"127.0.0.1:{port}", "not the run's secret", timeout_s=20)
+
+    anyio.run(against, controller, attack)
+    refused = events_of(tmp_path, ConnectionRefused)
+    assert sum(e.count for e in refused) == 5 and "wrong proof" in refused[0].reason
