@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,16 +33,15 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
 
 from runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig, read_events  # noqa: E402
-from runtime.core.compiler import shardings_for  # noqa: E402
 from runtime.testing import FaultInjector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "flax_lm.py"
 sys.path.insert(0, str(EXAMPLE.parent))
 import flax_lm  # noqa: E402  (examples/flax_lm.py)
+from bench_recovery import restart, write_checkpoint  # noqa: E402  (the same checkpoint and restart)
 
 GLOBAL_BATCH = 48
 POLICY = MeshPolicy({"data": 4, "model": 2}, global_batch=GLOBAL_BATCH, slice_size=2)
@@ -107,20 +105,6 @@ def in_process(job: Any, run_dir: str, *, after_compiles: bool) -> dict[str, flo
     }
 
 
-def write_checkpoint(job: Any, path: Path) -> None:
-    mesh = POLICY.fit(jax.devices())
-    state = jax.device_put(job.init(), shardings_for(job.state_specs, mesh))
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, state)
-    checkpointer.wait_until_finished()
-
-
-def restart(path: Path) -> float:
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", RESTART, str(path)], check=True, capture_output=True, text=True, cwd=ROOT)
-    return time.perf_counter() - started
-
-
 def median(runs: list[dict[str, float]], key: str) -> float:
     return round(float(np.median([run[key] for run in runs])), 4)
 
@@ -137,11 +121,11 @@ def main() -> None:
     restarts: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "ckpt"
-        write_checkpoint(job, checkpoint)
+        write_checkpoint(checkpoint, job)
         for i in range(args.repeats):
             late.append(in_process(job, f"{tmp}/late-{i}", after_compiles=True))
             early.append(in_process(job, f"{tmp}/early-{i}", after_compiles=False))
-            restarts.append(restart(checkpoint))
+            restarts.append(restart(checkpoint, RESTART))
     result = {
         "after_compiles_recovery_s_median": median(late, "recovery_s"),
         "after_compiles_recovery_s_max": round(max(run["recovery_s"] for run in late), 4),

@@ -32,7 +32,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig, read_events  # noqa: E402
+from runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig, TrainJob, read_events  # noqa: E402
 from runtime.core.compiler import shardings_for  # noqa: E402
 from runtime.testing import FaultInjector  # noqa: E402
 from runtime.testing.demo_model import demo_job  # noqa: E402
@@ -82,8 +82,9 @@ def in_process(tmp: str) -> float:
     return recovery.recovery_s
 
 
-def write_checkpoint(path: Path) -> None:
-    job = demo_job()
+def write_checkpoint(path: Path, job: TrainJob | None = None) -> None:
+    """``job``'s initial state (the demo's by default), sharded over every device, saved with plain Orbax."""
+    job = job or demo_job()
     mesh = POLICY.fit(jax.devices())
     state = jax.device_put(job.init(), shardings_for(job.state_specs, mesh))
     checkpointer = ocp.StandardCheckpointer()
@@ -91,9 +92,10 @@ def write_checkpoint(path: Path) -> None:
     checkpointer.wait_until_finished()
 
 
-def restart(path: Path) -> float:
+def restart(path: Path, script: str = RESTART) -> float:
+    """Seconds from spawning ``python -c script path`` to its exit (the restart's first step done)."""
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", RESTART, str(path)], check=True, capture_output=True, text=True)
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, capture_output=True, text=True)
     return time.perf_counter() - started
 
 

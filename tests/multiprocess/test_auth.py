@@ -122,7 +122,8 @@ async def against(controller: Controller, attack: Any) -> None:
                 await anyio.sleep(0.01)
         await anyio.to_thread.run_sync(attack, controller.port)
         for proc in controller.pool:
-            proc.popen.kill()  # a stand-in ignores Stop; the controller would wait for it
+            if proc.popen is not None:  # none for a worker it did not start (service mode)
+                proc.popen.kill()  # a stand-in ignores Stop; the controller would wait for it
         tg.cancel_scope.cancel()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 import pytest
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
+from test_auth import against
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
 from runtime.cluster.config import LaunchConfig, LaunchError
@@ -207,16 +208,7 @@ def test_a_service_takes_any_new_id_once_and_never_again(tmp_path: Path) -> None
         assert taken.inbox.empty()  # nothing yet: the group waits for a second worker (nprocs=2)
         taken.close()
 
-    async def serve() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(controller.run_async)
-            with anyio.fail_after(10):
-                while not controller.port:
-                    await anyio.sleep(0.01)
-            await anyio.to_thread.run_sync(attack, controller.port)
-            tg.cancel_scope.cancel()
-
-    anyio.run(serve)
+    anyio.run(against, controller, attack)
     refusals = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, ConnectionRefused)]
     assert "already connected" in refusals[0].reason
     assert "already connected or was lost" in refusals[-1].reason and sum(e.count for e in refusals) == 4
