@@ -139,7 +139,7 @@ class Controller(GroupFormer):
         self.pool = ProcessPool(
             config, self.run_dir / "workers", self.replica_dir, self.secret, run_id=self.record.run_id
         )
-        self.group = Membership(config.nprocs)
+        self.group = Membership(config.nprocs, config.slice_size)
         self.recovery = RecoveryTracker("controller", config.max_failures)
         self.server = WorkerServer(
             secret=self.secret,
@@ -196,7 +196,8 @@ class Controller(GroupFormer):
         return self.group.step
 
     def _mesh_shape(self) -> dict[str, int]:
-        return {"data": len(self.members), "model": self.config.local_devices}
+        size = self.config.slice_size
+        return {"data": len(self.members) // size, "model": size * self.config.local_devices}
 
     # --- running -------------------------------------------------------------------------------------------
 
@@ -350,8 +351,9 @@ class Controller(GroupFormer):
 
     def _can_grow(self) -> bool:
         """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
+        ready = sum(p.ready_spare for p in self.pool)
         return (
-            any(p.ready_spare for p in self.pool)
+            len(self.group.seat(self.members, [-1] * ready)) > len(self.members)  # a whole slice more
             and len(self.members) < self.config.nprocs
             and self.recovery.current is None
             and self._restored

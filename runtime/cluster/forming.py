@@ -122,6 +122,10 @@ class GroupFormer:
             timeout = self.config.start_timeout_s if strategy == Strategy.START else self.config.spawn_timeout_s
             recruits = await self._recruit(survivors, timeout)
             members = self.group.seat(survivors, recruits)
+            for worker in set(survivors) | set(recruits):
+                if worker not in members:  # in a slice short of a process: it waits, as a spare, for a replacement
+                    self.pool[worker].spare = True
+                    self.monitor.expect_progress(worker, False)
             self._requests.clear()
             generation = self.group.new_generation(members)
             self._restored = False
@@ -147,6 +151,7 @@ class GroupFormer:
                     faults=worker_faults_text(self.config.faults, process_id) if strategy == Strategy.START else "",
                     at_step=at_step,
                     run_id=self.result.run_id,
+                    slice_size=self.config.slice_size,
                 )
                 await self.server.send(self.pool[worker], form)
             await self.bus.publish(
@@ -213,7 +218,8 @@ class GroupFormer:
             # goes on without them at once where min_nprocs allows, and grows back when they say hello.
             soon = not self.config.starts_workers and bool(survivors)
             assert self.config.min_nprocs is not None
-            if (soon or time.monotonic() > deadline) and len(survivors) + len(chosen) >= self.config.min_nprocs:
+            enough = len(self.group.seat(survivors, chosen)) >= self.config.min_nprocs  # whole slices
+            if (soon or time.monotonic() > deadline) and enough:
                 break  # go on smaller; the next re-forming grows the group back
             if time.monotonic() > deadline:
                 raise LaunchError(f"only {len(survivors) + len(chosen)} workers ready after {timeout_s} s")
@@ -241,6 +247,11 @@ class GroupFormer:
             assert joined is not None
             reports.append(JoinReport(joined.best_step, joined.tier))
         plan = self.group.plan_restore(reports)
+        if plan.missing:
+            raise RecoveryError(
+                f"cannot restore generation {self.group.generation}: {plan.missing}",
+                last_committed_step=self.group.step,
+            )
         if 0 <= self.target_steps < plan.step:
             raise RecoveryError(
                 f"refusing to restore step {plan.step}: past the run's target of {self.target_steps} steps",

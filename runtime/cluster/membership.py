@@ -20,12 +20,13 @@ class JoinReport:
 
 @dataclass(frozen=True)
 class RestorePlan:
-    """The step a new generation starts from, and the member every other member takes it from."""
+    """The step a new generation starts from, and the slice every member takes its shards from."""
 
     step: int
-    source: int  # process id in the new generation; -1 when starting from the initial state
+    source: int  # slice index in the new generation (its process id with one process a slice); -1: initial state
     restored_from: str  # the source's tier, "+peer" when some member takes the state from another
     lost_steps: int  # committed steps that are run again
+    missing: str = ""  # members hold committed steps, but no slice holds one step whole: what is missing
 
 
 class Membership:
@@ -33,17 +34,21 @@ class Membership:
 
     Args:
         size: the group's full size (``nprocs``).
+        slice_size: processes per slice; the group is always made of whole slices (process ids
+            ``k * slice_size`` to ``k * slice_size + slice_size - 1`` are slice ``k``).
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, slice_size: int = 1) -> None:
         self.size = size
+        self.slice_size = slice_size
         self.members: list[int] = []
         self.generation = 0
         self.step = 0  # the newest step every member has committed
         self.high_water = 0  # the newest step the group ever committed (it moves back on a restore)
 
     def seat(self, survivors: Sequence[int], recruits: Sequence[int]) -> list[int]:
-        """The next group in process-id order: survivors keep their process ids, recruits take the free ones.
+        """The next group in process-id order: survivors keep their process ids, recruits take the free ones,
+        and a slice with a seat nobody fills is left out whole (its survivors wait for a replacement).
 
         Stable ids mean the same device layout as before on every survivor, so each loads its step from the
         persistent compilation cache instead of compiling it again, and the numerics do not change.
@@ -54,7 +59,12 @@ class Membership:
         for i, worker in enumerate(seats):
             if worker is None and queue:
                 seats[i] = queue.pop(0)
-        return [w for w in seats if w is not None] + queue
+        seated: list[int | None] = [*seats, *queue]
+        if self.slice_size == 1:
+            seated = [w for w in seated if w is not None]
+        n = self.slice_size
+        slices = [seated[k : k + n] for k in range(0, len(seated) - n + 1, n)]
+        return [w for members in slices if None not in members for w in members if w is not None]
 
     def new_generation(self, members: Sequence[int]) -> int:
         """Make ``members`` the group of a new generation; returns its number."""
@@ -63,18 +73,34 @@ class Membership:
         return self.generation
 
     def plan_restore(self, reports: Sequence[JoinReport]) -> RestorePlan:
-        """The newest step any member of the new generation holds (the lowest process id among equals)."""
-        source = max(range(len(reports)), key=lambda i: (reports[i].best_step, -i))
-        step = reports[source].best_step
-        restored_from = "init" if reports[source].tier == "none" else reports[source].tier
-        if any(r.best_step < step for r in reports):
+        """The newest step a whole slice holds, from that slice (the lowest index among equals).
+
+        ``reports`` are the members' in process-id order. With one process per slice this is the newest step
+        any member holds. When members hold committed steps but no slice holds one whole (its processes at
+        different steps), the plan says what is missing and restores nothing.
+        """
+        n = self.slice_size
+        best_step, source = 0, -1
+        for k in range(len(reports) // n):
+            held = {(r.best_step, r.tier != "none") for r in reports[k * n : (k + 1) * n]}
+            if len(held) == 1:
+                step, usable = held.pop()
+                if usable and step > best_step:
+                    best_step, source = step, k
+        lost_steps = max(0, self.high_water - best_step)
+        if source < 0:
+            held_any = sorted({r.best_step for r in reports if r.tier != "none" and r.best_step > 0})
+            missing = (
+                f"no slice holds one step whole: members hold steps {held_any} "
+                f"({[(i, r.best_step, r.tier) for i, r in enumerate(reports)]} as (process, step, tier))"
+                if held_any
+                else ""
+            )
+            return RestorePlan(step=0, source=-1, restored_from="init", lost_steps=lost_steps, missing=missing)
+        restored_from = reports[source * n].tier
+        if any(r.best_step != best_step for r in reports):
             restored_from += "+peer"
-        return RestorePlan(
-            step=step,
-            source=source if step > 0 else -1,
-            restored_from=restored_from,
-            lost_steps=max(0, self.high_water - step),
-        )
+        return RestorePlan(step=best_step, source=source, restored_from=restored_from, lost_steps=lost_steps)
 
     def restore(self, step: int) -> list[int]:
         """The group starts again from ``step``. Returns the steps it newly counts as committed: those the

@@ -135,10 +135,12 @@ class Form(Message, frozen=True, kw_only=True):
     faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (runtime.testing.grammar)
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
     run_id: str = ""  # the run's id, for a worker not started with it in its environment (ELASTIC_RUN_ID)
+    slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)
 
 
 class Restore(Message, frozen=True, kw_only=True):
-    """Restore ``step`` in ``generation`` by broadcast from ``source`` (a process id; -1: the initial state)."""
+    """Restore ``step`` in ``generation`` from slice ``source`` (-1: the initial state); with one process per
+    slice, a slice's index is its process id."""
 
     generation: int
     step: int

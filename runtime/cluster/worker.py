@@ -71,7 +71,8 @@ from runtime.core.job import PyTree, TrainJob
 from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
 from storage.disk import DiskTier
-from storage.replicas import ReplicaFiles, broadcast_state, host_copy, partly_held, replica, run_identity
+from storage.replicas import ReplicaFiles, replica, run_identity
+from storage.shards import local_copy, local_like, restore_from_slice, uses_axis
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,8 @@ class Worker:
         self.local_devices = int(os.environ.get(ENV_LOCAL_DEVICES, "2"))
         self.step_delay_s = float(os.environ.get(ENV_STEP_DELAY_S, "0"))
         self.generation = 0
+        self.layout: dict[str, str] = {}  # which shards this process holds, in every replica's metadata
+        self.local_like: PyTree = None  # shapes of this process's shards (storage.shards.local_like)
         self.process_id = -1
         self.num_processes = 0
         self.initialized = False
@@ -261,20 +264,29 @@ class Worker:
         self.initialized = True
         self.generation, self.process_id, self.num_processes = form.generation, form.process_id, form.num_processes
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        self.mesh = jax.sharding.Mesh(np.array(devices).reshape(form.num_processes, -1), ("data", "model"))
+        # One row of the mesh per slice: "data" is the replica axis across slices, "model" spans the devices of
+        # every process of a slice (with one process per slice, the devices of that process).
+        slices = form.num_processes // form.slice_size
+        self.mesh = jax.sharding.Mesh(np.array(devices).reshape(slices, -1), ("data", "model"))
         compiler = StepCompiler(self.job, self.template, self.job.data.batch(0))
         self.state_shardings = compiler.state_shardings(self.mesh)
         self.batch_shardings = compiler.batch_shardings(self.mesh)
-        partial = partly_held(self.template, self.state_shardings)
-        if partial:
-            # host_copy would fail after step 1 in every worker, and every replacement would fail the same way.
-            names = ", ".join(partial[:3]) + (f" and {len(partial) - 3} more" if len(partial) > 3 else "")
+        over_data = uses_axis(self.state_shardings, self.template, "data")
+        if over_data:
+            # The replica axis shrinks when a slice is lost: a state split over it would lose shards with it.
+            names = ", ".join(over_data[:3]) + (f" and {len(over_data) - 3} more" if len(over_data) > 3 else "")
             message = (
-                f"the state is sharded across processes: {names} use the 'data' axis, which spans processes; "
-                "multi-process mode needs every process to hold the whole state: shard it over 'model' only"
+                f"the state is sharded across processes over the 'data' axis: {names}; 'data' is the replica axis "
+                "across slices, which shrinks when one is lost: shard the state over 'model', which spans the "
+                "processes of a slice (launch --slices)"
             )
             self._report_failure("JobUnsupported", message, "", step=self.step)
             return
+        layout = f"position {form.process_id % form.slice_size} of {form.slice_size} x {self.local_devices} devices"
+        if self.ram is not None and self.ram.metadata.get("layout") != layout:
+            self.ram = None  # seated elsewhere in a slice: the shards it holds are not the ones it needs now
+        self.layout = {"layout": layout}
+        self.local_like = local_like(self.template, self.state_shardings)
         self.compiled = compiler.get(self.mesh)
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
@@ -328,7 +340,7 @@ class Worker:
             return 0, "none"
         try:
             # A restarted worker, or a resumed run: the files survived us.
-            self.ram = self.replicas.newest(self.template, self.identity, max_step=self.target_steps)
+            self.ram = self.replicas.newest(self.local_like, self.identity | self.layout, max_step=self.target_steps)
         except SnapshotUnavailable:
             return 0, "none"
         finally:
@@ -339,21 +351,22 @@ class Worker:
         import jax
 
         if restore.source < 0:
-            tree, position = self.template, 0
+            self.state, position = self._place(self.template, self.state_shardings), 0
+            boxes = local_copy(self.state)
         else:
             mine = self.ram if self.ram is not None and self.ram.step == restore.step else None
-            ours = mine.tree if mine is not None else self.template
-            payload = {"tree": ours, "position": np.asarray(mine.data_position if mine is not None else 0, np.int64)}
-            if self.num_processes > 1:
-                # Peers take the source's copy; the source's own copy is re-sent, which keeps every member
-                # bitwise identical whichever tier each one held.
-                payload = broadcast_state(payload, is_source=self.process_id == restore.source)
-            elif not mine:
-                raise SnapshotUnavailable(f"worker {self.worker} alone cannot restore step {restore.step}")
-            tree, position = payload["tree"], int(payload["position"])
-        self.state = self._place(tree, self.state_shardings)
+            # Every member takes its shards from the source slice, its own included: every member then holds
+            # exactly the source's values, whichever tier each one held.
+            self.state, position = restore_from_slice(
+                mine.tree if mine is not None else None,
+                mine.data_position if mine is not None else 0,
+                self.template,
+                self.state_shardings,
+                source=restore.source,
+            )
+            boxes = mine.tree if mine is not None else local_copy(self.state)
         self.step = restore.step
-        self.ram = replica(restore.step, position if restore.source >= 0 else 0, tree, self.identity)
+        self.ram = replica(restore.step, position, boxes, self.identity | self.layout)
         jax.block_until_ready(self.state)
         self._heartbeat()
         return self.state, 0.0
@@ -396,7 +409,7 @@ class Worker:
             new_state, seconds = outcome
             self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
             position += 1
-            self.ram = replica(self.step, position, host_copy(new_state), self.identity)
+            self.ram = replica(self.step, position, local_copy(new_state), self.identity | self.layout)
             if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
                 self.replicas.save(self.ram)
             self._heartbeat()
@@ -497,12 +510,17 @@ class Worker:
         return new_state, time.perf_counter() - started
 
     def _finish(self, target: int) -> None:
+        from jax.experimental import multihost_utils
+
         assert self.ram is not None
-        leaves = [np.ascontiguousarray(leaf) for leaf in _leaves(self.ram.tree)]
+        # The whole state, gathered from every slice's shards (a collective: every member finishes together).
+        whole = multihost_utils.process_allgather(self.state, tiled=True)
+        leaves = [np.ascontiguousarray(leaf) for leaf in _leaves(whole)]
         digest = hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
         result = os.environ.get(ENV_RESULT)
         if result and self.process_id == 0:  # in the disk tier's format: verified, and plain Orbax reads it
-            DiskTier(result, name="result", check_space=False).save(self.ram, timeout=600.0)
+            final = replica(target, self.ram.data_position, whole, self.identity)
+            DiskTier(result, name="result", check_space=False).save(final, timeout=600.0)
         self.link.send(Finished(worker=self.worker, generation=self.generation, step=target, digest=digest))
 
 
