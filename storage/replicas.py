@@ -182,13 +182,26 @@ class ReplicaFiles:
         self, like: PyTree, identity: dict[str, str] | None = None, *, max_step: int | None = None
     ) -> HostSnapshot:
         """The newest replica of any process here that verifies, has the structure of ``like`` and carries
-        ``identity`` (its run and job); never one past ``max_step``. The replicas it skipped are then in
+        ``identity`` (its run, job and layout); never one past ``max_step``. The replicas it skipped are then in
         :attr:`skipped`, each as ``"PATH: why"``.
 
         Raises:
             SnapshotUnavailable: none does; the message lists what was skipped and why.
         """
+        found = self.readable(like, identity, max_step=max_step, limit=1)
+        if not found:
+            why = "; ".join(self.skipped) or "none committed"
+            raise SnapshotUnavailable(f"no usable replica in {self.directory} ({why})")
+        return next(iter(found.values()))
+
+    def readable(
+        self, like: PyTree, identity: dict[str, str] | None = None, *, max_step: int | None = None, limit: int = 2
+    ) -> dict[int, HostSnapshot]:
+        """The ``limit`` newest steps that some replica here holds and :meth:`newest` would restore, newest
+        first, each read and verified. What was skipped, and why, is then in :attr:`skipped`."""
         folders = sorted(p for p in self.directory.iterdir() if p.is_dir()) if self.directory.is_dir() else []
+        identity = dict(identity or {})
+        layout = identity.pop("layout", None)
         candidates: list[tuple[int, DiskTier]] = []
         skipped: list[str] = []
         self.skipped = skipped
@@ -200,21 +213,38 @@ class ReplicaFiles:
                 skipped.append(f"{folder}: cannot list: {exc}")
                 continue
             for step in steps:
+                if not _holds(tier, step, layout):
+                    continue  # another position's shards: expected, not worth a word
                 why = _not_ours(tier, step, identity, max_step)
                 if why:
                     skipped.append(f"{tier.path_of(step)}: {why}")
                 else:
                     candidates.append((step, tier))
-        problems = list(skipped)
+        found: dict[int, HostSnapshot] = {}
         for step, tier in sorted(candidates, key=lambda c: c[0], reverse=True):
+            if len(found) >= limit:
+                break
+            if step in found:
+                continue
             try:
-                return tier.restore(step, like, timeout=_TIMEOUT_S)
+                found[step] = tier.restore(step, like, timeout=_TIMEOUT_S)
             except (CheckpointInvalid, SnapshotUnavailable, StorageError) as exc:
-                problems.append(f"{tier.path_of(step)}: {exc}")
-        raise SnapshotUnavailable(f"no usable replica in {self.directory} ({'; '.join(problems) or 'none committed'})")
+                skipped.append(f"{tier.path_of(step)}: {exc}")
+        return found
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _holds(tier: DiskTier, step: int, layout: str | None) -> bool:
+    """Whether replica ``step`` holds the shards of ``layout`` (any, when None; an unreadable manifest is
+    judged, and reported, by :func:`_not_ours`)."""
+    if layout is None:
+        return True
+    try:
+        return tier.manifest(step).metadata.get("layout", layout) == layout
+    except (CheckpointInvalid, SnapshotUnavailable):
+        return True
 
 
 def _not_ours(tier: DiskTier, step: int, identity: dict[str, str] | None, max_step: int | None) -> str:

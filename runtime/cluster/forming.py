@@ -147,7 +147,9 @@ class GroupFormer:
                     coordinator=coordinator,
                     process_id=process_id,
                     num_processes=len(members),
-                    read_files=strategy != Strategy.REFORM,
+                    # With a state sharded over a slice, a process's shards may be nowhere else: every member
+                    # lists its replica files too, so the group can roll back to a step the slice holds whole.
+                    read_files=strategy != Strategy.REFORM or self.config.slice_size > 1,
                     faults=worker_faults_text(self.config.faults, process_id) if strategy == Strategy.START else "",
                     at_step=at_step,
                     run_id=self.result.run_id,
@@ -245,8 +247,9 @@ class GroupFormer:
         for worker in members:
             joined = self.pool[worker].joined
             assert joined is not None
-            reports.append(JoinReport(joined.best_step, joined.tier))
+            reports.append(JoinReport(joined.best_step, joined.tier, joined.steps))
         plan = self.group.plan_restore(reports)
+        log.info("generation %d restores %s from %s", self.group.generation, plan, reports)
         if plan.missing:
             raise RecoveryError(
                 f"cannot restore generation {self.group.generation}: {plan.missing}",

@@ -16,6 +16,10 @@ class JoinReport:
 
     best_step: int
     tier: str  # "ram", "file", or "none"
+    steps: tuple[int, ...] = ()  # every step it can restore; empty: only ``best_step`` (unless tier is "none")
+
+    def holds(self) -> set[int]:
+        return set(self.steps) | ({self.best_step} if self.tier != "none" else set())
 
 
 @dataclass(frozen=True)
@@ -73,32 +77,37 @@ class Membership:
         return self.generation
 
     def plan_restore(self, reports: Sequence[JoinReport]) -> RestorePlan:
-        """The newest step a whole slice holds, from that slice (the lowest index among equals).
+        """The newest step every process of some slice holds, from that slice (among equals, the one with the
+        most processes holding it in memory, then the lowest index).
 
         ``reports`` are the members' in process-id order. With one process per slice this is the newest step
         any member holds. When members hold committed steps but no slice holds one whole (its processes at
         different steps), the plan says what is missing and restores nothing.
         """
         n = self.slice_size
-        best_step, source = 0, -1
+        best: tuple[int, int] = (0, 0)  # (step, processes restoring it from memory), the larger the better
+        source = -1
         for k in range(len(reports) // n):
-            held = {(r.best_step, r.tier != "none") for r in reports[k * n : (k + 1) * n]}
-            if len(held) == 1:
-                step, usable = held.pop()
-                if usable and step > best_step:
-                    best_step, source = step, k
+            members = reports[k * n : (k + 1) * n]
+            step = max(set.intersection(*(r.holds() for r in members)), default=0)
+            in_memory = sum(r.tier == "ram" and r.best_step == step for r in members)
+            if step > 0 and (step, in_memory) > best:
+                best, source = (step, in_memory), k
+        best_step = best[0]
         lost_steps = max(0, self.high_water - best_step)
         if source < 0:
-            held_any = sorted({r.best_step for r in reports if r.tier != "none" and r.best_step > 0})
+            held_any = sorted({s for r in reports for s in r.holds() if s > 0})
             missing = (
                 f"no slice holds one step whole: members hold steps {held_any} "
-                f"({[(i, r.best_step, r.tier) for i, r in enumerate(reports)]} as (process, step, tier))"
+                f"({[(i, sorted(r.holds())) for i, r in enumerate(reports)]} as (process, steps))"
                 if held_any
                 else ""
             )
             return RestorePlan(step=0, source=-1, restored_from="init", lost_steps=lost_steps, missing=missing)
-        restored_from = reports[source * n].tier
-        if any(r.best_step != best_step for r in reports):
+        # "ram" when the source slice restores from memory only; "file" when a process of it reads a replica file.
+        used = {r.tier if r.best_step == best_step else "file" for r in reports[source * n : (source + 1) * n]}
+        restored_from = "+".join(sorted(used))
+        if any(best_step not in r.holds() for r in reports):
             restored_from += "+peer"
         return RestorePlan(step=best_step, source=source, restored_from=restored_from, lost_steps=lost_steps)
 

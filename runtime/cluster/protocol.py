@@ -96,6 +96,9 @@ class Joined(Message, frozen=True, kw_only=True):
     generation: int
     best_step: int
     tier: str  # "ram" (own memory), "shm" (a /dev/shm or disk file), or "none"
+    # Every step it can restore (its RAM's and its replica files'): a slice whose processes' newest steps differ
+    # restores an older step they all hold.
+    steps: tuple[int, ...] = ()
     join_s: float  # shutdown + re-initialize of jax.distributed, as the worker measured it
     skipped: tuple[str, ...] = ()  # replica files it would not restore, each "PATH: why" (another run's)
 

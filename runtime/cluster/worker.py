@@ -66,7 +66,7 @@ from runtime.cluster.protocol import (
     encode,
 )
 from runtime.core.classify import is_infrastructure_failure
-from runtime.core.errors import AuthenticationFailed, SnapshotUnavailable
+from runtime.core.errors import AuthenticationFailed
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
@@ -170,6 +170,7 @@ class Worker:
         self.step_delay_s = float(os.environ.get(ENV_STEP_DELAY_S, "0"))
         self.generation = 0
         self.layout: dict[str, str] = {}  # which shards this process holds, in every replica's metadata
+        self.slice_size = 1  # processes per slice (storage/shards.py)
         self.local_like: PyTree = None  # shapes of this process's shards (storage.shards.local_like)
         self.process_id = -1
         self.num_processes = 0
@@ -177,6 +178,7 @@ class Worker:
         self.step = 0  # newest committed step held on the devices (or in ``ram``)
         self.step_time_s: float | None = None
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
+        self.held: dict[int, HostSnapshot] = {}  # while joining: every step it can restore (RAM, files)
         self.template: PyTree = job.init()
         # Written into every replica, and required of any replica restored: another run's (or job's) files in
         # the same folder are never taken for ours.
@@ -286,6 +288,7 @@ class Worker:
         if self.ram is not None and self.ram.metadata.get("layout") != layout:
             self.ram = None  # seated elsewhere in a slice: the shards it holds are not the ones it needs now
         self.layout = {"layout": layout}
+        self.slice_size = form.slice_size
         self.local_like = local_like(self.template, self.state_shardings)
         self.compiled = compiler.get(self.mesh)
         compiled = time.monotonic()
@@ -306,6 +309,7 @@ class Worker:
                 generation=self.generation,
                 best_step=best,
                 tier=tier,
+                steps=tuple(sorted(self.held)),
                 join_s=time.monotonic() - started,
                 skipped=self._skipped,
             )
@@ -334,18 +338,27 @@ class Worker:
         log.info("warmed up in %.3f s", time.monotonic() - started)
 
     def _best_local(self, read_files: bool) -> tuple[int, str]:
+        """The newest step this process can restore and from where; every such step is put in ``held``."""
+        self.held = {self.ram.step: self.ram} if self.ram is not None else {}
+        if read_files:  # a restarted worker, a resumed run, or a slice that may need to roll back
+            try:
+                found = self.replicas.readable(
+                    self.local_like,
+                    self.identity | self.layout,
+                    max_step=self.target_steps,
+                    # One process a slice: its newest is its slice's best. Else an older step may be the one
+                    # the whole slice holds (a peer's newest write did not finish).
+                    limit=1 if self.slice_size == 1 else 2,
+                )
+            finally:
+                self._skipped = tuple(self.replicas.skipped)
+            self.held = found | self.held
         if self.ram is not None:
             return self.ram.step, "ram"
-        if not read_files:  # a spare joining survivors: it takes the state from them, files are slower
+        if not self.held:
             return 0, "none"
-        try:
-            # A restarted worker, or a resumed run: the files survived us.
-            self.ram = self.replicas.newest(self.local_like, self.identity | self.layout, max_step=self.target_steps)
-        except SnapshotUnavailable:
-            return 0, "none"
-        finally:
-            self._skipped = tuple(self.replicas.skipped)
-        return self.ram.step, "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
+        newest = max(self.held)
+        return newest, "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
 
     def _restore(self, restore: Restore) -> tuple[PyTree, float]:
         import jax
@@ -354,7 +367,7 @@ class Worker:
             self.state, position = self._place(self.template, self.state_shardings), 0
             boxes = local_copy(self.state)
         else:
-            mine = self.ram if self.ram is not None and self.ram.step == restore.step else None
+            mine, self.held = self.held.get(restore.step), {}
             # Every member takes its shards from the source slice, its own included: every member then holds
             # exactly the source's values, whichever tier each one held.
             self.state, position = restore_from_slice(
