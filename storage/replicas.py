@@ -150,6 +150,7 @@ class ReplicaFiles:
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self.skipped: list[str] = []  # what the last :meth:`newest` would not restore, "PATH: why"
+        self.pinned = -1  # a step kept beside the newest ones (:meth:`pin`)
 
     @property
     def on_write(self) -> list[Callable[[int], None]]:
@@ -162,11 +163,18 @@ class ReplicaFiles:
         with self._lock:
             self._pending = self._pool.submit(self._write, snapshot)
 
+    def pin(self, step: int) -> None:
+        """Keep the replica of ``step`` (once written) beside the ``keep`` newest until another step is pinned:
+        the step of the group's newest durable checkpoint, so that a rollback to it reads this process's
+        shards from here and only a lost process's shards from the durable tier."""
+        self.pinned = step
+
     def _write(self, snapshot: HostSnapshot) -> None:
         started = time.monotonic()
         self.tier.save(snapshot, timeout=_TIMEOUT_S)
         for info in self.tier.list(timeout=_TIMEOUT_S)[self.keep :]:
-            self.tier.delete(info.step, timeout=_TIMEOUT_S)
+            if info.step != self.pinned:
+                self.tier.delete(info.step, timeout=_TIMEOUT_S)
         log.debug("replica of step %d written in %.3f s", snapshot.step, time.monotonic() - started)
 
     def wait(self) -> None:

@@ -18,7 +18,7 @@ selection of the source's entry moves each shard from the source slice's process
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -53,14 +53,17 @@ def _key(index: Box) -> tuple[tuple[int | None, int | None], ...]:
     return tuple((s.start, s.stop) for s in index)  # slices are not hashable before Python 3.12
 
 
-def local_box(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Box:
-    """The box of global indices this process holds of an array of ``shape`` under ``sharding``.
+def local_box(shape: tuple[int, ...], sharding: jax.sharding.Sharding, process: int | None = None) -> Box:
+    """The box of global indices this process (or ``process``) holds of an array of ``shape`` under ``sharding``.
 
     Raises:
-        SnapshotUnavailable: this process's shards do not fill a box (a device order that interleaves processes).
+        SnapshotUnavailable: the process's shards do not fill a box (a device order that interleaves processes).
     """
+    process = jax.process_index() if process is None else process
     indices: dict[Any, Box] = {
-        _key(index): index for index in sharding.addressable_devices_indices_map(shape).values() if index is not None
+        _key(index): index
+        for device, index in sharding.devices_indices_map(shape).items()
+        if index is not None and cast(Any, device).process_index == process
     }
     box = tuple(
         slice(
@@ -73,7 +76,7 @@ def local_box(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> Box:
     held = sum(_volume(index, shape) for index in indices.values())
     if held != volume:  # a NamedSharding's distinct shards are disjoint: they fill the box exactly or not at all
         raise SnapshotUnavailable(
-            f"process {jax.process_index()}'s shards of an array of shape {shape} do not fill a box; "
+            f"process {process}'s shards of an array of shape {shape} do not fill a box; "
             "order the mesh's devices by process"
         )
     return box

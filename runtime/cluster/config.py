@@ -60,6 +60,11 @@ class LaunchConfig:
         resume: require an unfinished run in ``run_dir`` to continue (raise ValueError if there is none).
         drain_timeout_s: on SIGTERM/SIGINT or at the end, how long workers get to stop before SIGKILL.
         result_path: a folder where process 0 commits the final state, in the disk tier's format.
+        durable_dir: where the group keeps durable checkpoints (a disk every host reaches): the first slice's
+            processes each write their own shards every ``durable_every`` steps and the controller commits the
+            step once all have (``storage/sharded.py``); None: none (the replica files are the only copy).
+        durable_every: steps between durable checkpoints.
+        durable_keep: durable checkpoints kept (the newest ones).
         faults: fault injection: process and worker faults of ``runtime.testing.grammar``
             (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.testing.process_faults``.
         target_steps: the run's target; None: the first of the controller's own workers to say ``Hello``
@@ -94,6 +99,9 @@ class LaunchConfig:
     run_dir: str | None = None
     replica_dir: str | None = None
     result_path: str | None = None
+    durable_dir: str | None = None
+    durable_every: int = 10
+    durable_keep: int = 3
     faults: list[Fault] = field(default_factory=list)
     resume: bool = False
     drain_timeout_s: float = 10.0

@@ -39,17 +39,41 @@ from anyio.abc import SocketStream
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.context import ControllerContext
+from runtime.cluster.durable import DurableCommits
 from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
-from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined, Lease, Message, Stop, Warm
+from runtime.cluster.protocol import (
+    Failed,
+    Finished,
+    Heartbeat,
+    Hello,
+    Joined,
+    Lease,
+    Message,
+    Restored,
+    Saved,
+    Stop,
+    Warm,
+)
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
-from runtime.core.errors import BusClosed, ConfigError, ElasticRuntimeError, JobUnsupported, RecoveryError, StepError
+from runtime.core.errors import (
+    BusClosed,
+    CheckpointInvalid,
+    ConfigError,
+    ElasticRuntimeError,
+    JobUnsupported,
+    RecoveryError,
+    StepError,
+    StorageError,
+)
 from runtime.core.eventlog import EventLog
 from runtime.core.events import (
+    CheckpointCommitted,
+    CheckpointFailed,
     ConnectionRefused,
     Event,
     MalformedHeartbeat,
@@ -153,6 +177,17 @@ class Controller(GroupFormer):
         self.target_steps = config.target_steps if config.target_steps is not None else -1
         self.port = 0
         self._restored = False  # the current generation got its Restore
+        self.restored_bytes: dict[str, int] = {}  # what the current generation's members restored, per tier
+        self.durable = (
+            DurableCommits(
+                config.durable_dir,
+                writers=config.slice_size,
+                keep=config.durable_keep,
+                metadata={"run_id": self.record.run_id},
+            )
+            if config.durable_dir
+            else None
+        )
         self._requests: set[int] = set()
         self._request_reason = ""
         self._request_strategy: Strategy | None = None
@@ -532,6 +567,10 @@ class Controller(GroupFormer):
                 proc.joined = message
                 await self._skipped(proc, message.skipped)
                 self._wake.set()
+            case Saved(generation=gen) if gen == self.group.generation and self.durable is not None:
+                await self._saved(proc, message)
+            case Restored(generation=gen, tier=tier, nbytes=nbytes) if gen == self.group.generation:
+                self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
             case Failed(generation=gen) if gen == self.group.generation:
                 await self._failed(proc, message)
             case Finished(generation=gen) if gen == self.group.generation:
@@ -543,6 +582,33 @@ class Controller(GroupFormer):
                     self._wake.set()
             case _:
                 log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
+
+    async def _saved(self, proc: WorkerProcess, saved: Saved) -> None:
+        """A writer's part of a durable checkpoint; the step is committed once every writer's part is in."""
+        assert self.durable is not None
+        if proc.worker not in self.members:
+            return
+        try:
+            step = self.durable.add(saved, self.members.index(proc.worker))
+            if step is None:
+                return
+            committed = await anyio.to_thread.run_sync(self.durable.commit, step)
+        except (CheckpointInvalid, StorageError) as exc:
+            log.error("controller: durable checkpoint of step %d not committed: %s", saved.step, exc)
+            await self.bus.publish(
+                CheckpointFailed(step=saved.step, source="controller", tier="durable", reason=str(exc))
+            )
+            return
+        await self.bus.publish(
+            CheckpointCommitted(
+                step=committed.step,
+                source="controller",
+                tier="durable",
+                path=committed.path,
+                bytes=committed.nbytes,
+                seconds=committed.seconds,
+            )
+        )
 
     async def _skipped(self, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
         for entry in skipped:
@@ -595,6 +661,7 @@ class Controller(GroupFormer):
                         "lost_steps": recovery.lost_steps,
                         "restored_from": recovery.restored_from,
                         "failed_step": recovery.failed_step,
+                        "bytes_by_tier": dict(self.restored_bytes),
                     }
                 )
                 await self.bus.publish(completed)

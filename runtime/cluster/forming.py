@@ -17,6 +17,7 @@ import anyio
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.coordination import free_port, start_coordination_service
+from runtime.cluster.durable import DurableCommits
 from runtime.cluster.heartbeat import HeartbeatMonitor
 from runtime.cluster.membership import JoinReport, Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, log_tail
@@ -50,6 +51,8 @@ class GroupFormer:
     _request_strategy: Strategy | None
     _wake: anyio.Event
     _services: list[Any]
+    durable: DurableCommits | None
+    restored_bytes: dict[str, int]
 
     # Provided by the controller.
     def kill(self, worker: int, sig: str, reason: str) -> None:
@@ -129,6 +132,9 @@ class GroupFormer:
             self._requests.clear()
             generation = self.group.new_generation(members)
             self._restored = False
+            self.restored_bytes.clear()
+            if self.durable is not None:
+                self.durable.new_generation(generation)
             for worker in members:
                 proc = self.pool[worker]
                 proc.spare, proc.joined, proc.finished = False, None, None
@@ -154,6 +160,8 @@ class GroupFormer:
                     at_step=at_step,
                     run_id=self.result.run_id,
                     slice_size=self.config.slice_size,
+                    durable_dir=self.config.durable_dir or "",
+                    durable_every=self.config.durable_every,
                 )
                 await self.server.send(self.pool[worker], form)
             await self.bus.publish(

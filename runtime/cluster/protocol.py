@@ -14,6 +14,8 @@ from typing import Union
 
 import msgspec
 
+from storage.manifest import FileEntry, LeafEntry
+
 __all__ = [
     "ENV_COMPILE_CACHE",
     "ENV_CONNECT_S",
@@ -38,6 +40,8 @@ __all__ = [
     "Lease",
     "MalformedMessage",
     "Restore",
+    "Restored",
+    "Saved",
     "Stop",
     "Warm",
     "WorkerMessage",
@@ -103,6 +107,32 @@ class Joined(Message, frozen=True, kw_only=True):
     skipped: tuple[str, ...] = ()  # replica files it would not restore, each "PATH: why" (another run's)
 
 
+class Saved(Message, frozen=True, kw_only=True):
+    """The worker wrote its part of step ``step``'s durable checkpoint (``storage/sharded.py``): ``files``,
+    relative to the step's folder. The first process also sends the state's ``structure``, ``leaves`` and
+    ``metadata``."""
+
+    worker: int
+    generation: int
+    step: int
+    data_position: int
+    files: tuple[FileEntry, ...]
+    structure: str = ""
+    leaves: tuple[LeafEntry, ...] = ()
+    metadata: dict[str, str] = {}  # the run's identity, as every replica carries it
+
+
+class Restored(Message, frozen=True, kw_only=True):
+    """The worker restored step ``step`` of ``generation``: ``nbytes`` of its shards came from its ``tier``
+    ("ram", "shm", "disk", "durable"; "none": it held nothing and took every shard from its peers)."""
+
+    worker: int
+    generation: int
+    step: int
+    tier: str
+    nbytes: int
+
+
 class Finished(Message, frozen=True, kw_only=True):
     """The worker committed the target ``step``; ``digest`` is a hash of its final state."""
 
@@ -139,6 +169,8 @@ class Form(Message, frozen=True, kw_only=True):
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
     run_id: str = ""  # the run's id, for a worker not started with it in its environment (ELASTIC_RUN_ID)
     slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)
+    durable_dir: str = ""  # where the group's durable checkpoints go (storage/sharded.py); "": none
+    durable_every: int = 0  # steps between durable checkpoints
 
 
 class Restore(Message, frozen=True, kw_only=True):
@@ -169,7 +201,7 @@ class Lease(Message, frozen=True, kw_only=True):
     seconds: float
 
 
-WorkerMessage = Union[Hello, Heartbeat, Joined, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
+WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
 ControllerMessage = Union[Form, Restore, Warm, Stop, Lease]  # noqa: UP007
 
 
@@ -187,10 +219,10 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message) + b"\n"
 
 
-def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Finished | Failed:
+def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Saved | Restored | Finished | Failed:
     """Decode one line a worker sent. Raises MalformedMessage naming what was wrong."""
     try:
-        message: Hello | Heartbeat | Joined | Finished | Failed = _from_worker.decode(line)
+        message: Hello | Heartbeat | Joined | Saved | Restored | Finished | Failed = _from_worker.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
     return message

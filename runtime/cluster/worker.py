@@ -60,18 +60,22 @@ from runtime.cluster.protocol import (
     MalformedMessage,
     Message,
     Restore,
+    Restored,
+    Saved,
     Stop,
     Warm,
     decode_from_controller,
     encode,
 )
 from runtime.core.classify import is_infrastructure_failure
-from runtime.core.errors import AuthenticationFailed
+from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
 from storage.disk import DiskTier
+from storage.manifest import describe_leaves
 from storage.replicas import ReplicaFiles, replica, run_identity
+from storage.sharded import read_local, write_part, writes
 from storage.shards import local_copy, local_like, restore_from_slice, uses_axis
 
 log = logging.getLogger(__name__)
@@ -178,7 +182,15 @@ class Worker:
         self.step = 0  # newest committed step held on the devices (or in ``ram``)
         self.step_time_s: float | None = None
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
-        self.held: dict[int, HostSnapshot] = {}  # while joining: every step it can restore (RAM, files)
+        # While joining: every step it can restore, with the tier it would come from (RAM, replica files).
+        self.held: dict[int, tuple[str, HostSnapshot]] = {}
+        # The group's durable checkpoints (storage/sharded.py), when the controller keeps them.
+        self.durable: DiskTier | None = None
+        self.durable_every = 0
+        self.durable_steps: set[int] = set()  # committed durable steps of this run (read at joining)
+        self._writes: list[bool] = []  # per leaf: whether this process writes its shards there
+        self._durable_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable")
+        self._durable_write: Future[None] | None = None
         self.template: PyTree = job.init()
         # Written into every replica, and required of any replica restored: another run's (or job's) files in
         # the same folder are never taken for ours.
@@ -290,6 +302,9 @@ class Worker:
         self.layout = {"layout": layout}
         self.slice_size = form.slice_size
         self.local_like = local_like(self.template, self.state_shardings)
+        self.durable = DiskTier(form.durable_dir, name="durable", check_space=False) if form.durable_dir else None
+        self.durable_every = form.durable_every
+        self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
@@ -309,7 +324,7 @@ class Worker:
                 generation=self.generation,
                 best_step=best,
                 tier=tier,
-                steps=tuple(sorted(self.held)),
+                steps=tuple(sorted(set(self.held) | self.durable_steps)),
                 join_s=time.monotonic() - started,
                 skipped=self._skipped,
             )
@@ -338,36 +353,63 @@ class Worker:
         log.info("warmed up in %.3f s", time.monotonic() - started)
 
     def _best_local(self, read_files: bool) -> tuple[int, str]:
-        """The newest step this process can restore and from where; every such step is put in ``held``."""
-        self.held = {self.ram.step: self.ram} if self.ram is not None else {}
+        """The newest step this process can restore and from where; every such step is put in ``held`` (and
+        the group's committed durable checkpoints in ``durable_steps``)."""
+        self.held = {self.ram.step: ("ram", self.ram)} if self.ram is not None else {}
         if read_files:  # a restarted worker, a resumed run, or a slice that may need to roll back
+            tier = "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
             try:
                 found = self.replicas.readable(
                     self.local_like,
                     self.identity | self.layout,
                     max_step=self.target_steps,
                     # One process a slice: its newest is its slice's best. Else an older step may be the one
-                    # the whole slice holds (a peer's newest write did not finish).
-                    limit=1 if self.slice_size == 1 else 2,
+                    # the whole slice holds (a peer's newest write did not finish, or only the durable tier
+                    # holds a lost process's shards).
+                    # (keep=2 newest and the one pinned for the durable step)
+                    limit=1 if self.slice_size == 1 else 3,
                 )
             finally:
                 self._skipped = tuple(self.replicas.skipped)
-            self.held = found | self.held
+            self.held = {step: (tier, snapshot) for step, snapshot in found.items()} | self.held
+        self.durable_steps = self._durable_steps()
         if self.ram is not None:
             return self.ram.step, "ram"
-        if not self.held:
-            return 0, "none"
-        newest = max(self.held)
-        return newest, "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
+        if self.held:
+            newest = max(self.held)
+            return newest, self.held[newest][0]
+        if self.durable_steps:
+            return max(self.durable_steps), "durable"
+        return 0, "none"
+
+    def _durable_steps(self) -> set[int]:
+        """This run's committed durable checkpoints (any layout: every process reads its own shards)."""
+        if self.durable is None:
+            return set()
+        found = set()
+        for step in self.durable.steps(timeout=60.0):
+            try:
+                metadata = self.durable.manifest(step).metadata
+            except (CheckpointInvalid, SnapshotUnavailable) as exc:
+                log.warning("durable checkpoint of step %d not usable: %s", step, exc)
+                continue
+            if step <= self.target_steps and all(metadata.get(k) == v for k, v in self.identity.items()):
+                found.add(step)
+        return found
 
     def _restore(self, restore: Restore) -> tuple[PyTree, float]:
         import jax
 
+        tier, nbytes = "none", 0
         if restore.source < 0:
             self.state, position = self._place(self.template, self.state_shardings), 0
             boxes = local_copy(self.state)
         else:
-            mine, self.held = self.held.get(restore.step), {}
+            tier, mine = self.held.get(restore.step, ("none", None))
+            self.held = {}
+            if mine is None and restore.step in self.durable_steps:
+                mine = self._read_durable(restore.step)
+                tier = "durable"
             # Every member takes its shards from the source slice, its own included: every member then holds
             # exactly the source's values, whichever tier each one held.
             self.state, position = restore_from_slice(
@@ -378,11 +420,52 @@ class Worker:
                 source=restore.source,
             )
             boxes = mine.tree if mine is not None else local_copy(self.state)
+            nbytes = mine.nbytes if mine is not None else 0
         self.step = restore.step
         self.ram = replica(restore.step, position, boxes, self.identity | self.layout)
         jax.block_until_ready(self.state)
+        self.link.send(
+            Restored(worker=self.worker, generation=self.generation, step=restore.step, tier=tier, nbytes=nbytes)
+        )
         self._heartbeat()
         return self.state, 0.0
+
+    def _read_durable(self, step: int) -> HostSnapshot:
+        """This process's shards of durable checkpoint ``step``, only the bytes they need, verified."""
+        assert self.durable is not None
+        manifest = self.durable.manifest(step)
+        boxes, nbytes = read_local(self.durable.path_of(step), manifest, self.template, self.state_shardings)
+        snapshot = replica(step, manifest.data_position, boxes)
+        snapshot.nbytes = nbytes
+        return snapshot
+
+    def _save_durable(self) -> None:
+        """Write this process's part of the durable checkpoint of the step just committed, in the background;
+        a step whose predecessor's write is still running is not written (the next due one is)."""
+        assert self.ram is not None and self.durable is not None
+        if self._durable_write is not None and not self._durable_write.done():
+            log.info("durable checkpoint of step %d skipped: the previous write is still running", self.step)
+            return
+        snapshot, generation, lead = self.ram, self.generation, self.process_id == 0
+        owned, shardings, step_dir = self._writes, self.state_shardings, self.durable.path_of(self.ram.step)
+
+        def write() -> None:
+            files = write_part(step_dir, snapshot.tree, self.template, shardings, owned=owned, lead=lead)
+            structure, leaves = describe_leaves(self.template) if lead else ("", ())
+            saved = Saved(
+                worker=self.worker,
+                generation=generation,
+                step=snapshot.step,
+                data_position=snapshot.data_position,
+                files=tuple(files),
+                structure=structure,
+                leaves=leaves,
+                metadata=self.identity if lead else {},
+            )
+            self.link.send(saved)
+
+        self._durable_write = self._durable_pool.submit(write)
+        self._durable_write.add_done_callback(_log_failure)
 
     def _place(self, tree: PyTree, shardings: PyTree) -> PyTree:
         import jax
@@ -425,6 +508,10 @@ class Worker:
             self.ram = replica(self.step, position, local_copy(new_state), self.identity | self.layout)
             if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
                 self.replicas.save(self.ram)
+                if self.durable is not None and self.durable_every > 0 and self.step % self.durable_every == 0:
+                    self.replicas.pin(self.step)
+                    if self.process_id < self.slice_size:  # the first slice writes the group's checkpoint
+                        self._save_durable()
             self._heartbeat()
         self._finish(target)
         return None
@@ -535,6 +622,12 @@ class Worker:
             final = replica(target, self.ram.data_position, whole, self.identity)
             DiskTier(result, name="result", check_space=False).save(final, timeout=600.0)
         self.link.send(Finished(worker=self.worker, generation=self.generation, step=target, digest=digest))
+
+
+def _log_failure(future: Future[None]) -> None:
+    exc = future.exception()
+    if exc is not None:  # a failed write leaves the previous checkpoint; the controller commits nothing new
+        log.error("durable checkpoint write failed: %s: %s", type(exc).__name__, exc)
 
 
 def _is_users_error(exc: BaseException) -> bool:
