@@ -67,6 +67,9 @@ class GroupFormer:
     async def _warm_spares(self) -> None:
         raise NotImplementedError
 
+    def _save_fences(self) -> None:
+        raise NotImplementedError
+
     def _mesh_shape(self) -> dict[str, int]:
         raise NotImplementedError
 
@@ -124,6 +127,7 @@ class GroupFormer:
             members = self.group.seat(survivors, recruits)
             self._requests.clear()
             generation = self.group.new_generation(members)
+            self._save_fences()  # a resumed controller numbers its generations after this one
             self._restored = False
             for worker in members:
                 proc = self.pool[worker]
@@ -147,6 +151,7 @@ class GroupFormer:
                     faults=worker_faults_text(self.config.faults, process_id) if strategy == Strategy.START else "",
                     at_step=at_step,
                     run_id=self.result.run_id,
+                    fences=dict(self.group.fences),
                 )
                 await self.server.send(self.pool[worker], form)
             await self.bus.publish(
@@ -247,6 +252,9 @@ class GroupFormer:
                 last_committed_step=self.group.step,
             )
         gaps = self.group.restore(plan.step)
+        # The older generations' fences are on disk before this one can step (and write replicas): a controller
+        # killed now still tells the next workers what not to restore (``--resume``).
+        self._save_fences()
         if strategy == Strategy.START:
             self.result.resumed_from = plan.step if plan.step > 0 else -1
             gaps = []  # a resumed run: the controller before this one logged those steps

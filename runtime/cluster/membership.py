@@ -1,5 +1,6 @@
 """Group membership as a synchronous state machine: who is in the group, in which generation, which steps
-the whole group has committed, and who restores from whom. No processes, sockets or clocks: the controller
+the whole group has committed, who restores from whom, and where each superseded generation was fenced. No
+processes, sockets or clocks: the controller
 (``runtime/cluster/controller.py``) drives it and turns its answers into messages and events."""
 
 from __future__ import annotations
@@ -33,12 +34,19 @@ class Membership:
 
     Args:
         size: the group's full size (``nprocs``).
+        generation: the newest generation formed so far (a resumed run's, from its run folder); the next one
+            formed is numbered after it.
+        fences: superseded generations' fences so far (a resumed run's; see :attr:`fences`).
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, generation: int = 0, fences: dict[int, int] | None = None) -> None:
         self.size = size
         self.members: list[int] = []
-        self.generation = 0
+        self.generation = generation
+        # generation -> the step the group went on from when a later generation replaced it: the newest step
+        # of that generation that is part of the run's history. Anything it committed (or wrote) past its
+        # fence is not: the group went on from the fence without it.
+        self.fences: dict[int, int] = dict(fences or {})
         self.step = 0  # the newest step every member has committed
         self.high_water = 0  # the newest step the group ever committed (it moves back on a restore)
 
@@ -77,8 +85,12 @@ class Membership:
         )
 
     def restore(self, step: int) -> list[int]:
-        """The group starts again from ``step``. Returns the steps it newly counts as committed: those the
-        member restored from committed before the old group could report them all."""
+        """The group (of the current generation) starts again from ``step``: the run's history past ``step``
+        is this generation's alone, so every earlier generation is fenced at ``step`` at the latest. Returns the
+        steps it newly counts as committed: those the member restored from committed before the old group could
+        report them all."""
+        for older in range(1, self.generation):
+            self.fences[older] = min(self.fences.get(older, step), step)
         gap = list(range(self.step + 1, step + 1))
         self.step = step
         self.high_water = max(self.high_water, step)

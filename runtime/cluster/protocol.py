@@ -135,6 +135,9 @@ class Form(Message, frozen=True, kw_only=True):
     faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (runtime.testing.grammar)
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
     run_id: str = ""  # the run's id, for a worker not started with it in its environment (ELASTIC_RUN_ID)
+    # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
+    # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).
+    fences: dict[int, int] = {}
 
 
 class Restore(Message, frozen=True, kw_only=True):

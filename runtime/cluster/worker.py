@@ -180,6 +180,7 @@ class Worker:
         run_id = os.environ.get(ENV_RUN_ID, "")
         self.identity = run_identity(run_id, self.template, steps) if run_id else {}
         self._skipped: tuple[str, ...] = ()  # replica files the last read would not restore, for Joined
+        self.fences: dict[int, int] = {}  # superseded generations' fences, from the newest Form
         self.mesh: Any = None
         self.compiled: Any = None
         self.state_shardings: Any = None
@@ -249,6 +250,7 @@ class Worker:
             # Started by a cluster, not by launch: the run's id comes with the first Form, before any replica
             # is read or written, so that only this run's replicas are ever restored here too.
             self.identity = run_identity(form.run_id, self.template, self.target_steps)
+        self.fences = dict(form.fences)
         if form.faults:
             attach_worker_faults(self, form.faults)
         if self.initialized:
@@ -328,7 +330,9 @@ class Worker:
             return 0, "none"
         try:
             # A restarted worker, or a resumed run: the files survived us.
-            self.ram = self.replicas.newest(self.template, self.identity, max_step=self.target_steps)
+            self.ram = self.replicas.newest(
+                self.template, self.identity, max_step=self.target_steps, fences=self.fences
+            )
         except SnapshotUnavailable:
             return 0, "none"
         finally:
@@ -353,7 +357,9 @@ class Worker:
             tree, position = payload["tree"], int(payload["position"])
         self.state = self._place(tree, self.state_shardings)
         self.step = restore.step
-        self.ram = replica(restore.step, position if restore.source >= 0 else 0, tree, self.identity)
+        self.ram = replica(
+            restore.step, position if restore.source >= 0 else 0, tree, self.identity, generation=self.generation
+        )
         jax.block_until_ready(self.state)
         self._heartbeat()
         return self.state, 0.0
@@ -396,7 +402,7 @@ class Worker:
             new_state, seconds = outcome
             self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
             position += 1
-            self.ram = replica(self.step, position, host_copy(new_state), self.identity)
+            self.ram = replica(self.step, position, host_copy(new_state), self.identity, generation=self.generation)
             if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
                 self.replicas.save(self.ram)
             self._heartbeat()

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from test_launcher_recovery import assert_no_committed_step_lost, final_state
 from runtime.cluster.config import LaunchConfig, LaunchError
 from runtime.cluster.controller import Controller
 from runtime.cluster.coordination import free_port
-from runtime.cluster.protocol import Hello, Stop
+from runtime.cluster.protocol import Form, Heartbeat, Hello, Joined, Restore, Stop
 from runtime.cluster.worker import ControllerLink
 from runtime.core.eventlog import read_events
 from runtime.core.events import ConnectionRefused, GroupFormed, StepCompleted, WorkerLost
@@ -213,6 +214,88 @@ def test_a_service_takes_any_new_id_once_and_never_again(tmp_path: Path) -> None
     assert "already connected" in refusals[0].reason
     assert "already connected or was lost" in refusals[-1].reason and sum(e.count for e in refusals) == 4
     assert sorted(controller.pool.procs) == [0, 7]
+
+
+def test_a_step_is_counted_once_and_an_old_generation_s_heartbeats_count_for_nothing(tmp_path: Path) -> None:
+    # A real controller in service mode, on loopback, with two stand-in workers that speak the protocol but
+    # train nothing. Worker 1 goes silent after step 3 (cut off); worker 0 goes on alone in generation 2.
+    # Then both send heartbeats of generation 1 with steps far ahead (a cut-off worker that still reached its
+    # peers, and a survivor's late one): none of it may count; generation 2 counts from step 3 on.
+    config = LaunchConfig(
+        command=[],
+        nprocs=2,
+        min_nprocs=1,
+        run_dir=str(tmp_path),
+        secret="s3cret",
+        target_steps=20,
+        heartbeat_timeout_s=1.0,
+        hang_timeout_s=60.0,
+    )
+    controller = default_controller(config)
+    beats: dict[int, tuple[int, int] | None] = {0: None, 1: None}  # worker -> (generation, step) it reports
+    done = threading.Event()
+
+    def expect(link: ControllerLink, kind: type[Any], generation: int | None = None) -> Any:
+        deadline = time.monotonic() + 20
+        while True:
+            message = link.inbox.get(timeout=max(0.01, deadline - time.monotonic()))
+            if isinstance(message, kind) and getattr(message, "generation", generation) == generation:
+                return message
+
+    def beat(links: dict[int, ControllerLink]) -> None:
+        while not done.is_set():
+            for worker, link in links.items():
+                state = beats[worker]
+                if state is not None:
+                    gen, step = state
+                    link.send(Heartbeat(worker=worker, generation=gen, step=step, sent_at=time.time()))
+            time.sleep(0.1)
+
+    def until(what: str, condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, f"no {what} within 20 s"
+            time.sleep(0.01)
+
+    def run(port: int) -> None:
+        links = {w: ControllerLink(f"127.0.0.1:{port}", "s3cret") for w in (0, 1)}
+        for worker, link in links.items():
+            link.send(Hello(worker=worker, pid=12345, target_steps=20))
+        threading.Thread(target=beat, args=(links,), daemon=True).start()
+        try:
+            for worker, link in links.items():
+                expect(link, Form, 1)
+                link.send(Joined(worker=worker, generation=1, best_step=0, tier="none", join_s=0.0))
+            for worker, link in links.items():
+                expect(link, Restore, 1)
+                beats[worker] = (1, 3)
+            until("step 3", lambda: controller.group_step == 3)
+            beats[1] = None  # cut off: the controller hears nothing more from worker 1
+            form = expect(links[0], Form, 2)
+            assert form.num_processes == 1 and form.fences == {}  # generation 1 not fenced before its restore
+            beats[0] = (2, 3)
+            links[0].send(Joined(worker=0, generation=2, best_step=3, tier="ram", join_s=0.0))
+            assert expect(links[0], Restore, 2).step == 3
+            assert controller.group.fences == {1: 3}
+            assert json.loads((tmp_path / "run.json").read_text())["fences"] == {"1": 3}  # before anything steps
+            # Generation 1, late: worker 1 (judged lost) says step 9, the survivor's old self says step 6.
+            links[1].send(Heartbeat(worker=1, generation=1, step=9, sent_at=time.time()))
+            links[0].send(Heartbeat(worker=0, generation=1, step=6, sent_at=time.time()))
+            assert "worker 1 was judged lost" in expect(links[1], Stop).reason
+            time.sleep(0.3)  # room for the controller to (wrongly) count them
+            assert controller.group_step == 3
+            beats[0] = (2, 4)
+            until("step 4", lambda: controller.group_step == 4)
+            time.sleep(0.3)
+            assert controller.group_step == 4
+        finally:
+            done.set()
+            for link in links.values():
+                link.close()
+
+    anyio.run(against, controller, run)
+    committed = [e.step for e in read_events(tmp_path / "events.jsonl") if isinstance(e, StepCompleted)]
+    assert committed == [1, 2, 3, 4]  # each once, none of generation 1's late claims
 
 
 def test_a_service_needs_a_secret_from_the_user() -> None:

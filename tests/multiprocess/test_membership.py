@@ -34,3 +34,24 @@ def test_the_newest_step_any_member_holds_is_restored_and_the_others_take_it_fro
 def test_a_group_with_nothing_to_restore_starts_from_the_initial_state() -> None:
     plan = Membership(size=2).plan_restore([JoinReport(0, "none"), JoinReport(0, "none")])
     assert (plan.step, plan.source, plan.restored_from) == (0, -1, "init")
+
+
+def test_a_restore_fences_every_earlier_generation_at_the_step_the_group_went_on_from() -> None:
+    group = Membership(size=3)
+    group.new_generation([0, 1, 2])
+    group.restore(0)
+    assert group.fences == {}  # the first generation replaces nobody
+    group.new_generation([0, 2])  # generation 2: worker 1 cut off after step 6
+    group.restore(6)
+    assert group.fences == {1: 6}
+    group.new_generation([0, 2, 3])
+    group.restore(11)
+    assert group.fences == {1: 6, 2: 11}
+    group.new_generation([4, 5, 6])  # every worker replaced; the files held step 9 at best
+    group.restore(9)
+    assert group.fences == {1: 6, 2: 9, 3: 9}  # the history past 9 is generation 4's alone
+    # A resumed run (a new controller) numbers its generations after the old ones and keeps their fences.
+    resumed = Membership(size=3, generation=4, fences=group.fences)
+    assert resumed.new_generation([0, 1, 2]) == 5
+    resumed.restore(12)
+    assert resumed.fences == {1: 6, 2: 9, 3: 9, 4: 12}
