@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,12 @@ from runtime.cluster.coordination import free_port
 from runtime.cluster.protocol import Form, Heartbeat, Hello, Joined, Restore, Stop
 from runtime.cluster.worker import ControllerLink
 from runtime.core.eventlog import read_events
-from runtime.core.events import ConnectionRefused, GroupFormed, StepCompleted, WorkerLost
+from runtime.core.events import ConnectionRefused, GroupFormed, ReplicaSkipped, StepCompleted, WorkerLost
 from runtime.defaults import default_controller
 from runtime.testing.compare import compare_states
 from runtime.testing.hosts import SimulatedHosts
+from storage.disk import DiskTier
+from storage.replicas import replica
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -72,10 +75,17 @@ class ServiceRun:
 
 @contextlib.contextmanager
 def service_run(
-    hosts: SimulatedHosts, tmp_path: Path, *, step_delay_s: float, min_nprocs: int | None = None
+    hosts: SimulatedHosts,
+    tmp_path: Path,
+    *,
+    step_delay_s: float,
+    min_nprocs: int | None = None,
+    replica_dirs: Path | None = None,
 ) -> Iterator[ServiceRun]:
     """Start ``elastic-runtime controller`` in the root namespace (secret from a token file) and one worker on
-    each of the first NPROCS hosts; the controller is killed on the way out if it still runs."""
+    each of the first NPROCS hosts; the controller is killed on the way out if it still runs. With
+    ``replica_dirs`` host K's workers keep their replica files in ``replica_dirs/hostK`` (a folder that
+    outlives them, as a host's disk would), not in their own ``/dev/shm``."""
     secret = os.urandom(32).hex()
     token = tmp_path / "token"
     token.write_text(secret)
@@ -101,7 +111,10 @@ def service_run(
         }
         worker = [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
         for k in range(NPROCS):
-            hosts.start(k, worker, worker_env | {"ELASTIC_WORKER_ID": str(k)}, tmp_path / f"worker-{k}.log")
+            env_k = worker_env | {"ELASTIC_WORKER_ID": str(k)}
+            if replica_dirs is not None:
+                env_k["ELASTIC_REPLICA_DIR"] = str(replica_dirs / f"host{k}")
+            hosts.start(k, worker, env_k, tmp_path / f"worker-{k}.log")
         yield ServiceRun(controller, address, run_dir, secret, env, worker_env, worker)
     finally:
         if controller.poll() is None:
@@ -173,6 +186,93 @@ def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(
         assert "no lease from the controller" in (tmp_path / "worker-1.log").read_text()
     told = "was judged lost and is back; told to exit" in log_text
     print(f"\n{fault} host: {json.dumps(figures | {'told_to_exit': told})}")
+
+
+def test_a_worker_cut_off_from_the_controller_alone_stops_in_its_lease_and_its_late_write_is_never_restored(
+    tmp_path: Path, reference: Path
+) -> None:
+    # Only the path between host 1 and the controller is cut: host 1's worker still reaches its peers, so
+    # nothing but its lease stops it (its peers would go on stepping with it). It must stop within its lease;
+    # the survivors re-form without it; a replica written as by it after its fence (injected: the lease
+    # already keeps it from writing) is found by its replacement on the same host and never restored; once
+    # the path is back it is told to exit; each step is committed once; the result is the fault-free run's.
+    replicas = tmp_path / "replicas"
+    lease_s = 2.0 * 0.75  # --heartbeat-timeout's default x the controller's lease share
+    with (
+        SimulatedHosts(NPROCS) as hosts,
+        service_run(hosts, tmp_path, step_delay_s=0.5, min_nprocs=NPROCS - 1, replica_dirs=replicas) as run,
+    ):
+        controller, run_dir, worker_env, worker = run.controller, run.run_dir, run.worker_env, run.worker
+
+        def formed(generation: int) -> list[GroupFormed]:
+            return [e for e in events(run_dir) if isinstance(e, GroupFormed) and e.generation == generation]
+
+        wait_for(
+            "step 5", lambda: any(isinstance(e, StepCompleted) and e.step >= 5 for e in events(run_dir)), controller
+        )
+        cut_wall, cut_at = time.time(), time.monotonic()
+        hosts.cut_from_controller(1)
+        wait_for("the survivors' group", lambda: bool(formed(2)), controller)
+        fence = formed(2)[0].restore_step  # generation 1's history ends there
+        # What the cut-off worker might write late, as its own: a replica of generation 1 past its fence, newer
+        # than anything the survivors will hold when its host's replacement reads the host's folder.
+        late_step = STEPS - 2
+        own = DiskTier(replicas / "host1" / "worker-1", name="shm", check_space=False)
+        own_steps = own.steps(timeout=30)
+        newest_own = own.restore(max(own_steps), None, timeout=30)
+        assert newest_own.metadata["generation"] == "1"
+        late = replica(late_step, late_step, newest_own.tree, newest_own.metadata)
+        own.save(late, timeout=30)
+        hosts.reconnect(1)
+        deadline = time.monotonic() + _WAIT_S
+        while hosts.pids(1):  # its heartbeats reach the controller again: told to exit
+            assert time.monotonic() < deadline, f"host 1 still runs {hosts.pids(1)} after the path came back"
+            assert controller.poll() is None, "the controller exited"
+            time.sleep(0.1)
+        # The orchestrator's replacement on the same host, with a new id; it reads the host's replica folder.
+        env = worker_env | {"ELASTIC_WORKER_ID": str(NPROCS), "ELASTIC_REPLICA_DIR": str(replicas / "host1")}
+        hosts.start(1, worker, env, tmp_path / f"worker-{NPROCS}.log")
+        out, _ = controller.communicate(timeout=_WAIT_S)
+    log_text = (tmp_path / "controller.log").read_text()
+    assert controller.returncode == 0, log_text
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    history = read_events(run_dir / "events.jsonl")
+
+    assert result["ok"] and result["step"] == STEPS
+    [lost] = [e for e in history if isinstance(e, WorkerLost)]
+    assert lost.worker == 1 and lost.message.startswith("no heartbeat for "), lost
+    assert result["strategies"] == ["start", "reform", "grow"], result
+    assert [set(e.members) for e in history if isinstance(e, GroupFormed)] == [{0, 1, 2}, {0, 2}, {0, 2, NPROCS}]
+    assert "worker 1 was judged lost and is back; told to exit" in log_text
+    # It stopped within its lease: the step it stopped at is within the group's history, and it wrote no
+    # replica of its own past it.
+    stops = [line for line in (tmp_path / "worker-1.log").read_text().splitlines() if "stopped stepping" in line]
+    assert stops, "worker 1 never stopped for want of a lease"
+    stopped_step = int(stops[0].rsplit(" ", 1)[-1])
+    stopped_wall = datetime.strptime(stops[0][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert max(own_steps) <= stopped_step <= fence, (own_steps, stopped_step, fence)
+    # Its late write was found and refused, and the fences are in the run folder.
+    skipped = [e for e in history if isinstance(e, ReplicaSkipped)]
+    assert [e.reason for e in skipped] == [f"written by generation 1 after it was fenced at step {fence}"], skipped
+    assert str(own.path_of(late_step)) == skipped[0].path
+    assert json.loads((run_dir / "run.json").read_text())["fences"]["1"] == fence
+    # Each step committed once, never run again, and the same result as without the cut.
+    committed = [e.step for e in history if isinstance(e, StepCompleted)]
+    assert committed == list(range(1, STEPS + 1)), committed
+    assert_no_committed_step_lost(history)
+    match = compare_states(final_state(tmp_path / "final"), final_state(reference), bitwise=False)
+    assert match["match"], match
+    next_commit = min(e.mono_time for e in history if isinstance(e, StepCompleted) and e.step > fence)
+    figures = {
+        "stopped_after_s": round(stopped_wall - cut_wall, 3),
+        "detected_after_s": round(lost.mono_time - cut_at, 3),
+        "next_commit_after_s": round(next_commit - cut_at, 3),
+        "fence": fence,
+        "max_rel_error": match["max_rel_error"],
+    }
+    print(f"\ncut from the controller: {json.dumps(figures)}")
+    # Its log's clock is this machine's: the lease ran out within lease_s of the cut, plus the step then running.
+    assert stopped_wall - cut_wall < lease_s + 2.0, figures
 
 
 def test_a_service_takes_any_new_id_once_and_never_again(tmp_path: Path) -> None:
