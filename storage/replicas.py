@@ -15,6 +15,11 @@ Every replica carries its run's identity in its manifest's metadata (:func:`run_
 a fingerprint of the job: state structure, shapes, dtypes, target steps); :meth:`ReplicaFiles.newest`
 restores only replicas of this run and names the ones it skipped, so a folder that holds another run's
 files never resumes the wrong run.
+
+Every replica also names the generation of the group that wrote it (``"generation"`` in its metadata,
+:func:`replica`). The controller fences each generation it replaces at the step the group went on from;
+:meth:`ReplicaFiles.newest`, given those fences, never restores a replica that a generation wrote past its
+fence (a worker cut off from the controller whose write came late): that step is not in the run's history.
 """
 
 from __future__ import annotations
@@ -57,12 +62,21 @@ def run_identity(run_id: str, like: PyTree, target_steps: int) -> dict[str, str]
     return {"run_id": run_id, "job": job_fingerprint(like, target_steps)}
 
 
-def replica(step: int, data_position: int, tree: PyTree, identity: dict[str, str] | None = None) -> HostSnapshot:
+def replica(
+    step: int,
+    data_position: int,
+    tree: PyTree,
+    identity: dict[str, str] | None = None,
+    *,
+    generation: int | None = None,
+) -> HostSnapshot:
     """A worker's replica: the state after ``step`` as host arrays, with the data position to resume exactly,
-    and the run's identity (:func:`run_identity`) as its metadata."""
+    and as its metadata the run's identity (:func:`run_identity`) and the ``generation`` of the group that
+    computed it."""
     nbytes = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(tree))
+    metadata = dict(identity or {}) | ({} if generation is None else {"generation": str(generation)})
     return HostSnapshot(
-        step=step, data_position=data_position, tree=tree, nbytes=nbytes, seconds=0.0, metadata=dict(identity or {})
+        step=step, data_position=data_position, tree=tree, nbytes=nbytes, seconds=0.0, metadata=metadata
     )
 
 
@@ -187,23 +201,35 @@ class ReplicaFiles:
                 log.error("replica write failed: %s", exc)
 
     def newest(
-        self, like: PyTree, identity: dict[str, str] | None = None, *, max_step: int | None = None
+        self,
+        like: PyTree,
+        identity: dict[str, str] | None = None,
+        *,
+        max_step: int | None = None,
+        fences: dict[int, int] | None = None,
     ) -> HostSnapshot:
         """The newest replica of any process here that verifies, has the structure of ``like`` and carries
-        ``identity`` (its run, job and layout); never one past ``max_step``. The replicas it skipped are then in
-        :attr:`skipped`, each as ``"PATH: why"``.
+        ``identity`` (its run, job and layout); never one past ``max_step``, nor one that a generation wrote past
+        its fence (``fences``: generation -> the newest step of it the run went on from). The replicas it skipped
+        are then in :attr:`skipped`, each as ``"PATH: why"``.
 
         Raises:
             SnapshotUnavailable: none does; the message lists what was skipped and why.
         """
-        found = self.readable(like, identity, max_step=max_step, limit=1)
+        found = self.readable(like, identity, max_step=max_step, fences=fences, limit=1)
         if not found:
             why = "; ".join(self.skipped) or "none committed"
             raise SnapshotUnavailable(f"no usable replica in {self.directory} ({why})")
         return next(iter(found.values()))
 
     def readable(
-        self, like: PyTree, identity: dict[str, str] | None = None, *, max_step: int | None = None, limit: int = 2
+        self,
+        like: PyTree,
+        identity: dict[str, str] | None = None,
+        *,
+        max_step: int | None = None,
+        fences: dict[int, int] | None = None,
+        limit: int = 2,
     ) -> dict[int, HostSnapshot]:
         """The ``limit`` newest steps that some replica here holds and :meth:`newest` would restore, newest
         first, each read and verified. What was skipped, and why, is then in :attr:`skipped`."""
@@ -223,7 +249,7 @@ class ReplicaFiles:
             for step in steps:
                 if not _holds(tier, step, layout):
                     continue  # another position's shards: expected, not worth a word
-                why = _not_ours(tier, step, identity, max_step)
+                why = _not_ours(tier, step, identity, max_step, fences or {})
                 if why:
                     skipped.append(f"{tier.path_of(step)}: {why}")
                 else:
@@ -255,19 +281,30 @@ def _holds(tier: DiskTier, step: int, layout: str | None) -> bool:
         return True
 
 
-def _not_ours(tier: DiskTier, step: int, identity: dict[str, str] | None, max_step: int | None) -> str:
+def _not_ours(
+    tier: DiskTier, step: int, identity: dict[str, str] | None, max_step: int | None, fences: dict[int, int]
+) -> str:
     """Why replica ``step`` of ``tier`` must not be restored in this run; "" when it may."""
     if max_step is not None and step > max_step:
         return f"step {step} is past the target step {max_step}"
-    if not identity:
+    if not identity and not fences:
         return ""
     try:
         metadata = tier.manifest(step).metadata
     except (CheckpointInvalid, SnapshotUnavailable) as exc:
         return f"unreadable manifest: {exc}"
-    for key, want in identity.items():
+    for key, want in (identity or {}).items():
         got = metadata.get(key)
         if got != want:
             what = "another run's replica" if key == "run_id" else "another job's replica (structure, shapes or target)"
             return f"{what}: {key} {got!r}, this run's {want!r}"
+    generation = metadata.get("generation")
+    if generation is None:
+        return ""  # written before replicas named their generation; nothing to judge it by
+    try:
+        fence = fences.get(int(generation))
+    except ValueError:
+        return f"unreadable generation {generation!r} in its manifest"
+    if fence is not None and step > fence:
+        return f"written by generation {generation} after it was fenced at step {fence}"
     return ""

@@ -57,7 +57,7 @@ from runtime.cluster.protocol import (
     Stop,
     Warm,
 )
-from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
+from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run, save_fences
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
 from runtime.core.errors import (
@@ -163,7 +163,10 @@ class Controller(GroupFormer):
         self.pool = ProcessPool(
             config, self.run_dir / "workers", self.replica_dir, self.secret, run_id=self.record.run_id
         )
-        self.group = Membership(config.nprocs, config.slice_size)
+        # A resumed run's generations go on from its record, its fences with them (see Membership.fences).
+        self.group = Membership(
+            config.nprocs, config.slice_size, generation=self.record.generation, fences=self.record.fences
+        )
         self.recovery = RecoveryTracker("controller", config.max_failures)
         self.server = WorkerServer(
             secret=self.secret,
@@ -350,6 +353,9 @@ class Controller(GroupFormer):
         if self.result.ok:
             mark_finished(self.run_dir, self.record.run_id)
         (self.run_dir / "summary.json").write_text(json.dumps(self.result.__dict__, default=str))
+
+    def _save_fences(self) -> None:
+        save_fences(self.run_dir, self.record.run_id, self.group.generation, self.group.fences)
 
     def end(self, error: ElasticRuntimeError) -> None:
         """End the run with ``error`` (the first one wins): every worker is stopped, the run fails with it."""

@@ -80,7 +80,8 @@ class DurableCommits:
         step.data_position = saved.data_position
         if saved.leaves:
             # The run's id is the controller's to say, whatever a worker claims.
-            step.structure, step.leaves, step.metadata = saved.structure, saved.leaves, saved.metadata | self.metadata
+            step.structure, step.leaves = saved.structure, saved.leaves
+            step.metadata = saved.metadata | self.metadata | {"generation": str(self.generation)}
         return saved.step if len(step.parts) == self.writers and step.leaves else None
 
     def commit(self, step: int) -> Committed:

@@ -70,6 +70,9 @@ class GroupFormer:
     async def _warm_spares(self) -> None:
         raise NotImplementedError
 
+    def _save_fences(self) -> None:
+        raise NotImplementedError
+
     def _mesh_shape(self) -> dict[str, int]:
         raise NotImplementedError
 
@@ -131,6 +134,7 @@ class GroupFormer:
                     self.monitor.expect_progress(worker, False)
             self._requests.clear()
             generation = self.group.new_generation(members)
+            self._save_fences()  # a resumed controller numbers its generations after this one
             self._restored = False
             self.restored_bytes.clear()
             if self.durable is not None:
@@ -162,6 +166,7 @@ class GroupFormer:
                     slice_size=self.config.slice_size,
                     durable_dir=self.config.durable_dir or "",
                     durable_every=self.config.durable_every,
+                    fences=dict(self.group.fences),
                 )
                 await self.server.send(self.pool[worker], form)
             await self.bus.publish(
@@ -269,6 +274,9 @@ class GroupFormer:
                 last_committed_step=self.group.step,
             )
         gaps = self.group.restore(plan.step)
+        # The older generations' fences are on disk before this one can step (and write replicas): a controller
+        # killed now still tells the next workers what not to restore (``--resume``).
+        self._save_fences()
         if strategy == Strategy.START:
             self.result.resumed_from = plan.step if plan.step > 0 else -1
             gaps = []  # a resumed run: the controller before this one logged those steps

@@ -1,6 +1,7 @@
 """Group membership as a synchronous state machine: who is in the group, in which generation, which steps
-the whole group has committed, and who restores from whom. No processes, sockets or clocks: the controller
-(``runtime/cluster/controller.py``) drives it and turns its answers into messages and events."""
+the whole group has committed, who restores from whom, and where each superseded generation was fenced. No
+processes, sockets or clocks: the controller (``runtime/cluster/controller.py``) drives it and turns its
+answers into messages and events."""
 
 from __future__ import annotations
 
@@ -40,13 +41,22 @@ class Membership:
         size: the group's full size (``nprocs``).
         slice_size: processes per slice; the group is always made of whole slices (process ids
             ``k * slice_size`` to ``k * slice_size + slice_size - 1`` are slice ``k``).
+        generation: the newest generation formed so far (a resumed run's, from its run folder); the next one
+            formed is numbered after it.
+        fences: superseded generations' fences so far (a resumed run's; see :attr:`fences`).
     """
 
-    def __init__(self, size: int, slice_size: int = 1) -> None:
+    def __init__(
+        self, size: int, slice_size: int = 1, *, generation: int = 0, fences: dict[int, int] | None = None
+    ) -> None:
         self.size = size
         self.slice_size = slice_size
         self.members: list[int] = []
-        self.generation = 0
+        self.generation = generation
+        # generation -> the step the group went on from when a later generation replaced it: the newest step
+        # of that generation that is part of the run's history. Anything it committed (or wrote) past its
+        # fence is not: the group went on from the fence without it.
+        self.fences: dict[int, int] = dict(fences or {})
         self.step = 0  # the newest step every member has committed
         self.high_water = 0  # the newest step the group ever committed (it moves back on a restore)
 
@@ -112,8 +122,12 @@ class Membership:
         return RestorePlan(step=best_step, source=source, restored_from=restored_from, lost_steps=lost_steps)
 
     def restore(self, step: int) -> list[int]:
-        """The group starts again from ``step``. Returns the steps it newly counts as committed: those the
-        member restored from committed before the old group could report them all."""
+        """The group (of the current generation) starts again from ``step``: the run's history past ``step``
+        is this generation's alone, so every earlier generation is fenced at ``step`` at the latest. Returns the
+        steps it newly counts as committed: those the member restored from committed before the old group could
+        report them all."""
+        for older in range(1, self.generation):
+            self.fences[older] = min(self.fences.get(older, step), step)
         gap = list(range(self.step + 1, step + 1))
         self.step = step
         self.high_water = max(self.high_water, step)

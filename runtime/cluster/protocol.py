@@ -171,6 +171,9 @@ class Form(Message, frozen=True, kw_only=True):
     slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)
     durable_dir: str = ""  # where the group's durable checkpoints go (storage/sharded.py); "": none
     durable_every: int = 0  # steps between durable checkpoints
+    # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
+    # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).
+    fences: dict[int, int] = {}
 
 
 class Restore(Message, frozen=True, kw_only=True):

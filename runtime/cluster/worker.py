@@ -197,6 +197,7 @@ class Worker:
         run_id = os.environ.get(ENV_RUN_ID, "")
         self.identity = run_identity(run_id, self.template, steps) if run_id else {}
         self._skipped: tuple[str, ...] = ()  # replica files the last read would not restore, for Joined
+        self.fences: dict[int, int] = {}  # superseded generations' fences, from the newest Form
         self.mesh: Any = None
         self.compiled: Any = None
         self.state_shardings: Any = None
@@ -266,6 +267,7 @@ class Worker:
             # Started by a cluster, not by launch: the run's id comes with the first Form, before any replica
             # is read or written, so that only this run's replicas are ever restored here too.
             self.identity = run_identity(form.run_id, self.template, self.target_steps)
+        self.fences = dict(form.fences)
         if form.faults:
             attach_worker_faults(self, form.faults)
         if self.initialized:
@@ -363,6 +365,7 @@ class Worker:
                     self.local_like,
                     self.identity | self.layout,
                     max_step=self.target_steps,
+                    fences=self.fences,
                     # One process a slice: its newest is its slice's best. Else an older step may be the one
                     # the whole slice holds (a peer's newest write did not finish, or only the durable tier
                     # holds a lost process's shards).
@@ -393,7 +396,10 @@ class Worker:
             except (CheckpointInvalid, SnapshotUnavailable) as exc:
                 log.warning("durable checkpoint of step %d not usable: %s", step, exc)
                 continue
-            if step <= self.target_steps and all(metadata.get(k) == v for k, v in self.identity.items()):
+            fence = self.fences.get(int(metadata.get("generation", "0")))
+            if fence is not None and step > fence:
+                log.warning("durable checkpoint of step %d: its generation was fenced at step %d; skipped", step, fence)
+            elif step <= self.target_steps and all(metadata.get(k) == v for k, v in self.identity.items()):
                 found.add(step)
         return found
 
@@ -422,7 +428,7 @@ class Worker:
             boxes = mine.tree if mine is not None else local_copy(self.state)
             nbytes = mine.nbytes if mine is not None else 0
         self.step = restore.step
-        self.ram = replica(restore.step, position, boxes, self.identity | self.layout)
+        self.ram = replica(restore.step, position, boxes, self.identity | self.layout, generation=self.generation)
         jax.block_until_ready(self.state)
         self.link.send(
             Restored(worker=self.worker, generation=self.generation, step=restore.step, tier=tier, nbytes=nbytes)
@@ -505,7 +511,9 @@ class Worker:
             new_state, seconds = outcome
             self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
             position += 1
-            self.ram = replica(self.step, position, local_copy(new_state), self.identity | self.layout)
+            self.ram = replica(
+                self.step, position, local_copy(new_state), self.identity | self.layout, generation=self.generation
+            )
             if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
                 self.replicas.save(self.ram)
                 if self.durable is not None and self.durable_every > 0 and self.step % self.durable_every == 0:

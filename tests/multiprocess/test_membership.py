@@ -62,3 +62,24 @@ def test_no_slice_holding_one_step_whole_is_said_and_nothing_is_restored() -> No
     group = Membership(size=2, slice_size=2)
     plan = group.plan_restore([JoinReport(9, "ram"), JoinReport(0, "none")])
     assert plan.source == -1 and "no slice holds one step whole" in plan.missing and "[9]" in plan.missing
+
+
+def test_a_restore_fences_every_earlier_generation_at_the_step_the_group_went_on_from() -> None:
+    group = Membership(size=3)
+    group.new_generation([0, 1, 2])
+    group.restore(0)
+    assert group.fences == {}  # the first generation replaces nobody
+    group.new_generation([0, 2])  # generation 2: worker 1 cut off after step 6
+    group.restore(6)
+    assert group.fences == {1: 6}
+    group.new_generation([0, 2, 3])
+    group.restore(11)
+    assert group.fences == {1: 6, 2: 11}
+    group.new_generation([4, 5, 6])  # every worker replaced; the files held step 9 at best
+    group.restore(9)
+    assert group.fences == {1: 6, 2: 9, 3: 9}  # the history past 9 is generation 4's alone
+    # A resumed run (a new controller) numbers its generations after the old ones and keeps their fences.
+    resumed = Membership(size=3, generation=4, fences=group.fences)
+    assert resumed.new_generation([0, 1, 2]) == 5
+    resumed.restore(12)
+    assert resumed.fences == {1: 6, 2: 9, 3: 9, 4: 12}
