@@ -43,7 +43,18 @@ from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
-from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined, Lease, Message, Stop, Warm
+from runtime.cluster.protocol import (
+    EXIT_REPLACE,
+    Failed,
+    Finished,
+    Heartbeat,
+    Hello,
+    Joined,
+    Lease,
+    Message,
+    Stop,
+    Warm,
+)
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
@@ -515,7 +526,8 @@ class Controller(GroupFormer):
                     # that will never call it again. (One the controller started was killed instead.)
                     proc.told_to_stop = True
                     log.warning("controller: worker %d was judged lost and is back; told to exit", worker)
-                    await self.server.send(proc, Stop(reason=f"worker {worker} was judged lost; its place is taken"))
+                    taken = Stop(reason=f"worker {worker} was judged lost; its place is taken", exit_code=EXIT_REPLACE)
+                    await self.server.send(proc, taken)
                 if proc.gone or self._stopping:
                     return
                 try:
