@@ -119,7 +119,7 @@ def worker_command(name: str) -> list[str]:
 
 def test_every_manifest_parses_as_the_kinds_we_ship() -> None:
     kinds = sorted(doc["kind"] for path in K8S.glob("*.yaml") for doc in documents(path.name))
-    assert kinds == ["Deployment", "Job", "JobSet", "Service"]
+    assert kinds == ["Deployment", "Job", "JobSet", "NetworkPolicy", "Service"]
     assert one("workers-jobset.yaml", "JobSet")["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
 
 
@@ -152,6 +152,18 @@ def test_the_service_is_the_controllers_port() -> None:
     for name in WORKER_MANIFESTS:
         address = env(job_spec(name)["template"]["spec"])[protocol.ENV_CONTROLLER]["value"]
         assert address == f"{service['metadata']['name']}:{port['port']}", name
+
+
+def test_the_network_policy_admits_the_runs_pods_to_each_other() -> None:
+    policy = one("networkpolicy.yaml", "NetworkPolicy")["spec"]
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    selected = policy["podSelector"]["matchLabels"]
+    assert source["podSelector"]["matchLabels"] == selected
+    templates = [one("controller.yaml", "Deployment")["spec"]["template"]]
+    templates += [job_spec(name)["template"] for name in WORKER_MANIFESTS]
+    for template in templates:
+        assert selected.items() <= template["metadata"]["labels"].items()
 
 
 def test_the_secret_is_mounted_where_it_is_read(tmp_path: Path) -> None:
@@ -202,18 +214,17 @@ def test_the_workers_and_the_controller_agree() -> None:
         assert spec["completionMode"] == "Indexed"
         assert spec["completions"] == spec["parallelism"] == nprocs == int(worker_env["WORKERS"]["value"])
         assert spec["backoffLimitPerIndex"] == int(worker_env["RETRIES_PER_INDEX"]["value"])
-        assert spec["podReplacementPolicy"] == "Failed"
+        # A replacement as soon as the old pod is terminating (one on an unreachable node never finishes); its
+        # new id makes two pods of one index harmless. A podFailurePolicy would only allow "Failed".
+        assert spec["podReplacementPolicy"] == "TerminatingOrFailed"
+        assert "podFailurePolicy" not in spec, name
         assert pod["restartPolicy"] == "Never"
         assert worker_env["INDEX_FAILURES"]["valueFrom"]["fieldRef"]["fieldPath"] == FAILURE_COUNT
         assert worker_env["RESTART_ATTEMPT"]["valueFrom"]["fieldRef"]["fieldPath"] == RESTART_ATTEMPT
-        for rule in spec["podFailurePolicy"]["rules"]:
-            # An ignored failure does not move the failure count: the replacement would reuse a spent id.
-            assert rule["action"] != "Ignore", name
-            codes = rule.get("onExitCodes", {})
-            if rule["action"] in ("FailIndex", "FailJob") and codes.get("operator") == "In":
-                # A worker whose place was taken must be replaced, not end its index.
-                assert protocol.EXIT_REPLACE not in codes["values"], name
-                assert codes["containerName"] == container(pod)["name"], name
+        # A pod on a node that stops answering is evicted, and so replaced, well before the default 300 s.
+        waits = {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"] if t.get("effect") == "NoExecute"}
+        assert waits.keys() == {"node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"}
+        assert max(waits.values()) <= 60
 
 
 def worker_id(tmp_path: Path, name: str, index: int, failures: int, attempt: str) -> int:
