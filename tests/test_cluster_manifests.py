@@ -109,7 +109,7 @@ def worker_script(name: str) -> str:
 def worker_command(name: str) -> list[str]:
     """The training command a worker pod runs (its script's last line: ``exec python ...``)."""
     last = [line for line in worker_script(name).splitlines() if line.strip()][-1].split()
-    # exec: the pod's exit code is the worker's own, which the podFailurePolicy reads.
+    # exec: the pod's exit code is the worker's own (0: the index is done; anything else: it is replaced).
     assert last[0] == "exec", last
     return last[1:]
 
