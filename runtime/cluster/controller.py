@@ -45,6 +45,7 @@ from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Ver
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
 from runtime.cluster.protocol import (
+    EXIT_REPLACE,
     Failed,
     Finished,
     Heartbeat,
@@ -558,7 +559,8 @@ class Controller(GroupFormer):
                     # that will never call it again. (One the controller started was killed instead.)
                     proc.told_to_stop = True
                     log.warning("controller: worker %d was judged lost and is back; told to exit", worker)
-                    await self.server.send(proc, Stop(reason=f"worker {worker} was judged lost; its place is taken"))
+                    taken = Stop(reason=f"worker {worker} was judged lost; its place is taken", exit_code=EXIT_REPLACE)
+                    await self.server.send(proc, taken)
                 if proc.gone or self._stopping:
                     return
                 try:

@@ -21,7 +21,7 @@ from runtime.cluster.durable import DurableCommits
 from runtime.cluster.heartbeat import HeartbeatMonitor
 from runtime.cluster.membership import JoinReport, Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, log_tail
-from runtime.cluster.protocol import Form, Restore, Stop
+from runtime.cluster.protocol import EXIT_REPLACE, Form, Restore, Stop
 from runtime.cluster.server import WorkerServer
 from runtime.core.bus import EventBus
 from runtime.core.errors import RecoveryError
@@ -116,9 +116,8 @@ class GroupFormer:
                 for worker in survivors:
                     self.kill(worker, "KILL", "restart strategy: every worker is replaced")
                     if self.pool[worker].popen is None:  # not ours to kill: asked to exit, the cluster replaces it
-                        await self.server.send(
-                            self.pool[worker], Stop(reason="restart strategy: every worker is replaced")
-                        )
+                        replaced = Stop(reason="restart strategy: every worker is replaced", exit_code=EXIT_REPLACE)
+                        await self.server.send(self.pool[worker], replaced)
                     self.pool[worker].gone = True
                     self.monitor.forget(worker)
                 self.result.survivor_restarts += len(survivors)

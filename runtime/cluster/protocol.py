@@ -30,6 +30,7 @@ __all__ = [
     "ENV_RUN_ID",
     "ENV_STEP_DELAY_S",
     "ENV_WORKER",
+    "EXIT_REPLACE",
     "ControllerMessage",
     "Failed",
     "Finished",
@@ -64,6 +65,12 @@ ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
 ENV_COMPILE_CACHE = "ELASTIC_COMPILE_CACHE"  # persistent XLA cache directory shared by the workers
 ENV_CONNECT_S = "ELASTIC_CONNECT_TIMEOUT_S"  # how long a worker tries to reach the controller (default 120)
 ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room to kill mid-run)
+
+# The exit code of a worker that stops before the run is over: its place was taken (judged lost, or every worker
+# replaced by the restart strategy) or its controller is gone. A cluster scheduler (a Kubernetes Job, the SLURM
+# script in examples/) starts a replacement with a new id on a non-zero code and counts a 0 as done.
+# 75 is EX_TEMPFAIL in sysexits.h: a temporary failure, try again.
+EXIT_REPLACE = 75
 
 MAX_LINE = 1 << 20  # a heartbeat is ~150 bytes; anything near this is garbage or an attack
 
@@ -191,9 +198,11 @@ class Warm(Message, frozen=True, kw_only=True):
 
 
 class Stop(Message, frozen=True, kw_only=True):
-    """Exit now; ``reason`` is logged."""
+    """Exit now with ``exit_code``; ``reason`` is logged. The code is 0 when the run is over and
+    :data:`EXIT_REPLACE` when the run goes on without this worker (its place is taken)."""
 
     reason: str
+    exit_code: int = 0
 
 
 class Lease(Message, frozen=True, kw_only=True):

@@ -50,6 +50,7 @@ from runtime.cluster.protocol import (
     ENV_RUN_ID,
     ENV_STEP_DELAY_S,
     ENV_WORKER,
+    EXIT_REPLACE,
     Failed,
     Finished,
     Form,
@@ -130,7 +131,7 @@ class ControllerLink:
                 self.sock.sendall(data)
             except OSError as exc:
                 log.error("lost the controller connection while sending: %s", exc)
-                self.inbox.put(Stop(reason=f"controller connection lost: {exc}"))
+                self.inbox.put(Stop(reason=f"controller connection lost: {exc}", exit_code=EXIT_REPLACE))
 
     def leased(self) -> bool:
         """Whether the controller still counts on this worker (its last lease has not run out)."""
@@ -155,7 +156,7 @@ class ControllerLink:
                 else:
                     self.inbox.put(message)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
-        self.inbox.put(Stop(reason="controller connection closed"))
+        self.inbox.put(Stop(reason="controller connection closed", exit_code=EXIT_REPLACE))
 
 
 class Worker:
@@ -232,9 +233,9 @@ class Worker:
                     self._warm()
                 case Warm():
                     pass
-                case Stop(reason=reason):
-                    log.info("worker %d stops: %s", self.worker, reason)
-                    return 0
+                case Stop(reason=reason, exit_code=code):
+                    log.info("worker %d stops (exit code %d): %s", self.worker, code, reason)
+                    return code
 
     def _beat(self) -> None:
         interval = float(os.environ.get(ENV_HEARTBEAT_S, "0.2"))
