@@ -56,6 +56,7 @@ from runtime.cluster.protocol import (
     Restored,
     Saved,
     Stop,
+    Unreadable,
     Warm,
 )
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run, save_fences
@@ -74,6 +75,7 @@ from runtime.core.errors import (
 from runtime.core.eventlog import EventLog
 from runtime.core.events import (
     CheckpointCommitted,
+    CheckpointCorrupt,
     CheckpointFailed,
     ConnectionRefused,
     Event,
@@ -182,6 +184,7 @@ class Controller(GroupFormer):
         self.port = 0
         self._restored = False  # the current generation got its Restore
         self.restored_bytes: dict[str, int] = {}  # what the current generation's members restored, per tier
+        self._unreadable = ""  # a member could not read the durable step being restored: why
         self.durable = (
             DurableCommits(
                 config.durable_dir,
@@ -388,6 +391,9 @@ class Controller(GroupFormer):
                 await anyio.sleep(0.05)  # let near-simultaneous losses arrive: one re-forming for all
                 lost, self._requests = self._requests, set()
                 await self._regroup(lost, self._request_reason, self._request_strategy)
+            elif self._unreadable:
+                reason, self._unreadable = self._unreadable, ""
+                await self._regroup(set(), reason, None)  # the same members, from another step
             elif self._can_grow():
                 await self._form(reason="a spare is ready", strategy=Strategy.GROW)
 
@@ -577,6 +583,8 @@ class Controller(GroupFormer):
                 self._wake.set()
             case Saved(generation=gen) if gen == self.group.generation and self.durable is not None:
                 await self._saved(proc, message)
+            case Unreadable(generation=gen) if gen == self.group.generation and self.durable is not None:
+                await self._unreadable_step(message)
             case Restored(generation=gen, tier=tier, nbytes=nbytes) if gen == self.group.generation:
                 self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
             case Failed(generation=gen) if gen == self.group.generation:
@@ -617,6 +625,24 @@ class Controller(GroupFormer):
                 seconds=committed.seconds,
             )
         )
+
+    async def _unreadable_step(self, message: Unreadable) -> None:
+        """A member found the durable step being restored damaged: it is withdrawn (its manifest set aside, its
+        files kept for a look) and the group re-forms from the next best step."""
+        assert self.durable is not None
+        log.error("controller: durable step %d unreadable (%s: %s)", message.step, message.path, message.reason)
+        await self.bus.publish(
+            CheckpointCorrupt(
+                step=message.step,
+                source=f"worker-{message.worker}",
+                tier="durable",
+                path=message.path,
+                reason=message.reason,
+            )
+        )
+        await anyio.to_thread.run_sync(self.durable.withdraw, message.step)
+        self._unreadable = f"durable step {message.step} unreadable: {message.reason}"
+        self._wake.set()
 
     async def _skipped(self, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
         for entry in skipped:

@@ -8,6 +8,7 @@ wrote, is dropped, so a write of a fenced group never becomes a committed checkp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from runtime.cluster.protocol import Saved
 from runtime.core.errors import StorageError
 from storage import sharded
 from storage.disk import DiskTier
-from storage.manifest import FileEntry, LeafEntry, check_relative
+from storage.manifest import MANIFEST_NAME, FileEntry, LeafEntry, check_relative
 
 __all__ = ["Committed", "DurableCommits"]
 
@@ -83,6 +84,13 @@ class DurableCommits:
             step.structure, step.leaves = saved.structure, saved.leaves
             step.metadata = saved.metadata | self.metadata | {"generation": str(self.generation)}
         return saved.step if len(step.parts) == self.writers and step.leaves else None
+
+    def withdraw(self, step: int) -> None:
+        """Make committed ``step`` invisible (its manifest renamed ``manifest.json.unreadable``): a damaged
+        checkpoint is not offered again, and its files stay for a look."""
+        manifest = self.tier.path_of(step) / MANIFEST_NAME
+        with contextlib.suppress(FileNotFoundError):  # withdrawn already (two members found it)
+            manifest.rename(manifest.with_name(MANIFEST_NAME + ".unreadable"))
 
     def commit(self, step: int) -> Committed:
         """Write ``step``'s manifest (blocking: run it in a thread), then delete the checkpoints past ``keep``.

@@ -44,6 +44,7 @@ __all__ = [
     "Restored",
     "Saved",
     "Stop",
+    "Unreadable",
     "Warm",
     "WorkerMessage",
     "decode_from_controller",
@@ -140,6 +141,17 @@ class Restored(Message, frozen=True, kw_only=True):
     nbytes: int
 
 
+class Unreadable(Message, frozen=True, kw_only=True):
+    """The worker could not read its shards of durable checkpoint ``step`` (``path``: a missing, truncated or
+    damaged file): the group must restore another step."""
+
+    worker: int
+    generation: int
+    step: int
+    path: str
+    reason: str
+
+
 class Finished(Message, frozen=True, kw_only=True):
     """The worker committed the target ``step``; ``digest`` is a hash of its final state."""
 
@@ -213,7 +225,7 @@ class Lease(Message, frozen=True, kw_only=True):
     seconds: float
 
 
-WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
+WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
 ControllerMessage = Union[Form, Restore, Warm, Stop, Lease]  # noqa: UP007
 
 
@@ -231,10 +243,10 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message) + b"\n"
 
 
-def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Saved | Restored | Finished | Failed:
+def decode_from_worker(line: bytes) -> WorkerMessage:
     """Decode one line a worker sent. Raises MalformedMessage naming what was wrong."""
     try:
-        message: Hello | Heartbeat | Joined | Saved | Restored | Finished | Failed = _from_worker.decode(line)
+        message: WorkerMessage = _from_worker.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
     return message

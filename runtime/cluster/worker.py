@@ -64,6 +64,7 @@ from runtime.cluster.protocol import (
     Restored,
     Saved,
     Stop,
+    Unreadable,
     Warm,
     decode_from_controller,
     encode,
@@ -415,7 +416,19 @@ class Worker:
             tier, mine = self.held.get(restore.step, ("none", None))
             self.held = {}
             if mine is None and restore.step in self.durable_steps:
-                mine = self._read_durable(restore.step)
+                try:
+                    mine = self._read_durable(restore.step)
+                except CheckpointInvalid as exc:
+                    # Not into the collective with a partial state: the controller re-forms from another step.
+                    unreadable = Unreadable(
+                        worker=self.worker,
+                        generation=self.generation,
+                        step=restore.step,
+                        path=exc.path,
+                        reason=exc.reason,
+                    )
+                    self.link.send(unreadable)
+                    raise
                 tier = "durable"
             # Every member takes its shards from the source slice, its own included: every member then holds
             # exactly the source's values, whichever tier each one held.

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller
 from runtime.core.errors import CheckpointInvalid
-from runtime.core.events import CheckpointCommitted, WorkerExited, WorkerLost
+from runtime.core.eventlog import read_events
+from runtime.core.events import CheckpointCommitted, CheckpointCorrupt, WorkerExited, WorkerLost
 from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import init_state
 from runtime.testing.grammar import Fault
@@ -33,8 +34,9 @@ STEPS = 30
 EVERY = 5
 
 
-def run(run_dir: Path, *, kill: int | None) -> tuple[Any, list[int]]:
-    """The demo job on 1 slice x 4 processes; the killed worker's replica files are deleted as it dies."""
+def run(run_dir: Path, *, kill: int | None, damage: int | None = None) -> tuple[Any, list[int]]:
+    """The demo job on 1 slice x 4 processes; the killed worker's replica files are deleted as it dies. With
+    ``damage``, one bit of process 2's chunk of w1 in that durable step is flipped as soon as it commits."""
     replicas = run_dir / "replicas"
     controller = group_controller(
         processes=4,
@@ -55,11 +57,19 @@ def run(run_dir: Path, *, kill: int | None) -> tuple[Any, list[int]]:
 
     async def note(event: CheckpointCommitted, ctx: Any) -> None:
         committed.append(event.step)
+        if event.step == damage:
+            flip_bit(Path(event.path) / "state" / "params.w1" / "0.2")
 
     controller.bus.subscribe(WorkerExited, wipe, priority=100)
     controller.bus.subscribe(WorkerLost, wipe, priority=100)
     controller.bus.subscribe(CheckpointCommitted, note)
     return controller.run(), committed
+
+
+def flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +126,25 @@ def test_a_damaged_chunk_is_found_by_its_checksum(lost: tuple[Path, Any, list[in
     step = source.steps(timeout=10)[0]
     copy = tmp_path / "durable"
     shutil.copytree(source.path_of(step), copy / source.path_of(step).name)
-    chunk = copy / source.path_of(step).name / "state" / "params.w1" / "0.2"
-    data = bytearray(chunk.read_bytes())
-    data[100] ^= 0x01
-    chunk.write_bytes(bytes(data))
+    flip_bit(copy / source.path_of(step).name / "state" / "params.w1" / "0.2")
     template = init_state(FEATURES, HIDDEN)
     mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
     shardings = NamedSharding(mesh, P())
     manifest = DiskTier(copy).manifest(step)
     with pytest.raises(CheckpointInvalid, match=r"params\.w1/0\.2"):
         read_local(DiskTier(copy).path_of(step), manifest, template, shardings)
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_durable_step_is_withdrawn_and_the_group_restores_the_one_before(tmp_path: Path) -> None:
+    result, committed = run(tmp_path / "run", kill=2, damage=10)
+    assert result.ok and result.step == STEPS, result.reason
+    corrupt = [e for e in read_events(result.events_path) if isinstance(e, CheckpointCorrupt)]
+    assert len(corrupt) == 1 and corrupt[0].step == 10 and "params.w1/0.2" in corrupt[0].path
+    # Withdrawn (its manifest set aside), then written and committed again by the group that rolled back to 5.
+    assert committed.count(10) == 2
+    recovery = result.recoveries[-1]
+    assert recovery["lost_steps"] == 8 and "durable" in recovery["restored_from"]  # from step 5
+    assert run(tmp_path / "reference", kill=None)[0].ok
+    got, want = (DiskTier(d / "final").latest(None).tree for d in (tmp_path / "run", tmp_path / "reference"))
+    assert compare_states(got, want, bitwise=True)["match"]
