@@ -292,18 +292,34 @@ class GcsTier:
             CheckpointInvalid: a local file no longer matches its manifest (it is not uploaded).
             StorageError: GCS failed beyond the retries, or ``timeout`` passed; nothing becomes visible.
         """
-        started = time.monotonic()
-        deadline = started + timeout
+        deadline = time.monotonic() + timeout
         directory = Path(directory)
         manifest = read_manifest(directory)
+        self.upload_files(manifest.step, directory, manifest.files, timeout=timeout)
+        # Last: until this object exists, no reader sees the step.
+        self.put_manifest(manifest, timeout=max(deadline - time.monotonic(), 0.1))
+        return self._info(manifest)
+
+    def upload_files(
+        self, step: int, directory: str | os.PathLike[str], entries: Sequence[FileEntry], *, timeout: float
+    ) -> None:
+        """Upload ``entries`` (relative to the local ``directory``) as ``step``'s objects, in parallel, each
+        checked against its CRC32C as the server computed it. Commits nothing: see :meth:`put_manifest`.
+
+        Raises:
+            CheckpointInvalid: what the server stored differs from an entry's CRC32C.
+            StorageError: GCS failed beyond the retries, or ``timeout`` passed.
+        """
+        deadline = time.monotonic() + timeout
+        directory = Path(directory)
         bucket = self._bucket()
-        total = sum(entry.size for entry in manifest.files)
-        self.upload_progress = (manifest.step, 0, total)
+        total = sum(entry.size for entry in entries)
+        self.upload_progress = (step, 0, total)
         lock = threading.Lock()
 
         def upload_one(entry: FileEntry) -> None:
             local = directory / entry.path
-            key = self._key(manifest.step, entry.path)
+            key = self._key(step, entry.path)
             if entry.size > self.chunk_size:
                 crc = self._upload_resumable(bucket, key, local, entry.size, deadline)
             else:
@@ -318,19 +334,44 @@ class GcsTier:
                     f"{local} -> gs://{self.bucket_name}/{key}: {reason}", path=str(local), reason=reason
                 )
             with lock:
-                step, done, _ = self.upload_progress
-                self.upload_progress = (step, done + entry.size, total)
+                at, done, _ = self.upload_progress
+                self.upload_progress = (at, done + entry.size, total)
 
         # Not transfer_manager.upload_many: it can only call the library's uploads (see _upload_resumable).
-        self._parallel(upload_one, manifest.files)
-        manifest_bytes = (directory / mf.MANIFEST_NAME).read_bytes()
-        manifest_key = self._key(manifest.step, mf.MANIFEST_NAME)
-        # Last: until this object exists, no reader sees the step.
-        with self._failing_as_storage_error(f"committing {manifest_key}"):
-            bucket.blob(manifest_key).upload_from_string(
-                manifest_bytes, content_type="application/json", **self._request_args(deadline)
+        self._parallel(upload_one, entries)
+
+    def put_manifest(self, manifest: Manifest, *, timeout: float) -> None:
+        """Commit ``manifest.step``: write its manifest object, after every file it lists is uploaded.
+
+        Raises:
+            StorageError: GCS failed beyond the retries, or ``timeout`` passed.
+        """
+        key = self._key(manifest.step, mf.MANIFEST_NAME)
+        with self._failing_as_storage_error(f"committing {key}"):
+            self._bucket().blob(key).upload_from_string(
+                mf.encode(manifest), content_type="application/json", **self._request_args(time.monotonic() + timeout)
             )
-        return self._info(manifest)
+
+    def read_file(self, step: int, rel: str, *, timeout: float) -> bytes:
+        """The bytes of ``step``'s file ``rel`` (a path its manifest lists), checked in transit.
+
+        Raises:
+            CheckpointInvalid: the object does not exist.
+            StorageError: GCS failed beyond the retries, or ``timeout`` passed.
+        """
+        key = self._key(step, rel)
+        where = f"gs://{self.bucket_name}/{key}"
+        try:
+            with self._failing_as_storage_error(f"reading {where}"):
+                return bytes(
+                    self._bucket()
+                    .blob(key)
+                    .download_as_bytes(
+                        checksum="crc32c", **self._request_args(time.monotonic() + timeout, _is_retryable_download)
+                    )
+                )
+        except api_exceptions.NotFound as exc:
+            raise CheckpointInvalid(f"{where} is missing", path=where, reason="missing") from exc
 
     def _upload_resumable(
         self, bucket: storage.Bucket, key: str, local: Path, size: int, deadline: float
@@ -435,6 +476,17 @@ class GcsTier:
 
         # transfer_manager has no deletes, and Bucket.delete_blobs deletes one object after another.
         self._parallel(delete_one, names)
+
+    def withdraw(self, step: int, *, timeout: float) -> None:
+        """Make committed ``step`` invisible (a damaged one): its manifest object is copied to
+        ``manifest.json.unreadable`` and deleted; the data objects stay for a look."""
+        deadline = time.monotonic() + timeout
+        bucket = self._bucket()
+        key = self._key(step, mf.MANIFEST_NAME)
+        with self._failing_as_storage_error(f"withdrawing {key}"), contextlib.suppress(api_exceptions.NotFound):
+            blob = bucket.blob(key)
+            bucket.copy_blob(blob, bucket, key + ".unreadable", **self._request_args(deadline))
+            blob.delete(**self._request_args(deadline))
 
     # --- reading -------------------------------------------------------------------------------------
 

@@ -164,7 +164,7 @@ class ReplicaFiles:
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self.skipped: list[str] = []  # what the last :meth:`newest` would not restore, "PATH: why"
-        self.pinned = -1  # a step kept beside the newest ones (:meth:`pin`)
+        self.pinned = (-1, -1)  # steps kept beside the newest ones (:meth:`pin`)
 
     @property
     def on_write(self) -> list[Callable[[int], None]]:
@@ -178,16 +178,17 @@ class ReplicaFiles:
             self._pending = self._pool.submit(self._write, snapshot)
 
     def pin(self, step: int) -> None:
-        """Keep the replica of ``step`` (once written) beside the ``keep`` newest until another step is pinned:
-        the step of the group's newest durable checkpoint, so that a rollback to it reads this process's
-        shards from here and only a lost process's shards from the durable tier."""
-        self.pinned = step
+        """Keep the replica of ``step`` (once written) beside the ``keep`` newest, with the step pinned before
+        it: the steps of the group's newest durable checkpoints (the newer may not be committed yet), so that
+        a rollback to one reads this process's shards from here and only a lost process's from the durable
+        tier."""
+        self.pinned = (self.pinned[-1], step)
 
     def _write(self, snapshot: HostSnapshot) -> None:
         started = time.monotonic()
         self.tier.save(snapshot, timeout=_TIMEOUT_S)
         for info in self.tier.list(timeout=_TIMEOUT_S)[self.keep :]:
-            if info.step != self.pinned:
+            if info.step not in self.pinned:
                 self.tier.delete(info.step, timeout=_TIMEOUT_S)
         log.debug("replica of step %d written in %.3f s", snapshot.step, time.monotonic() - started)
 

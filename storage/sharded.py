@@ -1,14 +1,15 @@
 """Durable checkpoints of a state sharded over processes: each process writes only its own shards.
 
-The layout is the disk tier's (``storage/disk.py``): ``step_N/state/`` in Orbax's PyTree layout (zarr v2 per
-array, uncompressed, no OCDBT) and ``step_N/manifest.json`` with every file's size and CRC32C, written last.
+The layout is the disk tier's (``storage/disk.py``), in a folder or under ``gs://BUCKET/PREFIX`` as the GCS
+tier's (:class:`ShardedStore`): ``step_N/state/`` in Orbax's PyTree layout (zarr v2 per array, uncompressed,
+no OCDBT) and ``step_N/manifest.json`` with every file's size and CRC32C, written last.
 What differs is who writes what: an array sharded over a slice's processes is stored in chunks of one
 process's box each (``storage/shards.py``), and only the first slice of the group writes:
 
 - each of its processes writes the chunks of its boxes (a box several processes hold, as a replicated array,
   by the lowest of them), fsyncs them and reports the files it wrote (:func:`write_part`);
 - its first process also writes every ``.zarray`` and Orbax's metadata files;
-- the controller writes the manifest (:func:`commit`) once every process's part of the step has arrived
+- the controller writes the manifest (:func:`manifest_of`) once every process's part of the step has arrived
   from the same generation of the group: a part written by an older generation is never committed.
 
 The disk tier reads the result whole, verified; plain Orbax restores it onto any mesh (it is an ordinary
@@ -18,9 +19,12 @@ verified against the manifest before use.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +36,15 @@ from runtime.core.errors import CheckpointInvalid
 from storage import manifest as mf
 from storage import orbax_layout
 from storage.checked_read import LAYOUT, STATE_DIR
-from storage.disk import write_manifest
+from storage.disk import DiskTier, write_manifest
+from storage.gcs import GcsTier
 from storage.manifest import FileEntry, LeafEntry, Manifest
 from storage.shards import Box, local_box, per_leaf
 
-__all__ = ["commit", "read_local", "write_part", "writes"]
+__all__ = ["ShardedStore", "manifest_of", "read_local", "write_part", "writes"]
 
 PyTree = Any
+_TIMEOUT_S = 600.0  # one request-bound operation on the store
 
 
 def _box_shape(box: Box) -> tuple[int, ...]:
@@ -109,8 +115,7 @@ def write_part(
     return entries
 
 
-def commit(
-    step_dir: Path,
+def manifest_of(
     *,
     step: int,
     data_position: int,
@@ -119,8 +124,8 @@ def commit(
     files: list[FileEntry],
     metadata: dict[str, Any],
 ) -> Manifest:
-    """Write ``step``'s manifest, listing every process's ``files``: the checkpoint exists from now on."""
-    manifest = Manifest(
+    """The manifest of ``step``, listing every process's ``files``; writing it commits the step."""
+    return Manifest(
         step=step,
         data_position=data_position,
         layout=LAYOUT,
@@ -129,32 +134,33 @@ def commit(
         files=tuple(sorted(files, key=lambda f: f.path)),
         metadata=metadata,
     )
-    write_manifest(step_dir, manifest, sync=True)
-    return manifest
 
 
-def read_local(step_dir: Path, manifest: Manifest, template: PyTree, shardings: PyTree) -> tuple[PyTree, int]:
-    """This process's boxes of the committed checkpoint in ``step_dir`` (as ``local_copy`` makes them), read
-    from the chunk files that overlap them, each verified against the manifest; and the bytes read.
+def read_local(
+    manifest: Manifest, template: PyTree, shardings: PyTree, read: Callable[[str], bytes], where: str
+) -> tuple[PyTree, int]:
+    """This process's boxes of the committed checkpoint ``manifest`` describes (as ``local_copy`` makes them),
+    from the chunk files that overlap them (``read(rel)`` gives a file's bytes), each checked against the
+    manifest before use; and the bytes read. ``where`` names the checkpoint in errors.
 
     Raises:
         CheckpointInvalid: a file is missing, truncated or damaged, or the array is not stored as expected.
     """
     entries = {entry.path: entry for entry in manifest.files}
-    read = 0
+    nbytes = 0
 
     def checked(rel: str) -> bytes:
         """The file's bytes, once its size and CRC32C match the manifest's."""
-        nonlocal read
-        path, entry = step_dir / rel, entries.get(rel)
+        nonlocal nbytes
+        path, entry = f"{where}/{rel}", entries.get(rel)
         try:
-            data = path.read_bytes() if entry is not None else b""
+            data = read(rel) if entry is not None else b""
         except OSError as exc:
-            raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
+            raise CheckpointInvalid(f"cannot read {path}: {exc}", path=path, reason=str(exc)) from exc
         if entry is None or len(data) != entry.size or int(google_crc32c.value(data)) != entry.crc32c:
             reason = "not in the manifest" if entry is None else "size or CRC32C differs from the manifest's"
-            raise CheckpointInvalid(f"{path}: {reason}", path=str(path), reason=reason)
-        read += len(data)
+            raise CheckpointInvalid(f"{path}: {reason}", path=path, reason=reason)
+        nbytes += len(data)
         return data
 
     out = []
@@ -175,4 +181,89 @@ def read_local(step_dir: Path, manifest: Manifest, template: PyTree, shardings: 
                 tuple(slice(p.start - o, p.stop - o) for p, o in zip(part, lo, strict=True))
             ]
         out.append(mine)
-    return jax.tree.unflatten(jax.tree.structure(template), out), read
+    return jax.tree.unflatten(jax.tree.structure(template), out), nbytes
+
+
+class ShardedStore:
+    """Where a group's durable checkpoints live: a folder every host reaches (a persistent disk, NFS) or
+    ``gs://BUCKET/PREFIX``. In GCS each writer's files go through a local staging folder and are uploaded,
+    each checked against its CRC32C; the manifest object is the commit, as for the GCS tier.
+
+    Args:
+        location: the folder, or the ``gs://`` URI.
+        staging: where GCS writes stage (default: the system's temporary folder).
+    """
+
+    def __init__(self, location: str, *, staging: str | None = None) -> None:
+        self.location = location.rstrip("/")
+        # Few parallel transfers: every process of a slice uploads at once.
+        self.gcs = GcsTier(location, name="durable", workers=2) if location.startswith("gs://") else None
+        self.disk = DiskTier(location, name="durable", check_space=False) if self.gcs is None else None
+        self.staging = staging
+
+    @property
+    def tier(self) -> str:
+        """The tier's name in restore sources: ``gcs`` or ``disk``."""
+        return "gcs" if self.gcs is not None else "disk"
+
+    def where(self, step: int) -> str:
+        return f"{self.location}/{mf.step_dirname(step)}"
+
+    def steps(self) -> list[int]:
+        """Committed steps, newest first."""
+        store = self.gcs or self.disk
+        assert store is not None
+        return store.steps(timeout=_TIMEOUT_S)
+
+    def manifest(self, step: int) -> Manifest:
+        """Raises SnapshotUnavailable (not committed) or CheckpointInvalid."""
+        if self.gcs is not None:
+            return self.gcs.manifest(step, timeout=_TIMEOUT_S)
+        assert self.disk is not None
+        return self.disk.manifest(step)
+
+    def write(self, step: int, boxes: PyTree, template: PyTree, shardings: PyTree, **part: Any) -> list[FileEntry]:
+        """Write this process's part of ``step`` (:func:`write_part`; ``part``: its ``owned`` and ``lead``)."""
+        if self.disk is not None:
+            return write_part(self.disk.path_of(step), boxes, template, shardings, **part)
+        assert self.gcs is not None
+        with tempfile.TemporaryDirectory(prefix="durable-part-", dir=self.staging) as staging:
+            entries = write_part(Path(staging), boxes, template, shardings, **part)
+            self.gcs.upload_files(step, staging, entries, timeout=_TIMEOUT_S)
+        return entries
+
+    def commit(self, manifest: Manifest) -> None:
+        """Write ``manifest``: its step exists from now on."""
+        if self.disk is not None:
+            write_manifest(self.disk.path_of(manifest.step), manifest, sync=True)
+        else:
+            assert self.gcs is not None
+            self.gcs.put_manifest(manifest, timeout=_TIMEOUT_S)
+
+    def read(self, step: int, manifest: Manifest, template: PyTree, shardings: PyTree) -> tuple[PyTree, int]:
+        """This process's boxes of committed ``step`` (:func:`read_local`), and the bytes read."""
+        if self.disk is not None:
+            directory = self.disk.path_of(step)
+            return read_local(manifest, template, shardings, lambda rel: (directory / rel).read_bytes(), str(directory))
+        gcs = self.gcs
+        assert gcs is not None
+        return read_local(
+            manifest, template, shardings, lambda rel: gcs.read_file(step, rel, timeout=_TIMEOUT_S), self.where(step)
+        )
+
+    def withdraw(self, step: int) -> None:
+        """Make committed ``step`` invisible (a damaged one): its manifest is set aside, its files kept."""
+        if self.disk is not None:
+            manifest = self.disk.path_of(step) / mf.MANIFEST_NAME
+            with contextlib.suppress(FileNotFoundError):  # withdrawn already (two members found it)
+                manifest.rename(manifest.with_name(mf.MANIFEST_NAME + ".unreadable"))
+            return
+        assert self.gcs is not None
+        self.gcs.withdraw(step, timeout=_TIMEOUT_S)
+
+    def prune(self, keep: int) -> None:
+        """Delete all but the ``keep`` newest committed steps."""
+        store = self.gcs or self.disk
+        assert store is not None
+        for step in store.steps(timeout=_TIMEOUT_S)[keep:]:
+            store.delete(step, timeout=_TIMEOUT_S)

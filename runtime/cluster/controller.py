@@ -576,6 +576,8 @@ class Controller(GroupFormer):
                     return
                 if gen == self.group.generation and worker in self.members:
                     proc.step, proc.generation = step, gen
+                    if 0 <= self.target_steps <= step:  # done: finishing (its last writes) is not a hang
+                        self.monitor.expect_progress(worker, False)
                     await self._progress(seconds)
             case Joined(generation=gen) if gen == self.group.generation:
                 proc.joined = message

@@ -8,17 +8,15 @@ wrote, is dropped, so a write of a fenced group never becomes a committed checkp
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from runtime.cluster.protocol import Saved
 from runtime.core.errors import StorageError
 from storage import sharded
-from storage.disk import DiskTier
-from storage.manifest import MANIFEST_NAME, FileEntry, LeafEntry, check_relative
+from storage.manifest import FileEntry, LeafEntry, check_relative
+from storage.sharded import ShardedStore
 
 __all__ = ["Committed", "DurableCommits"]
 
@@ -46,14 +44,14 @@ class DurableCommits:
     """Parts of durable checkpoints in flight, per step, for the current generation only.
 
     Args:
-        root: the durable checkpoints' folder.
+        location: the durable checkpoints' folder or ``gs://`` URI (:class:`~storage.sharded.ShardedStore`).
         writers: processes that write a part of every step (the first slice).
         keep: committed checkpoints kept; older ones are deleted after each commit.
         metadata: what every manifest carries whatever the writers say (the run's id).
     """
 
-    def __init__(self, root: str, *, writers: int, keep: int, metadata: dict[str, str]) -> None:
-        self.tier = DiskTier(root, name="durable", check_space=False)
+    def __init__(self, location: str, *, writers: int, keep: int, metadata: dict[str, str]) -> None:
+        self.store = ShardedStore(location)
         self.writers = writers
         self.keep = keep
         self.metadata = metadata
@@ -86,11 +84,8 @@ class DurableCommits:
         return saved.step if len(step.parts) == self.writers and step.leaves else None
 
     def withdraw(self, step: int) -> None:
-        """Make committed ``step`` invisible (its manifest renamed ``manifest.json.unreadable``): a damaged
-        checkpoint is not offered again, and its files stay for a look."""
-        manifest = self.tier.path_of(step) / MANIFEST_NAME
-        with contextlib.suppress(FileNotFoundError):  # withdrawn already (two members found it)
-            manifest.rename(manifest.with_name(MANIFEST_NAME + ".unreadable"))
+        """Make committed ``step`` invisible: a damaged checkpoint is not offered again (blocking)."""
+        self.store.withdraw(step)
 
     def commit(self, step: int) -> Committed:
         """Write ``step``'s manifest (blocking: run it in a thread), then delete the checkpoints past ``keep``.
@@ -101,21 +96,19 @@ class DurableCommits:
         started = time.monotonic()
         parts = self._steps.pop(step)
         files = [entry for files in parts.parts.values() for entry in files]
-        directory: Path = self.tier.path_of(step)
+        manifest = sharded.manifest_of(
+            step=step,
+            data_position=parts.data_position,
+            structure=parts.structure,
+            leaves=parts.leaves,
+            files=files,
+            metadata=parts.metadata,
+        )
         try:
-            sharded.commit(
-                directory,
-                step=step,
-                data_position=parts.data_position,
-                structure=parts.structure,
-                leaves=parts.leaves,
-                files=files,
-                metadata=parts.metadata,
-            )
+            self.store.commit(manifest)
         except OSError as exc:
-            raise StorageError(f"durable: committing step {step} in {directory} failed: {exc}") from exc
-        for info in self.tier.list(timeout=60.0)[self.keep :]:
-            self.tier.delete(info.step, timeout=60.0)
+            raise StorageError(f"durable: committing step {step} at {self.store.where(step)} failed: {exc}") from exc
+        self.store.prune(self.keep)
         for older in [s for s in self._steps if s < step]:
             del self._steps[older]  # never to be whole: a writer skipped it
-        return Committed(step, str(directory), sum(f.size for f in files), time.monotonic() - started)
+        return Committed(step, self.store.where(step), sum(f.size for f in files), time.monotonic() - started)

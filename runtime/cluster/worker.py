@@ -70,14 +70,14 @@ from runtime.cluster.protocol import (
     encode,
 )
 from runtime.core.classify import is_infrastructure_failure
-from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable
+from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
 from storage.disk import DiskTier
 from storage.manifest import describe_leaves
 from storage.replicas import ReplicaFiles, replica, run_identity
-from storage.sharded import read_local, write_part, writes
+from storage.sharded import ShardedStore, writes
 from storage.shards import local_copy, local_like, restore_from_slice, uses_axis
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class Worker:
         # While joining: every step it can restore, with the tier it would come from (RAM, replica files).
         self.held: dict[int, tuple[str, HostSnapshot]] = {}
         # The group's durable checkpoints (storage/sharded.py), when the controller keeps them.
-        self.durable: DiskTier | None = None
+        self.durable: ShardedStore | None = None
         self.durable_every = 0
         self.durable_steps: set[int] = set()  # committed durable steps of this run (read at joining)
         self._writes: list[bool] = []  # per leaf: whether this process writes its shards there
@@ -306,7 +306,8 @@ class Worker:
         self.layout = {"layout": layout}
         self.slice_size = form.slice_size
         self.local_like = local_like(self.template, self.state_shardings)
-        self.durable = DiskTier(form.durable_dir, name="durable", check_space=False) if form.durable_dir else None
+        if form.durable_dir and (self.durable is None or self.durable.location != form.durable_dir.rstrip("/")):
+            self.durable = ShardedStore(form.durable_dir)
         self.durable_every = form.durable_every
         self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
@@ -371,8 +372,8 @@ class Worker:
                     # One process a slice: its newest is its slice's best. Else an older step may be the one
                     # the whole slice holds (a peer's newest write did not finish, or only the durable tier
                     # holds a lost process's shards).
-                    # (keep=2 newest and the one pinned for the durable step)
-                    limit=1 if self.slice_size == 1 else 3,
+                    # (the keep=2 newest and the 2 pinned for durable steps)
+                    limit=1 if self.slice_size == 1 else 4,
                 )
             finally:
                 self._skipped = tuple(self.replicas.skipped)
@@ -392,10 +393,15 @@ class Worker:
         if self.durable is None:
             return set()
         found = set()
-        for step in self.durable.steps(timeout=60.0):
+        try:
+            steps = self.durable.steps()
+        except StorageError as exc:  # unreachable now: the group restores from what else it holds
+            log.warning("cannot list the durable checkpoints: %s", exc)
+            return set()
+        for step in steps:
             try:
                 metadata = self.durable.manifest(step).metadata
-            except (CheckpointInvalid, SnapshotUnavailable) as exc:
+            except (CheckpointInvalid, SnapshotUnavailable, StorageError) as exc:
                 log.warning("durable checkpoint of step %d not usable: %s", step, exc)
                 continue
             fence = self.fences.get(int(metadata.get("generation", "0")))
@@ -454,23 +460,24 @@ class Worker:
         """This process's shards of durable checkpoint ``step``, only the bytes they need, verified."""
         assert self.durable is not None
         manifest = self.durable.manifest(step)
-        boxes, nbytes = read_local(self.durable.path_of(step), manifest, self.template, self.state_shardings)
+        boxes, nbytes = self.durable.read(step, manifest, self.template, self.state_shardings)
         snapshot = replica(step, manifest.data_position, boxes)
         snapshot.nbytes = nbytes
         return snapshot
 
-    def _save_durable(self) -> None:
+    def _save_durable(self, *, final: bool) -> None:
         """Write this process's part of the durable checkpoint of the step just committed, in the background;
-        a step whose predecessor's write is still running is not written (the next due one is)."""
+        a step whose predecessor's write is still running is not written (the next due one is), except the
+        ``final`` one, which waits for it."""
         assert self.ram is not None and self.durable is not None
-        if self._durable_write is not None and not self._durable_write.done():
+        if self._durable_write is not None and not self._durable_write.done() and not final:
             log.info("durable checkpoint of step %d skipped: the previous write is still running", self.step)
             return
         snapshot, generation, lead = self.ram, self.generation, self.process_id == 0
-        owned, shardings, step_dir = self._writes, self.state_shardings, self.durable.path_of(self.ram.step)
+        owned, shardings, store = self._writes, self.state_shardings, self.durable
 
         def write() -> None:
-            files = write_part(step_dir, snapshot.tree, self.template, shardings, owned=owned, lead=lead)
+            files = store.write(snapshot.step, snapshot.tree, self.template, shardings, owned=owned, lead=lead)
             structure, leaves = describe_leaves(self.template) if lead else ("", ())
             saved = Saved(
                 worker=self.worker,
@@ -533,7 +540,7 @@ class Worker:
                 if self.durable is not None and self.durable_every > 0 and self.step % self.durable_every == 0:
                     self.replicas.pin(self.step)
                     if self.process_id < self.slice_size:  # the first slice writes the group's checkpoint
-                        self._save_durable()
+                        self._save_durable(final=self.step == target)
             self._heartbeat()
         self._finish(target)
         return None
@@ -635,6 +642,10 @@ class Worker:
         from jax.experimental import multihost_utils
 
         assert self.ram is not None
+        if self._durable_write is not None:
+            # The final durable checkpoint's part goes out (Saved) before Finished, so the controller commits it.
+            with contextlib.suppress(Exception):  # a failure was logged by _log_failure
+                self._durable_write.result()
         # The whole state, gathered from every slice's shards (a collective: every member finishes together).
         whole = multihost_utils.process_allgather(self.state, tiled=True)
         leaves = [np.ascontiguousarray(leaf) for leaf in _leaves(whole)]

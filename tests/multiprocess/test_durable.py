@@ -10,6 +10,7 @@ Orbax in this one process onto another mesh, and a damaged chunk is found by its
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +22,35 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller
+from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.errors import CheckpointInvalid
 from runtime.core.eventlog import read_events
-from runtime.core.events import CheckpointCommitted, CheckpointCorrupt, WorkerExited, WorkerLost
+from runtime.core.events import CheckpointCommitted, CheckpointCorrupt, StateRestored, WorkerExited, WorkerLost
 from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import init_state
+from runtime.testing.gcs_emulator import running_emulator
 from runtime.testing.grammar import Fault
 from storage.disk import DiskTier
-from storage.sharded import read_local
+from storage.gcs import GcsTier
+from storage.sharded import ShardedStore
 
 STEPS = 30
 EVERY = 5
 
 
-def run(run_dir: Path, *, kill: int | None, damage: int | None = None) -> tuple[Any, list[int]]:
+def run(
+    run_dir: Path,
+    *,
+    kill: int | None,
+    damage: int | None = None,
+    durable: str | None = None,
+    kill_after_commit: int | None = None,
+    step_delay_s: float = 0.0,
+    every: int = EVERY,
+) -> tuple[Any, list[int]]:
     """The demo job on 1 slice x 4 processes; the killed worker's replica files are deleted as it dies. With
-    ``damage``, one bit of process 2's chunk of w1 in that durable step is flipped as soon as it commits."""
+    ``damage``, one bit of process 2's chunk of w1 in that durable step is flipped as soon as it commits; with
+    ``kill_after_commit``, process 2 is killed once that durable step is committed (not at a fixed step)."""
     replicas = run_dir / "replicas"
     controller = group_controller(
         processes=4,
@@ -45,8 +59,9 @@ def run(run_dir: Path, *, kill: int | None, damage: int | None = None) -> tuple[
         run_dir=run_dir,
         faults=[] if kill is None else [Fault("kill", kill, step=13)],
         replica_dir=str(replicas),
-        durable_dir=str(run_dir / "durable"),
-        durable_every=EVERY,
+        durable_dir=durable or str(run_dir / "durable"),
+        durable_every=every,
+        extra_env={ENV_STEP_DELAY_S: str(step_delay_s)},
     )
     committed: list[int] = []
 
@@ -57,6 +72,8 @@ def run(run_dir: Path, *, kill: int | None, damage: int | None = None) -> tuple[
 
     async def note(event: CheckpointCommitted, ctx: Any) -> None:
         committed.append(event.step)
+        if kill_after_commit is not None and event.step >= kill_after_commit and len(committed) == 1:
+            ctx.signal(ctx.members[2], "KILL", "test: its host is lost")
         if event.step == damage:
             flip_bit(Path(event.path) / "state" / "params.w1" / "0.2")
 
@@ -64,6 +81,11 @@ def run(run_dir: Path, *, kill: int | None, damage: int | None = None) -> tuple[
     controller.bus.subscribe(WorkerLost, wipe, priority=100)
     controller.bus.subscribe(CheckpointCommitted, note)
     return controller.run(), committed
+
+
+def restored_steps(result: Any) -> list[int]:
+    """The steps the run's re-formed groups restored, in order."""
+    return [e.step for e in read_events(result.events_path) if isinstance(e, StateRestored)]
 
 
 def flip_bit(path: Path) -> None:
@@ -86,7 +108,7 @@ def test_only_the_lost_process_shards_come_from_the_durable_tier(lost: tuple[Pat
     assert {5, 10, 15, 20, 25, 30} >= set(committed) >= {10, 30}
     (recovery,) = result.recoveries
     assert recovery["restored_from"] == "durable+file", recovery
-    assert recovery["lost_steps"] == 3  # back from step 13 to the durable step 10
+    assert restored_steps(result) == [10] and recovery["lost_steps"] >= 3  # from step 13 (or 14) back to 10
     whole = sum(leaf.nbytes for leaf in jax.tree.leaves(init_state(FEATURES, HIDDEN)))
     by_tier = recovery["bytes_by_tier"]
     # The replacement read one quarter of the state (its shards, and each array's small .zarray) from the
@@ -130,9 +152,9 @@ def test_a_damaged_chunk_is_found_by_its_checksum(lost: tuple[Path, Any, list[in
     template = init_state(FEATURES, HIDDEN)
     mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
     shardings = NamedSharding(mesh, P())
-    manifest = DiskTier(copy).manifest(step)
+    store = ShardedStore(str(copy))
     with pytest.raises(CheckpointInvalid, match=r"params\.w1/0\.2"):
-        read_local(DiskTier(copy).path_of(step), manifest, template, shardings)
+        store.read(step, store.manifest(step), template, shardings)
 
 
 @pytest.mark.timeout(300)
@@ -143,8 +165,36 @@ def test_a_damaged_durable_step_is_withdrawn_and_the_group_restores_the_one_befo
     assert len(corrupt) == 1 and corrupt[0].step == 10 and "params.w1/0.2" in corrupt[0].path
     # Withdrawn (its manifest set aside), then written and committed again by the group that rolled back to 5.
     assert committed.count(10) == 2
-    recovery = result.recoveries[-1]
-    assert recovery["lost_steps"] == 8 and "durable" in recovery["restored_from"]  # from step 5
+    assert restored_steps(result) == [10, 5]  # tried step 10 (damaged), then went back to 5
+    assert "durable" in result.recoveries[-1]["restored_from"]
     assert run(tmp_path / "reference", kill=None)[0].ok
     got, want = (DiskTier(d / "final").latest(None).tree for d in (tmp_path / "run", tmp_path / "reference"))
     assert compare_states(got, want, bitwise=True)["match"]
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A bucket on the GCS emulator; workers started meanwhile reach it through STORAGE_EMULATOR_HOST."""
+    log = tmp_path_factory.mktemp("gcs") / "emulator.log"
+    with running_emulator("durable", log) as emulator, pytest.MonkeyPatch.context() as env:
+        env.setenv("STORAGE_EMULATOR_HOST", emulator.url)
+        yield "gs://durable/run"
+
+
+@pytest.mark.timeout(300)
+def test_in_gcs_only_the_lost_process_shards_are_read_from_the_bucket(gcs: str, tmp_path: Path) -> None:
+    # The emulator serves one request at a time (~70 ms each): a durable step's 4 parts take ~4 s to upload.
+    # Slower steps, fewer durable ones, and the host is lost once one is committed.
+    result, committed = run(tmp_path / "run", kill=None, durable=gcs, kill_after_commit=10, step_delay_s=0.3, every=10)
+    assert result.ok and result.step == STEPS, result.reason
+    (recovery,) = result.recoveries
+    (restored,) = restored_steps(result)
+    assert recovery["restored_from"] == "durable+file" and restored in committed, recovery
+    whole = sum(leaf.nbytes for leaf in jax.tree.leaves(init_state(FEATURES, HIDDEN)))
+    assert whole // 4 <= recovery["bytes_by_tier"]["durable"] <= whole // 4 + 6 * 256, recovery
+    # What the 4 processes wrote to the bucket is one checkpoint the GCS tier reads whole, verified.
+    store = GcsTier(gcs)
+    final = DiskTier(tmp_path / "run" / "final").latest(None).tree
+    assert compare_states(store.restore(STEPS, init_state(FEATURES, HIDDEN), timeout=60).tree, final, bitwise=True)[
+        "match"
+    ]

@@ -13,7 +13,6 @@ import anyio
 import jax
 import numpy as np
 import pytest
-from faultproxy import FaultProxy
 from gcs_support import client_for
 from tests_storage_helpers import snapshot
 
@@ -34,6 +33,7 @@ from runtime.core.events import (
 from runtime.core.job import TrainJob
 from runtime.core.snapshot import HostSnapshot, RamTier
 from runtime.testing.demo_model import demo_job
+from runtime.testing.faultproxy import FaultProxy
 from storage.cascade import TieredCheckpointer
 from storage.disk import DiskTier
 from storage.gcs import GcsTier

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from faultproxy import FaultProxy
 from gcs_support import BUCKET, Emulator, client_for
 
+from runtime.testing.faultproxy import FaultProxy
 from storage import manifest as mf
 from storage.disk import DiskTier
 from storage.gcs import GcsTier

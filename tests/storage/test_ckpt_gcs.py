@@ -7,10 +7,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from faultproxy import FaultProxy
 from gcs_support import client_for, small_state
 
 from runtime.core.snapshot import HostSnapshot
+from runtime.testing.faultproxy import FaultProxy
 from storage.disk import DiskTier
 from storage.gcs import GcsTier
 
