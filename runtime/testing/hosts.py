@@ -6,6 +6,7 @@
         hosts.add_address(3)                        # another address on host 3 (198.18.N.128 on)
         hosts.lose(1)                               # every process on host 1 killed, its link removed
         hosts.partition(2)                          # host 2's link down (its processes live on)
+        hosts.kill(0)                               # every process on host 0 killed (its link stays)
 
 Addresses come from 198.18.0.0/15, the range reserved for network tests (RFC 2544), never a real private
 range: 198.18.N.1 is the bridge (where the controller listens), 198.18.N.(10+K) host K, with N picked so that
@@ -174,6 +175,10 @@ class SimulatedHosts:
 
     def heal(self, k: int) -> None:
         _ip("link", "set", self._links[k], "up")
+
+    def kill(self, k: int) -> None:
+        """Kill every process on host ``k``; its link stays (the host lives on, as when a job is stopped)."""
+        self._kill(k)
 
     def _kill(self, k: int) -> None:
         for _ in range(5):  # a process may fork while we kill; bounded
