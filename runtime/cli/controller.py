@@ -36,6 +36,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
     parser.add_argument("--run-dir", default=None, help="event log and summary.json (default: a new temp dir)")
     parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the unfinished run in --run-dir from the newest step any worker's replica holds (error if none)",
+    )
+    parser.add_argument(
         "--coordinator-host",
         default=None,
         help="the address workers reach the JAX coordination services at; they bind the --listen host (default)",
@@ -68,6 +73,8 @@ def _ports(text: str) -> tuple[int, int]:
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     """The run's settings. Raises AuthenticationFailed when the token file cannot be used."""
     host, port = args.listen
+    if args.resume and not args.run_dir:
+        raise SystemExit("elastic-runtime controller: --resume needs --run-dir (the run folder names the run)")
     if host in ("0.0.0.0", "::") and not args.coordinator_host:
         raise SystemExit("elastic-runtime controller: --listen on a wildcard address needs --coordinator-host")
     return LaunchConfig(
@@ -82,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         start_timeout_s=args.start_timeout,
         max_failures=args.max_failures,
         run_dir=args.run_dir,
+        resume=args.resume,
         secret=auth.load_secret(),
         listen_host=host,
         listen_port=port,

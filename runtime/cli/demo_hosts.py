@@ -8,9 +8,16 @@ link goes down, every process on it is killed: only the missing heartbeats tell 
 ``--partition-host-at``, cut off the network and healed once the survivors re-formed. The survivors go on
 without it; then a replacement with a new id (N) starts on an extra, empty host and the group grows back.
 
+With ``--full-restart`` the loss is handled as a job without in-process recovery handles it, for comparison:
+the controller stops at the first failure (``--max-failures 0``) and stops every worker, then a new
+controller (``--resume``, the same run folder) and a worker on every host start again, the lost host's on
+the extra, empty host, and the run goes on from the newest replica the workers wrote to disk (a folder per
+host, standing for each host's persistent checkpoint; ``/dev/shm`` is lost with the processes' host).
+
 With ``--json`` the last line is a summary (the multi-process demo's fields and ``hosts_history``, the hosts
-in each group, and ``refused_connections``); ``--verify`` runs the same job fault-free as a group on this
-host and compares the final parameters within 1e-5 relative (some steps ran on a smaller data axis).
+in each group, ``refused_connections`` and ``controller_restarts``); ``--verify`` runs the same job
+fault-free as a group on this host and compares the final parameters: bitwise when every group had all N
+hosts (a fault-free run, a full restart), else within 1e-5 relative (some steps ran on a smaller data axis).
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ def add_hosts_arguments(parser: argparse.ArgumentParser) -> None:
         "--partition-host-at", type=int, default=None, metavar="STEP", help="cut host 1 off after STEP instead"
     )
     group.add_argument(
+        "--full-restart",
+        action="store_true",
+        help="on the loss stop the controller and every worker, then start them all again with --resume",
+    )
+    group.add_argument(
         "--step-delay", type=float, default=0.25, metavar="S", help="extra seconds per step (default %(default)s)"
     )
 
@@ -64,6 +76,8 @@ def _check(args: argparse.Namespace) -> None:
         raise _DemoError("--hosts needs at least 2 hosts")
     if args.lose_host_at is not None and args.partition_host_at is not None:
         raise _DemoError("--lose-host-at and --partition-host-at are exclusive")
+    if getattr(args, "full_restart", False) and args.lose_host_at is None:
+        raise _DemoError("--full-restart needs --lose-host-at")
     at = args.lose_host_at if args.lose_host_at is not None else args.partition_host_at
     if at is not None and not 0 < at < args.steps:
         raise _DemoError(f"the fault's step must be between 1 and {args.steps - 1}, got {at}")
@@ -83,11 +97,17 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     fault_at = args.partition_host_at if fault == "partition" else args.lose_host_at
     if args.no_fault:
         fault = fault_at = None
+    full_restart = bool(getattr(args, "full_restart", False)) and fault == "lose"
     run_dir = Path(args.run_dir or f"runs/demo-hosts-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: None) if args.quiet else print
     say(f"elastic-runtime demo: {steps} steps on {hosts_count} simulated hosts x 1 worker x 2 CPU devices")
-    if fault:
+    if full_restart:
+        say(
+            f"  host {LOST_HOST} lost after step {fault_at}; then every process stops and all start again "
+            f"(--resume, replicas on disk), worker {hosts_count} on host {hosts_count} instead of host {LOST_HOST}"
+        )
+    elif fault:
         say(
             f"  host {LOST_HOST} {'lost' if fault == 'lose' else 'partitioned'} after step {fault_at}; "
             f"a replacement (worker {hosts_count}) then starts on host {hosts_count}"
@@ -98,9 +118,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             hosts = stack.enter_context(SimulatedHosts(hosts_count + (1 if fault else 0)))
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
             raise _DemoError(f"cannot make the simulated hosts: {exc}") from exc
-        run = _Service(hosts, run_dir, steps=steps, nprocs=hosts_count, faulty=fault is not None)
+        # A full restart keeps the group at N (no --min-nprocs) and its replicas on disk, one folder per host.
+        disk = run_dir / "disk" if full_restart else None
+        faulty = fault is not None and not full_restart
+        run = _Service(hosts, run_dir, steps=steps, nprocs=hosts_count, faulty=faulty, disk=disk)
         stack.callback(run.stop)
-        run.start(step_delay_s=args.step_delay)
+        run.start(step_delay_s=args.step_delay, controller_args=["--max-failures", "0"] if full_restart else [])
         lost_at = None
         if fault and fault_at is not None:
             at = fault_at
@@ -108,6 +131,20 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             lost_at = time.monotonic()  # the events' mono_time is the same clock (CLOCK_MONOTONIC)
             hosts.lose(LOST_HOST) if fault == "lose" else hosts.partition(LOST_HOST)
             say(f"host {LOST_HOST} {'lost' if fault == 'lose' else 'partitioned'} after step {fault_at}")
+        if full_restart:
+            run.wait_for_exit("the controller's stop at the loss")
+            run.wait_for_hosts_idle([k for k in range(hosts_count) if k != LOST_HOST])
+            say("the controller and every worker stopped")
+            run = _Service(hosts, run_dir, steps=steps, nprocs=hosts_count, faulty=False, disk=disk)
+            stack.callback(run.stop)
+            # What a cluster does after a failure: the whole job again, the lost host's share on a new one.
+            run.start(
+                step_delay_s=args.step_delay,
+                controller_args=["--resume"],
+                hosts=[k if k != LOST_HOST else hosts_count for k in range(hosts_count)],
+            )
+            say(f"all started again with --resume, worker {hosts_count} on host {hosts_count}")
+        elif fault and fault_at is not None:
             run.wait_for("the survivors' group", lambda: run.formed(2))
             say("the survivors re-formed without it")
             if fault == "partition":
@@ -116,12 +153,23 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             say(f"replacement worker {hosts_count} started on host {hosts_count}")
         result = run.finish()
     events = run.events()
-    summary = _summary(result, events, lost_at=lost_at, hosts_count=hosts_count, fault=fault, fault_at=fault_at)
+    summary = _summary(
+        result,
+        events,
+        lost_at=lost_at,
+        hosts_count=hosts_count,
+        fault=fault,
+        fault_at=fault_at,
+        full_restart=full_restart,
+    )
     summary["seconds"] = round(time.monotonic() - started, 3)
     summary["run_dir"] = str(run_dir)
     if args.verify:
         say("verifying: fault-free run of the same group ...")
-        summary["reference_match"] = _verify(run_dir, processes=hosts_count, steps=steps, ok=summary["ok"])
+        full = all(len(group) == hosts_count for group in summary["hosts_history"])
+        summary["reference_match"] = _verify(
+            run_dir, processes=hosts_count, steps=steps, ok=summary["ok"], bitwise=full
+        )
     say(_render(summary))
     if args.json:
         print(json.dumps(summary))
@@ -131,17 +179,21 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 class _Service:
     """``elastic-runtime controller`` in this namespace with a token file, and its workers on the hosts."""
 
-    def __init__(self, hosts: Any, run_dir: Path, *, steps: int, nprocs: int, faulty: bool) -> None:
+    def __init__(
+        self, hosts: Any, run_dir: Path, *, steps: int, nprocs: int, faulty: bool, disk: Path | None = None
+    ) -> None:
         from runtime.cluster.coordination import free_port
 
         self.hosts, self.run_dir, self.steps, self.nprocs, self.faulty = hosts, run_dir, steps, nprocs, faulty
+        self.disk = disk  # the workers' replica folders, one per host under it; None: each host's /dev/shm
         self.events_path = run_dir / "run" / "events.jsonl"
         self.address = f"{hosts.controller_address}:{free_port(hosts.controller_address)}"
         self.low_port = free_port(hosts.controller_address)
         self.controller: subprocess.Popen[bytes] | None = None
         self.env: dict[str, str] = {}
 
-    def start(self, *, step_delay_s: float) -> None:
+    def start(self, *, step_delay_s: float, controller_args: list[str], hosts: list[int] | None = None) -> None:
+        """The controller (with ``controller_args``), then worker k on ``hosts[k]`` (default: host k)."""
         token = self.run_dir / "token"
         with contextlib.suppress(FileNotFoundError):
             token.unlink()
@@ -153,8 +205,8 @@ class _Service:
         command += ["--nprocs", str(self.nprocs), "--steps", str(self.steps)]
         command += ["--min-nprocs", str(self.nprocs - 1)] if self.faulty else []
         command += ["--run-dir", str(self.run_dir / "run")]
-        command += ["--coordinator-ports", f"{self.low_port}-{self.low_port + 20}"]
-        with open(self.run_dir / "controller.log", "wb") as log:
+        command += ["--coordinator-ports", f"{self.low_port}-{self.low_port + 20}", *controller_args]
+        with open(self.run_dir / "controller.log", "ab") as log:
             self.controller = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log)
         # What a cluster gives each worker: the controller's address, a worker id, the secret (a file).
         self.env = env | {
@@ -163,14 +215,17 @@ class _Service:
             "ELASTIC_STEP_DELAY_S": str(step_delay_s),
             "ELASTIC_COMPILE_CACHE": str(self.run_dir / "xla-cache"),
         }
-        for k in range(self.nprocs):
-            self.start_worker(k, k)
+        for host in hosts or range(self.nprocs):
+            self.start_worker(host, host)  # worker k on host k (a replacement, worker N, on host N)
 
     def start_worker(self, host: int, worker: int) -> None:
         from runtime.cli.demo_multiprocess import worker_command
 
         log = self.run_dir / f"worker-{worker}.log"
-        self.hosts.start(host, worker_command(self.steps), self.env | {"ELASTIC_WORKER_ID": str(worker)}, log)
+        env = self.env | {"ELASTIC_WORKER_ID": str(worker)}
+        if self.disk is not None:
+            env["ELASTIC_REPLICA_DIR"] = str(self.disk / f"host{host}")
+        self.hosts.start(host, worker_command(self.steps), env, log)
 
     def events(self) -> list[Any]:
         from runtime.core.eventlog import read_events
@@ -196,6 +251,21 @@ class _Service:
             if time.monotonic() > deadline:
                 raise _DemoError(f"no {what} within {_WAIT_S:.0f} s; {self._log()}")
             time.sleep(0.05)
+
+    def wait_for_exit(self, what: str) -> None:
+        assert self.controller is not None
+        try:
+            self.controller.wait(timeout=_WAIT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise _DemoError(f"no {what} within {_WAIT_S:.0f} s; {self._log()}") from exc
+
+    def wait_for_hosts_idle(self, hosts: list[int]) -> None:
+        """Every process on ``hosts`` gone (told to stop by the controller); killed after a bounded wait."""
+        deadline = time.monotonic() + 30.0
+        while any(self.hosts.pids(k) for k in hosts) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for k in hosts:
+            self.hosts.kill(k)
 
     def finish(self) -> dict[str, Any]:
         """The controller's result line."""
@@ -229,23 +299,39 @@ def _summary(
     hosts_count: int,
     fault: str | None,
     fault_at: int | None,
+    full_restart: bool,
 ) -> dict[str, Any]:
     from runtime.cli.demo_multiprocess import _first
-    from runtime.core.events import ConnectionRefused, GroupFormed, StepCompleted, WorkerLost
+    from runtime.core.events import ConnectionRefused, GroupFormed, RunStarted, StepCompleted, WorkerLost
 
     recoveries = result.get("recoveries", [])
     detected_after_s = recovered_after_s = None
+    before = 0
     if lost_at is not None:
         lost = [e for e in events if isinstance(e, WorkerLost) and e.worker == LOST_HOST]
         if lost:
             detected_after_s = round(lost[0].mono_time - lost_at, 3)
         done = [e for e in events if isinstance(e, StepCompleted) and e.step is not None]
         before = max((e.step or 0 for e in done if e.mono_time < lost_at), default=0)
-        after = [e.mono_time for e in done if e.step == before + 1 and e.mono_time > lost_at]
+        # The first step the group trains after the loss: past those committed before it and past the step
+        # it restored (the survivors may hold a step the controller heard of only as they re-formed; a full
+        # restart may resume from one the old controller never heard of).
+        formed = [e.restore_step for e in events if isinstance(e, GroupFormed) and e.mono_time > lost_at]
+        floor = max(before, formed[0] if formed else 0)
+        after = [e.mono_time for e in done if (e.step or 0) > floor and e.mono_time > lost_at]
         recovered_after_s = round(min(after) - lost_at, 3) if after else None
     # Worker k runs on host k (the replacement, worker N, on host N).
     hosts_history = [[f"host{m}" for m in sorted(e.members)] for e in events if isinstance(e, GroupFormed)]
-    return {
+    # Each controller publishes RunStarted once, at its first group: a second one is a restarted controller.
+    controller_restarts = max(0, sum(isinstance(e, RunStarted) for e in events) - 1)
+    lost_steps = sum(r["lost_steps"] for r in recoveries)
+    survivor_restarts = result.get("survivor_restarts")
+    if full_restart:
+        # The resumed controller knows only its own start: what it resumed from, not what the first committed.
+        resumed_from = result.get("resumed_from", -1)
+        lost_steps = max(0, before - max(resumed_from, 0))
+        survivor_restarts = (survivor_restarts or 0) + hosts_count - 1  # every survivor stopped and started
+    summary = {
         "ok": bool(result.get("ok")),
         "hosts": hosts_count,
         "fault": fault,
@@ -255,20 +341,25 @@ def _summary(
         "detected_after_s": detected_after_s,
         "recovered_after_s": recovered_after_s,
         "recovery_s": _first([r["recovery_s"] for r in recoveries]),
-        "lost_steps": sum(r["lost_steps"] for r in recoveries),
+        "lost_steps": lost_steps,
         "restored_from": _first([r["restored_from"] for r in recoveries]),
         "strategy": _first([r["strategy"] for r in recoveries]),
         "strategies": result.get("strategies", []),
         "recoveries": len(recoveries),
-        "survivor_restarts": result.get("survivor_restarts"),
+        "survivor_restarts": survivor_restarts,
+        "controller_restarts": controller_restarts,
         "world_size_history": result.get("world_size_history", []),
         "hosts_history": hosts_history,
         "refused_connections": sum(e.count for e in events if isinstance(e, ConnectionRefused)),
     }
+    if full_restart:
+        summary["strategy"], summary["restored_from"] = "full restart", "disk"
+        summary["resumed_from"] = result.get("resumed_from")
+    return summary
 
 
-def _verify(run_dir: Path, *, processes: int, steps: int, ok: bool) -> dict[str, Any]:
-    """A fault-free run of the same job as a group on this host, compared within 1e-5 relative."""
+def _verify(run_dir: Path, *, processes: int, steps: int, ok: bool, bitwise: bool) -> dict[str, Any]:
+    """A fault-free run of the same job as a group on this host, compared bit for bit or within 1e-5 relative."""
     from runtime.cli.demo_multiprocess import run_group
     from runtime.testing.compare import compare_states
     from storage.disk import DiskTier
@@ -278,7 +369,7 @@ def _verify(run_dir: Path, *, processes: int, steps: int, ok: bool) -> dict[str,
         return {"match": False}
     got = DiskTier(run_dir / "final").latest(None).tree
     want = DiskTier(run_dir / "reference" / "final").latest(None).tree
-    return compare_states(got, want, bitwise=False)
+    return compare_states(got, want, bitwise=bitwise)
 
 
 def _render(summary: dict[str, Any]) -> str:
@@ -286,7 +377,8 @@ def _render(summary: dict[str, Any]) -> str:
         "",
         f"finished {summary['steps_completed']} steps in {summary['seconds']:.2f} s on {summary['hosts']} hosts; "
         f"detected after {summary['detected_after_s']} s, next commit {summary['recovered_after_s']} s after the "
-        f"fault, lost {summary['lost_steps']} step(s), survivor restarts {summary['survivor_restarts']}",
+        f"fault, lost {summary['lost_steps']} step(s), survivor restarts {summary['survivor_restarts']}, "
+        f"controller restarts {summary['controller_restarts']}",
         "groups: " + " -> ".join("{" + ", ".join(group) + "}" for group in summary["hosts_history"]),
         f"refused connections: {summary['refused_connections']}",
     ]

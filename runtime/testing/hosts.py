@@ -8,6 +8,7 @@
         hosts.partition(2)                          # host 2's link down (its processes live on)
         hosts.cut_from_controller(2)                # only host 2 <-> the controller cut; its peers reach it
         hosts.reconnect(2)                          # ... and mended
+        hosts.kill(0)                               # every process on host 0 killed (its link stays)
 
 Addresses come from 198.18.0.0/15, the range reserved for network tests (RFC 2544), never a real private
 range: 198.18.N.1 is the bridge (where the controller listens), 198.18.N.(10+K) host K, with N picked so that
@@ -195,6 +196,10 @@ class SimulatedHosts:
         """Undo :meth:`cut_from_controller`."""
         _ip("-n", self.namespaces[k], "route", "del", "blackhole", f"{self.controller_address}/32", check=False)
         _ip("route", "del", "blackhole", f"{self.address(k)}/32", check=False)
+
+    def kill(self, k: int) -> None:
+        """Kill every process on host ``k``; its link stays (the host lives on, as when a job is stopped)."""
+        self._kill(k)
 
     def _kill(self, k: int) -> None:
         for _ in range(5):  # a process may fork while we kill; bounded

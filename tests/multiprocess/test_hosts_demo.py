@@ -2,7 +2,9 @@
 
 The demo makes its own simulated hosts (``runtime.testing.hosts``: network namespaces, so root), loses
 host 1, starts a replacement on an extra host once the survivors re-formed, and compares the final state
-with a fault-free run.
+with a fault-free run. With ``--full-restart`` it stops the controller and every worker at the loss and
+starts them all again with ``--resume`` from the replicas on disk (the baseline of
+``tests/benchmarks/bench_hosts.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,27 @@ def test_the_hosts_demo_loses_a_host_and_matches_the_fault_free_run(tmp_path: Pa
     print(f"\nhosts demo: {json.dumps(summary)}")
 
 
+@pytest.mark.timeout(180)
+def test_the_hosts_demo_restarts_everything_from_disk_with_full_restart(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
+    command = [sys.executable, "-m", "runtime.cli", "demo", "--hosts", "3", "--lose-host-at", "5", "--full-restart"]
+    command += ["--json", "--verify", "--run-dir", str(tmp_path / "demo")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+
+    assert summary["ok"] and summary["step"] == 60 and summary["strategy"] == "full restart"
+    # The first controller stopped at the loss (--max-failures 0); the second resumed the same run from the
+    # newest replica on disk: nothing committed was lost, and every group had all 3 hosts.
+    assert summary["controller_restarts"] == 1 and summary["survivor_restarts"] == 2
+    assert summary["lost_steps"] == 0 and summary["resumed_from"] >= 5
+    assert summary["hosts_history"] == [["host0", "host1", "host2"], ["host0", "host2", "host3"]]
+    assert summary["reference_match"]["comparison"] == "bitwise" and summary["reference_match"]["match"]
+    assert summary["recovered_after_s"] > summary["detected_after_s"] >= 1.5
+    assert any((tmp_path / "demo" / "disk" / "host0" / "worker-0").iterdir())  # the replicas were on disk
+    print(f"\nhosts demo, full restart: {json.dumps(summary)}")
+
+
 def test_the_hosts_demo_says_clearly_that_it_needs_root(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -47,3 +70,16 @@ def test_the_hosts_demo_says_clearly_that_it_needs_root(
     assert "--hosts needs root: each simulated host is a network namespace" in capsys.readouterr().err
     assert main(["demo", "--hosts", "3", "--lose-host-at", "5", "--partition-host-at", "7"]) == 2
     assert "exclusive" in capsys.readouterr().err
+    assert main(["demo", "--hosts", "3", "--partition-host-at", "5", "--full-restart"]) == 2
+    assert "--full-restart needs --lose-host-at" in capsys.readouterr().err
+
+
+def test_the_controller_resumes_only_an_unfinished_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ELASTIC_RUNTIME_TOKEN", "s3cret")
+    command = ["controller", "--listen", "127.0.0.1:0", "--nprocs", "2", "--resume"]
+    with pytest.raises(SystemExit, match="--resume needs --run-dir"):
+        main(command)
+    assert main([*command, "--run-dir", str(tmp_path)]) == 1
+    assert f"--resume: nothing to resume in {tmp_path}" in capsys.readouterr().err
