@@ -112,13 +112,16 @@ def default_controller(config: LaunchConfig) -> Controller:
 
 
 def ray_controller(
-    config: LaunchConfig, command: list[str], *, env: dict[str, str] | None = None
+    config: LaunchConfig, command: list[str], *, env: dict[str, str] | None = None, replica_dir: str | None = None
 ) -> tuple[Controller, RayPlacement]:
     """A service-mode controller (``config.command`` empty) whose workers Ray places, one actor per node, each
-    running ``command``; a lost one is replaced on another node. Connect to Ray first
-    (``runtime.cluster.ray_backend.ray_session``); after ``controller.run()``, ``placement.close()``."""
+    running ``command``; a lost one is replaced on another node (:class:`RayPlacement` says what ``env`` and
+    ``replica_dir`` do). Connect to Ray first (``runtime.cluster.ray_backend.ray_session``); after
+    ``controller.run()``, ``placement.close()``."""
     controller = default_controller(config)
-    placement = RayPlacement(command, nprocs=config.nprocs, logs=controller.run_dir / "workers", env=env)
+    placement = RayPlacement(
+        command, nprocs=config.nprocs, logs=controller.run_dir / "workers", env=env, replica_dir=replica_dir
+    )
     placement.attach(controller)
     return controller, placement
 

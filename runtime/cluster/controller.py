@@ -30,7 +30,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,7 @@ class Controller(GroupFormer):
         self._skipped_seen: set[str] = set()
         # Tasks run beside the wire and the monitor, and cancelled with them before the bus closes: a scheduler
         # backend's placement and watch loop (``runtime/cluster/ray_backend.py``).
-        self.companions: list[Callable[[], Awaitable[None]]] = []
+        self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self.result = LaunchResult(
             ok=False,
             step=0,

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from runtime.cluster.context import ControllerContext
     from runtime.cluster.controller import Controller
 
-__all__ = ["RayPlacement", "WorkerActor", "local_cluster", "ray_session"]
+__all__ = ["RayPlacement", "WorkerActor", "add_node", "local_cluster", "ray_session"]
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,16 @@ class WorkerActor:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
-        self._replica_dir = ""
+        self._scratch = ""
         self._started = threading.Event()
 
-    def start(self, command: Sequence[str], env: Mapping[str, str], log_path: str, cwd: str | None) -> int:
+    def start(
+        self, command: Sequence[str], env: Mapping[str, str], log_path: str, cwd: str | None, scratch: str
+    ) -> int:
         """Start the child with the actor's environment plus ``env``; its output goes to ``log_path`` on this
-        node. Returns the child's pid."""
+        node, and ``scratch`` (a folder; "" for none) is removed when it exits. Returns the child's pid."""
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        self._replica_dir = env.get(ENV_REPLICA_DIR, "")
+        self._scratch = scratch
         with open(log_path, "ab") as log_file:
             self._proc = subprocess.Popen(
                 list(command),
@@ -91,12 +93,12 @@ class WorkerActor:
         return self._proc.pid
 
     def wait(self) -> int:
-        """Block until the child exits; its exit code. The replica folder on this node goes with it."""
+        """Block until the child exits; its exit code. Its scratch folder goes with it."""
         self._started.wait()
         assert self._proc is not None
         code = self._proc.wait()
-        if self._replica_dir:
-            shutil.rmtree(self._replica_dir, ignore_errors=True)
+        if self._scratch:
+            shutil.rmtree(self._scratch, ignore_errors=True)
         return code
 
     def stop(self) -> None:
@@ -128,6 +130,8 @@ class RayPlacement:
         logs: where each worker's output goes (``worker-<id>.log``), on its own node.
         env: more environment for every worker (the user's ``ELASTIC_*`` settings are passed on anyway).
         cwd: the workers' working folder, where a node has it (default: this process's).
+        replica_dir: one folder for every worker's replica files (shared storage, kept); default: a folder of
+            each worker's own in its node's ``/dev/shm``, removed when its process exits.
         cpus_per_worker: the CPUs each actor reserves on its node.
         poll_s: how long one wait on Ray lasts: the bound on detecting an actor's death late.
 
@@ -142,6 +146,7 @@ class RayPlacement:
         logs: Path,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        replica_dir: str | None = None,
         cpus_per_worker: float = 1.0,
         poll_s: float = 0.2,
     ) -> None:
@@ -151,6 +156,7 @@ class RayPlacement:
         self.logs = logs
         self.env = dict(env or {})
         self.cwd = cwd if cwd is not None else os.getcwd()
+        self.replica_dir = replica_dir
         self.cpus_per_worker = cpus_per_worker
         self.poll_s = poll_s
         self.placed: dict[int, _Placed] = {}
@@ -230,9 +236,7 @@ class RayPlacement:
         free = [
             node["NodeID"]
             for node in _ray().nodes()
-            if node["Alive"]
-            and node["Resources"].get("CPU", 0) >= self.cpus_per_worker
-            and node["NodeID"] not in busy
+            if node["Alive"] and node["Resources"].get("CPU", 0) >= self.cpus_per_worker and node["NodeID"] not in busy
         ]
         return sorted(free, key=lambda node: node in self._suspect_nodes)
 
@@ -247,7 +251,9 @@ class RayPlacement:
             worker, node = self._pending.pop(0), free.pop(0)
             actor = self._actor(node)
             log_path = str(self.logs / f"worker-{worker}.log")
-            pending = actor.start.remote(self.command, self._worker_env(worker), log_path, self.cwd)
+            env = self._worker_env(worker)
+            scratch = "" if self.replica_dir else env[ENV_REPLICA_DIR]
+            pending = actor.start.remote(self.command, env, log_path, self.cwd, scratch)
             self.placed[worker] = _Placed(worker=worker, node=node, actor=actor, pending=pending)
             log.info("ray: worker %d placed on node %s", worker, node[:12])
             self._waiting_logged = False
@@ -271,16 +277,20 @@ class RayPlacement:
         config = controller.config
         passed_on = {k: v for k, v in os.environ.items() if k.startswith("ELASTIC_") and k != ENV_TOKEN_FILE}
         host = config.coordinator_host or config.listen_host
-        return passed_on | self.env | {
-            ENV_CONTROLLER: f"{host}:{controller.port}",
-            ENV_WORKER: str(worker),
-            ENV_LOCAL_DEVICES: str(config.local_devices),
-            ENV_HEARTBEAT_S: str(config.heartbeat_interval_s),
-            # One folder per worker: on a test cluster every node shares this machine's /dev/shm, and a
-            # replacement must start as empty as on a new host.
-            ENV_REPLICA_DIR: f"/dev/shm/elastic-runtime-{controller.record.run_id}-{worker}",
-            ENV_TOKEN: controller.secret,
-        }
+        return (
+            passed_on
+            | self.env
+            | {
+                ENV_CONTROLLER: f"{host}:{controller.port}",
+                ENV_WORKER: str(worker),
+                ENV_LOCAL_DEVICES: str(config.local_devices),
+                ENV_HEARTBEAT_S: str(config.heartbeat_interval_s),
+                # By default one folder per worker: on a test cluster all nodes share this machine's /dev/shm, and a
+                # replacement must start as empty as on a new host.
+                ENV_REPLICA_DIR: self.replica_dir or f"/dev/shm/elastic-runtime-{controller.record.run_id}-{worker}",
+                ENV_TOKEN: controller.secret,
+            }
+        )
 
     async def _settle(self, ref: Any) -> None:
         placed = next((p for p in self.placed.values() if p.pending is ref and not p.settled), None)
@@ -391,12 +401,15 @@ def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
     )
     try:
         for _ in range(nodes):
-            cluster.add_node(
-                num_cpus=cpus_per_node, object_store_memory=_OBJECT_STORE_BYTES, node_ip_address="127.0.0.1"
-            )
+            add_node(cluster, cpus=cpus_per_node)
         yield cluster
     finally:
         cluster.shutdown()
+
+
+def add_node(cluster: Any, *, cpus: int = 1) -> Any:
+    """Add a worker node to a :func:`local_cluster` (127.0.0.1, ``cpus`` CPUs, a 100 MB object store)."""
+    return cluster.add_node(num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES, node_ip_address="127.0.0.1")
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from runtime.cli.demo_multiprocess import worker_command
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchResult
 from runtime.cluster.ray_backend import local_cluster, ray_session
+from runtime.core.errors import ElasticRuntimeError
 from runtime.core.eventlog import read_events
 from runtime.core.events import GroupFormed, RunStarted, StepCompleted, WorkerLost, WorkerStarted
 from runtime.defaults import ray_controller
@@ -102,7 +103,7 @@ def test_a_removed_ray_node_is_detected_by_ray_and_replaced_on_a_free_node(tmp_p
             assert not thread.is_alive(), "the run did not end in time"
         finally:
             if thread.is_alive():  # a failed wait: stop the run, its workers and its actors
-                controller.end(RuntimeError("the test failed"))  # type: ignore[arg-type]
+                controller.end(ElasticRuntimeError("the test failed"))
                 thread.join(30)
             placement.close()
             for placed in placement.placed.values():
