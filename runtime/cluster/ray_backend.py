@@ -214,8 +214,9 @@ class RayPlacement:
         for placed in live:
             with contextlib.suppress(ray.exceptions.RayError):
                 stops.append(placed.actor.stop.remote())
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+        if stops:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
         for placed in self.placed.values():
             with contextlib.suppress(ray.exceptions.RayError, ValueError):
                 ray.kill(placed.actor, no_restart=True)

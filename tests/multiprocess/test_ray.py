@@ -28,6 +28,7 @@ from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (c
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
 from runtime.cli.demo_multiprocess import worker_command
+from runtime.cli.launch import config_from_args
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchResult
 from runtime.cluster.ray_backend import local_cluster, ray_session
@@ -50,6 +51,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def test_launch_takes_the_ray_backend_and_refuses_what_it_cannot_do() -> None:
+    from runtime.cli.launch_ray import ray_config
+    from runtime.cli.main import build_parser
+
+    def config(*argv: str) -> LaunchConfig:
+        args = build_parser().parse_args(["launch", "--backend", "ray", *argv, "--", "python", "train.py"])
+        return ray_config(config_from_args(args), host="127.0.0.1", min_nprocs=args.min_nprocs)
+
+    service = config("--nprocs", "4", "--result", "out")
+    assert service.command == [] and not service.starts_workers  # the service mode: Ray starts the workers
+    assert service.min_nprocs == 3 and service.secret and service.listen_host == "127.0.0.1"
+    assert config("--nprocs", "4", "--min-nprocs", "4").min_nprocs == 4
+    with pytest.raises(SystemExit, match="--fault signals local processes"):
+        config("--nprocs", "2", "--fault", "kill:1@5")
+    with pytest.raises(SystemExit, match="--ray-address needs --backend ray"):
+        args = build_parser().parse_args(["launch", "--nprocs", "2", "--ray-address", "x:1", "--", "python"])
+        args.func(args)
+
+
 def test_a_removed_ray_node_is_detected_by_ray_and_replaced_on_a_free_node(tmp_path: Path, reference: Path) -> None:
     run_dir = tmp_path / "run"
     outcome: dict[str, Any] = {}
@@ -70,6 +90,7 @@ def test_a_removed_ray_node_is_detected_by_ray_and_replaced_on_a_free_node(tmp_p
             "ELASTIC_COMPILE_CACHE": str(tmp_path / "xla-cache"),
         }
         controller, placement = ray_controller(config, worker_command(STEPS), env=env)
+        ray_logs = Path(cluster.head_node.get_session_dir_path())  # every node's, on this machine
 
         def run() -> None:
             try:
@@ -150,6 +171,14 @@ def test_a_removed_ray_node_is_detected_by_ray_and_replaced_on_a_free_node(tmp_p
     assert_no_committed_step_lost(history)
     match = compare_states(final_state(tmp_path / "final"), final_state(reference), bitwise=False)
     assert match["match"], match
+
+    # The secret went to the workers' environment only: in no log of Ray's or ours.
+    secret = config.secret
+    assert secret
+    for folder in (ray_logs, tmp_path):
+        for path in folder.rglob("*"):
+            if path.is_file() and not path.is_symlink() and path.stat().st_size < 64 << 20:
+                assert secret.encode() not in path.read_bytes(), f"the secret is in {path}"
 
     # Figures, printed (this machine's load decides them); `pytest -s` shows them.
     before = max(e.step for e in history if isinstance(e, StepCompleted) and e.mono_time < lost_at)
