@@ -153,12 +153,13 @@ def elastic(cluster: Any, root: Path) -> dict[str, Any]:
     [lost] = [e for e in events if isinstance(e, WorkerLost)]
     before = max(e.step for e in events if isinstance(e, StepCompleted) and e.mono_time < lost_at)
     next_commit = min(e.mono_time for e in events if isinstance(e, StepCompleted) and e.step == before + 1)
-    grown = [e for e in events if isinstance(e, GroupFormed) and len(e.members) == NPROCS][-1]
+    # None when the replacement came too late: the group grows back only until 5 steps before the end.
+    grown = next((e for e in events if isinstance(e, GroupFormed) and e.strategy == "grow"), None)
     return {
         "detected_by": lost.detected_by,
         "detected_after_s": lost.mono_time - lost_at,
         "next_commit_after_s": next_commit - lost_at,
-        "grown_back_after_s": grown.mono_time - lost_at,
+        "grown_back_after_s": None if grown is None else grown.mono_time - lost_at,
         "lost_steps": sum(r["lost_steps"] for r in result.recoveries),
         "world_size_history": result.world_size_history,
         "survivor_restarts": result.survivor_restarts,
@@ -223,7 +224,7 @@ def main() -> None:
     }
     for name, runs in samples.items():
         summary[name] = {
-            key: stats([float(r[key]) for r in runs])
+            key: stats([float(r[key]) for r in runs if r[key] is not None])
             for key in ("detected_after_s", "next_commit_after_s", "grown_back_after_s", "lost_steps")
             if key in runs[0]
         }
