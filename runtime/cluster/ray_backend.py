@@ -136,6 +136,9 @@ class RayPlacement:
         poll_s: how long one wait on Ray lasts: the bound on detecting an actor's death late.
 
     Ray must be connected (:func:`ray_session`) before :meth:`run` starts.
+
+    Raises:
+        ValueError: an empty ``command``.
     """
 
     def __init__(
@@ -170,7 +173,11 @@ class RayPlacement:
         self._actor_class: Any = None
 
     def attach(self, controller: Controller) -> None:
-        """Place ``controller``'s workers: its companion task, and its handler for lost and hung workers."""
+        """Place ``controller``'s workers: its companion task, and its handler for lost and hung workers.
+
+        Raises:
+            ValueError: ``controller`` starts workers of its own (``config.command`` is set).
+        """
         if controller.config.starts_workers:
             raise ValueError("RayPlacement places the workers of a service-mode controller (config.command empty)")
         self._controller = controller
