@@ -137,44 +137,31 @@ def _empty_type(node: Any) -> str:
     return "None"
 
 
-def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
-    """Write ``tree`` in Orbax's layout under ``state_dir``; every file is fsynced.
+def zarray(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype[Any]) -> bytes:
+    """An array's ``.zarray``: zarr v2, uncompressed, C order, ``chunks`` per chunk file."""
+    document = {
+        "chunks": list(chunks),
+        "compressor": None,
+        "dimension_separator": ".",
+        "dtype": zarr_dtype(dtype),
+        "fill_value": None,
+        "filters": None,
+        "order": "C",
+        "shape": list(shape),
+        "zarr_format": 2,
+    }
+    return json.dumps(document, separators=(",", ":")).encode()
 
-    Returns the files written, as manifest entries relative to ``root``. Raises OSError as the OS does.
-    """
-    state_dir.mkdir()
-    entries: list[FileEntry] = []
-    written: list[Path] = [state_dir.parent, state_dir]
 
-    def add(path: Path, size: int, crc: int) -> None:
-        written.append(path)
-        entries.append(FileEntry(path=path.relative_to(root).as_posix(), size=size, crc32c=crc))
+def array_entry(key: tuple[KeyPart, ...]) -> tuple[str, dict[str, Any]]:
+    """An array's node in ``_METADATA``'s tree."""
+    return _tuple_key(key), _entry(key, "np.ndarray")
 
-    tree_metadata: dict[str, Any] = {}
-    with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
-    for path, leaf in with_path:
-        key = key_of(path)
-        array = leaf if leaf.flags.c_contiguous else np.copy(leaf, order="C")  # keeps 0-d arrays 0-d
-        directory = state_dir / array_dirname(key)
-        directory.mkdir()
-        zarray = {
-            "chunks": list(array.shape),
-            "compressor": None,
-            "dimension_separator": ".",
-            "dtype": zarr_dtype(array.dtype),
-            "fill_value": None,
-            "filters": None,
-            "order": "C",
-            "shape": list(array.shape),
-            "zarr_format": 2,
-        }
-        meta = json.dumps(zarray, separators=(",", ":")).encode()
-        add(directory / ".zarray", _write_file(directory / ".zarray", meta), int(google_crc32c.value(meta)))
-        chunk = directory / (".".join("0" for _ in array.shape) or "0")
-        crc = _crc_of_array(array)
-        add(chunk, _write_file(chunk, memoryview(array.reshape(-1).view(np.uint8).data)), crc)
-        written.append(directory)
-        tree_metadata[_tuple_key(key)] = _entry(key, "np.ndarray")
+
+def metadata_files(tree: PyTree, tree_metadata: dict[str, Any], state_dir: Path) -> list[tuple[str, bytes]]:
+    """Orbax's files beside the arrays: ``_METADATA`` (``tree_metadata``, the arrays' nodes, plus ``tree``'s
+    empty nodes), ``_CHECKPOINT_METADATA`` and the commit marker."""
+    tree_metadata = dict(tree_metadata)
     # Empty nodes (None, {}, [], (), optax's EmptyState) hold no array, but Orbax records them: without them
     # a restore with the state as ``item`` finds another tree structure.
     for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty)[0]:
@@ -200,7 +187,38 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
     documents = {"_METADATA": metadata, "_CHECKPOINT_METADATA": checkpoint_metadata}
     files = [(name, json.dumps(document).encode()) for name, document in documents.items()]
     files.append((_COMMIT_NAME, f"Checkpoint commit was successful to {state_dir}".encode()))  # as Orbax writes
-    for name, data in files:
+    return files
+
+
+def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
+    """Write ``tree`` in Orbax's layout under ``state_dir``; every file is fsynced.
+
+    Returns the files written, as manifest entries relative to ``root``. Raises OSError as the OS does.
+    """
+    state_dir.mkdir()
+    entries: list[FileEntry] = []
+    written: list[Path] = [state_dir.parent, state_dir]
+
+    def add(path: Path, size: int, crc: int) -> None:
+        written.append(path)
+        entries.append(FileEntry(path=path.relative_to(root).as_posix(), size=size, crc32c=crc))
+
+    tree_metadata: dict[str, Any] = {}
+    with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+    for path, leaf in with_path:
+        key = key_of(path)
+        array = leaf if leaf.flags.c_contiguous else np.copy(leaf, order="C")  # keeps 0-d arrays 0-d
+        directory = state_dir / array_dirname(key)
+        directory.mkdir()
+        meta = zarray(array.shape, array.shape, array.dtype)
+        add(directory / ".zarray", _write_file(directory / ".zarray", meta), int(google_crc32c.value(meta)))
+        chunk = directory / (".".join("0" for _ in array.shape) or "0")
+        crc = _crc_of_array(array)
+        add(chunk, _write_file(chunk, memoryview(array.reshape(-1).view(np.uint8).data)), crc)
+        written.append(directory)
+        name, node = array_entry(key)
+        tree_metadata[name] = node
+    for name, data in metadata_files(tree, tree_metadata, state_dir):
         add(state_dir / name, _write_file(state_dir / name, data), int(google_crc32c.value(data)))
     fsync_all(written)  # every file and every directory entry is durable before the manifest is written
     return entries

@@ -15,6 +15,11 @@ Every replica carries its run's identity in its manifest's metadata (:func:`run_
 a fingerprint of the job: state structure, shapes, dtypes, target steps); :meth:`ReplicaFiles.newest`
 restores only replicas of this run and names the ones it skipped, so a folder that holds another run's
 files never resumes the wrong run.
+
+Every replica also names the generation of the group that wrote it (``"generation"`` in its metadata,
+:func:`replica`). The controller fences each generation it replaces at the step the group went on from;
+:meth:`ReplicaFiles.newest`, given those fences, never restores a replica that a generation wrote past its
+fence (a worker cut off from the controller whose write came late): that step is not in the run's history.
 """
 
 from __future__ import annotations
@@ -57,12 +62,21 @@ def run_identity(run_id: str, like: PyTree, target_steps: int) -> dict[str, str]
     return {"run_id": run_id, "job": job_fingerprint(like, target_steps)}
 
 
-def replica(step: int, data_position: int, tree: PyTree, identity: dict[str, str] | None = None) -> HostSnapshot:
+def replica(
+    step: int,
+    data_position: int,
+    tree: PyTree,
+    identity: dict[str, str] | None = None,
+    *,
+    generation: int | None = None,
+) -> HostSnapshot:
     """A worker's replica: the state after ``step`` as host arrays, with the data position to resume exactly,
-    and the run's identity (:func:`run_identity`) as its metadata."""
+    and as its metadata the run's identity (:func:`run_identity`) and the ``generation`` of the group that
+    computed it."""
     nbytes = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(tree))
+    metadata = dict(identity or {}) | ({} if generation is None else {"generation": str(generation)})
     return HostSnapshot(
-        step=step, data_position=data_position, tree=tree, nbytes=nbytes, seconds=0.0, metadata=dict(identity or {})
+        step=step, data_position=data_position, tree=tree, nbytes=nbytes, seconds=0.0, metadata=metadata
     )
 
 
@@ -150,6 +164,7 @@ class ReplicaFiles:
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self.skipped: list[str] = []  # what the last :meth:`newest` would not restore, "PATH: why"
+        self.pinned = -1  # a step kept beside the newest ones (:meth:`pin`)
 
     @property
     def on_write(self) -> list[Callable[[int], None]]:
@@ -162,11 +177,18 @@ class ReplicaFiles:
         with self._lock:
             self._pending = self._pool.submit(self._write, snapshot)
 
+    def pin(self, step: int) -> None:
+        """Keep the replica of ``step`` (once written) beside the ``keep`` newest until another step is pinned:
+        the step of the group's newest durable checkpoint, so that a rollback to it reads this process's
+        shards from here and only a lost process's shards from the durable tier."""
+        self.pinned = step
+
     def _write(self, snapshot: HostSnapshot) -> None:
         started = time.monotonic()
         self.tier.save(snapshot, timeout=_TIMEOUT_S)
         for info in self.tier.list(timeout=_TIMEOUT_S)[self.keep :]:
-            self.tier.delete(info.step, timeout=_TIMEOUT_S)
+            if info.step != self.pinned:
+                self.tier.delete(info.step, timeout=_TIMEOUT_S)
         log.debug("replica of step %d written in %.3f s", snapshot.step, time.monotonic() - started)
 
     def wait(self) -> None:
@@ -179,16 +201,41 @@ class ReplicaFiles:
                 log.error("replica write failed: %s", exc)
 
     def newest(
-        self, like: PyTree, identity: dict[str, str] | None = None, *, max_step: int | None = None
+        self,
+        like: PyTree,
+        identity: dict[str, str] | None = None,
+        *,
+        max_step: int | None = None,
+        fences: dict[int, int] | None = None,
     ) -> HostSnapshot:
         """The newest replica of any process here that verifies, has the structure of ``like`` and carries
-        ``identity`` (its run and job); never one past ``max_step``. The replicas it skipped are then in
-        :attr:`skipped`, each as ``"PATH: why"``.
+        ``identity`` (its run, job and layout); never one past ``max_step``, nor one that a generation wrote past
+        its fence (``fences``: generation -> the newest step of it the run went on from). The replicas it skipped
+        are then in :attr:`skipped`, each as ``"PATH: why"``.
 
         Raises:
             SnapshotUnavailable: none does; the message lists what was skipped and why.
         """
+        found = self.readable(like, identity, max_step=max_step, fences=fences, limit=1)
+        if not found:
+            why = "; ".join(self.skipped) or "none committed"
+            raise SnapshotUnavailable(f"no usable replica in {self.directory} ({why})")
+        return next(iter(found.values()))
+
+    def readable(
+        self,
+        like: PyTree,
+        identity: dict[str, str] | None = None,
+        *,
+        max_step: int | None = None,
+        fences: dict[int, int] | None = None,
+        limit: int = 2,
+    ) -> dict[int, HostSnapshot]:
+        """The ``limit`` newest steps that some replica here holds and :meth:`newest` would restore, newest
+        first, each read and verified. What was skipped, and why, is then in :attr:`skipped`."""
         folders = sorted(p for p in self.directory.iterdir() if p.is_dir()) if self.directory.is_dir() else []
+        identity = dict(identity or {})
+        layout = identity.pop("layout", None)
         candidates: list[tuple[int, DiskTier]] = []
         skipped: list[str] = []
         self.skipped = skipped
@@ -200,36 +247,64 @@ class ReplicaFiles:
                 skipped.append(f"{folder}: cannot list: {exc}")
                 continue
             for step in steps:
-                why = _not_ours(tier, step, identity, max_step)
+                if not _holds(tier, step, layout):
+                    continue  # another position's shards: expected, not worth a word
+                why = _not_ours(tier, step, identity, max_step, fences or {})
                 if why:
                     skipped.append(f"{tier.path_of(step)}: {why}")
                 else:
                     candidates.append((step, tier))
-        problems = list(skipped)
+        found: dict[int, HostSnapshot] = {}
         for step, tier in sorted(candidates, key=lambda c: c[0], reverse=True):
+            if len(found) >= limit:
+                break
+            if step in found:
+                continue
             try:
-                return tier.restore(step, like, timeout=_TIMEOUT_S)
+                found[step] = tier.restore(step, like, timeout=_TIMEOUT_S)
             except (CheckpointInvalid, SnapshotUnavailable, StorageError) as exc:
-                problems.append(f"{tier.path_of(step)}: {exc}")
-        raise SnapshotUnavailable(f"no usable replica in {self.directory} ({'; '.join(problems) or 'none committed'})")
+                skipped.append(f"{tier.path_of(step)}: {exc}")
+        return found
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-def _not_ours(tier: DiskTier, step: int, identity: dict[str, str] | None, max_step: int | None) -> str:
+def _holds(tier: DiskTier, step: int, layout: str | None) -> bool:
+    """Whether replica ``step`` holds the shards of ``layout`` (any, when None; an unreadable manifest is
+    judged, and reported, by :func:`_not_ours`)."""
+    if layout is None:
+        return True
+    try:
+        return tier.manifest(step).metadata.get("layout", layout) == layout
+    except (CheckpointInvalid, SnapshotUnavailable):
+        return True
+
+
+def _not_ours(
+    tier: DiskTier, step: int, identity: dict[str, str] | None, max_step: int | None, fences: dict[int, int]
+) -> str:
     """Why replica ``step`` of ``tier`` must not be restored in this run; "" when it may."""
     if max_step is not None and step > max_step:
         return f"step {step} is past the target step {max_step}"
-    if not identity:
+    if not identity and not fences:
         return ""
     try:
         metadata = tier.manifest(step).metadata
     except (CheckpointInvalid, SnapshotUnavailable) as exc:
         return f"unreadable manifest: {exc}"
-    for key, want in identity.items():
+    for key, want in (identity or {}).items():
         got = metadata.get(key)
         if got != want:
             what = "another run's replica" if key == "run_id" else "another job's replica (structure, shapes or target)"
             return f"{what}: {key} {got!r}, this run's {want!r}"
+    generation = metadata.get("generation")
+    if generation is None:
+        return ""  # written before replicas named their generation; nothing to judge it by
+    try:
+        fence = fences.get(int(generation))
+    except ValueError:
+        return f"unreadable generation {generation!r} in its manifest"
+    if fence is not None and step > fence:
+        return f"written by generation {generation} after it was fenced at step {fence}"
     return ""

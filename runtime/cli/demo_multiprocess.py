@@ -28,6 +28,7 @@ def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's multi-process options (added to ``elastic-runtime demo``)."""
     group = parser.add_argument_group("multi-process")
     group.add_argument("--processes", type=int, default=0, help="run as N worker processes (0: single-process)")
+    group.add_argument("--slices", type=int, default=0, help="slices of processes (default: one per process)")
     group.add_argument("--kill-worker-at", type=int, default=None, help="kill -9 a worker at this step")
     group.add_argument("--kill-process", type=int, default=1, help="process id to kill (default 1; 0 works too)")
     group.add_argument("--strategy", choices=("reform", "restart"), default="reform", help="recovery strategy")
@@ -88,7 +89,11 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or f"runs/demo-mp-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: None) if args.quiet else print
-    say(f"elastic-runtime demo: {steps} steps on {args.processes} worker processes x 2 CPU devices (gloo)")
+    slices = args.slices or args.processes
+    say(
+        f"elastic-runtime demo: {steps} steps on {args.processes} worker processes x 2 CPU devices (gloo), "
+        f"{slices} slice(s) of {args.processes // slices} process(es)"
+    )
     faults = [] if kill_at is None or args.no_fault else [Fault("kill", args.kill_process, step=kill_at)]
     if faults:
         say(f"  process {args.kill_process} gets kill -9 at step {kill_at}; strategy {args.strategy}")
@@ -100,11 +105,13 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
         faults=faults,
         strategy=args.strategy,
         printer=None if args.quiet else ProgressPrinter(),
+        slices=args.slices,
     )
     recoveries = result.recoveries
     summary: dict[str, Any] = {
         "ok": result.ok,
         "processes": args.processes,
+        "slices": args.slices or args.processes,
         "steps_completed": result.step,
         "seconds": round(time.monotonic() - started, 3),
         "detected_after_s": _first(result.detected_after_s),
@@ -119,7 +126,9 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     }
     if args.verify:
         say("verifying: fault-free run of the same group ...")
-        reference = run_group(processes=args.processes, steps=steps, run_dir=run_dir / "reference", faults=[])
+        reference = run_group(
+            processes=args.processes, steps=steps, run_dir=run_dir / "reference", faults=[], slices=args.slices
+        )
         full = all(size == args.processes for size in result.world_size_history)
         if reference.ok and full:
             got, want = (DiskTier(run_dir / name / "final").latest(None).tree for name in ("run", "reference"))

@@ -40,6 +40,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--min-nprocs", type=int, default=None, help="smallest group to go on with")
     parser.add_argument("--spares", type=int, default=1, help="warm spare processes (default 1)")
     parser.add_argument("--local-devices", type=int, default=2, help="CPU devices per worker (default 2)")
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=0,
+        help="slices the processes form, each holding the state sharded over its processes (default: one per process)",
+    )
     parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
@@ -96,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         min_nprocs=args.min_nprocs,
         spares=args.spares,
         local_devices=args.local_devices,
+        slices=args.slices,
         strategy=args.strategy,
         heartbeat_timeout_s=args.heartbeat_timeout,
         hang_timeout_s=args.hang_timeout,

@@ -40,6 +40,10 @@ class LaunchConfig:
         min_nprocs: the smallest group training may go on with while replacements start.
         spares: warm spare processes kept ready to replace a lost worker at once.
         local_devices: CPU devices per worker process.
+        slices: how many slices the group's processes form (0: one per process). A slice is a fixed group of
+            ``nprocs // slices`` processes holding one copy of the state, sharded over its processes (the
+            ``model`` axis); slices replicate each other (``data``). Losing a process loses its slice until a
+            replacement takes the process's place; ``min_nprocs`` then counts whole slices.
         heartbeat_interval_s, heartbeat_timeout_s, hang_timeout_s: see :class:`HeartbeatMonitor`.
         strategy: "reform" (in-process re-forming, falling back to "restart") or "restart" always.
         form_timeout_s: how long a new group may take to form before its stragglers are replaced.
@@ -56,6 +60,11 @@ class LaunchConfig:
         resume: require an unfinished run in ``run_dir`` to continue (raise ValueError if there is none).
         drain_timeout_s: on SIGTERM/SIGINT or at the end, how long workers get to stop before SIGKILL.
         result_path: a folder where process 0 commits the final state, in the disk tier's format.
+        durable_dir: where the group keeps durable checkpoints (a disk every host reaches): the first slice's
+            processes each write their own shards every ``durable_every`` steps and the controller commits the
+            step once all have (``storage/sharded.py``); None: none (the replica files are the only copy).
+        durable_every: steps between durable checkpoints.
+        durable_keep: durable checkpoints kept (the newest ones).
         faults: fault injection: process and worker faults of ``runtime.testing.grammar``
             (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.testing.process_faults``.
         target_steps: the run's target; None: the first of the controller's own workers to say ``Hello``
@@ -77,6 +86,7 @@ class LaunchConfig:
     min_nprocs: int | None = None
     spares: int = 1
     local_devices: int = 2
+    slices: int = 0
     heartbeat_interval_s: float = 0.2
     heartbeat_timeout_s: float = 2.0
     hang_timeout_s: float = 5.0
@@ -89,6 +99,9 @@ class LaunchConfig:
     run_dir: str | None = None
     replica_dir: str | None = None
     result_path: str | None = None
+    durable_dir: str | None = None
+    durable_every: int = 10
+    durable_keep: int = 3
     faults: list[Fault] = field(default_factory=list)
     resume: bool = False
     drain_timeout_s: float = 10.0
@@ -102,6 +115,11 @@ class LaunchConfig:
     coordinator_ports: tuple[int, int] | None = None
 
     @property
+    def slice_size(self) -> int:
+        """Processes per slice."""
+        return self.nprocs // self.slices
+
+    @property
     def starts_workers(self) -> bool:
         """Whether the controller starts its workers (``launch``) or only coordinates them (the service mode)."""
         return bool(self.command)
@@ -113,6 +131,14 @@ class LaunchConfig:
             self.min_nprocs = self.nprocs
         if not 1 <= self.min_nprocs <= self.nprocs:
             raise ValueError(f"min_nprocs must be in [1, {self.nprocs}], got {self.min_nprocs}")
+        if self.slices == 0:
+            self.slices = self.nprocs
+        if self.slices < 1 or self.nprocs % self.slices:
+            raise ValueError(f"slices must divide nprocs={self.nprocs}, got {self.slices}")
+        if self.min_nprocs % self.slice_size:
+            raise ValueError(
+                f"min_nprocs={self.min_nprocs} must be whole slices of {self.slice_size} processes (--slices)"
+            )
         if self.strategy not in RECOVERY_STRATEGIES:
             choices = ", ".join(RECOVERY_STRATEGIES)
             raise ValueError(f"strategy must be one of {choices}, got {self.strategy!r}")

@@ -40,17 +40,44 @@ from anyio.abc import SocketStream
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.context import ControllerContext
+from runtime.cluster.durable import DurableCommits
 from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
-from runtime.cluster.protocol import Failed, Finished, Heartbeat, Hello, Joined, Lease, Message, Stop, Warm
-from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run
+from runtime.cluster.protocol import (
+    EXIT_REPLACE,
+    Failed,
+    Finished,
+    Heartbeat,
+    Hello,
+    Joined,
+    Lease,
+    Message,
+    Restored,
+    Saved,
+    Stop,
+    Unreadable,
+    Warm,
+)
+from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run, save_fences
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
-from runtime.core.errors import BusClosed, ConfigError, ElasticRuntimeError, JobUnsupported, RecoveryError, StepError
+from runtime.core.errors import (
+    BusClosed,
+    CheckpointInvalid,
+    ConfigError,
+    ElasticRuntimeError,
+    JobUnsupported,
+    RecoveryError,
+    StepError,
+    StorageError,
+)
 from runtime.core.eventlog import EventLog
 from runtime.core.events import (
+    CheckpointCommitted,
+    CheckpointCorrupt,
+    CheckpointFailed,
     ConnectionRefused,
     Event,
     MalformedHeartbeat,
@@ -140,7 +167,10 @@ class Controller(GroupFormer):
         self.pool = ProcessPool(
             config, self.run_dir / "workers", self.replica_dir, self.secret, run_id=self.record.run_id
         )
-        self.group = Membership(config.nprocs)
+        # A resumed run's generations go on from its record, its fences with them (see Membership.fences).
+        self.group = Membership(
+            config.nprocs, config.slice_size, generation=self.record.generation, fences=self.record.fences
+        )
         self.recovery = RecoveryTracker("controller", config.max_failures)
         self.server = WorkerServer(
             secret=self.secret,
@@ -154,6 +184,18 @@ class Controller(GroupFormer):
         self.target_steps = config.target_steps if config.target_steps is not None else -1
         self.port = 0
         self._restored = False  # the current generation got its Restore
+        self.restored_bytes: dict[str, int] = {}  # what the current generation's members restored, per tier
+        self._unreadable = ""  # a member could not read the durable step being restored: why
+        self.durable = (
+            DurableCommits(
+                config.durable_dir,
+                writers=config.slice_size,
+                keep=config.durable_keep,
+                metadata={"run_id": self.record.run_id},
+            )
+            if config.durable_dir
+            else None
+        )
         self._requests: set[int] = set()
         self._request_reason = ""
         self._request_strategy: Strategy | None = None
@@ -214,7 +256,8 @@ class Controller(GroupFormer):
         return True
 
     def _mesh_shape(self) -> dict[str, int]:
-        return {"data": len(self.members), "model": self.config.local_devices}
+        size = self.config.slice_size
+        return {"data": len(self.members) // size, "model": size * self.config.local_devices}
 
     # --- running -------------------------------------------------------------------------------------------
 
@@ -335,6 +378,9 @@ class Controller(GroupFormer):
             mark_finished(self.run_dir, self.record.run_id)
         (self.run_dir / "summary.json").write_text(json.dumps(self.result.__dict__, default=str))
 
+    def _save_fences(self) -> None:
+        save_fences(self.run_dir, self.record.run_id, self.group.generation, self.group.fences)
+
     def end(self, error: ElasticRuntimeError) -> None:
         """End the run with ``error`` (the first one wins): every worker is stopped, the run fails with it."""
         if self._error is None:
@@ -365,13 +411,17 @@ class Controller(GroupFormer):
                 await anyio.sleep(0.05)  # let near-simultaneous losses arrive: one re-forming for all
                 lost, self._requests = self._requests, set()
                 await self._regroup(lost, self._request_reason, self._request_strategy)
+            elif self._unreadable:
+                reason, self._unreadable = self._unreadable, ""
+                await self._regroup(set(), reason, None)  # the same members, from another step
             elif self._can_grow():
                 await self._form(reason="a spare is ready", strategy=Strategy.GROW)
 
     def _can_grow(self) -> bool:
         """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
+        ready = sum(p.ready_spare for p in self.pool)
         return (
-            any(p.ready_spare for p in self.pool)
+            len(self.group.seat(self.members, [-1] * ready)) > len(self.members)  # a whole slice more
             and len(self.members) < self.config.nprocs
             and self.recovery.current is None
             and self._restored
@@ -535,7 +585,8 @@ class Controller(GroupFormer):
                     # that will never call it again. (One the controller started was killed instead.)
                     proc.told_to_stop = True
                     log.warning("controller: worker %d was judged lost and is back; told to exit", worker)
-                    await self.server.send(proc, Stop(reason=f"worker {worker} was judged lost; its place is taken"))
+                    taken = Stop(reason=f"worker {worker} was judged lost; its place is taken", exit_code=EXIT_REPLACE)
+                    await self.server.send(proc, taken)
                 if proc.gone or self._stopping:
                     return
                 try:
@@ -550,6 +601,12 @@ class Controller(GroupFormer):
                 proc.joined = message
                 await self._skipped(proc, message.skipped)
                 self._wake.set()
+            case Saved(generation=gen) if gen == self.group.generation and self.durable is not None:
+                await self._saved(proc, message)
+            case Unreadable(generation=gen) if gen == self.group.generation and self.durable is not None:
+                await self._unreadable_step(message)
+            case Restored(generation=gen, tier=tier, nbytes=nbytes) if gen == self.group.generation:
+                self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
             case Failed(generation=gen) if gen == self.group.generation:
                 await self._failed(proc, message)
             case Finished(generation=gen) if gen == self.group.generation:
@@ -561,6 +618,51 @@ class Controller(GroupFormer):
                     self._wake.set()
             case _:
                 log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
+
+    async def _saved(self, proc: WorkerProcess, saved: Saved) -> None:
+        """A writer's part of a durable checkpoint; the step is committed once every writer's part is in."""
+        assert self.durable is not None
+        if proc.worker not in self.members:
+            return
+        try:
+            step = self.durable.add(saved, self.members.index(proc.worker))
+            if step is None:
+                return
+            committed = await anyio.to_thread.run_sync(self.durable.commit, step)
+        except (CheckpointInvalid, StorageError) as exc:
+            log.error("controller: durable checkpoint of step %d not committed: %s", saved.step, exc)
+            await self.bus.publish(
+                CheckpointFailed(step=saved.step, source="controller", tier="durable", reason=str(exc))
+            )
+            return
+        await self.bus.publish(
+            CheckpointCommitted(
+                step=committed.step,
+                source="controller",
+                tier="durable",
+                path=committed.path,
+                bytes=committed.nbytes,
+                seconds=committed.seconds,
+            )
+        )
+
+    async def _unreadable_step(self, message: Unreadable) -> None:
+        """A member found the durable step being restored damaged: it is withdrawn (its manifest set aside, its
+        files kept for a look) and the group re-forms from the next best step."""
+        assert self.durable is not None
+        log.error("controller: durable step %d unreadable (%s: %s)", message.step, message.path, message.reason)
+        await self.bus.publish(
+            CheckpointCorrupt(
+                step=message.step,
+                source=f"worker-{message.worker}",
+                tier="durable",
+                path=message.path,
+                reason=message.reason,
+            )
+        )
+        await anyio.to_thread.run_sync(self.durable.withdraw, message.step)
+        self._unreadable = f"durable step {message.step} unreadable: {message.reason}"
+        self._wake.set()
 
     async def _skipped(self, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
         for entry in skipped:
@@ -613,6 +715,7 @@ class Controller(GroupFormer):
                         "lost_steps": recovery.lost_steps,
                         "restored_from": recovery.restored_from,
                         "failed_step": recovery.failed_step,
+                        "bytes_by_tier": dict(self.restored_bytes),
                     }
                 )
                 await self.bus.publish(completed)

@@ -17,10 +17,11 @@ import anyio
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.coordination import free_port, start_coordination_service
+from runtime.cluster.durable import DurableCommits
 from runtime.cluster.heartbeat import HeartbeatMonitor
 from runtime.cluster.membership import JoinReport, Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, log_tail
-from runtime.cluster.protocol import Form, Restore, Stop
+from runtime.cluster.protocol import EXIT_REPLACE, Form, Restore, Stop
 from runtime.cluster.server import WorkerServer
 from runtime.core.bus import EventBus
 from runtime.core.errors import RecoveryError
@@ -50,6 +51,8 @@ class GroupFormer:
     _request_strategy: Strategy | None
     _wake: anyio.Event
     _services: list[Any]
+    durable: DurableCommits | None
+    restored_bytes: dict[str, int]
 
     # Provided by the controller.
     def kill(self, worker: int, sig: str, reason: str) -> None:
@@ -65,6 +68,9 @@ class GroupFormer:
         raise NotImplementedError
 
     async def _warm_spares(self) -> None:
+        raise NotImplementedError
+
+    def _save_fences(self) -> None:
         raise NotImplementedError
 
     def _mesh_shape(self) -> dict[str, int]:
@@ -110,9 +116,8 @@ class GroupFormer:
                 for worker in survivors:
                     self.kill(worker, "KILL", "restart strategy: every worker is replaced")
                     if self.pool[worker].popen is None:  # not ours to kill: asked to exit, the cluster replaces it
-                        await self.server.send(
-                            self.pool[worker], Stop(reason="restart strategy: every worker is replaced")
-                        )
+                        replaced = Stop(reason="restart strategy: every worker is replaced", exit_code=EXIT_REPLACE)
+                        await self.server.send(self.pool[worker], replaced)
                     self.pool[worker].gone = True
                     self.monitor.forget(worker)
                 self.result.survivor_restarts += len(survivors)
@@ -122,9 +127,17 @@ class GroupFormer:
             timeout = self.config.start_timeout_s if strategy == Strategy.START else self.config.spawn_timeout_s
             recruits = await self._recruit(survivors, timeout)
             members = self.group.seat(survivors, recruits)
+            for worker in set(survivors) | set(recruits):
+                if worker not in members:  # in a slice short of a process: it waits, as a spare, for a replacement
+                    self.pool[worker].spare = True
+                    self.monitor.expect_progress(worker, False)
             self._requests.clear()
             generation = self.group.new_generation(members)
+            self._save_fences()  # a resumed controller numbers its generations after this one
             self._restored = False
+            self.restored_bytes.clear()
+            if self.durable is not None:
+                self.durable.new_generation(generation)
             for worker in members:
                 proc = self.pool[worker]
                 proc.spare, proc.joined, proc.finished = False, None, None
@@ -143,10 +156,16 @@ class GroupFormer:
                     coordinator=coordinator,
                     process_id=process_id,
                     num_processes=len(members),
-                    read_files=strategy != Strategy.REFORM,
+                    # With a state sharded over a slice, a process's shards may be nowhere else: every member
+                    # lists its replica files too, so the group can roll back to a step the slice holds whole.
+                    read_files=strategy != Strategy.REFORM or self.config.slice_size > 1,
                     faults=worker_faults_text(self.config.faults, process_id) if strategy == Strategy.START else "",
                     at_step=at_step,
                     run_id=self.result.run_id,
+                    slice_size=self.config.slice_size,
+                    durable_dir=self.config.durable_dir or "",
+                    durable_every=self.config.durable_every,
+                    fences=dict(self.group.fences),
                 )
                 await self.server.send(self.pool[worker], form)
             await self.bus.publish(
@@ -213,7 +232,8 @@ class GroupFormer:
             # goes on without them at once where min_nprocs allows, and grows back when they say hello.
             soon = not self.config.starts_workers and bool(survivors)
             assert self.config.min_nprocs is not None
-            if (soon or time.monotonic() > deadline) and len(survivors) + len(chosen) >= self.config.min_nprocs:
+            enough = len(self.group.seat(survivors, chosen)) >= self.config.min_nprocs  # whole slices
+            if (soon or time.monotonic() > deadline) and enough:
                 break  # go on smaller; the next re-forming grows the group back
             if time.monotonic() > deadline:
                 raise LaunchError(f"only {len(survivors) + len(chosen)} workers ready after {timeout_s} s")
@@ -239,14 +259,23 @@ class GroupFormer:
         for worker in members:
             joined = self.pool[worker].joined
             assert joined is not None
-            reports.append(JoinReport(joined.best_step, joined.tier))
+            reports.append(JoinReport(joined.best_step, joined.tier, joined.steps))
         plan = self.group.plan_restore(reports)
+        log.info("generation %d restores %s from %s", self.group.generation, plan, reports)
+        if plan.missing:
+            raise RecoveryError(
+                f"cannot restore generation {self.group.generation}: {plan.missing}",
+                last_committed_step=self.group.step,
+            )
         if 0 <= self.target_steps < plan.step:
             raise RecoveryError(
                 f"refusing to restore step {plan.step}: past the run's target of {self.target_steps} steps",
                 last_committed_step=self.group.step,
             )
         gaps = self.group.restore(plan.step)
+        # The older generations' fences are on disk before this one can step (and write replicas): a controller
+        # killed now still tells the next workers what not to restore (``--resume``).
+        self._save_fences()
         if strategy == Strategy.START:
             self.result.resumed_from = plan.step if plan.step > 0 else -1
             gaps = []  # a resumed run: the controller before this one logged those steps

@@ -1,6 +1,7 @@
 """Group membership as a synchronous state machine: who is in the group, in which generation, which steps
-the whole group has committed, and who restores from whom. No processes, sockets or clocks: the controller
-(``runtime/cluster/controller.py``) drives it and turns its answers into messages and events."""
+the whole group has committed, who restores from whom, and where each superseded generation was fenced. No
+processes, sockets or clocks: the controller (``runtime/cluster/controller.py``) drives it and turns its
+answers into messages and events."""
 
 from __future__ import annotations
 
@@ -16,16 +17,21 @@ class JoinReport:
 
     best_step: int
     tier: str  # "ram", "file", or "none"
+    steps: tuple[int, ...] = ()  # every step it can restore; empty: only ``best_step`` (unless tier is "none")
+
+    def holds(self) -> set[int]:
+        return set(self.steps) | ({self.best_step} if self.tier != "none" else set())
 
 
 @dataclass(frozen=True)
 class RestorePlan:
-    """The step a new generation starts from, and the member every other member takes it from."""
+    """The step a new generation starts from, and the slice every member takes its shards from."""
 
     step: int
-    source: int  # process id in the new generation; -1 when starting from the initial state
+    source: int  # slice index in the new generation (its process id with one process a slice); -1: initial state
     restored_from: str  # the source's tier, "+peer" when some member takes the state from another
     lost_steps: int  # committed steps that are run again
+    missing: str = ""  # members hold committed steps, but no slice holds one step whole: what is missing
 
 
 class Membership:
@@ -33,17 +39,30 @@ class Membership:
 
     Args:
         size: the group's full size (``nprocs``).
+        slice_size: processes per slice; the group is always made of whole slices (process ids
+            ``k * slice_size`` to ``k * slice_size + slice_size - 1`` are slice ``k``).
+        generation: the newest generation formed so far (a resumed run's, from its run folder); the next one
+            formed is numbered after it.
+        fences: superseded generations' fences so far (a resumed run's; see :attr:`fences`).
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(
+        self, size: int, slice_size: int = 1, *, generation: int = 0, fences: dict[int, int] | None = None
+    ) -> None:
         self.size = size
+        self.slice_size = slice_size
         self.members: list[int] = []
-        self.generation = 0
+        self.generation = generation
+        # generation -> the step the group went on from when a later generation replaced it: the newest step
+        # of that generation that is part of the run's history. Anything it committed (or wrote) past its
+        # fence is not: the group went on from the fence without it.
+        self.fences: dict[int, int] = dict(fences or {})
         self.step = 0  # the newest step every member has committed
         self.high_water = 0  # the newest step the group ever committed (it moves back on a restore)
 
     def seat(self, survivors: Sequence[int], recruits: Sequence[int]) -> list[int]:
-        """The next group in process-id order: survivors keep their process ids, recruits take the free ones.
+        """The next group in process-id order: survivors keep their process ids, recruits take the free ones,
+        and a slice with a seat nobody fills is left out whole (its survivors wait for a replacement).
 
         Stable ids mean the same device layout as before on every survivor, so each loads its step from the
         persistent compilation cache instead of compiling it again, and the numerics do not change.
@@ -54,7 +73,12 @@ class Membership:
         for i, worker in enumerate(seats):
             if worker is None and queue:
                 seats[i] = queue.pop(0)
-        return [w for w in seats if w is not None] + queue
+        seated: list[int | None] = [*seats, *queue]
+        if self.slice_size == 1:
+            seated = [w for w in seated if w is not None]
+        n = self.slice_size
+        slices = [seated[k : k + n] for k in range(0, len(seated) - n + 1, n)]
+        return [w for members in slices if None not in members for w in members if w is not None]
 
     def new_generation(self, members: Sequence[int]) -> int:
         """Make ``members`` the group of a new generation; returns its number."""
@@ -63,22 +87,47 @@ class Membership:
         return self.generation
 
     def plan_restore(self, reports: Sequence[JoinReport]) -> RestorePlan:
-        """The newest step any member of the new generation holds (the lowest process id among equals)."""
-        source = max(range(len(reports)), key=lambda i: (reports[i].best_step, -i))
-        step = reports[source].best_step
-        restored_from = "init" if reports[source].tier == "none" else reports[source].tier
-        if any(r.best_step < step for r in reports):
+        """The newest step every process of some slice holds, from that slice (among equals, the one with the
+        most processes holding it in memory, then the lowest index).
+
+        ``reports`` are the members' in process-id order. With one process per slice this is the newest step
+        any member holds. When members hold committed steps but no slice holds one whole (its processes at
+        different steps), the plan says what is missing and restores nothing.
+        """
+        n = self.slice_size
+        best: tuple[int, int] = (0, 0)  # (step, processes restoring it from memory), the larger the better
+        source = -1
+        for k in range(len(reports) // n):
+            members = reports[k * n : (k + 1) * n]
+            step = max(set.intersection(*(r.holds() for r in members)), default=0)
+            in_memory = sum(r.tier == "ram" and r.best_step == step for r in members)
+            if step > 0 and (step, in_memory) > best:
+                best, source = (step, in_memory), k
+        best_step = best[0]
+        lost_steps = max(0, self.high_water - best_step)
+        if source < 0:
+            held_any = sorted({s for r in reports for s in r.holds() if s > 0})
+            missing = (
+                f"no slice holds one step whole: members hold steps {held_any} "
+                f"({[(i, sorted(r.holds())) for i, r in enumerate(reports)]} as (process, steps))"
+                if held_any
+                else ""
+            )
+            return RestorePlan(step=0, source=-1, restored_from="init", lost_steps=lost_steps, missing=missing)
+        # "ram" when the source slice restores from memory only; "file" when a process of it reads a replica file.
+        used = {r.tier if r.best_step == best_step else "file" for r in reports[source * n : (source + 1) * n]}
+        restored_from = "+".join(sorted(used))
+        if any(best_step not in r.holds() for r in reports):
             restored_from += "+peer"
-        return RestorePlan(
-            step=step,
-            source=source if step > 0 else -1,
-            restored_from=restored_from,
-            lost_steps=max(0, self.high_water - step),
-        )
+        return RestorePlan(step=best_step, source=source, restored_from=restored_from, lost_steps=lost_steps)
 
     def restore(self, step: int) -> list[int]:
-        """The group starts again from ``step``. Returns the steps it newly counts as committed: those the
-        member restored from committed before the old group could report them all."""
+        """The group (of the current generation) starts again from ``step``: the run's history past ``step``
+        is this generation's alone, so every earlier generation is fenced at ``step`` at the latest. Returns the
+        steps it newly counts as committed: those the member restored from committed before the old group could
+        report them all."""
+        for older in range(1, self.generation):
+            self.fences[older] = min(self.fences.get(older, step), step)
         gap = list(range(self.step + 1, step + 1))
         self.step = step
         self.high_water = max(self.high_water, step)

@@ -14,6 +14,8 @@ from typing import Union
 
 import msgspec
 
+from storage.manifest import FileEntry, LeafEntry
+
 __all__ = [
     "ENV_COMPILE_CACHE",
     "ENV_CONNECT_S",
@@ -28,6 +30,7 @@ __all__ = [
     "ENV_RUN_ID",
     "ENV_STEP_DELAY_S",
     "ENV_WORKER",
+    "EXIT_REPLACE",
     "ControllerMessage",
     "Failed",
     "Finished",
@@ -38,7 +41,10 @@ __all__ = [
     "Lease",
     "MalformedMessage",
     "Restore",
+    "Restored",
+    "Saved",
     "Stop",
+    "Unreadable",
     "Warm",
     "WorkerMessage",
     "decode_from_controller",
@@ -60,6 +66,12 @@ ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
 ENV_COMPILE_CACHE = "ELASTIC_COMPILE_CACHE"  # persistent XLA cache directory shared by the workers
 ENV_CONNECT_S = "ELASTIC_CONNECT_TIMEOUT_S"  # how long a worker tries to reach the controller (default 120)
 ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room to kill mid-run)
+
+# The exit code of a worker that stops before the run is over: its place was taken (judged lost, or every worker
+# replaced by the restart strategy) or its controller is gone. A cluster scheduler (a Kubernetes Job, the SLURM
+# script in examples/) starts a replacement with a new id on a non-zero code and counts a 0 as done.
+# 75 is EX_TEMPFAIL in sysexits.h: a temporary failure, try again.
+EXIT_REPLACE = 75
 
 MAX_LINE = 1 << 20  # a heartbeat is ~150 bytes; anything near this is garbage or an attack
 
@@ -96,8 +108,48 @@ class Joined(Message, frozen=True, kw_only=True):
     generation: int
     best_step: int
     tier: str  # "ram" (own memory), "shm" (a /dev/shm or disk file), or "none"
+    # Every step it can restore (its RAM's and its replica files'): a slice whose processes' newest steps differ
+    # restores an older step they all hold.
+    steps: tuple[int, ...] = ()
     join_s: float  # shutdown + re-initialize of jax.distributed, as the worker measured it
     skipped: tuple[str, ...] = ()  # replica files it would not restore, each "PATH: why" (another run's)
+
+
+class Saved(Message, frozen=True, kw_only=True):
+    """The worker wrote its part of step ``step``'s durable checkpoint (``storage/sharded.py``): ``files``,
+    relative to the step's folder. The first process also sends the state's ``structure``, ``leaves`` and
+    ``metadata``."""
+
+    worker: int
+    generation: int
+    step: int
+    data_position: int
+    files: tuple[FileEntry, ...]
+    structure: str = ""
+    leaves: tuple[LeafEntry, ...] = ()
+    metadata: dict[str, str] = {}  # the run's identity, as every replica carries it
+
+
+class Restored(Message, frozen=True, kw_only=True):
+    """The worker restored step ``step`` of ``generation``: ``nbytes`` of its shards came from its ``tier``
+    ("ram", "shm", "disk", "durable"; "none": it held nothing and took every shard from its peers)."""
+
+    worker: int
+    generation: int
+    step: int
+    tier: str
+    nbytes: int
+
+
+class Unreadable(Message, frozen=True, kw_only=True):
+    """The worker could not read its shards of durable checkpoint ``step`` (``path``: a missing, truncated or
+    damaged file): the group must restore another step."""
+
+    worker: int
+    generation: int
+    step: int
+    path: str
+    reason: str
 
 
 class Finished(Message, frozen=True, kw_only=True):
@@ -135,10 +187,17 @@ class Form(Message, frozen=True, kw_only=True):
     faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (runtime.testing.grammar)
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
     run_id: str = ""  # the run's id, for a worker not started with it in its environment (ELASTIC_RUN_ID)
+    slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)
+    durable_dir: str = ""  # where the group's durable checkpoints go (storage/sharded.py); "": none
+    durable_every: int = 0  # steps between durable checkpoints
+    # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
+    # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).
+    fences: dict[int, int] = {}
 
 
 class Restore(Message, frozen=True, kw_only=True):
-    """Restore ``step`` in ``generation`` by broadcast from ``source`` (a process id; -1: the initial state)."""
+    """Restore ``step`` in ``generation`` from slice ``source`` (-1: the initial state); with one process per
+    slice, a slice's index is its process id."""
 
     generation: int
     step: int
@@ -151,9 +210,11 @@ class Warm(Message, frozen=True, kw_only=True):
 
 
 class Stop(Message, frozen=True, kw_only=True):
-    """Exit now; ``reason`` is logged."""
+    """Exit now with ``exit_code``; ``reason`` is logged. The code is 0 when the run is over and
+    :data:`EXIT_REPLACE` when the run goes on without this worker (its place is taken)."""
 
     reason: str
+    exit_code: int = 0
 
 
 class Lease(Message, frozen=True, kw_only=True):
@@ -164,7 +225,7 @@ class Lease(Message, frozen=True, kw_only=True):
     seconds: float
 
 
-WorkerMessage = Union[Hello, Heartbeat, Joined, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
+WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
 ControllerMessage = Union[Form, Restore, Warm, Stop, Lease]  # noqa: UP007
 
 
@@ -182,10 +243,10 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message) + b"\n"
 
 
-def decode_from_worker(line: bytes) -> Hello | Heartbeat | Joined | Finished | Failed:
+def decode_from_worker(line: bytes) -> WorkerMessage:
     """Decode one line a worker sent. Raises MalformedMessage naming what was wrong."""
     try:
-        message: Hello | Heartbeat | Joined | Finished | Failed = _from_worker.decode(line)
+        message: WorkerMessage = _from_worker.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
     return message

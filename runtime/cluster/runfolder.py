@@ -5,6 +5,11 @@ the same run folder continues: the id is kept in ``run.json`` until the run fini
 replica folder is derived from the run folder's path (not from a process id or a time), so a new controller
 finds the replicas its predecessor's workers wrote. Replicas carry the id; those of any other run are
 never restored (``storage/replicas.py``).
+
+``run.json`` also keeps the run's fencing record (see ``docs/multiprocess.md``, *Fencing*): the newest
+generation formed, and for each superseded generation the step the group went on from (its fence). A resumed
+controller numbers its generations after the old ones and sends the same fences, so a replica an old
+generation wrote past its fence is never restored, whichever controller formed that generation.
 """
 
 from __future__ import annotations
@@ -13,10 +18,10 @@ import hashlib
 import json
 import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RunRecord", "default_replica_dir", "mark_finished", "open_run"]
+__all__ = ["RunRecord", "default_replica_dir", "mark_finished", "open_run", "save_fences"]
 
 RUN_FILE = "run.json"
 
@@ -27,6 +32,8 @@ class RunRecord:
 
     run_id: str
     resumed: bool
+    generation: int = 0  # the newest generation an earlier controller of this run formed
+    fences: dict[int, int] = field(default_factory=dict)  # generation -> the step the group went on from
 
 
 def default_replica_dir(run_dir: Path) -> str:
@@ -48,7 +55,13 @@ def open_run(run_dir: Path, *, resume: bool) -> RunRecord:
     except (OSError, ValueError):
         record = {}
     if isinstance(record, dict) and isinstance(record.get("run_id"), str) and not record.get("finished"):
-        return RunRecord(run_id=record["run_id"], resumed=True)
+        fences = record.get("fences") or {}
+        return RunRecord(
+            run_id=record["run_id"],
+            resumed=True,
+            generation=int(record.get("generation", 0)),
+            fences={int(g): int(step) for g, step in fences.items()},
+        )
     if resume:
         why = "its run finished" if record else f"it holds no {RUN_FILE}"
         raise ValueError(f"--resume: nothing to resume in {run_dir} ({why})")
@@ -57,9 +70,22 @@ def open_run(run_dir: Path, *, resume: bool) -> RunRecord:
     return RunRecord(run_id=run_id, resumed=False)
 
 
+def save_fences(run_dir: Path, run_id: str, generation: int, fences: dict[int, int]) -> None:
+    """Record the newest ``generation`` formed and every superseded generation's fence (before any worker of
+    the next generation may write a replica: a controller killed right after still knows them)."""
+    record = {"run_id": run_id, "finished": False, "generation": generation}
+    _write(run_dir / RUN_FILE, record | {"fences": {str(g): step for g, step in sorted(fences.items())}})
+
+
 def mark_finished(run_dir: Path, run_id: str) -> None:
-    """The run reached its target: the next launch into this folder is a new run."""
-    _write(run_dir / RUN_FILE, {"run_id": run_id, "finished": True})
+    """The run reached its target: the next launch into this folder is a new run. Its fences stay in the
+    record (what a reader of the finished run may want to check)."""
+    try:
+        record = json.loads((run_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        record = {}
+    kept = {k: record[k] for k in ("generation", "fences") if isinstance(record, dict) and k in record}
+    _write(run_dir / RUN_FILE, {"run_id": run_id, "finished": True} | kept)
 
 
 def _write(path: Path, record: dict[str, object]) -> None:

@@ -50,6 +50,7 @@ from runtime.cluster.protocol import (
     ENV_RUN_ID,
     ENV_STEP_DELAY_S,
     ENV_WORKER,
+    EXIT_REPLACE,
     Failed,
     Finished,
     Form,
@@ -60,18 +61,24 @@ from runtime.cluster.protocol import (
     MalformedMessage,
     Message,
     Restore,
+    Restored,
+    Saved,
     Stop,
+    Unreadable,
     Warm,
     decode_from_controller,
     encode,
 )
 from runtime.core.classify import is_infrastructure_failure
-from runtime.core.errors import AuthenticationFailed, SnapshotUnavailable
+from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
 from storage.disk import DiskTier
-from storage.replicas import ReplicaFiles, broadcast_state, host_copy, partly_held, replica, run_identity
+from storage.manifest import describe_leaves
+from storage.replicas import ReplicaFiles, replica, run_identity
+from storage.sharded import read_local, write_part, writes
+from storage.shards import local_copy, local_like, restore_from_slice, uses_axis
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +132,7 @@ class ControllerLink:
                 self.sock.sendall(data)
             except OSError as exc:
                 log.error("lost the controller connection while sending: %s", exc)
-                self.inbox.put(Stop(reason=f"controller connection lost: {exc}"))
+                self.inbox.put(Stop(reason=f"controller connection lost: {exc}", exit_code=EXIT_REPLACE))
 
     def leased(self) -> bool:
         """Whether the controller still counts on this worker (its last lease has not run out)."""
@@ -150,7 +157,7 @@ class ControllerLink:
                 else:
                     self.inbox.put(message)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
-        self.inbox.put(Stop(reason="controller connection closed"))
+        self.inbox.put(Stop(reason="controller connection closed", exit_code=EXIT_REPLACE))
 
 
 class Worker:
@@ -168,18 +175,31 @@ class Worker:
         self.local_devices = int(os.environ.get(ENV_LOCAL_DEVICES, "2"))
         self.step_delay_s = float(os.environ.get(ENV_STEP_DELAY_S, "0"))
         self.generation = 0
+        self.layout: dict[str, str] = {}  # which shards this process holds, in every replica's metadata
+        self.slice_size = 1  # processes per slice (storage/shards.py)
+        self.local_like: PyTree = None  # shapes of this process's shards (storage.shards.local_like)
         self.process_id = -1
         self.num_processes = 0
         self.initialized = False
         self.step = 0  # newest committed step held on the devices (or in ``ram``)
         self.step_time_s: float | None = None
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
+        # While joining: every step it can restore, with the tier it would come from (RAM, replica files).
+        self.held: dict[int, tuple[str, HostSnapshot]] = {}
+        # The group's durable checkpoints (storage/sharded.py), when the controller keeps them.
+        self.durable: DiskTier | None = None
+        self.durable_every = 0
+        self.durable_steps: set[int] = set()  # committed durable steps of this run (read at joining)
+        self._writes: list[bool] = []  # per leaf: whether this process writes its shards there
+        self._durable_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable")
+        self._durable_write: Future[None] | None = None
         self.template: PyTree = job.init()
         # Written into every replica, and required of any replica restored: another run's (or job's) files in
         # the same folder are never taken for ours.
         run_id = os.environ.get(ENV_RUN_ID, "")
         self.identity = run_identity(run_id, self.template, steps) if run_id else {}
         self._skipped: tuple[str, ...] = ()  # replica files the last read would not restore, for Joined
+        self.fences: dict[int, int] = {}  # superseded generations' fences, from the newest Form
         self.mesh: Any = None
         self.compiled: Any = None
         self.state_shardings: Any = None
@@ -214,9 +234,9 @@ class Worker:
                     self._warm()
                 case Warm():
                     pass
-                case Stop(reason=reason):
-                    log.info("worker %d stops: %s", self.worker, reason)
-                    return 0
+                case Stop(reason=reason, exit_code=code):
+                    log.info("worker %d stops (exit code %d): %s", self.worker, code, reason)
+                    return code
 
     def _beat(self) -> None:
         interval = float(os.environ.get(ENV_HEARTBEAT_S, "0.2"))
@@ -249,6 +269,7 @@ class Worker:
             # Started by a cluster, not by launch: the run's id comes with the first Form, before any replica
             # is read or written, so that only this run's replicas are ever restored here too.
             self.identity = run_identity(form.run_id, self.template, self.target_steps)
+        self.fences = dict(form.fences)
         if form.faults:
             attach_worker_faults(self, form.faults)
         if self.initialized:
@@ -261,20 +282,33 @@ class Worker:
         self.initialized = True
         self.generation, self.process_id, self.num_processes = form.generation, form.process_id, form.num_processes
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        self.mesh = jax.sharding.Mesh(np.array(devices).reshape(form.num_processes, -1), ("data", "model"))
+        # One row of the mesh per slice: "data" is the replica axis across slices, "model" spans the devices of
+        # every process of a slice (with one process per slice, the devices of that process).
+        slices = form.num_processes // form.slice_size
+        self.mesh = jax.sharding.Mesh(np.array(devices).reshape(slices, -1), ("data", "model"))
         compiler = StepCompiler(self.job, self.template, self.job.data.batch(0))
         self.state_shardings = compiler.state_shardings(self.mesh)
         self.batch_shardings = compiler.batch_shardings(self.mesh)
-        partial = partly_held(self.template, self.state_shardings)
-        if partial:
-            # host_copy would fail after step 1 in every worker, and every replacement would fail the same way.
-            names = ", ".join(partial[:3]) + (f" and {len(partial) - 3} more" if len(partial) > 3 else "")
+        over_data = uses_axis(self.state_shardings, self.template, "data")
+        if over_data:
+            # The replica axis shrinks when a slice is lost: a state split over it would lose shards with it.
+            names = ", ".join(over_data[:3]) + (f" and {len(over_data) - 3} more" if len(over_data) > 3 else "")
             message = (
-                f"the state is sharded across processes: {names} use the 'data' axis, which spans processes; "
-                "multi-process mode needs every process to hold the whole state: shard it over 'model' only"
+                f"the state is sharded across processes over the 'data' axis: {names}; 'data' is the replica axis "
+                "across slices, which shrinks when one is lost: shard the state over 'model', which spans the "
+                "processes of a slice (launch --slices)"
             )
             self._report_failure("JobUnsupported", message, "", step=self.step)
             return
+        layout = f"position {form.process_id % form.slice_size} of {form.slice_size} x {self.local_devices} devices"
+        if self.ram is not None and self.ram.metadata.get("layout") != layout:
+            self.ram = None  # seated elsewhere in a slice: the shards it holds are not the ones it needs now
+        self.layout = {"layout": layout}
+        self.slice_size = form.slice_size
+        self.local_like = local_like(self.template, self.state_shardings)
+        self.durable = DiskTier(form.durable_dir, name="durable", check_space=False) if form.durable_dir else None
+        self.durable_every = form.durable_every
+        self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
@@ -294,6 +328,7 @@ class Worker:
                 generation=self.generation,
                 best_step=best,
                 tier=tier,
+                steps=tuple(sorted(set(self.held) | self.durable_steps)),
                 join_s=time.monotonic() - started,
                 skipped=self._skipped,
             )
@@ -322,41 +357,135 @@ class Worker:
         log.info("warmed up in %.3f s", time.monotonic() - started)
 
     def _best_local(self, read_files: bool) -> tuple[int, str]:
+        """The newest step this process can restore and from where; every such step is put in ``held`` (and
+        the group's committed durable checkpoints in ``durable_steps``)."""
+        self.held = {self.ram.step: ("ram", self.ram)} if self.ram is not None else {}
+        if read_files:  # a restarted worker, a resumed run, or a slice that may need to roll back
+            tier = "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
+            try:
+                found = self.replicas.readable(
+                    self.local_like,
+                    self.identity | self.layout,
+                    max_step=self.target_steps,
+                    fences=self.fences,
+                    # One process a slice: its newest is its slice's best. Else an older step may be the one
+                    # the whole slice holds (a peer's newest write did not finish, or only the durable tier
+                    # holds a lost process's shards).
+                    # (keep=2 newest and the one pinned for the durable step)
+                    limit=1 if self.slice_size == 1 else 3,
+                )
+            finally:
+                self._skipped = tuple(self.replicas.skipped)
+            self.held = {step: (tier, snapshot) for step, snapshot in found.items()} | self.held
+        self.durable_steps = self._durable_steps()
         if self.ram is not None:
             return self.ram.step, "ram"
-        if not read_files:  # a spare joining survivors: it takes the state from them, files are slower
-            return 0, "none"
-        try:
-            # A restarted worker, or a resumed run: the files survived us.
-            self.ram = self.replicas.newest(self.template, self.identity, max_step=self.target_steps)
-        except SnapshotUnavailable:
-            return 0, "none"
-        finally:
-            self._skipped = tuple(self.replicas.skipped)
-        return self.ram.step, "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
+        if self.held:
+            newest = max(self.held)
+            return newest, self.held[newest][0]
+        if self.durable_steps:
+            return max(self.durable_steps), "durable"
+        return 0, "none"
+
+    def _durable_steps(self) -> set[int]:
+        """This run's committed durable checkpoints (any layout: every process reads its own shards)."""
+        if self.durable is None:
+            return set()
+        found = set()
+        for step in self.durable.steps(timeout=60.0):
+            try:
+                metadata = self.durable.manifest(step).metadata
+            except (CheckpointInvalid, SnapshotUnavailable) as exc:
+                log.warning("durable checkpoint of step %d not usable: %s", step, exc)
+                continue
+            fence = self.fences.get(int(metadata.get("generation", "0")))
+            if fence is not None and step > fence:
+                log.warning("durable checkpoint of step %d: its generation was fenced at step %d; skipped", step, fence)
+            elif step <= self.target_steps and all(metadata.get(k) == v for k, v in self.identity.items()):
+                found.add(step)
+        return found
 
     def _restore(self, restore: Restore) -> tuple[PyTree, float]:
         import jax
 
+        tier, nbytes = "none", 0
         if restore.source < 0:
-            tree, position = self.template, 0
+            self.state, position = self._place(self.template, self.state_shardings), 0
+            boxes = local_copy(self.state)
         else:
-            mine = self.ram if self.ram is not None and self.ram.step == restore.step else None
-            ours = mine.tree if mine is not None else self.template
-            payload = {"tree": ours, "position": np.asarray(mine.data_position if mine is not None else 0, np.int64)}
-            if self.num_processes > 1:
-                # Peers take the source's copy; the source's own copy is re-sent, which keeps every member
-                # bitwise identical whichever tier each one held.
-                payload = broadcast_state(payload, is_source=self.process_id == restore.source)
-            elif not mine:
-                raise SnapshotUnavailable(f"worker {self.worker} alone cannot restore step {restore.step}")
-            tree, position = payload["tree"], int(payload["position"])
-        self.state = self._place(tree, self.state_shardings)
+            tier, mine = self.held.get(restore.step, ("none", None))
+            self.held = {}
+            if mine is None and restore.step in self.durable_steps:
+                try:
+                    mine = self._read_durable(restore.step)
+                except CheckpointInvalid as exc:
+                    # Not into the collective with a partial state: the controller re-forms from another step.
+                    unreadable = Unreadable(
+                        worker=self.worker,
+                        generation=self.generation,
+                        step=restore.step,
+                        path=exc.path,
+                        reason=exc.reason,
+                    )
+                    self.link.send(unreadable)
+                    raise
+                tier = "durable"
+            # Every member takes its shards from the source slice, its own included: every member then holds
+            # exactly the source's values, whichever tier each one held.
+            self.state, position = restore_from_slice(
+                mine.tree if mine is not None else None,
+                mine.data_position if mine is not None else 0,
+                self.template,
+                self.state_shardings,
+                source=restore.source,
+            )
+            boxes = mine.tree if mine is not None else local_copy(self.state)
+            nbytes = mine.nbytes if mine is not None else 0
         self.step = restore.step
-        self.ram = replica(restore.step, position if restore.source >= 0 else 0, tree, self.identity)
+        self.ram = replica(restore.step, position, boxes, self.identity | self.layout, generation=self.generation)
         jax.block_until_ready(self.state)
+        self.link.send(
+            Restored(worker=self.worker, generation=self.generation, step=restore.step, tier=tier, nbytes=nbytes)
+        )
         self._heartbeat()
         return self.state, 0.0
+
+    def _read_durable(self, step: int) -> HostSnapshot:
+        """This process's shards of durable checkpoint ``step``, only the bytes they need, verified."""
+        assert self.durable is not None
+        manifest = self.durable.manifest(step)
+        boxes, nbytes = read_local(self.durable.path_of(step), manifest, self.template, self.state_shardings)
+        snapshot = replica(step, manifest.data_position, boxes)
+        snapshot.nbytes = nbytes
+        return snapshot
+
+    def _save_durable(self) -> None:
+        """Write this process's part of the durable checkpoint of the step just committed, in the background;
+        a step whose predecessor's write is still running is not written (the next due one is)."""
+        assert self.ram is not None and self.durable is not None
+        if self._durable_write is not None and not self._durable_write.done():
+            log.info("durable checkpoint of step %d skipped: the previous write is still running", self.step)
+            return
+        snapshot, generation, lead = self.ram, self.generation, self.process_id == 0
+        owned, shardings, step_dir = self._writes, self.state_shardings, self.durable.path_of(self.ram.step)
+
+        def write() -> None:
+            files = write_part(step_dir, snapshot.tree, self.template, shardings, owned=owned, lead=lead)
+            structure, leaves = describe_leaves(self.template) if lead else ("", ())
+            saved = Saved(
+                worker=self.worker,
+                generation=generation,
+                step=snapshot.step,
+                data_position=snapshot.data_position,
+                files=tuple(files),
+                structure=structure,
+                leaves=leaves,
+                metadata=self.identity if lead else {},
+            )
+            self.link.send(saved)
+
+        self._durable_write = self._durable_pool.submit(write)
+        self._durable_write.add_done_callback(_log_failure)
 
     def _place(self, tree: PyTree, shardings: PyTree) -> PyTree:
         import jax
@@ -396,9 +525,15 @@ class Worker:
             new_state, seconds = outcome
             self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
             position += 1
-            self.ram = replica(self.step, position, host_copy(new_state), self.identity)
+            self.ram = replica(
+                self.step, position, local_copy(new_state), self.identity | self.layout, generation=self.generation
+            )
             if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
                 self.replicas.save(self.ram)
+                if self.durable is not None and self.durable_every > 0 and self.step % self.durable_every == 0:
+                    self.replicas.pin(self.step)
+                    if self.process_id < self.slice_size:  # the first slice writes the group's checkpoint
+                        self._save_durable()
             self._heartbeat()
         self._finish(target)
         return None
@@ -497,13 +632,24 @@ class Worker:
         return new_state, time.perf_counter() - started
 
     def _finish(self, target: int) -> None:
+        from jax.experimental import multihost_utils
+
         assert self.ram is not None
-        leaves = [np.ascontiguousarray(leaf) for leaf in _leaves(self.ram.tree)]
+        # The whole state, gathered from every slice's shards (a collective: every member finishes together).
+        whole = multihost_utils.process_allgather(self.state, tiled=True)
+        leaves = [np.ascontiguousarray(leaf) for leaf in _leaves(whole)]
         digest = hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
         result = os.environ.get(ENV_RESULT)
         if result and self.process_id == 0:  # in the disk tier's format: verified, and plain Orbax reads it
-            DiskTier(result, name="result", check_space=False).save(self.ram, timeout=600.0)
+            final = replica(target, self.ram.data_position, whole, self.identity)
+            DiskTier(result, name="result", check_space=False).save(final, timeout=600.0)
         self.link.send(Finished(worker=self.worker, generation=self.generation, step=target, digest=digest))
+
+
+def _log_failure(future: Future[None]) -> None:
+    exc = future.exception()
+    if exc is not None:  # a failed write leaves the previous checkpoint; the controller commits nothing new
+        log.error("durable checkpoint write failed: %s: %s", type(exc).__name__, exc)
 
 
 def _is_users_error(exc: BaseException) -> bool:

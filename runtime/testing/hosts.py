@@ -6,6 +6,8 @@
         hosts.add_address(3)                        # another address on host 3 (198.18.N.128 on)
         hosts.lose(1)                               # every process on host 1 killed, its link removed
         hosts.partition(2)                          # host 2's link down (its processes live on)
+        hosts.cut_from_controller(2)                # only host 2 <-> the controller cut; its peers reach it
+        hosts.reconnect(2)                          # ... and mended
 
 Addresses come from 198.18.0.0/15, the range reserved for network tests (RFC 2544), never a real private
 range: 198.18.N.1 is the bridge (where the controller listens), 198.18.N.(10+K) host K, with N picked so that
@@ -77,6 +79,11 @@ def sweep_stale() -> None:
         found = re.match(r"er(\d+)", name)
         if found and not _alive(int(found[1])):
             _ip("link", "del", name, check=False)
+    # A blackhole route to a host (cut_from_controller) whose bridge is gone: it would cut the next run there.
+    taken = _ip("-4", "-o", "addr", "show", check=False)
+    for address, octet in re.findall(r"^blackhole (198\.18\.(\d+)\.\d+)", _ip("route", "show", check=False), re.M):
+        if f"inet 198.18.{octet}." not in taken:
+            _ip("route", "del", "blackhole", f"{address}/32", check=False)
 
 
 class SimulatedHosts:
@@ -175,6 +182,20 @@ class SimulatedHosts:
     def heal(self, k: int) -> None:
         _ip("link", "set", self._links[k], "up")
 
+    def cut_from_controller(self, k: int) -> None:
+        """Drop every packet between host ``k`` and the controller's address, both ways; host ``k`` and its
+        peers still reach each other (their traffic crosses the bridge, never the root namespace's routes).
+        A blackhole route each way: in host ``k``'s namespace to the controller, and in the root namespace
+        (the controller's) to host ``k``; the incoming side alone would still deliver the controller's
+        messages to host ``k`` (only its acknowledgements would be lost)."""
+        _ip("-n", self.namespaces[k], "route", "add", "blackhole", f"{self.controller_address}/32")
+        _ip("route", "add", "blackhole", f"{self.address(k)}/32")
+
+    def reconnect(self, k: int) -> None:
+        """Undo :meth:`cut_from_controller`."""
+        _ip("-n", self.namespaces[k], "route", "del", "blackhole", f"{self.controller_address}/32", check=False)
+        _ip("route", "del", "blackhole", f"{self.address(k)}/32", check=False)
+
     def _kill(self, k: int) -> None:
         for _ in range(5):  # a process may fork while we kill; bounded
             pids = self.pids(k)
@@ -196,6 +217,8 @@ class SimulatedHosts:
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=_TIMEOUT_S)
+        for k in range(self.count):  # a root-namespace route a test left (cut_from_controller)
+            _ip("route", "del", "blackhole", f"{self.address(k)}/32", check=False)
         for link in self._links:  # deleting a namespace removes its end of the pair, and so the pair
             _ip("link", "del", link, check=False)
         _ip("link", "del", self.bridge, check=False)

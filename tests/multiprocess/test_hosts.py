@@ -15,9 +15,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +32,15 @@ from test_launcher_recovery import assert_no_committed_step_lost, final_state
 from runtime.cluster.config import LaunchConfig, LaunchError
 from runtime.cluster.controller import Controller
 from runtime.cluster.coordination import free_port
-from runtime.cluster.protocol import Hello, Stop
+from runtime.cluster.protocol import Form, Heartbeat, Hello, Joined, Restore, Stop
 from runtime.cluster.worker import ControllerLink
 from runtime.core.eventlog import read_events
-from runtime.core.events import ConnectionRefused, GroupFormed, StepCompleted, WorkerLost
+from runtime.core.events import ConnectionRefused, GroupFormed, ReplicaSkipped, StepCompleted, WorkerLost
 from runtime.defaults import default_controller
 from runtime.testing.compare import compare_states
 from runtime.testing.hosts import SimulatedHosts
+from storage.disk import DiskTier
+from storage.replicas import replica
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -71,10 +75,17 @@ class ServiceRun:
 
 @contextlib.contextmanager
 def service_run(
-    hosts: SimulatedHosts, tmp_path: Path, *, step_delay_s: float, min_nprocs: int | None = None
+    hosts: SimulatedHosts,
+    tmp_path: Path,
+    *,
+    step_delay_s: float,
+    min_nprocs: int | None = None,
+    replica_dirs: Path | None = None,
 ) -> Iterator[ServiceRun]:
     """Start ``elastic-runtime controller`` in the root namespace (secret from a token file) and one worker on
-    each of the first NPROCS hosts; the controller is killed on the way out if it still runs."""
+    each of the first NPROCS hosts; the controller is killed on the way out if it still runs. With
+    ``replica_dirs`` host K's workers keep their replica files in ``replica_dirs/hostK`` (a folder that
+    outlives them, as a host's disk would), not in their own ``/dev/shm``."""
     secret = os.urandom(32).hex()
     token = tmp_path / "token"
     token.write_text(secret)
@@ -100,7 +111,10 @@ def service_run(
         }
         worker = [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
         for k in range(NPROCS):
-            hosts.start(k, worker, worker_env | {"ELASTIC_WORKER_ID": str(k)}, tmp_path / f"worker-{k}.log")
+            env_k = worker_env | {"ELASTIC_WORKER_ID": str(k)}
+            if replica_dirs is not None:
+                env_k["ELASTIC_REPLICA_DIR"] = str(replica_dirs / f"host{k}")
+            hosts.start(k, worker, env_k, tmp_path / f"worker-{k}.log")
         yield ServiceRun(controller, address, run_dir, secret, env, worker_env, worker)
     finally:
         if controller.poll() is None:
@@ -174,6 +188,93 @@ def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(
     print(f"\n{fault} host: {json.dumps(figures | {'told_to_exit': told})}")
 
 
+def test_a_worker_cut_off_from_the_controller_alone_stops_in_its_lease_and_its_late_write_is_never_restored(
+    tmp_path: Path, reference: Path
+) -> None:
+    # Only the path between host 1 and the controller is cut: host 1's worker still reaches its peers, so
+    # nothing but its lease stops it (its peers would go on stepping with it). It must stop within its lease;
+    # the survivors re-form without it; a replica written as by it after its fence (injected: the lease
+    # already keeps it from writing) is found by its replacement on the same host and never restored; once
+    # the path is back it is told to exit; each step is committed once; the result is the fault-free run's.
+    replicas = tmp_path / "replicas"
+    lease_s = 2.0 * 0.75  # --heartbeat-timeout's default x the controller's lease share
+    with (
+        SimulatedHosts(NPROCS) as hosts,
+        service_run(hosts, tmp_path, step_delay_s=0.5, min_nprocs=NPROCS - 1, replica_dirs=replicas) as run,
+    ):
+        controller, run_dir, worker_env, worker = run.controller, run.run_dir, run.worker_env, run.worker
+
+        def formed(generation: int) -> list[GroupFormed]:
+            return [e for e in events(run_dir) if isinstance(e, GroupFormed) and e.generation == generation]
+
+        wait_for(
+            "step 5", lambda: any(isinstance(e, StepCompleted) and e.step >= 5 for e in events(run_dir)), controller
+        )
+        cut_wall, cut_at = time.time(), time.monotonic()
+        hosts.cut_from_controller(1)
+        wait_for("the survivors' group", lambda: bool(formed(2)), controller)
+        fence = formed(2)[0].restore_step  # generation 1's history ends there
+        # What the cut-off worker might write late, as its own: a replica of generation 1 past its fence, newer
+        # than anything the survivors will hold when its host's replacement reads the host's folder.
+        late_step = STEPS - 2
+        own = DiskTier(replicas / "host1" / "worker-1", name="shm", check_space=False)
+        own_steps = own.steps(timeout=30)
+        newest_own = own.restore(max(own_steps), None, timeout=30)
+        assert newest_own.metadata["generation"] == "1"
+        late = replica(late_step, late_step, newest_own.tree, newest_own.metadata)
+        own.save(late, timeout=30)
+        hosts.reconnect(1)
+        deadline = time.monotonic() + _WAIT_S
+        while hosts.pids(1):  # its heartbeats reach the controller again: told to exit
+            assert time.monotonic() < deadline, f"host 1 still runs {hosts.pids(1)} after the path came back"
+            assert controller.poll() is None, "the controller exited"
+            time.sleep(0.1)
+        # The orchestrator's replacement on the same host, with a new id; it reads the host's replica folder.
+        env = worker_env | {"ELASTIC_WORKER_ID": str(NPROCS), "ELASTIC_REPLICA_DIR": str(replicas / "host1")}
+        hosts.start(1, worker, env, tmp_path / f"worker-{NPROCS}.log")
+        out, _ = controller.communicate(timeout=_WAIT_S)
+    log_text = (tmp_path / "controller.log").read_text()
+    assert controller.returncode == 0, log_text
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    history = read_events(run_dir / "events.jsonl")
+
+    assert result["ok"] and result["step"] == STEPS
+    [lost] = [e for e in history if isinstance(e, WorkerLost)]
+    assert lost.worker == 1 and lost.message.startswith("no heartbeat for "), lost
+    assert result["strategies"] == ["start", "reform", "grow"], result
+    assert [set(e.members) for e in history if isinstance(e, GroupFormed)] == [{0, 1, 2}, {0, 2}, {0, 2, NPROCS}]
+    assert "worker 1 was judged lost and is back; told to exit" in log_text
+    # It stopped within its lease: the step it stopped at is within the group's history, and it wrote no
+    # replica of its own past it.
+    stops = [line for line in (tmp_path / "worker-1.log").read_text().splitlines() if "stopped stepping" in line]
+    assert stops, "worker 1 never stopped for want of a lease"
+    stopped_step = int(stops[0].rsplit(" ", 1)[-1])
+    stopped_wall = datetime.strptime(stops[0][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert max(own_steps) <= stopped_step <= fence, (own_steps, stopped_step, fence)
+    # Its late write was found and refused, and the fences are in the run folder.
+    skipped = [e for e in history if isinstance(e, ReplicaSkipped)]
+    assert [e.reason for e in skipped] == [f"written by generation 1 after it was fenced at step {fence}"], skipped
+    assert str(own.path_of(late_step)) == skipped[0].path
+    assert json.loads((run_dir / "run.json").read_text())["fences"]["1"] == fence
+    # Each step committed once, never run again, and the same result as without the cut.
+    committed = [e.step for e in history if isinstance(e, StepCompleted)]
+    assert committed == list(range(1, STEPS + 1)), committed
+    assert_no_committed_step_lost(history)
+    match = compare_states(final_state(tmp_path / "final"), final_state(reference), bitwise=False)
+    assert match["match"], match
+    next_commit = min(e.mono_time for e in history if isinstance(e, StepCompleted) and e.step > fence)
+    figures = {
+        "stopped_after_s": round(stopped_wall - cut_wall, 3),
+        "detected_after_s": round(lost.mono_time - cut_at, 3),
+        "next_commit_after_s": round(next_commit - cut_at, 3),
+        "fence": fence,
+        "max_rel_error": match["max_rel_error"],
+    }
+    print(f"\ncut from the controller: {json.dumps(figures)}")
+    # Its log's clock is this machine's: the lease ran out within lease_s of the cut, plus the step then running.
+    assert stopped_wall - cut_wall < lease_s + 2.0, figures
+
+
 def test_a_service_takes_any_new_id_once_and_never_again(tmp_path: Path) -> None:
     # A real controller in service mode, on loopback, with stand-in workers: handshakes and Hellos only.
     config = LaunchConfig(command=[], nprocs=2, run_dir=str(tmp_path), secret="s3cret", target_steps=5)
@@ -213,6 +314,88 @@ def test_a_service_takes_any_new_id_once_and_never_again(tmp_path: Path) -> None
     assert "already connected" in refusals[0].reason
     assert "already connected or was lost" in refusals[-1].reason and sum(e.count for e in refusals) == 4
     assert sorted(controller.pool.procs) == [0, 7]
+
+
+def test_a_step_is_counted_once_and_an_old_generation_s_heartbeats_count_for_nothing(tmp_path: Path) -> None:
+    # A real controller in service mode, on loopback, with two stand-in workers that speak the protocol but
+    # train nothing. Worker 1 goes silent after step 3 (cut off); worker 0 goes on alone in generation 2.
+    # Then both send heartbeats of generation 1 with steps far ahead (a cut-off worker that still reached its
+    # peers, and a survivor's late one): none of it may count; generation 2 counts from step 3 on.
+    config = LaunchConfig(
+        command=[],
+        nprocs=2,
+        min_nprocs=1,
+        run_dir=str(tmp_path),
+        secret="s3cret",
+        target_steps=20,
+        heartbeat_timeout_s=1.0,
+        hang_timeout_s=60.0,
+    )
+    controller = default_controller(config)
+    beats: dict[int, tuple[int, int] | None] = {0: None, 1: None}  # worker -> (generation, step) it reports
+    done = threading.Event()
+
+    def expect(link: ControllerLink, kind: type[Any], generation: int | None = None) -> Any:
+        deadline = time.monotonic() + 20
+        while True:
+            message = link.inbox.get(timeout=max(0.01, deadline - time.monotonic()))
+            if isinstance(message, kind) and getattr(message, "generation", generation) == generation:
+                return message
+
+    def beat(links: dict[int, ControllerLink]) -> None:
+        while not done.is_set():
+            for worker, link in links.items():
+                state = beats[worker]
+                if state is not None:
+                    gen, step = state
+                    link.send(Heartbeat(worker=worker, generation=gen, step=step, sent_at=time.time()))
+            time.sleep(0.1)
+
+    def until(what: str, condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, f"no {what} within 20 s"
+            time.sleep(0.01)
+
+    def run(port: int) -> None:
+        links = {w: ControllerLink(f"127.0.0.1:{port}", "s3cret") for w in (0, 1)}
+        for worker, link in links.items():
+            link.send(Hello(worker=worker, pid=12345, target_steps=20))
+        threading.Thread(target=beat, args=(links,), daemon=True).start()
+        try:
+            for worker, link in links.items():
+                expect(link, Form, 1)
+                link.send(Joined(worker=worker, generation=1, best_step=0, tier="none", join_s=0.0))
+            for worker, link in links.items():
+                expect(link, Restore, 1)
+                beats[worker] = (1, 3)
+            until("step 3", lambda: controller.group_step == 3)
+            beats[1] = None  # cut off: the controller hears nothing more from worker 1
+            form = expect(links[0], Form, 2)
+            assert form.num_processes == 1 and form.fences == {}  # generation 1 not fenced before its restore
+            beats[0] = (2, 3)
+            links[0].send(Joined(worker=0, generation=2, best_step=3, tier="ram", join_s=0.0))
+            assert expect(links[0], Restore, 2).step == 3
+            assert controller.group.fences == {1: 3}
+            assert json.loads((tmp_path / "run.json").read_text())["fences"] == {"1": 3}  # before anything steps
+            # Generation 1, late: worker 1 (judged lost) says step 9, the survivor's old self says step 6.
+            links[1].send(Heartbeat(worker=1, generation=1, step=9, sent_at=time.time()))
+            links[0].send(Heartbeat(worker=0, generation=1, step=6, sent_at=time.time()))
+            assert "worker 1 was judged lost" in expect(links[1], Stop).reason
+            time.sleep(0.3)  # room for the controller to (wrongly) count them
+            assert controller.group_step == 3
+            beats[0] = (2, 4)
+            until("step 4", lambda: controller.group_step == 4)
+            time.sleep(0.3)
+            assert controller.group_step == 4
+        finally:
+            done.set()
+            for link in links.values():
+                link.close()
+
+    anyio.run(against, controller, run)
+    committed = [e.step for e in read_events(tmp_path / "events.jsonl") if isinstance(e, StepCompleted)]
+    assert committed == [1, 2, 3, 4]  # each once, none of generation 1's late claims
 
 
 def test_a_service_needs_a_secret_from_the_user() -> None:

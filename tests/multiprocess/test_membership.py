@@ -34,3 +34,52 @@ def test_the_newest_step_any_member_holds_is_restored_and_the_others_take_it_fro
 def test_a_group_with_nothing_to_restore_starts_from_the_initial_state() -> None:
     plan = Membership(size=2).plan_restore([JoinReport(0, "none"), JoinReport(0, "none")])
     assert (plan.step, plan.source, plan.restored_from) == (0, -1, "init")
+
+
+def test_a_slice_short_of_a_process_is_left_out_whole() -> None:
+    group = Membership(size=4, slice_size=2)
+    group.new_generation(group.seat([], [10, 11, 12, 13]))
+    assert group.seat([10, 12, 13], [20]) == [10, 20, 12, 13]  # a replacement completes slice 0
+    assert group.seat([10, 12, 13], []) == [12, 13]  # none: slice 0 waits; 10 is not seated
+    assert group.seat([12, 13], [10, 20]) == [10, 20, 12, 13]  # and grows back whole
+
+
+def test_a_slice_restores_the_newest_step_all_its_processes_hold() -> None:
+    group = Membership(size=4, slice_size=2)
+    group.progress([9, 9, 9, 9])
+    # Slice 0 lost a process: its replacement read that process's replica file, one step behind.
+    reports = [JoinReport(9, "ram", (8, 9)), JoinReport(8, "shm", (7, 8)), JoinReport(9, "ram"), JoinReport(9, "ram")]
+    plan = group.plan_restore(reports)
+    assert (plan.step, plan.source, plan.restored_from, plan.lost_steps) == (9, 1, "ram+peer", 0)
+    # One slice only: it rolls back to the step its processes all hold, its survivors from their own files.
+    one = Membership(size=2, slice_size=2)
+    one.progress([9, 9])
+    plan = one.plan_restore([JoinReport(9, "ram", (8, 9)), JoinReport(8, "shm", (7, 8))])
+    assert (plan.step, plan.source, plan.restored_from, plan.lost_steps) == (8, 0, "file+shm", 1)
+
+
+def test_no_slice_holding_one_step_whole_is_said_and_nothing_is_restored() -> None:
+    group = Membership(size=2, slice_size=2)
+    plan = group.plan_restore([JoinReport(9, "ram"), JoinReport(0, "none")])
+    assert plan.source == -1 and "no slice holds one step whole" in plan.missing and "[9]" in plan.missing
+
+
+def test_a_restore_fences_every_earlier_generation_at_the_step_the_group_went_on_from() -> None:
+    group = Membership(size=3)
+    group.new_generation([0, 1, 2])
+    group.restore(0)
+    assert group.fences == {}  # the first generation replaces nobody
+    group.new_generation([0, 2])  # generation 2: worker 1 cut off after step 6
+    group.restore(6)
+    assert group.fences == {1: 6}
+    group.new_generation([0, 2, 3])
+    group.restore(11)
+    assert group.fences == {1: 6, 2: 11}
+    group.new_generation([4, 5, 6])  # every worker replaced; the files held step 9 at best
+    group.restore(9)
+    assert group.fences == {1: 6, 2: 9, 3: 9}  # the history past 9 is generation 4's alone
+    # A resumed run (a new controller) numbers its generations after the old ones and keeps their fences.
+    resumed = Membership(size=3, generation=4, fences=group.fences)
+    assert resumed.new_generation([0, 1, 2]) == 5
+    resumed.restore(12)
+    assert resumed.fences == {1: 6, 2: 9, 3: 9, 4: 12}

@@ -80,3 +80,32 @@ def test_a_replica_of_another_run_or_job_or_past_the_target_is_skipped_and_named
     finally:
         mine.close()
         other.close()
+
+
+def test_a_replica_written_by_a_generation_past_its_fence_is_never_restored(tmp_path: Path) -> None:
+    # Generation 1 was replaced after step 4 (the group went on from it: fence 4). Its cut-off worker wrote
+    # step 9 late; generation 2 wrote steps 5 and 6. The late step 9 is the newest file, and must lose.
+    ours = run_identity("run-a", small_state(0), 100)
+    cut_off, survivor = ReplicaFiles(tmp_path, "worker-1"), ReplicaFiles(tmp_path, "worker-0")
+    try:
+        cut_off.save(replica(4, 40, small_state(4), ours, generation=1))
+        cut_off.wait()
+        cut_off.save(replica(9, 90, small_state(9), ours, generation=1))
+        cut_off.wait()
+        for step in (5, 6):
+            survivor.save(replica(step, 10 * step, small_state(step), ours, generation=2))
+            survivor.wait()
+        assert survivor.newest(small_state(0), ours).step == 9  # without the fences: the late write wins
+        newest = survivor.newest(small_state(0), ours, fences={1: 4})
+        assert newest.step == 6 and newest.metadata == ours | {"generation": "2"}
+        [why] = survivor.skipped
+        assert "worker-1" in why and why.endswith("written by generation 1 after it was fenced at step 4"), why
+        # At or before its fence a generation's replica is part of the run's history: it is restored.
+        survivor.tier.delete(5, timeout=10)
+        survivor.tier.delete(6, timeout=10)
+        assert survivor.newest(small_state(0), ours, fences={1: 4}).step == 4
+        with pytest.raises(SnapshotUnavailable, match="fenced at step 3"):
+            survivor.newest(small_state(0), ours, fences={1: 3})
+    finally:
+        cut_off.close()
+        survivor.close()

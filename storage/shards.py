@@ -1,0 +1,168 @@
+"""A process's own shards of a state sharded over slices of processes, and a restore that moves only shards.
+
+The multi-process mesh is ``("data", "model")``: ``data`` is the replica axis across slices (each slice a
+fixed group of processes holding one full copy of the state) and ``model`` spans the devices of every
+process of a slice, so a state sharded over ``model`` is sharded across the processes of a slice. With one
+process per slice (the default) every process holds the whole state.
+
+Each process copies to host memory only what it holds: for every array the smallest box of global indices
+that covers its shards (:func:`local_box`, :func:`local_copy`). Processes at the same position of different
+slices hold the same boxes, so a slice is its neighbours' replica, shard for shard.
+
+A re-formed group restores from one *source slice* (:func:`restore_from_slice`): every process puts its box
+(or zeros, when it holds nothing of that step) into a stacked array with one entry per slice, and one jitted
+selection of the source's entry moves each shard from the source slice's process at the same position
+(XLA's collectives over the ``data`` axis). No process ever holds more than its own shards.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, cast
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from runtime.core.errors import SnapshotUnavailable
+
+__all__ = ["local_box", "local_copy", "local_like", "per_leaf", "restore_from_slice", "uses_axis"]
+
+PyTree = Any
+Box = tuple[slice, ...]
+
+
+def per_leaf(shardings: PyTree, tree: PyTree) -> PyTree:
+    """``shardings`` (a pytree prefix of ``tree``, as a job's specs are) with one sharding per leaf of ``tree``."""
+    return jax.tree.map(lambda sharding, subtree: jax.tree.map(lambda _: sharding, subtree), shardings, tree)
+
+
+def uses_axis(shardings: PyTree, tree: PyTree, axis: str) -> list[str]:
+    """The leaves of ``tree`` (as tree paths) that ``shardings`` splits over mesh axis ``axis``."""
+    found: list[str] = []
+    for path, sharding in jax.tree_util.tree_flatten_with_path(per_leaf(shardings, tree))[0]:
+        for entry in sharding.spec:
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if axis in names:
+                found.append(jax.tree_util.keystr(path) or "the state")
+                break
+    return found
+
+
+def _key(index: Box) -> tuple[tuple[int | None, int | None], ...]:
+    return tuple((s.start, s.stop) for s in index)  # slices are not hashable before Python 3.12
+
+
+def local_box(shape: tuple[int, ...], sharding: jax.sharding.Sharding, process: int | None = None) -> Box:
+    """The box of global indices this process (or ``process``) holds of an array of ``shape`` under ``sharding``.
+
+    Raises:
+        SnapshotUnavailable: the process's shards do not fill a box (a device order that interleaves processes).
+    """
+    process = jax.process_index() if process is None else process
+    indices: dict[Any, Box] = {
+        _key(index): index
+        for device, index in sharding.devices_indices_map(shape).items()
+        if index is not None and cast(Any, device).process_index == process
+    }
+    box = tuple(
+        slice(
+            min(index[d].start or 0 for index in indices.values()),
+            max(size if index[d].stop is None else index[d].stop for index in indices.values()),
+        )
+        for d, size in enumerate(shape)
+    )
+    volume = math.prod(b.stop - b.start for b in box)
+    held = sum(_volume(index, shape) for index in indices.values())
+    if held != volume:  # a NamedSharding's distinct shards are disjoint: they fill the box exactly or not at all
+        raise SnapshotUnavailable(
+            f"process {process}'s shards of an array of shape {shape} do not fill a box; "
+            "order the mesh's devices by process"
+        )
+    return box
+
+
+def _volume(index: Box, shape: tuple[int, ...]) -> int:
+    return math.prod(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+
+
+def _within(index: Box, box: Box, shape: tuple[int, ...]) -> Box:
+    """``index`` (global) relative to ``box``."""
+    return tuple(
+        slice(start - b.start, stop - b.start)
+        for (start, stop, _), b in zip((s.indices(n) for s, n in zip(index, shape, strict=True)), box, strict=True)
+    )
+
+
+def local_copy(tree: PyTree) -> PyTree:
+    """This process's box of every array of ``tree`` (:func:`local_box`), as numpy arrays in host memory."""
+
+    def one(leaf: Any) -> np.ndarray:
+        if not isinstance(leaf, jax.Array):
+            return np.array(leaf)
+        box = local_box(leaf.shape, leaf.sharding)
+        out = np.empty([b.stop - b.start for b in box], leaf.dtype)
+        copied: set[Any] = set()
+        for shard in leaf.addressable_shards:
+            if _key(shard.index) not in copied:  # replicated over this process's devices: copy once
+                copied.add(_key(shard.index))
+                out[_within(shard.index, box, leaf.shape)] = np.asarray(shard.data)
+        return out
+
+    return jax.tree.map(one, tree)
+
+
+def local_like(template: PyTree, shardings: PyTree) -> PyTree:
+    """Shapes and dtypes of this process's boxes of ``template`` under ``shardings`` (what :func:`local_copy`
+    returns on that layout): what a replica file of this process must hold."""
+
+    def one(leaf: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+        box = local_box(np.shape(leaf), sharding)
+        return jax.ShapeDtypeStruct(tuple(b.stop - b.start for b in box), np.asarray(leaf).dtype)
+
+    return jax.tree.map(one, template, per_leaf(shardings, template))
+
+
+def restore_from_slice(
+    boxes: PyTree | None, position: int, template: PyTree, shardings: PyTree, *, source: int
+) -> tuple[PyTree, int]:
+    """The state on ``shardings``' mesh, taken from slice ``source``, and the source's data position.
+
+    A collective over the current group: every process calls it with the same ``source``. ``boxes`` is this
+    process's :func:`local_copy` of the step being restored, or None when it holds nothing of that step (a
+    replacement); only the source slice's boxes are read, and each process receives only its own shards.
+    """
+    leaves, treedef = jax.tree.flatten(template)
+    leaf_shardings: list[Any] = jax.tree.leaves(per_leaf(shardings, template))  # NamedShardings are leaves
+    mesh = leaf_shardings[0].mesh
+    held: list[Any] = jax.tree.leaves(boxes) if boxes is not None else [None] * len(leaves)
+    stacked = []
+    position_leaf = np.int32(position)  # int32: JAX without x64 would narrow an int64 (with a warning)
+    for leaf, sharding, mine in zip([*leaves, position_leaf], [*leaf_shardings, None], [*held, None], strict=True):
+        shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
+        if sharding is None:  # the data position rides along as a replicated scalar
+            sharding, mine = NamedSharding(mesh, PartitionSpec()), np.int32(position if boxes is not None else 0)
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        box = local_box(shape, sharding)
+        stacked_sharding = NamedSharding(mesh, PartitionSpec("data", *spec))
+        stacked.append(
+            jax.make_array_from_callback(
+                (mesh.shape["data"], *shape), stacked_sharding, _reader(mine, box, shape, dtype)
+            )
+        )
+    outputs = (*leaf_shardings, NamedSharding(mesh, PartitionSpec()))
+    chosen = jax.jit(lambda arrays: [a[source] for a in arrays], out_shardings=list(outputs))(stacked)
+    state = jax.tree.unflatten(treedef, chosen[:-1])
+    return state, int(np.asarray(chosen[-1].addressable_data(0)))
+
+
+def _reader(mine: np.ndarray | None, box: Box, shape: tuple[int, ...], dtype: Any) -> Any:
+    """The callback that fills a device's part of the stacked array: this process's box, or zeros."""
+
+    def read(index: Box) -> np.ndarray:
+        part = _within(index[1:], box, shape)
+        if mine is None:
+            return np.zeros((1, *(s.stop - s.start for s in part)), dtype)
+        return np.asarray(mine)[part][None]
+
+    return read

@@ -1,0 +1,76 @@
+"""Slices: the state sharded over the processes of a slice, slices replicating each other (storage/shards.py).
+
+Real worker processes with ``kill -9``: a lost process's shards come from the other slice when there is one,
+else from its replica file; each process's replica holds only its own shards; the result matches a fault-free
+run of the same layout bitwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, run_group
+from runtime.testing.compare import compare_states
+from runtime.testing.grammar import Fault
+from storage.disk import DiskTier
+
+STEPS = 30
+
+
+def final(run_dir: Path) -> object:
+    return DiskTier(run_dir / "final").latest(None).tree
+
+
+def replica_shapes(replicas: Path) -> set[tuple[int, ...]]:
+    """The shapes of w1 in every replica file written."""
+    shapes = set()
+    for folder in replicas.glob("worker-*"):
+        tier = DiskTier(folder, name="shm", check_space=False)
+        for step in tier.steps(timeout=10):
+            shapes |= {tuple(leaf.shape) for leaf in tier.manifest(step).leaves if leaf.key[-1] == "w1"}
+    return shapes
+
+
+def run(tmp_path: Path, name: str, *, processes: int, slices: int, kill: int | None) -> object:
+    faults = [] if kill is None else [Fault("kill", kill, step=10)]
+    return run_group(
+        processes=processes,
+        slices=slices,
+        steps=STEPS,
+        run_dir=tmp_path / name,
+        faults=faults,
+        replica_dir=str(tmp_path / name / "replicas"),
+    )
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_process_takes_its_shards_from_the_other_slice(tmp_path: Path) -> None:
+    result = run(tmp_path, "run", processes=4, slices=2, kill=1)
+    assert result.ok and result.step == STEPS, result.reason
+    (recovery,) = result.recoveries
+    # From the other slice's memory; or, when the survivors' newest steps differ by one (a step abandoned
+    # mid-way), the step before, which a survivor may read back from its own replica file.
+    assert recovery["restored_from"].startswith(("ram", "disk+ram", "file")), recovery
+    assert recovery["lost_steps"] == 0
+    assert result.survivor_restarts == 0 and result.world_size_history == [4, 4]
+    # Each process holds (and writes) half of the hidden layer: the slice's 2 processes x 2 devices split it.
+    assert replica_shapes(tmp_path / "run" / "replicas") == {(FEATURES, HIDDEN // 2)}
+    reference = run(tmp_path, "reference", processes=4, slices=2, kill=None)
+    assert reference.ok
+    assert compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=True)["match"]
+
+
+@pytest.mark.timeout(240)
+def test_with_one_slice_the_lost_shards_come_from_the_lost_process_replica_file(tmp_path: Path) -> None:
+    result = run(tmp_path, "run", processes=2, slices=1, kill=1)
+    assert result.ok and result.step == STEPS, result.reason
+    (recovery,) = result.recoveries
+    # The survivor keeps its shards in memory; only the lost process's come from a file (maybe a step older,
+    # and then the survivor rolls back to it from its own file).
+    assert "disk" in recovery["restored_from"] and recovery["strategy"] == "reform"  # files in tmp_path
+    assert result.survivor_restarts == 0
+    assert replica_shapes(tmp_path / "run" / "replicas") == {(FEATURES, HIDDEN // 2)}
+    assert run(tmp_path, "reference", processes=2, slices=1, kill=None).ok
+    assert compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=True)["match"]
