@@ -5,8 +5,9 @@ process on 127.0.0.1. ``launch --backend ray``'s parts place one worker actor pe
 of worker 1 is removed (its raylet and actor processes killed: the host loss). Ray reports the actor dead before
 any heartbeat is missed; the survivors re-form at once, Ray places a replacement with a new id on the free
 node and the group grows back; the final state matches the fault-free run (1e-5 relative: some steps ran on
-a data axis of 2, not 3). ``elastic-runtime launch --backend ray --ray-address`` runs a short fault-free job
-on the same cluster. Ray is a dependency of ``.[dev]``: if it cannot start, this fails; it never skips.
+a data axis of 2, not 3). The other signal: a worker's process killed while its actor lives is detected by the
+controller (its connection closed), and Ray still places the replacement. ``elastic-runtime launch --backend
+ray --ray-address`` runs a short fault-free job on the same cluster. Ray is a dependency of ``.[dev]``: if it cannot start, this fails; it never skips.
 """
 
 from __future__ import annotations
@@ -91,6 +92,59 @@ def test_launch_runs_on_a_ray_cluster_at_an_address(cluster: Any, tmp_path: Path
     assert summary["ok"] and summary["step"] == 8 and summary["replacements"] == []
     started = [e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, WorkerStarted)]
     assert sorted(e.worker for e in started) == [0, 1, 2] and {e.source for e in started} == {"ray"}
+
+
+def test_a_crashed_worker_process_is_detected_by_heartbeat_and_ray_replaces_it(cluster: Any, tmp_path: Path) -> None:
+    # The other signal: worker 1's process dies, its actor lives on. Ray reports nothing (its actor is fine);
+    # the controller sees the connection close first, and the replacement still comes from Ray.
+    run_dir = tmp_path / "run"
+    with ray_session(cluster.address) as host:
+        config = LaunchConfig(
+            command=[],
+            nprocs=NPROCS,
+            min_nprocs=NPROCS - 1,
+            target_steps=20,
+            run_dir=str(run_dir),
+            secret=auth.new_secret(),
+            listen_host=host,
+        )
+        env = {"ELASTIC_STEP_DELAY_S": "0.4", "ELASTIC_COMPILE_CACHE": str(tmp_path / "xla-cache")}
+        controller, placement = ray_controller(config, worker_command(20), env=env)
+        outcome: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: outcome.update(result=controller.run()), name="controller")
+        thread.start()
+        try:
+            deadline = time.monotonic() + _WAIT_S
+            while not any(isinstance(e, StepCompleted) and e.step >= 3 for e in _events(run_dir)):
+                assert thread.is_alive() and time.monotonic() < deadline, "no step 3"
+                time.sleep(0.05)
+            lost_node, lost_at = placement.placed[1].node, time.monotonic()
+            os.kill(placement.placed[1].pid, signal.SIGKILL)
+            thread.join(_WAIT_S)
+            assert not thread.is_alive(), "the run did not end in time"
+        finally:
+            if thread.is_alive():
+                controller.end(ElasticRuntimeError("the test failed"))
+                thread.join(30)
+            placement.close()
+            for path in Path("/dev/shm").glob(f"elastic-runtime-{controller.record.run_id}-*"):
+                shutil.rmtree(path, ignore_errors=True)
+    result: LaunchResult = outcome["result"]
+    assert result.ok and result.step == 20, result.reason
+    history = _events(run_dir)
+    [lost] = [e for e in history if isinstance(e, WorkerLost)]
+    assert lost.worker == 1 and lost.detected_by == "heartbeat" and lost.source == "heartbeat", lost
+    assert lost.mono_time - lost_at <= 3.0
+    assert placement.replacements == [(1, NPROCS)]
+    assert placement.placed[NPROCS].node != lost_node  # a node that lost a worker is taken last
+    assert sorted(e.worker for e in history if isinstance(e, WorkerStarted)) == [0, 1, 2, NPROCS]
+    assert result.world_size_history[:2] == [NPROCS, NPROCS - 1] and result.survivor_restarts == 0
+    assert result.recoveries and all(r["lost_steps"] == 0 for r in result.recoveries), result.recoveries
+
+
+def _events(run_dir: Path) -> list[Any]:
+    path = run_dir / "events.jsonl"
+    return read_events(path) if path.exists() else []
 
 
 def test_a_removed_ray_node_is_detected_by_ray_and_replaced_on_a_free_node(
