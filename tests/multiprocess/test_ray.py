@@ -1,13 +1,14 @@
 """Ray as the scheduler, on a real multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``).
 
-A head without CPUs (the driver and the controller) and NPROCS + 1 worker nodes of one CPU each, every
-process on 127.0.0.1. ``launch --backend ray``'s parts place one worker actor per node; mid-run (after step 3) the node
-of worker 1 is removed (its raylet and actor processes killed: the host loss). Ray reports the actor dead before
-any heartbeat is missed; the survivors re-form at once, Ray places a replacement with a new id on the free
-node and the group grows back; the final state matches the fault-free run (1e-5 relative: some steps ran on
-a data axis of 2, not 3). The other signal: a worker's process killed while its actor lives is detected by the
-controller (its connection closed), and Ray still places the replacement. ``elastic-runtime launch --backend
-ray --ray-address`` runs a short fault-free job on the same cluster. Ray is a dependency of ``.[dev]``: if it cannot start, this fails; it never skips.
+A head without CPUs (the driver and the controller) and NPROCS + 1 worker nodes of one CPU each, every process
+on 127.0.0.1. ``launch --backend ray``'s parts place one worker actor per node; mid-run (after step 3) the
+node of worker 1 is removed (its raylet and actor processes killed: the host loss). Ray reports the actor dead
+before any heartbeat is missed; the survivors re-form at once, Ray places a replacement with a new id on the
+free node and the group grows back; the final state matches the fault-free run (1e-5 relative: some steps ran
+on a data axis of 2, not 3). The other signal: a worker's process killed while its actor lives is detected by
+the controller (its connection closed), and Ray still places the replacement. ``elastic-runtime launch
+--backend ray --ray-address`` runs a short fault-free job on the same cluster. Ray is a dependency of
+``.[dev]``: if it cannot start, this fails; it never skips.
 """
 
 from __future__ import annotations
