@@ -150,6 +150,8 @@ def elastic(cluster: Any, root: Path) -> dict[str, Any]:
         _wait_for(f"step {LOSE_AT}", lambda: _committed(run_dir, LOSE_AT), outcome["thread"])
         lost_at, orphan = _lose_node_of(cluster, placement, 1)
     _kill(orphan)  # told to exit by the controller already, normally
+    for path in Path("/dev/shm").glob(f"elastic-runtime-{controller.record.run_id}-*"):  # what it wrote last
+        shutil.rmtree(path, ignore_errors=True)
     result: LaunchResult = outcome["result"]
     assert result.ok and result.step == STEPS, result.reason  # not ok also when the replicas' digests differ
     assert all(r["lost_steps"] == 0 for r in result.recoveries), result.recoveries
@@ -208,7 +210,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each policy (default 3)")
     parser.add_argument("--only", choices=["elastic", "ray_train_policy"], default=None, help="one policy only")
-    parser.add_argument("--json", default=None, help="also write the summary here")
+    parser.add_argument(
+        "--json", nargs="?", const="", default=None, metavar="PATH", help="also write the summary to PATH, if given"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-ray-"))
     samples: dict[str, list[dict[str, Any]]] = {"elastic": [], "ray_train_policy": []}
@@ -243,7 +247,7 @@ def main() -> None:
         theirs = summary["ray_train_policy"]["next_commit_after_s"]["median"]
         summary["ratio_next_commit"] = round(theirs / ours, 2)
     print(json.dumps(summary))
-    if args.json:
+    if args.json:  # the summary is stdout's last line anyway (what `make bench` reads)
         Path(args.json).write_text(json.dumps(summary, indent=2))
     shutil.rmtree(root, ignore_errors=True)
 
