@@ -9,7 +9,7 @@ LATEST_PYTHON_VERSION ?= 3.13.0
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-latest lint bench clean chaos
+.PHONY: demo test test-latest lint bench clean chaos chaos-ray
 
 $(STAMP): pyproject.toml constraints/default.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ bench: $(STAMP)
 # Multi-process chaos loop: random kill -9 / SIGSTOP of real worker processes, checked bitwise.
 chaos: $(STAMP)
 	$(BIN)/python tests/multiprocess/chaos.py --rounds $(or $(ROUNDS),10)
+
+# Ray: a node of a local multi-node Ray test cluster removed in each of ROUNDS runs (tests/benchmarks/bench_ray.py).
+chaos-ray: $(STAMP)
+	$(BIN)/python tests/benchmarks/bench_ray.py --only elastic --repeats $(or $(ROUNDS),5)
 
 clean:
 	rm -rf $(VENV) $(LATEST) runs .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -26,6 +26,7 @@ from handlers import (
 from handlers.regroup import log_straggler, regroup_on_worker_failure
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller import Controller
+from runtime.cluster.ray_backend import RayPlacement
 from runtime.cluster.worker import is_worker, run_worker
 from runtime.core.config import RuntimeConfig
 from runtime.core.events import (
@@ -51,7 +52,7 @@ from storage.cascade import TieredCheckpointer
 if TYPE_CHECKING:
     from runtime.maintenance.pubsub import PubSubListener
 
-__all__ = ["ElasticRuntime", "Maintenance", "default_controller", "intake_from_config"]
+__all__ = ["ElasticRuntime", "Maintenance", "default_controller", "intake_from_config", "ray_controller"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,21 @@ def default_controller(config: LaunchConfig) -> Controller:
     controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
     controller.bus.subscribe(Straggler, log_straggler)
     return controller
+
+
+def ray_controller(
+    config: LaunchConfig, command: list[str], *, env: dict[str, str] | None = None, replica_dir: str | None = None
+) -> tuple[Controller, RayPlacement]:
+    """A service-mode controller (``config.command`` empty) whose workers Ray places, one actor per node, each
+    running ``command``; a lost one is replaced on another node (:class:`RayPlacement` says what ``env`` and
+    ``replica_dir`` do). Connect to Ray first (``runtime.cluster.ray_backend.ray_session``); after
+    ``controller.run()``, ``placement.close()``."""
+    controller = default_controller(config)
+    placement = RayPlacement(
+        command, nprocs=config.nprocs, logs=controller.run_dir / "workers", env=env, replica_dir=replica_dir
+    )
+    placement.attach(controller)
+    return controller, placement
 
 
 # --- maintenance notices -----------------------------------------------------------------------------

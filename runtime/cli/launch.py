@@ -1,7 +1,8 @@
 """``elastic-runtime launch --nprocs N -- python train.py ...``: run a script as supervised worker processes.
 
 The controller (``runtime/cluster/controller.py``) starts the workers, watches them and re-forms the group
-when one is lost; see ``docs/multiprocess.md``.
+when one is lost; see ``docs/multiprocess.md``. With ``--backend ray`` Ray places them, one actor per node
+(``runtime/cli/launch_ray.py``, ``docs/cluster.md``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
     parser.add_argument("--nprocs", type=int, required=True, help="worker processes in the group")
+    parser.add_argument(
+        "--backend",
+        choices=["local", "ray"],
+        default="local",
+        help="who starts the workers: this process (local, default) or Ray, one actor per node (ray)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="--backend ray: the Ray cluster to run on (default: a local one, nprocs + 1 nodes on 127.0.0.1)",
+    )
     parser.add_argument("--min-nprocs", type=int, default=None, help="smallest group to go on with")
     parser.add_argument("--spares", type=int, default=1, help="warm spare processes (default 1)")
     parser.add_argument("--local-devices", type=int, default=2, help="CPU devices per worker (default 2)")
@@ -111,6 +124,12 @@ def _faults(text: str) -> list[Fault]:
 
 
 def launch_main(args: argparse.Namespace) -> int:
+    if args.backend == "ray":
+        from runtime.cli.launch_ray import launch_on_ray
+
+        return launch_on_ray(args, config_from_args(args))
+    if args.ray_address:
+        raise SystemExit("elastic-runtime launch: --ray-address needs --backend ray")
     try:
         result = default_controller(config_from_args(args)).run()
     except (LaunchError, ElasticRuntimeError, ValueError) as exc:

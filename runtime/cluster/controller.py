@@ -30,6 +30,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +213,9 @@ class Controller(GroupFormer):
         self._error: ElasticRuntimeError | None = None
         self._signal = ""
         self._skipped_seen: set[str] = set()
+        # Tasks run beside the wire and the monitor, and cancelled with them before the bus closes: a scheduler
+        # backend's placement and watch loop (``runtime/cluster/ray_backend.py``).
+        self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self.result = LaunchResult(
             ok=False,
             step=0,
@@ -236,6 +240,20 @@ class Controller(GroupFormer):
     def group_step(self) -> int:
         """The newest step the whole group committed."""
         return self.group.step
+
+    @property
+    def stopping(self) -> bool:
+        """The run is ending: nothing is replaced any more."""
+        return self._stopping
+
+    def mark_lost(self, worker: int, reason: str, *, detected_by: str) -> bool:
+        """A scheduler says ``worker`` is gone (Ray: its actor or node died). It becomes a ``WorkerLost`` with
+        ``detected_by`` at the monitor's next check, unless another signal was first (then nothing happens).
+        False when the worker is not watched (it never said hello, or it was already judged lost)."""
+        if worker not in self.monitor.workers:
+            return False
+        self.monitor.mark_gone(worker, reason, detected_by=detected_by)
+        return True
 
     def _mesh_shape(self) -> dict[str, int]:
         size = self.config.slice_size
@@ -285,6 +303,8 @@ class Controller(GroupFormer):
                                 inner.start_soon(self.server.report_due)
                                 if not self.config.starts_workers:
                                     inner.start_soon(self._renew_leases)
+                                for companion in self.companions:
+                                    inner.start_soon(companion)
                                 if threading.current_thread() is threading.main_thread():  # signals go to it only
                                     inner.start_soon(self._watch_signals)
                     finally:

@@ -41,6 +41,7 @@ class Lost:
     worker: int
     silent_s: float
     reason: str
+    detected_by: str = "heartbeat"  # or the scheduler that reported it first (``mark_gone``)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class _Worker:
     progress_at: float = 0.0  # when ``step`` last changed, or progress was (re-)expected
     expect_progress: bool = False
     gone: str = ""  # why the controller knows it is gone, if it does
+    gone_by: str = "heartbeat"  # which signal said so first
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=8))
     reported: bool = False  # lost or hung was reported
     straggler_reported_at: float = -1e18
@@ -141,11 +143,13 @@ class HeartbeatMonitor:
             if step_time_s is not None and step_time_s >= 0:
                 entry.step_times.append(step_time_s)
 
-    def mark_gone(self, worker: int, reason: str) -> None:
-        """The controller knows ``worker`` is gone (its connection closed or its process exited)."""
+    def mark_gone(self, worker: int, reason: str, *, detected_by: str = "heartbeat") -> None:
+        """The controller knows ``worker`` is gone (its connection closed or its process exited), or a scheduler
+        said so (``detected_by="ray"``). The first signal wins: a later one, or one after the verdict, is
+        ignored."""
         entry = self._workers.get(worker)
-        if entry is not None and not entry.gone:
-            entry.gone = reason
+        if entry is not None and not entry.gone and not entry.reported:
+            entry.gone, entry.gone_by = reason, detected_by
 
     def check(self) -> list[Verdict]:
         """Verdicts that became true since the last check, at most one lost-or-hung per worker."""
@@ -157,7 +161,10 @@ class HeartbeatMonitor:
             silent = now - entry.last_seen
             if entry.gone or silent >= self.timeout_s:
                 entry.reported = True
-                verdicts.append(Lost(worker, silent, entry.gone or f"no heartbeat for {silent:.2f} s"))
+                if entry.gone:
+                    verdicts.append(Lost(worker, silent, entry.gone, entry.gone_by))
+                else:
+                    verdicts.append(Lost(worker, silent, f"no heartbeat for {silent:.2f} s"))
             elif entry.expect_progress and now - entry.progress_at >= self.hang_timeout_s:
                 entry.reported = True
                 verdicts.append(Hung(worker, now - entry.progress_at, entry.step))
@@ -182,8 +189,15 @@ class HeartbeatMonitor:
 def verdict_event(verdict: Verdict, *, step: int | None) -> Event:
     """The event that states ``verdict``."""
     match verdict:
-        case Lost(worker, silent_s, reason):
-            return WorkerLost(step=step, source="heartbeat", worker=worker, silent_s=silent_s, message=reason)
+        case Lost(worker, silent_s, reason, detected_by):
+            return WorkerLost(
+                step=step,
+                source=detected_by,
+                worker=worker,
+                silent_s=silent_s,
+                message=reason,
+                detected_by=detected_by,
+            )
         case Hung(worker, stalled_s, at_step):
             return WorkerHung(
                 step=step,

@@ -150,10 +150,14 @@ class ProcessLost(Failure, frozen=True, kw_only=True):
 
 
 class WorkerLost(Failure, frozen=True, kw_only=True):
-    """No heartbeat from ``worker`` within the timeout: it was killed or its host is gone."""
+    """``worker`` was killed or its host is gone: no heartbeat within the timeout, its connection or process
+    ended, or the scheduler reported it dead. ``detected_by`` names the signal that came first (the only one
+    acted on): ``"heartbeat"`` (the controller's own: silence, a closed connection, an exited process) or
+    ``"ray"`` (Ray reported the worker's actor or node dead; ``runtime/cluster/ray_backend.py``)."""
 
     worker: int
     silent_s: float
+    detected_by: str = "heartbeat"
 
 
 class WorkerHung(Failure, frozen=True, kw_only=True):

@@ -92,6 +92,18 @@ BENCHMARKS = [
         "notice-to-event latency p99 <= 1 s (from the publisher's call, steady and burst)",
         lambda r: max(r["steady_p99_ms_from_publisher_call"], r["burst_p99_ms_from_publisher_call"]) <= 1000,
     ),
+    Benchmark(
+        "ray",
+        "Ray: a node removed, against Ray Train's restart policy (emulated)",
+        "bench_ray.py",
+        ("--repeats", "3"),
+        "detection <= 3 s, the survivors' next commit <= 5 s, no committed step lost (medians; a local Ray cluster)",
+        lambda r: (
+            r["elastic"]["detected_after_s"]["max"] <= 3.0
+            and r["elastic"]["next_commit_after_s"]["median"] <= 5.0
+            and r["elastic"]["lost_steps"]["max"] == 0
+        ),
+    ),
 ]
 
 

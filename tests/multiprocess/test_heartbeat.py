@@ -60,6 +60,21 @@ def test_mark_gone_is_reported_at_the_next_check_without_waiting(clock: FakeCloc
     assert verdict == Lost(1, 0.0, "connection closed")
 
 
+def test_the_first_signal_of_a_loss_wins_and_the_event_names_it(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=2.0)
+    m.mark_gone(1, "Ray: the actor of worker 1 died", detected_by="ray")
+    m.mark_gone(1, "connection closed")  # later: ignored
+    clock.advance(2.5)  # workers 0 and 2 silent: the heartbeat's verdict
+    verdicts = {v.worker: v for v in m.check()}
+    assert verdicts[1] == Lost(1, 2.5, "Ray: the actor of worker 1 died", "ray")
+    assert verdicts[0].detected_by == "heartbeat"  # type: ignore[union-attr]
+    m.mark_gone(0, "Ray: too late", detected_by="ray")  # after the verdict: nothing more
+    assert m.check() == []
+    event = verdict_event(verdicts[1], step=4)
+    assert isinstance(event, WorkerLost) and event.detected_by == "ray" and event.source == "ray"
+    assert verdict_event(verdicts[0], step=4).detected_by == "heartbeat"  # type: ignore[union-attr]
+
+
 def test_no_progress_while_alive_is_a_hang_only_when_progress_is_expected(clock: FakeClock) -> None:
     m = monitor(clock, timeout_s=2.0, hang_timeout_s=3.0)
     for _ in range(10):  # heartbeats keep coming, the step does not move
