@@ -12,9 +12,13 @@ This module is also the workers' script: ``python -m runtime.cli.demo_multiproce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,14 @@ def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kill-worker-at", type=int, default=None, help="kill -9 a worker at this step")
     group.add_argument("--kill-process", type=int, default=1, help="process id to kill (default 1; 0 works too)")
     group.add_argument("--strategy", choices=("reform", "restart"), default="reform", help="recovery strategy")
+    group.add_argument(
+        "--durable", default=None, metavar="DIR|gs://B/P", help="durable checkpoints of the sharded state (a folder)"
+    )
+    group.add_argument("--gcs", action="store_true", help="durable checkpoints in GCS (the emulator, started here)")
+    group.add_argument("--durable-every", type=int, default=10, help="steps between durable checkpoints")
+    group.add_argument(
+        "--wipe-lost", action="store_true", help="delete the killed worker's replica files (its host's /dev/shm)"
+    )
 
 
 def worker_command(steps: int) -> list[str]:
@@ -81,6 +93,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     """The ``demo --processes N`` entry point."""
     from runtime.cli.progress import ProgressPrinter
     from runtime.testing.compare import compare_states
+    from runtime.testing.gcs_emulator import running_emulator
     from runtime.testing.grammar import Fault
     from storage.disk import DiskTier
 
@@ -98,15 +111,28 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     if faults:
         say(f"  process {args.kill_process} gets kill -9 at step {kill_at}; strategy {args.strategy}")
     started = time.monotonic()
-    result = run_group(
-        processes=args.processes,
-        steps=steps,
-        run_dir=run_dir / "run",
-        faults=faults,
-        strategy=args.strategy,
-        printer=None if args.quiet else ProgressPrinter(),
-        slices=args.slices,
-    )
+    with contextlib.ExitStack() as stack:
+        durable = args.durable
+        if args.gcs:
+            emulator = stack.enter_context(running_emulator("demo", run_dir / "gcs-emulator.log"))
+            stack.enter_context(_environment("STORAGE_EMULATOR_HOST", emulator.url))
+            durable = "gs://demo/run"
+        if durable:
+            say(f"  durable checkpoints every {args.durable_every} steps in {durable}")
+        controller = group_controller(
+            processes=args.processes,
+            steps=steps,
+            run_dir=run_dir / "run",
+            faults=faults,
+            strategy=args.strategy,
+            printer=None if args.quiet else ProgressPrinter(),
+            slices=args.slices,
+            durable_dir=durable,
+            durable_every=args.durable_every,
+        )
+        if args.wipe_lost:
+            _wipe_lost_replicas(controller)
+        result = controller.run()
     recoveries = result.recoveries
     summary: dict[str, Any] = {
         "ok": result.ok,
@@ -118,6 +144,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
         "recovery_s": _first([r["recovery_s"] for r in recoveries]),
         "lost_steps": sum(r["lost_steps"] for r in recoveries),
         "restored_from": _first([r["restored_from"] for r in recoveries]),
+        "bytes_by_tier": _first([r["bytes_by_tier"] for r in recoveries]),
         "strategy": _first([r["strategy"] for r in recoveries]),
         "recoveries": len(recoveries),
         "survivor_restarts": result.survivor_restarts,
@@ -146,6 +173,32 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     return 0 if result.ok and summary.get("reference_match", {}).get("match", True) else 1
+
+
+def _wipe_lost_replicas(controller: Any) -> None:
+    """A lost worker's replica files go with it (its host's ``/dev/shm``): its shards must come from elsewhere."""
+    from runtime.core.events import WorkerExited, WorkerLost
+
+    async def wipe(event: WorkerExited | WorkerLost, ctx: Any) -> None:
+        if not isinstance(event, WorkerExited) or event.returncode != 0:
+            shutil.rmtree(Path(controller.replica_dir) / f"worker-{event.worker}", ignore_errors=True)
+
+    # Before the regroup handler (priority 0) asks for the group that will look for the files.
+    controller.bus.subscribe(WorkerExited, wipe, priority=100)
+    controller.bus.subscribe(WorkerLost, wipe, priority=100)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    previous = os.environ.get(name)
+    os.environ[name] = value  # the workers this process starts inherit it
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def _first(values: list[Any]) -> Any:
