@@ -46,8 +46,10 @@ def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def worker_command(steps: int) -> list[str]:
-    return [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(steps)]
+def worker_command(steps: int, *, features: int = FEATURES, hidden: int = HIDDEN) -> list[str]:
+    """The workers' command line: this module's :func:`worker_main` (the model's size for benchmarks)."""
+    size = [] if (features, hidden) == (FEATURES, HIDDEN) else ["--features", str(features), "--hidden", str(hidden)]
+    return [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(steps), *size]
 
 
 def group_controller(
@@ -213,8 +215,10 @@ def worker_main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m runtime.cli.demo_multiprocess")
     parser.add_argument("--worker", action="store_true", required=True)
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--features", type=int, default=FEATURES)
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
     args = parser.parse_args(argv)
-    run_worker(demo_job(global_batch=GLOBAL_BATCH, features=FEATURES, hidden=HIDDEN), steps=args.steps)
+    run_worker(demo_job(global_batch=GLOBAL_BATCH, features=args.features, hidden=args.hidden), steps=args.steps)
 
 
 if __name__ == "__main__":

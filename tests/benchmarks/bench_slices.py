@@ -1,0 +1,205 @@
+"""Sharded state across processes (issue 19): a lost process's shards from the other slice, or from GCS only
+for that process, against a full restart of every process from GCS. Not collected by pytest.
+
+    .venv/bin/python tests/benchmarks/bench_slices.py [--mb 32] [--repeats 3] [--json out.json]
+
+The demo model (``runtime/testing/demo_model.py``) scaled to about ``--mb`` MB of state (parameters and
+momentum, the hidden layer sharded over the ``model`` axis), 30 steps, each case a fresh run:
+
+- ``slices``: 2 slices x 2 processes x 2 CPU devices; ``kill -9`` of process 1 at step 15; its replacement
+  takes its shards from the other slice (nothing read from storage);
+- ``gcs_in_place``: 1 slice x 4 processes, durable checkpoints every 5 steps in GCS (the emulator); ``kill -9``
+  of process 2 once durable step 10 is committed (steps slowed to 0.2 s: uploads to the emulator are slow),
+  and its replica files deleted (its host's ``/dev/shm``): the survivors keep their shards, the group rolls
+  back to the newest durable step, and only the lost process's shards come from GCS;
+- ``gcs_full_restart``: the same run stopped at the kill (``max_failures=0``), then every process started
+  again (``resume``, an empty replica folder: new hosts) restoring the whole state from GCS.
+
+Times are from the kill (the controller's ``WorkerKilled``; every process here shares the machine's monotonic
+clock) to the first step committed after it. Bytes per tier come from the workers' reports (``Restored``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from runtime.cli.demo_multiprocess import FEATURES, group_controller, worker_command
+from runtime.cluster.protocol import ENV_STEP_DELAY_S
+from runtime.core.eventlog import read_events
+from runtime.core.events import CheckpointCommitted, RunStarted, StepCompleted, WorkerExited, WorkerKilled, WorkerLost
+from runtime.testing.compare import compare_states
+from runtime.testing.gcs_emulator import running_emulator
+from runtime.testing.grammar import Fault
+from storage.disk import DiskTier
+
+STEPS, KILL_AT, EVERY = 30, 15, 5
+
+
+def hidden_for(mb: float) -> int:
+    """The hidden size giving about ``mb`` MB of state: parameters and momentum, 2 x 4 x (F x H + 2 H) bytes."""
+    return max(64, int(mb * 2**20 / (8 * (FEATURES + 2))) // 64 * 64)
+
+
+def controller(run_dir: Path, hidden: int, **kwargs: Any) -> Any:
+    return group_controller(steps=STEPS, run_dir=run_dir, command=worker_command(STEPS, hidden=hidden), **kwargs)
+
+
+def wipe_on_loss(ctl: Any) -> None:
+    async def wipe(event: WorkerExited | WorkerLost, ctx: Any) -> None:
+        if not isinstance(event, WorkerExited) or event.returncode != 0:
+            shutil.rmtree(Path(ctl.replica_dir) / f"worker-{event.worker}", ignore_errors=True)
+
+    ctl.bus.subscribe(WorkerExited, wipe, priority=100)
+    ctl.bus.subscribe(WorkerLost, wipe, priority=100)
+
+
+def kill_once_committed(ctl: Any, step: int) -> None:
+    """``kill -9`` of process 2 once durable step ``step`` (or a later one) is committed: GCS uploads to the
+    emulator take a few steps, and the loss must find a durable step to go back to in both cases."""
+    done = False
+
+    async def kill(event: CheckpointCommitted, ctx: Any) -> None:
+        nonlocal done
+        if event.step >= step and not done:
+            done = True
+            ctx.signal(ctx.members[2], "KILL", "benchmark: its host is lost")
+
+    ctl.bus.subscribe(CheckpointCommitted, kill)
+
+
+def kill_time(events_path: str) -> float:
+    return next(e.mono_time for e in read_events(events_path) if isinstance(e, WorkerKilled))
+
+
+def first_commit_after(events_path: str, after: float) -> tuple[float, int]:
+    """(time, step) of the first step trained and committed after ``after`` (not one counted on a restore)."""
+    for event in read_events(events_path):
+        if isinstance(event, StepCompleted) and event.mono_time > after and event.duration_s > 0:
+            return event.mono_time, event.step
+    raise RuntimeError(f"no step committed after the kill in {events_path}")
+
+
+def final(run_dir: Path) -> Any:
+    return DiskTier(run_dir / "final").latest(None).tree
+
+
+def case_slices(root: Path, hidden: int, reference: Path) -> dict[str, Any]:
+    run_dir = root / "slices"
+    result = controller(run_dir, hidden, processes=4, slices=2, faults=[Fault("kill", 1, step=KILL_AT)]).run()
+    killed = kill_time(result.events_path)
+    at, step = first_commit_after(result.events_path, killed)
+    recovery = result.recoveries[0]
+    return {
+        "ok": result.ok,
+        "detected_s": round(result.detected_after_s[0], 3),
+        "next_commit_s": round(at - killed, 3),
+        "next_step": step,
+        "lost_steps": recovery["lost_steps"],
+        "restored_from": recovery["restored_from"],
+        "bytes_by_tier": recovery["bytes_by_tier"],
+        "survivor_restarts": result.survivor_restarts,
+        "bitwise": compare_states(final(run_dir), final(reference), bitwise=True)["match"],
+    }
+
+
+def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart: bool) -> dict[str, Any]:
+    name = "gcs_full_restart" if full_restart else "gcs_in_place"
+    run_dir = root / name
+    durable = f"{gcs}/{name}"
+    common = {
+        "processes": 4,
+        "slices": 1,
+        "durable_dir": durable,
+        "durable_every": EVERY,
+        "extra_env": {ENV_STEP_DELAY_S: "0.2"},
+    }
+    first = controller(
+        run_dir,
+        hidden,
+        faults=[],
+        replica_dir=str(root / f"{name}-replicas"),
+        max_failures=0 if full_restart else 10,
+        **common,
+    )
+    wipe_on_loss(first)
+    kill_once_committed(first, KILL_AT - EVERY)
+    result = first.run()
+    killed = kill_time(result.events_path)
+    by_tier = result.recoveries[0]["bytes_by_tier"] if result.recoveries else {}
+    events = result.events_path
+    if full_restart:  # every process again, on "new hosts" (nothing local), from the newest durable step
+        again = controller(run_dir, hidden, resume=True, replica_dir=str(root / f"{name}-replicas-new"), **common)
+        result = again.run()
+        by_tier = dict(again.restored_bytes)
+        events = result.events_path
+    # The full restart's survivors may commit a step before the first run ends: count from the restart on.
+    restarted = max(e.mono_time for e in read_events(events) if isinstance(e, RunStarted))
+    at, step = first_commit_after(events, max(killed, restarted))
+    return {
+        "ok": result.ok,
+        "next_commit_s": round(at - killed, 3),
+        "next_step": step,
+        "resumed_from": result.resumed_from if full_restart else None,
+        "bytes_by_tier": by_tier,
+        "bitwise": compare_states(final(run_dir), final(reference), bitwise=True)["match"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--mb", type=float, default=32.0, help="state size in MB (default 32)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, help="write the results here too")
+    args = parser.parse_args()
+    hidden = hidden_for(args.mb)
+    state_bytes = 8 * (FEATURES * hidden + 2 * hidden)
+    root = Path(tempfile.mkdtemp(prefix="bench-slices-"))
+    print(f"state {state_bytes / 2**20:.1f} MB (hidden {hidden}), {args.repeats} repeats, in {root}", file=sys.stderr)
+    runs: dict[str, list[dict[str, Any]]] = {"slices": [], "gcs_in_place": [], "gcs_full_restart": []}
+    started = time.time()
+    with running_emulator("bench", root / "emulator.log") as emulator, contextlib.ExitStack():
+        os.environ["STORAGE_EMULATOR_HOST"] = emulator.url  # the workers started here inherit it
+        references = {}
+        for slices in (2, 1):  # a fault-free run of each layout, for the bitwise check
+            ref = root / f"reference-{slices}"
+            assert controller(ref, hidden, processes=4, slices=slices, faults=[]).run().ok
+            references[slices] = ref
+        for repeat in range(args.repeats):
+            for name in runs:
+                scratch = root / f"r{repeat}"
+                if name == "slices":
+                    outcome = case_slices(scratch, hidden, references[2])
+                else:
+                    outcome = case_gcs(
+                        scratch, hidden, "gs://bench", references[1], full_restart=name == "gcs_full_restart"
+                    )
+                runs[name].append(outcome)
+                print(name, json.dumps(outcome), file=sys.stderr)
+    medians = {name: statistics.median(r["next_commit_s"] for r in results) for name, results in runs.items()}
+    summary = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+        "state_mb": round(state_bytes / 2**20, 1),
+        "minutes": round((time.time() - started) / 60, 1),
+        "next_commit_s_median": medians,
+        "full_restart_over_in_place": round(medians["gcs_full_restart"] / medians["gcs_in_place"], 2),
+        "runs": runs,
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
