@@ -133,7 +133,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
             durable_every=args.durable_every,
         )
         if args.wipe_lost:
-            _wipe_lost_replicas(controller)
+            wipe_lost_replicas(controller)
         result = controller.run()
     recoveries = result.recoveries
     summary: dict[str, Any] = {
@@ -177,7 +177,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     return 0 if result.ok and summary.get("reference_match", {}).get("match", True) else 1
 
 
-def _wipe_lost_replicas(controller: Any) -> None:
+def wipe_lost_replicas(controller: Any) -> None:
     """A lost worker's replica files go with it (its host's ``/dev/shm``): its shards must come from elsewhere."""
     from runtime.core.events import WorkerExited, WorkerLost
 

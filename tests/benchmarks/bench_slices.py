@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import FEATURES, group_controller, worker_command
+from runtime.cli.demo_multiprocess import FEATURES, group_controller, wipe_lost_replicas, worker_command
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.eventlog import read_events
-from runtime.core.events import CheckpointCommitted, RunStarted, StepCompleted, WorkerExited, WorkerKilled, WorkerLost
+from runtime.core.events import CheckpointCommitted, RunStarted, StepCompleted, WorkerKilled
 from runtime.testing.compare import compare_states
 from runtime.testing.gcs_emulator import running_emulator
 from runtime.testing.grammar import Fault
@@ -53,15 +53,6 @@ def hidden_for(mb: float) -> int:
 
 def controller(run_dir: Path, hidden: int, **kwargs: Any) -> Any:
     return group_controller(steps=STEPS, run_dir=run_dir, command=worker_command(STEPS, hidden=hidden), **kwargs)
-
-
-def wipe_on_loss(ctl: Any) -> None:
-    async def wipe(event: WorkerExited | WorkerLost, ctx: Any) -> None:
-        if not isinstance(event, WorkerExited) or event.returncode != 0:
-            shutil.rmtree(Path(ctl.replica_dir) / f"worker-{event.worker}", ignore_errors=True)
-
-    ctl.bus.subscribe(WorkerExited, wipe, priority=100)
-    ctl.bus.subscribe(WorkerLost, wipe, priority=100)
 
 
 def kill_once_committed(ctl: Any, step: int) -> None:
@@ -132,7 +123,7 @@ def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart
         max_failures=0 if full_restart else 10,
         **common,
     )
-    wipe_on_loss(first)
+    wipe_lost_replicas(first)
     kill_once_committed(first, KILL_AT - EVERY)
     result = first.run()
     killed = kill_time(result.events_path)

@@ -21,11 +21,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller
+from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, wipe_lost_replicas
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.errors import CheckpointInvalid
 from runtime.core.eventlog import read_events
-from runtime.core.events import CheckpointCommitted, CheckpointCorrupt, StateRestored, WorkerExited, WorkerLost
+from runtime.core.events import CheckpointCommitted, CheckpointCorrupt, StateRestored
 from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import init_state
 from runtime.testing.gcs_emulator import running_emulator
@@ -65,11 +65,6 @@ def run(
     )
     committed: list[int] = []
 
-    async def wipe(event: WorkerExited | WorkerLost, ctx: Any) -> None:
-        # Whichever comes first; before the regroup handler (priority 0) asks for a new group.
-        if not isinstance(event, WorkerExited) or event.returncode != 0:
-            shutil.rmtree(replicas / f"worker-{event.worker}", ignore_errors=True)
-
     async def note(event: CheckpointCommitted, ctx: Any) -> None:
         committed.append(event.step)
         if kill_after_commit is not None and event.step >= kill_after_commit and len(committed) == 1:
@@ -77,8 +72,7 @@ def run(
         if event.step == damage:
             flip_bit(Path(event.path) / "state" / "params.w1" / "0.2")
 
-    controller.bus.subscribe(WorkerExited, wipe, priority=100)
-    controller.bus.subscribe(WorkerLost, wipe, priority=100)
+    wipe_lost_replicas(controller)
     controller.bus.subscribe(CheckpointCommitted, note)
     return controller.run(), committed
 
