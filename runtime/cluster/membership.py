@@ -107,12 +107,15 @@ class Membership:
         lost_steps = max(0, self.high_water - best_step)
         if source < 0:
             held_any = sorted({s for r in reports for s in r.holds() if s > 0})
-            missing = (
-                f"no slice holds one step whole: members hold steps {held_any} "
-                f"({[(i, sorted(r.holds())) for i, r in enumerate(reports)]} as (process, steps))"
-                if held_any
-                else ""
-            )
+            missing = ""
+            if held_any:
+                newest = held_any[-1]
+                lacking = [i for i, r in enumerate(reports) if newest not in r.holds()]
+                missing = (
+                    f"no slice holds one step whole: the shards of process(es) {lacking} at step {newest} are "
+                    f"nowhere (members hold {[(i, sorted(r.holds())) for i, r in enumerate(reports)]} "
+                    "as (process, steps))"
+                )
             return RestorePlan(step=0, source=-1, restored_from="init", lost_steps=lost_steps, missing=missing)
         # "ram" when the source slice restores from memory only; "file" when a process of it reads a replica file.
         used = {r.tier if r.best_step == best_step else "file" for r in reports[source * n : (source + 1) * n]}
