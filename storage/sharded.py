@@ -32,7 +32,7 @@ import google_crc32c
 import jax
 import numpy as np
 
-from runtime.core.errors import CheckpointInvalid
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
 from storage import manifest as mf
 from storage import orbax_layout
 from storage.checked_read import LAYOUT, STATE_DIR
@@ -261,9 +261,16 @@ class ShardedStore:
         assert self.gcs is not None
         self.gcs.withdraw(step, timeout=_TIMEOUT_S)
 
-    def prune(self, keep: int) -> None:
-        """Delete all but the ``keep`` newest committed steps."""
+    def prune(self, keep: int, run_id: str) -> None:
+        """Delete all but the ``keep`` newest committed steps of run ``run_id`` (another run's are not ours)."""
         store = self.gcs or self.disk
         assert store is not None
-        for step in store.steps(timeout=_TIMEOUT_S)[keep:]:
+        ours = [step for step in store.steps(timeout=_TIMEOUT_S) if self._run_of(step) == run_id]
+        for step in ours[keep:]:
             store.delete(step, timeout=_TIMEOUT_S)
+
+    def _run_of(self, step: int) -> str | None:
+        try:
+            return str(self.manifest(step).metadata.get("run_id"))
+        except (CheckpointInvalid, SnapshotUnavailable):
+            return None  # not judged ours: left alone

@@ -108,7 +108,7 @@ class DurableCommits:
             self.store.commit(manifest)
         except OSError as exc:
             raise StorageError(f"durable: committing step {step} at {self.store.where(step)} failed: {exc}") from exc
-        self.store.prune(self.keep)
+        self.store.prune(self.keep, self.metadata["run_id"])
         for older in [s for s in self._steps if s < step]:
             del self._steps[older]  # never to be whole: a writer skipped it
         return Committed(step, self.store.where(step), sum(f.size for f in files), time.monotonic() - started)

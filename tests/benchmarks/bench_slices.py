@@ -101,14 +101,23 @@ def case_slices(root: Path, hidden: int, reference: Path) -> dict[str, Any]:
         "restored_from": recovery["restored_from"],
         "bytes_by_tier": recovery["bytes_by_tier"],
         "survivor_restarts": result.survivor_restarts,
-        "bitwise": compare_states(final(run_dir), final(reference), bitwise=True)["match"],
+        **against(run_dir, reference),
+    }
+
+
+def against(run_dir: Path, reference: Path) -> dict[str, Any]:
+    """The final parameters against the fault-free run's: bitwise, and the largest relative difference."""
+    got, want = final(run_dir), final(reference)
+    return {
+        "bitwise": compare_states(got, want, bitwise=True)["match"],
+        "max_rel_error": compare_states(got, want, bitwise=False)["max_rel_error"],
     }
 
 
 def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart: bool) -> dict[str, Any]:
     name = "gcs_full_restart" if full_restart else "gcs_in_place"
     run_dir = root / name
-    durable = f"{gcs}/{name}"
+    durable = f"{gcs}/{root.name}/{name}"  # a prefix of its own per repeat
     common = {
         "processes": 4,
         "slices": 1,
@@ -136,7 +145,9 @@ def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart
     by_tier = result.recoveries[0]["bytes_by_tier"] if result.recoveries else {}
     events = result.events_path
     if full_restart:  # every process again, on "new hosts" (nothing local), from the newest durable step
-        again = controller(run_dir, hidden, resume=True, replica_dir=str(root / f"{name}-replicas-new"), **common)
+        again = controller(
+            run_dir, hidden, faults=[], resume=True, replica_dir=str(root / f"{name}-replicas-new"), **common
+        )
         result = again.run()
         by_tier = dict(again.restored_bytes)
         events = result.events_path
@@ -149,7 +160,7 @@ def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart
         "next_step": step,
         "resumed_from": result.resumed_from if full_restart else None,
         "bytes_by_tier": by_tier,
-        "bitwise": compare_states(final(run_dir), final(reference), bitwise=True)["match"],
+        **against(run_dir, reference),
     }
 
 

@@ -42,7 +42,13 @@ from runtime.core.events import GroupFormed, RunStarted, StepCompleted, WorkerLo
 from runtime.defaults import ray_controller
 from runtime.testing.compare import compare_states
 
-pytestmark = pytest.mark.timeout(240)
+# Ray starts its processes with a preexec_fn (ray/_private/services.py), which runs Python's at-fork hooks in
+# this process: JAX's warns that fork and its threads may deadlock. The child execs Ray's binary at once, so
+# the warning does not apply; where JAX's backend is already up (the whole suite), it must not fail the test.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning"),
+    pytest.mark.timeout(240),
+]
 
 _WAIT_S = 120.0  # a bound on each wait below, so that a broken run fails instead of hanging
 
