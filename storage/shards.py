@@ -151,7 +151,14 @@ def restore_from_slice(
             )
         )
     outputs = (*leaf_shardings, NamedSharding(mesh, PartitionSpec()))
-    chosen = jax.jit(lambda arrays: [a[source] for a in arrays], out_shardings=list(outputs))(stacked)
+    dtypes = [np.asarray(leaf).dtype for leaf in [*leaves, position_leaf]]
+
+    def select(arrays: list[jax.Array]) -> list[jax.Array]:
+        # XLA may select by summing masked entries (a reduction over "data"): in floats -0.0 + 0.0 is +0.0.
+        # The entries travel as their bits, where adding zeros changes nothing, and become floats again here.
+        return [jax.lax.bitcast_convert_type(a[source], dtype) for a, dtype in zip(arrays, dtypes, strict=True)]
+
+    chosen = jax.jit(select, out_shardings=list(outputs))(stacked)
     state = jax.tree.unflatten(treedef, chosen[:-1])
     return state, int(np.asarray(chosen[-1].addressable_data(0)))
 
@@ -159,10 +166,20 @@ def restore_from_slice(
 def _reader(mine: np.ndarray | None, box: Box, shape: tuple[int, ...], dtype: Any) -> Any:
     """The callback that fills a device's part of the stacked array: this process's box, or zeros."""
 
+    bits = _bits(dtype)
+
     def read(index: Box) -> np.ndarray:
         part = _within(index[1:], box, shape)
         if mine is None:
-            return np.zeros((1, *(s.stop - s.start for s in part)), dtype)
-        return np.asarray(mine)[part][None]
+            return np.zeros((1, *(s.stop - s.start for s in part)), bits)
+        return np.ascontiguousarray(np.asarray(mine)[part][None]).view(bits)
 
     return read
+
+
+def _bits(dtype: Any) -> np.dtype[Any]:
+    """How an array of ``dtype`` travels through the selection: floats of 16 and 32 bits as unsigned
+    integers of their width (their bits, moved without arithmetic); integers and booleans as they are (exact
+    anyway); wider types as they are (64-bit integers would need JAX's x64 mode)."""
+    dtype = np.dtype(dtype)
+    return np.dtype(f"u{dtype.itemsize}") if dtype.kind not in "iub" and dtype.itemsize in (2, 4) else dtype

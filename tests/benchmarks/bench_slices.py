@@ -38,7 +38,7 @@ from runtime.cli.demo_multiprocess import FEATURES, group_controller, wipe_lost_
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
-from runtime.core.events import CheckpointCommitted, RunStarted, StepCompleted, WorkerKilled
+from runtime.core.events import CheckpointCommitted, RunStarted, StateRestored, StepCompleted, WorkerKilled
 from runtime.testing.compare import compare_states
 from runtime.testing.gcs_emulator import running_emulator
 from runtime.testing.grammar import Fault
@@ -74,10 +74,13 @@ def kill_time(events_path: str) -> float:
     return next(e.mono_time for e in read_events(events_path) if isinstance(e, WorkerKilled))
 
 
-def first_commit_after(events_path: str, after: float) -> tuple[float, int]:
-    """(time, step) of the first step trained and committed after ``after`` (not one counted on a restore)."""
-    for event in read_events(events_path):
-        if isinstance(event, StepCompleted) and event.mono_time > after and event.duration_s > 0:
+def first_commit_after(events_path: str, killed: float) -> tuple[float, int]:
+    """(time, step) of the first step trained and committed by the group formed after the kill (not a step
+    the old group finished as the kill landed, nor one counted on a restore)."""
+    events = read_events(events_path)
+    formed = next(e.mono_time for e in events if isinstance(e, StateRestored | RunStarted) and e.mono_time > killed)
+    for event in events:
+        if isinstance(event, StepCompleted) and event.mono_time > formed and event.duration_s > 0:
             return event.mono_time, event.step
     raise RuntimeError(f"no step committed after the kill in {events_path}")
 
@@ -151,9 +154,7 @@ def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart
         result = again.run()
         by_tier = dict(again.restored_bytes)
         events = result.events_path
-    # The full restart's survivors may commit a step before the first run ends: count from the restart on.
-    restarted = max(e.mono_time for e in read_events(events) if isinstance(e, RunStarted))
-    at, step = first_commit_after(events, max(killed, restarted))
+    at, step = first_commit_after(events, killed)
     return {
         "ok": result.ok,
         "next_commit_s": round(at - killed, 3),
