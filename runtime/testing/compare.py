@@ -20,7 +20,12 @@ def compare_states(result: Any, reference: Any, *, bitwise: bool, rtol: float = 
         got, want = np.asarray(got), np.asarray(want)
         scale = float(np.max(np.abs(want))) or 1.0
         worst = max(worst, float(np.max(np.abs(got - want))) / scale)
-    if bitwise:
-        same = all(np.array_equal(np.asarray(g), np.asarray(w)) for g, w in pairs)
+    if bitwise:  # the bits: a NaN equals the same NaN, and -0.0 is not 0.0
+        same = all(_bits(g) == _bits(w) for g, w in pairs)
         return {"comparison": "bitwise", "match": same, "max_rel_error": worst}
     return {"comparison": f"rtol {rtol:g}", "match": worst <= rtol, "max_rel_error": worst}
+
+
+def _bits(leaf: Any) -> tuple[tuple[int, ...], str, bytes]:
+    array = np.asarray(leaf)
+    return array.shape, array.dtype.str, np.ascontiguousarray(array).tobytes()

@@ -4,7 +4,8 @@ for that process, against a full restart of every process from GCS. Not collecte
     .venv/bin/python tests/benchmarks/bench_slices.py [--mb 32] [--repeats 3] [--json out.json]
 
 The demo model (``runtime/testing/demo_model.py``) scaled to about ``--mb`` MB of state (parameters and
-momentum, the hidden layer sharded over the ``model`` axis), 30 steps, each case a fresh run:
+momentum; as many features as hidden units; the hidden layer sharded over the ``model`` axis), 30 steps,
+each case a fresh run:
 
 - ``slices``: 2 slices x 2 processes x 2 CPU devices; ``kill -9`` of process 1 at step 15; its replacement
   takes its shards from the other slice (nothing read from storage);
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import FEATURES, group_controller, wipe_lost_replicas, worker_command
+from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas, worker_command
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
@@ -47,13 +48,15 @@ from storage.disk import DiskTier
 STEPS, KILL_AT, EVERY = 30, 15, 5
 
 
-def hidden_for(mb: float) -> int:
-    """The hidden size giving about ``mb`` MB of state: parameters and momentum, 2 x 4 x (F x H + 2 H) bytes."""
-    return max(64, int(mb * 2**20 / (8 * (FEATURES + 2))) // 64 * 64)
+def size_for(mb: float) -> int:
+    """The features and hidden size (equal) giving about ``mb`` MB of state: parameters and momentum,
+    2 x 4 x (F x H + 2 H) bytes. Square, so that the demo's learning rate stays stable."""
+    return max(64, int((mb * 2**20 / 8) ** 0.5) // 64 * 64)
 
 
-def controller(run_dir: Path, hidden: int, **kwargs: Any) -> Any:
-    return group_controller(steps=STEPS, run_dir=run_dir, command=worker_command(STEPS, hidden=hidden), **kwargs)
+def controller(run_dir: Path, size: int, **kwargs: Any) -> Any:
+    command = worker_command(STEPS, features=size, hidden=size)
+    return group_controller(steps=STEPS, run_dir=run_dir, command=command, **kwargs)
 
 
 def kill_once_committed(ctl: Any, step: int) -> None:
@@ -171,10 +174,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
-    hidden = hidden_for(args.mb)
-    state_bytes = 8 * (FEATURES * hidden + 2 * hidden)
+    hidden = size_for(args.mb)
+    state_bytes = 8 * (hidden * hidden + 2 * hidden)
     root = Path(tempfile.mkdtemp(prefix="bench-slices-"))
-    print(f"state {state_bytes / 2**20:.1f} MB (hidden {hidden}), {args.repeats} repeats, in {root}", file=sys.stderr)
+    print(
+        f"state {state_bytes / 2**20:.1f} MB (features = hidden = {hidden}), {args.repeats} repeats, in {root}",
+        file=sys.stderr,
+    )
     runs: dict[str, list[dict[str, Any]]] = {"slices": [], "gcs_in_place": [], "gcs_full_restart": []}
     started = time.time()
     with running_emulator("bench", root / "emulator.log") as emulator, contextlib.ExitStack():
