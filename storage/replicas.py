@@ -44,6 +44,7 @@ from storage.disk import DiskTier
 log = logging.getLogger(__name__)
 
 _TIMEOUT_S = 120.0  # one replica write or read; /dev/shm is memory
+MAX_PINS = 4  # replicas kept for durable steps not yet known to be committed (see ReplicaFiles.pin)
 
 PyTree = Any
 
@@ -164,7 +165,7 @@ class ReplicaFiles:
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self.skipped: list[str] = []  # what the last :meth:`newest` would not restore, "PATH: why"
-        self.pinned = (-1, -1)  # steps kept beside the newest ones (:meth:`pin`)
+        self.pinned: list[int] = []  # steps kept beside the newest ones (:meth:`pin`)
 
     @property
     def on_write(self) -> list[Callable[[int], None]]:
@@ -178,17 +179,26 @@ class ReplicaFiles:
             self._pending = self._pool.submit(self._write, snapshot)
 
     def pin(self, step: int) -> None:
-        """Keep the replica of ``step`` (once written) beside the ``keep`` newest, with the step pinned before
-        it: the steps of the group's newest durable checkpoints (the newer may not be committed yet), so that
-        a rollback to one reads this process's shards from here and only a lost process's from the durable
-        tier."""
-        self.pinned = (self.pinned[-1], step)
+        """Keep the replica of ``step`` (once written) beside the ``keep`` newest, until :meth:`committed`
+        names a newer committed durable step: ``step`` was due for a durable checkpoint, and a rollback to
+        that checkpoint then reads this process's shards from here and only a lost process's from the
+        durable tier. Durable writes lag (a due step is skipped while the previous write runs), so the newest
+        committed step may be older than the newest due one. At most ``MAX_PINS`` stay pinned."""
+        with self._lock:
+            self.pinned = [*self.pinned, step][-MAX_PINS:]
+
+    def committed(self, step: int) -> None:
+        """Durable step ``step`` is committed: replicas pinned for older steps are no longer needed."""
+        with self._lock:
+            self.pinned = [s for s in self.pinned if s >= step]
 
     def _write(self, snapshot: HostSnapshot) -> None:
         started = time.monotonic()
         self.tier.save(snapshot, timeout=_TIMEOUT_S)
+        with self._lock:
+            pinned = set(self.pinned)
         for info in self.tier.list(timeout=_TIMEOUT_S)[self.keep :]:
-            if info.step not in self.pinned:
+            if info.step not in pinned:
                 self.tier.delete(info.step, timeout=_TIMEOUT_S)
         log.debug("replica of step %d written in %.3f s", snapshot.step, time.monotonic() - started)
 

@@ -47,6 +47,7 @@ from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
 from runtime.cluster.protocol import (
     EXIT_REPLACE,
+    Committed,
     Failed,
     Finished,
     Heartbeat,
@@ -637,6 +638,8 @@ class Controller(GroupFormer):
                 CheckpointFailed(step=saved.step, source="controller", tier="durable", reason=str(exc))
             )
             return
+        for worker in self.members:  # their replicas pinned for older durable steps may go
+            await self.server.send(self.pool[worker], Committed(step=committed.step))
         await self.bus.publish(
             CheckpointCommitted(
                 step=committed.step,

@@ -31,6 +31,7 @@ __all__ = [
     "ENV_STEP_DELAY_S",
     "ENV_WORKER",
     "EXIT_REPLACE",
+    "Committed",
     "ControllerMessage",
     "Failed",
     "Finished",
@@ -217,6 +218,13 @@ class Stop(Message, frozen=True, kw_only=True):
     exit_code: int = 0
 
 
+class Committed(Message, frozen=True, kw_only=True):
+    """The group's durable checkpoint of ``step`` is committed: a worker's replicas pinned for older durable
+    steps may go (``ReplicaFiles.committed``)."""
+
+    step: int
+
+
 class Lease(Message, frozen=True, kw_only=True):
     """The controller still counts on this worker for ``seconds`` from when it arrives; renewed every heartbeat
     interval (service mode). A worker whose lease runs out (cut off from the controller, which will re-form
@@ -226,7 +234,7 @@ class Lease(Message, frozen=True, kw_only=True):
 
 
 WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
-ControllerMessage = Union[Form, Restore, Warm, Stop, Lease]  # noqa: UP007
+ControllerMessage = Union[Form, Restore, Warm, Stop, Lease, Committed]  # noqa: UP007
 
 
 class MalformedMessage(ValueError):
@@ -252,10 +260,10 @@ def decode_from_worker(line: bytes) -> WorkerMessage:
     return message
 
 
-def decode_from_controller(line: bytes) -> Form | Restore | Warm | Stop | Lease:
+def decode_from_controller(line: bytes) -> ControllerMessage:
     """Decode one line the controller sent. Raises MalformedMessage naming what was wrong."""
     try:
-        message: Form | Restore | Warm | Stop | Lease = _from_controller.decode(line)
+        message: ControllerMessage = _from_controller.decode(line)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise MalformedMessage(f"{exc} in {line[:120]!r}") from exc
     return message

@@ -51,6 +51,7 @@ from runtime.cluster.protocol import (
     ENV_STEP_DELAY_S,
     ENV_WORKER,
     EXIT_REPLACE,
+    Committed,
     Failed,
     Finished,
     Form,
@@ -76,7 +77,7 @@ from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
 from storage.disk import DiskTier
 from storage.manifest import describe_leaves
-from storage.replicas import ReplicaFiles, replica, run_identity
+from storage.replicas import MAX_PINS, ReplicaFiles, replica, run_identity
 from storage.sharded import ShardedStore, writes
 from storage.shards import local_copy, local_like, restore_from_slice, uses_axis
 
@@ -122,6 +123,8 @@ class ControllerLink:
         self.inbox: queue.Queue[Inbound] = queue.Queue()
         # Monotonic time the controller's lease runs out; no lease until the first one (launch mode has none).
         self.lease_until = float("inf")
+        # Called (in the reader thread) with each durable step the controller committed.
+        self.on_committed: Callable[[int], None] = lambda step: None
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="controller-reader", daemon=True).start()
 
@@ -154,6 +157,8 @@ class ControllerLink:
                     continue
                 if isinstance(message, Lease):
                     self.lease_until = time.monotonic() + message.seconds
+                elif isinstance(message, Committed):
+                    self.on_committed(message.step)
                 else:
                     self.inbox.put(message)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
@@ -169,6 +174,7 @@ class Worker:
         self.worker = worker
         self.link = link
         self.replicas = replicas
+        link.on_committed = replicas.committed
         # Called with the step once its result is ready, before it is committed; one that raises (or never
         # returns) stops the step there. Fault injection uses it (runtime.testing.process_faults).
         self.step_checks: list[Callable[[int], None]] = []
@@ -372,8 +378,8 @@ class Worker:
                     # One process a slice: its newest is its slice's best. Else an older step may be the one
                     # the whole slice holds (a peer's newest write did not finish, or only the durable tier
                     # holds a lost process's shards).
-                    # (the keep=2 newest and the 2 pinned for durable steps)
-                    limit=1 if self.slice_size == 1 else 4,
+                    # (the keep=2 newest and those pinned for durable steps)
+                    limit=1 if self.slice_size == 1 else 2 + MAX_PINS,
                 )
             finally:
                 self._skipped = tuple(self.replicas.skipped)

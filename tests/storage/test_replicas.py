@@ -9,7 +9,7 @@ import pytest
 from gcs_support import small_state
 
 from runtime.core.errors import SnapshotUnavailable
-from storage.replicas import ReplicaFiles, job_fingerprint, replica, run_identity
+from storage.replicas import MAX_PINS, ReplicaFiles, job_fingerprint, replica, run_identity
 
 
 def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> None:
@@ -109,3 +109,27 @@ def test_a_replica_written_by_a_generation_past_its_fence_is_never_restored(tmp_
     finally:
         cut_off.close()
         survivor.close()
+
+
+def test_replicas_of_durable_steps_stay_until_a_newer_durable_step_is_committed(tmp_path: Path) -> None:
+    files = ReplicaFiles(tmp_path, "worker-0")
+    try:
+
+        def held() -> list[int]:
+            files.wait()
+            return sorted(i.step for i in files.tier.list(timeout=10))
+
+        for step in range(1, 7):
+            files.save(replica(step, step, small_state(step)))
+            if step in (2, 4):  # due for a durable write; neither committed yet (the writes lag)
+                files.pin(step)
+        assert held() == [2, 4, 5, 6]  # the 2 newest, and both pinned steps
+        files.committed(4)  # step 4 is the group's newest durable checkpoint: step 2's replica may go
+        files.save(replica(7, 7, small_state(7)))
+        assert held() == [4, 6, 7]
+        for step in range(8, 8 + MAX_PINS + 2):  # a durable tier that never commits: the pins stay bounded
+            files.pin(step)
+            files.save(replica(step, step, small_state(step)))
+        assert held() == list(range(10, 10 + MAX_PINS))  # steps 4 to 9 unpinned and gone
+    finally:
+        files.close()
