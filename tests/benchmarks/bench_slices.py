@@ -154,8 +154,15 @@ def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart
         again = controller(
             run_dir, hidden, faults=[], resume=True, replica_dir=str(root / f"{name}-replicas-new"), **common
         )
+        first_restore: dict[str, int] = {}
+
+        async def note_restore(event: StepCompleted, ctx: Any) -> None:
+            if not first_restore and event.duration_s > 0:  # the restarted group's restore, not a later one's
+                first_restore.update(again.restored_bytes)
+
+        again.bus.subscribe(StepCompleted, note_restore)
         result = again.run()
-        by_tier = dict(again.restored_bytes)
+        by_tier = first_restore
         events = result.events_path
     at, step = first_commit_after(events, killed)
     return {
