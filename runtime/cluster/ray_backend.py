@@ -386,6 +386,9 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
+_HEAD_ATTEMPTS = 3
+
+
 @contextlib.contextmanager
 def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
     """A multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``), every process on 127.0.0.1:
@@ -398,15 +401,24 @@ def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
     _keep_loopback()
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "include_dashboard": False,
-            "object_store_memory": _OBJECT_STORE_BYTES,
-            "node_ip_address": "127.0.0.1",
-        },
-    )
+    for attempt in range(1, _HEAD_ATTEMPTS + 1):
+        try:
+            cluster = Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "num_cpus": 0,
+                    "include_dashboard": False,
+                    "object_store_memory": _OBJECT_STORE_BYTES,
+                    "node_ip_address": "127.0.0.1",
+                },
+            )
+            break
+        except Exception as exc:
+            # Ray gives its head's raylet a fixed 30 s to register; on a busy machine it once did not
+            # (CI, the whole suite on 2 cores). Tried again, on new ports; the last failure is raised.
+            if "timed out during startup" not in str(exc) or attempt == _HEAD_ATTEMPTS:
+                raise
+            log.warning("the Ray head did not start (attempt %d): %s; trying again", attempt, exc)
     try:
         for _ in range(nodes):
             add_node(cluster, cpus=cpus_per_node)

@@ -237,7 +237,9 @@ def test_attacks_by_a_local_process_are_refused_and_training_is_unaffected(
     assert "forged" not in result.digests.values()
     events = read_events(tmp_path / "events.jsonl")
     refused = [e for e in events if isinstance(e, ConnectionRefused)]
-    assert sum(e.count for e in refused) == attacker.connections  # each attack refused, none twice
+    # Each attack the controller answered is refused, none twice; a connection still in the kernel's backlog
+    # when the run ended (no challenge came back: 1 of 490 once, in CI) was never seen, so never refused.
+    assert attacker.challenges <= sum(e.count for e in refused) <= attacker.connections
     assert len(refused) < attacker.connections / 10  # counted, not one event each
     assert_same_final_state(tmp_path, reference)
     # The secret went to the workers by their environment only: not on a command line, not in any record.
