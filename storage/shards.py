@@ -21,12 +21,22 @@ import math
 from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime.core.errors import SnapshotUnavailable
 
-__all__ = ["local_box", "local_copy", "local_like", "per_leaf", "restore_from_slice", "uses_axis"]
+__all__ = [
+    "NeighbourShift",
+    "local_box",
+    "local_copy",
+    "local_like",
+    "over_model",
+    "per_leaf",
+    "restore_from_slice",
+    "uses_axis",
+]
 
 PyTree = Any
 Box = tuple[slice, ...]
@@ -123,42 +133,147 @@ def local_like(template: PyTree, shardings: PyTree) -> PyTree:
     return jax.tree.map(one, template, per_leaf(shardings, template))
 
 
+def over_model(sharding: Any) -> bool:
+    """Whether ``sharding`` splits an array over the ``model`` axis (across the processes of a slice)."""
+    return any("model" in (entry if isinstance(entry, tuple) else (entry,)) for entry in sharding.spec)
+
+
+class NeighbourShift:
+    """The neighbour replica: each process also keeps, in host memory, the shards of the process before it in
+    its slice (position ``p - 1``, wrapping around), so a lost process's shards usually survive in its
+    neighbour (Orbax emergency checkpointing's peer replica, Gemini's in-memory checkpoints).
+
+    One collective permute over ``model`` per step moves each process's shards of every leaf split over
+    ``model`` to the next process; a leaf that is not split is held whole by every process, so its neighbour
+    copy is the process's own. Compiled when built (a group's forming), never in a step or a restore.
+    """
+
+    def __init__(self, template: PyTree, shardings: PyTree) -> None:
+        leaf_shardings: list[Any] = jax.tree.leaves(per_leaf(shardings, template))
+        self.moved = [i for i, sharding in enumerate(leaf_shardings) if over_model(sharding)]
+        if not self.moved:
+            self._shift = None
+            return
+        mesh = leaf_shardings[0].mesh
+        size, per_process = mesh.shape["model"], _devices_per_process(mesh)
+        forward = [(j, (j + per_process) % size) for j in range(size)]
+        specs = [leaf_shardings[i].spec for i in self.moved]
+
+        def shift(leaves: list[jax.Array]) -> list[jax.Array]:
+            return [jax.lax.ppermute(leaf, "model", forward) for leaf in leaves]
+
+        mapped = jax.shard_map(shift, mesh=mesh, in_specs=(specs,), out_specs=specs, check_vma=False)
+        leaves = jax.tree.leaves(template)
+        shapes = [
+            jax.ShapeDtypeStruct(np.shape(leaves[i]), np.asarray(leaves[i]).dtype, sharding=leaf_shardings[i])
+            for i in self.moved
+        ]
+        self._shift = jax.jit(mapped).lower(shapes).compile()
+
+    def __call__(self, state: PyTree) -> list[jax.Array]:
+        """The neighbour's shards of the leaves split over ``model``, on this process's devices. A collective:
+        every process of the group calls it with the same step's state."""
+        if self._shift is None:
+            return []
+        leaves = jax.tree.leaves(state)
+        moved: list[jax.Array] = self._shift([leaves[i] for i in self.moved])
+        return jax.block_until_ready(moved)
+
+    def copy(self, moved: list[jax.Array], own: PyTree) -> PyTree:
+        """The neighbour replica in host memory: ``moved`` (from :meth:`__call__`) copied in place of the
+        split leaves of ``own`` (this process's :func:`local_copy` of the same step), whose other leaves are
+        the neighbour's too."""
+        leaves, treedef = jax.tree.flatten(own)
+        for i, leaf in zip(self.moved, moved, strict=True):
+            leaves[i] = local_copy(leaf)
+        return jax.tree.unflatten(treedef, leaves)
+
+
+def _devices_per_process(mesh: Any) -> int:
+    row = list(mesh.devices[0])
+    return sum(d.process_index == row[0].process_index for d in row)
+
+
 def restore_from_slice(
-    boxes: PyTree | None, position: int, template: PyTree, shardings: PyTree, *, source: int
+    boxes: PyTree | None,
+    position: int,
+    template: PyTree,
+    shardings: PyTree,
+    *,
+    source: int,
+    neighbour: PyTree | None = None,
+    neighbour_position: int = -1,
+    from_neighbour: bool = False,
 ) -> tuple[PyTree, int]:
     """The state on ``shardings``' mesh, taken from slice ``source``, and the source's data position.
 
     A collective over the current group: every process calls it with the same ``source``. ``boxes`` is this
     process's :func:`local_copy` of the step being restored, or None when it holds nothing of that step (a
     replacement); only the source slice's boxes are read, and each process receives only its own shards.
+
+    With neighbour replicas (:class:`NeighbourShift`), a process of the source slice whose shards are missing
+    (``from_neighbour``; the same value on every process of a slice that does so) takes them from the next
+    process's ``neighbour`` copy: one collective permute back over ``model``, then the source's selection.
+    ``position`` and ``neighbour_position`` are the data positions of ``boxes`` and ``neighbour``.
     """
     leaves, treedef = jax.tree.flatten(template)
     leaf_shardings: list[Any] = jax.tree.leaves(per_leaf(shardings, template))  # NamedShardings are leaves
     mesh = leaf_shardings[0].mesh
     held: list[Any] = jax.tree.leaves(boxes) if boxes is not None else [None] * len(leaves)
-    stacked = []
-    position_leaf = np.int32(position)  # int32: JAX without x64 would narrow an int64 (with a warning)
-    for leaf, sharding, mine in zip([*leaves, position_leaf], [*leaf_shardings, None], [*held, None], strict=True):
+    spares: list[Any] = jax.tree.leaves(neighbour) if neighbour is not None else [None] * len(leaves)
+    stacks, specs = [], []
+    for leaf, sharding, mine, spare in zip(leaves, leaf_shardings, held, spares, strict=True):
         shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
-        if sharding is None:  # the data position rides along as a replicated scalar
-            sharding, mine = NamedSharding(mesh, PartitionSpec()), np.int32(position if boxes is not None else 0)
-        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        spec = PartitionSpec("data", *tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec)))
         box = local_box(shape, sharding)
-        stacked_sharding = NamedSharding(mesh, PartitionSpec("data", *spec))
-        stacked.append(
-            jax.make_array_from_callback(
-                (mesh.shape["data"], *shape), stacked_sharding, _reader(mine, box, shape, dtype)
-            )
-        )
+        stacked_sharding = NamedSharding(mesh, spec)
+        stack = (mesh.shape["data"], *shape)
+        stacks.append(jax.make_array_from_callback(stack, stacked_sharding, _reader(mine, box, shape, dtype)))
+        if from_neighbour:
+            stacks.append(jax.make_array_from_callback(stack, stacked_sharding, _reader(spare, box, shape, dtype)))
+        specs.append(spec)
+    # The data position: every device says its process's (-1: none); the source slice's largest is its own.
+    grid = NamedSharding(mesh, PartitionSpec("data", "model"))
+    mine_position = position if boxes is not None else neighbour_position if from_neighbour else -1
+    positions = jax.make_array_from_callback(
+        (mesh.shape["data"], mesh.shape["model"]), grid, lambda index: np.full((1, 1), mine_position, np.int32)
+    )
+    # Which devices take their shards from the neighbour copy: those of processes holding nothing of the step.
+    missing = jax.make_array_from_callback(
+        (mesh.shape["data"], mesh.shape["model"]), grid, lambda index: np.full((1, 1), boxes is None, np.bool_)
+    )
     outputs = (*leaf_shardings, NamedSharding(mesh, PartitionSpec()))
-    dtypes = [np.asarray(leaf).dtype for leaf in [*leaves, position_leaf]]
+    dtypes = [np.asarray(leaf).dtype for leaf in leaves]
+    size, per_process = mesh.shape["model"], _devices_per_process(mesh)
+    backward = [(j, (j - per_process) % size) for j in range(size)]
 
-    def select(arrays: list[jax.Array]) -> list[jax.Array]:
+    def take_back(flags: jax.Array, pairs: list[jax.Array]) -> list[jax.Array]:
+        # Every device of a process that misses its shards takes those its next neighbour keeps of them.
+        owns, copies = pairs[0::2], pairs[1::2]
+        return [
+            jax.lax.select(
+                jnp.broadcast_to(flags.reshape((1,) * own.ndim), own.shape),
+                jax.lax.ppermute(copy, "model", backward),
+                own,
+            )
+            for own, copy in zip(owns, copies, strict=True)
+        ]
+
+    def select(flags: jax.Array, stacked: list[jax.Array], where: jax.Array) -> list[jax.Array]:
+        if from_neighbour:
+            stacked = jax.shard_map(
+                take_back,
+                mesh=mesh,
+                in_specs=(PartitionSpec("data", "model"), [s for s in specs for _ in (0, 1)]),
+                out_specs=specs,
+                check_vma=False,
+            )(flags, stacked)
         # XLA may select by summing masked entries (a reduction over "data"): in floats -0.0 + 0.0 is +0.0.
         # The entries travel as their bits, where adding zeros changes nothing, and become floats again here.
-        return [jax.lax.bitcast_convert_type(a[source], dtype) for a, dtype in zip(arrays, dtypes, strict=True)]
+        chosen = [jax.lax.bitcast_convert_type(a[source], dtype) for a, dtype in zip(stacked, dtypes, strict=True)]
+        return [*chosen, jnp.max(where[source])]
 
-    chosen = jax.jit(select, out_shardings=list(outputs))(stacked)
+    chosen = jax.jit(select, out_shardings=list(outputs))(missing, stacks, positions)
     state = jax.tree.unflatten(treedef, chosen[:-1])
     return state, int(np.asarray(chosen[-1].addressable_data(0)))
 

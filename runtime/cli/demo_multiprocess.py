@@ -42,6 +42,11 @@ def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gcs", action="store_true", help="durable checkpoints in GCS (the emulator, started here)")
     group.add_argument("--durable-every", type=int, default=10, help="steps between durable checkpoints")
     group.add_argument(
+        "--neighbour-replicas",
+        action="store_true",
+        help="each process also keeps the previous process's shards in RAM (slices of 2 processes or more)",
+    )
+    group.add_argument(
         "--wipe-lost", action="store_true", help="delete the killed worker's replica files (its host's /dev/shm)"
     )
 
@@ -131,6 +136,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
             slices=args.slices,
             durable_dir=durable,
             durable_every=args.durable_every,
+            neighbour_replicas=args.neighbour_replicas,
         )
         if args.wipe_lost:
             wipe_lost_replicas(controller)

@@ -46,6 +46,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=0,
         help="slices the processes form, each holding the state sharded over its processes (default: one per process)",
     )
+    parser.add_argument(
+        "--durable",
+        default=None,
+        metavar="DIR|gs://BUCKET/PREFIX",
+        help="durable checkpoints of the group's state, each process writing its own shards (default: none)",
+    )
+    parser.add_argument("--durable-every", type=int, default=10, help="steps between durable checkpoints")
+    parser.add_argument("--durable-keep", type=int, default=3, help="durable checkpoints kept (the newest)")
+    parser.add_argument(
+        "--neighbour-replicas",
+        action="store_true",
+        help="each process also keeps the previous process's shards in RAM: a lost process's shards come from there",
+    )
     parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
@@ -103,6 +116,10 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         spares=args.spares,
         local_devices=args.local_devices,
         slices=args.slices,
+        neighbour_replicas=args.neighbour_replicas,
+        durable_dir=args.durable,
+        durable_every=args.durable_every,
+        durable_keep=args.durable_keep,
         strategy=args.strategy,
         heartbeat_timeout_s=args.heartbeat_timeout,
         hang_timeout_s=args.hang_timeout,

@@ -65,6 +65,9 @@ class LaunchConfig:
             step once all have (``storage/sharded.py``); None: none (the replica files are the only copy).
         durable_every: steps between durable checkpoints.
         durable_keep: durable checkpoints kept (the newest ones).
+        neighbour_replicas: every process also keeps the shards of the process before it in its slice in host
+            memory (one collective permute per step), so that a lost process's shards come from its neighbour
+            rather than from the durable tier. Needs slices of 2 processes or more.
         faults: fault injection: process and worker faults of ``runtime.testing.grammar``
             (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.testing.process_faults``.
         target_steps: the run's target; None: the first of the controller's own workers to say ``Hello``
@@ -102,6 +105,7 @@ class LaunchConfig:
     durable_dir: str | None = None
     durable_every: int = 10
     durable_keep: int = 3
+    neighbour_replicas: bool = False
     faults: list[Fault] = field(default_factory=list)
     resume: bool = False
     drain_timeout_s: float = 10.0
@@ -139,6 +143,12 @@ class LaunchConfig:
             raise ValueError(
                 f"min_nprocs={self.min_nprocs} must be whole slices of {self.slice_size} processes (--slices)"
             )
+        if self.durable_dir and (self.durable_every < 1 or self.durable_keep < 1):
+            raise ValueError(
+                f"durable_every and durable_keep must be >= 1, got {self.durable_every} and {self.durable_keep}"
+            )
+        if self.neighbour_replicas and self.slice_size < 2:
+            raise ValueError("neighbour_replicas needs slices of 2 processes or more (--slices)")
         if self.strategy not in RECOVERY_STRATEGIES:
             choices = ", ".join(RECOVERY_STRATEGIES)
             raise ValueError(f"strategy must be one of {choices}, got {self.strategy!r}")

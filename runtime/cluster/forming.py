@@ -165,6 +165,7 @@ class GroupFormer:
                     slice_size=self.config.slice_size,
                     durable_dir=self.config.durable_dir or "",
                     durable_every=self.config.durable_every,
+                    neighbour_replicas=self.config.neighbour_replicas,
                     fences=dict(self.group.fences),
                 )
                 await self.server.send(self.pool[worker], form)
@@ -259,7 +260,9 @@ class GroupFormer:
         for worker in members:
             joined = self.pool[worker].joined
             assert joined is not None
-            reports.append(JoinReport(joined.best_step, joined.tier, joined.steps))
+            reports.append(
+                JoinReport(joined.best_step, joined.tier, joined.steps, joined.durable_only, joined.neighbour_step)
+            )
         plan = self.group.plan_restore(reports)
         log.info("generation %d restores %s from %s", self.group.generation, plan, reports)
         if plan.missing:
@@ -291,7 +294,11 @@ class GroupFormer:
             self.pool[worker].step = plan.step
         for worker in members:
             restore = Restore(
-                generation=self.group.generation, step=plan.step, source=plan.source, target_steps=self.target_steps
+                generation=self.group.generation,
+                step=plan.step,
+                source=plan.source,
+                target_steps=self.target_steps,
+                from_neighbour=plan.from_neighbour,
             )
             await self.server.send(self.pool[worker], restore)
         self._restored = True

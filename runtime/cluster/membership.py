@@ -18,9 +18,15 @@ class JoinReport:
     best_step: int
     tier: str  # "ram", "file", or "none"
     steps: tuple[int, ...] = ()  # every step it can restore; empty: only ``best_step`` (unless tier is "none")
+    durable_only: tuple[int, ...] = ()  # of ``steps``, those whose shards it would read from the durable tier
+    neighbour_step: int = 0  # the step of the previous process's shards it holds in RAM; 0: none
 
     def holds(self) -> set[int]:
         return set(self.steps) | ({self.best_step} if self.tier != "none" else set())
+
+    def local(self) -> set[int]:
+        """The steps it holds in its own memory or files (not only in the durable tier)."""
+        return self.holds() - set(self.durable_only)
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,8 @@ class RestorePlan:
     restored_from: str  # the source's tier, "+peer" when some member takes the state from another
     lost_steps: int  # committed steps that are run again
     missing: str = ""  # members hold committed steps, but no slice holds one step whole: what is missing
+    # Positions in the source slice whose shards come from the next process's neighbour replica.
+    from_neighbour: tuple[int, ...] = ()
 
 
 class Membership:
@@ -90,6 +98,10 @@ class Membership:
         """The newest step every process of some slice holds, from that slice (among equals, the one with the
         most processes holding it in memory, then the lowest index).
 
+        A process holds a step in its own memory or files, in the durable tier, or (with neighbour replicas)
+        in the RAM of the next process of its slice. A process takes its shards from the neighbour when it
+        holds the step nowhere but the durable tier: the neighbour's RAM is the faster source.
+
         ``reports`` are the members' in process-id order. With one process per slice this is the newest step
         any member holds. When members hold committed steps but no slice holds one whole (its processes at
         different steps), the plan says what is missing and restores nothing.
@@ -97,12 +109,17 @@ class Membership:
         n = self.slice_size
         best: tuple[int, int] = (0, 0)  # (step, processes restoring it from memory), the larger the better
         source = -1
+        from_neighbour: tuple[int, ...] = ()
         for k in range(len(reports) // n):
             members = reports[k * n : (k + 1) * n]
-            step = max(set.intersection(*(r.holds() for r in members)), default=0)
+            kept = [members[(i + 1) % n].neighbour_step if n > 1 else 0 for i in range(n)]  # by the next one
+            candidates = {s for r in members for s in r.holds()} | set(kept)
+            whole = [s for s in candidates if all(s in r.holds() or kept[i] == s for i, r in enumerate(members))]
+            step = max(whole, default=0)
             in_memory = sum(r.tier == "ram" and r.best_step == step for r in members)
             if step > 0 and (step, in_memory) > best:
                 best, source = (step, in_memory), k
+                from_neighbour = tuple(i for i, r in enumerate(members) if step not in r.local() and kept[i] == step)
         best_step = best[0]
         lost_steps = max(0, self.high_water - best_step)
         if source < 0:
@@ -118,11 +135,22 @@ class Membership:
                 )
             return RestorePlan(step=0, source=-1, restored_from="init", lost_steps=lost_steps, missing=missing)
         # "ram" when the source slice restores from memory only; "file" when a process of it reads a replica file.
-        used = {r.tier if r.best_step == best_step else "file" for r in reports[source * n : (source + 1) * n]}
+        sources = reports[source * n : (source + 1) * n]
+        used = {
+            "neighbour" if i in from_neighbour else r.tier if r.best_step == best_step else "file"
+            for i, r in enumerate(sources)
+        }
         restored_from = "+".join(sorted(used))
-        if any(best_step not in r.holds() for r in reports):
+        taking = {source * n + i for i in from_neighbour}
+        if any(best_step not in r.holds() for i, r in enumerate(reports) if i not in taking):
             restored_from += "+peer"
-        return RestorePlan(step=best_step, source=source, restored_from=restored_from, lost_steps=lost_steps)
+        return RestorePlan(
+            step=best_step,
+            source=source,
+            restored_from=restored_from,
+            lost_steps=lost_steps,
+            from_neighbour=from_neighbour,
+        )
 
     def restore(self, step: int) -> list[int]:
         """The group (of the current generation) starts again from ``step``: the run's history past ``step``

@@ -112,6 +112,8 @@ class Joined(Message, frozen=True, kw_only=True):
     # Every step it can restore (its RAM's and its replica files'): a slice whose processes' newest steps differ
     # restores an older step they all hold.
     steps: tuple[int, ...] = ()
+    durable_only: tuple[int, ...] = ()  # of ``steps``, those only the durable tier has (its shards read from there)
+    neighbour_step: int = 0  # the step of the neighbour replica it holds in RAM (storage/shards.py); 0: none
     join_s: float  # shutdown + re-initialize of jax.distributed, as the worker measured it
     skipped: tuple[str, ...] = ()  # replica files it would not restore, each "PATH: why" (another run's)
 
@@ -133,7 +135,8 @@ class Saved(Message, frozen=True, kw_only=True):
 
 class Restored(Message, frozen=True, kw_only=True):
     """The worker restored step ``step`` of ``generation``: ``nbytes`` of its shards came from its ``tier``
-    ("ram", "shm", "disk", "durable"; "none": it held nothing and took every shard from its peers)."""
+    ("ram", "shm", "disk", "durable", "neighbour": the next process's neighbour replica; "none": it held nothing
+    and took every shard from its peers)."""
 
     worker: int
     generation: int
@@ -191,6 +194,7 @@ class Form(Message, frozen=True, kw_only=True):
     slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)
     durable_dir: str = ""  # where the group's durable checkpoints go (storage/sharded.py); "": none
     durable_every: int = 0  # steps between durable checkpoints
+    neighbour_replicas: bool = False  # keep the previous process's shards in RAM too (storage.shards.NeighbourShift)
     # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
     # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).
     fences: dict[int, int] = {}
@@ -204,6 +208,8 @@ class Restore(Message, frozen=True, kw_only=True):
     step: int
     source: int
     target_steps: int
+    # Positions in the source slice whose processes take their shards from the next process's neighbour replica.
+    from_neighbour: tuple[int, ...] = ()
 
 
 class Warm(Message, frozen=True, kw_only=True):

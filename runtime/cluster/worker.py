@@ -4,9 +4,10 @@ A training script hands its :class:`~runtime.core.job.TrainJob` to :func:`run_wo
 the controller through the environment (its address, this worker's id, where replica files live) and over
 the wire (which group to form, which step to restore from whom).
 
-The layout: the ``data`` axis spans processes and the ``model`` axis the devices inside one process, so each
-process holds the whole state (see :mod:`storage.replicas`). Every committed step is copied to host memory (the
-RAM replica) and, in the background, to a replica file in ``/dev/shm``.
+The layout: ``data`` is the replica axis across slices of processes and ``model`` spans the devices of a
+slice's processes (:mod:`storage.shards`); with one process per slice each process holds the whole state. Every
+committed step's own shards are copied to host memory (the RAM replica) and, in the background, to a replica
+file in ``/dev/shm``; with neighbour replicas, the previous process's shards are copied to host memory too.
 
 Re-forming in-process (measured on jax 0.10.2, CPU, gloo): when a peer is killed, a step blocked in a gloo
 collective never returns and raises nothing, even after JAX's own heartbeat timeout. The worker therefore
@@ -79,7 +80,7 @@ from storage.disk import DiskTier
 from storage.manifest import describe_leaves
 from storage.replicas import MAX_PINS, ReplicaFiles, replica, run_identity
 from storage.sharded import ShardedStore, writes
-from storage.shards import local_copy, local_like, restore_from_slice, uses_axis
+from storage.shards import NeighbourShift, local_copy, local_like, restore_from_slice, uses_axis
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,9 @@ class Worker:
         self.step = 0  # newest committed step held on the devices (or in ``ram``)
         self.step_time_s: float | None = None
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
+        # With neighbour replicas: the previous process's shards of the same step, and the permute that moves them.
+        self.neighbour: HostSnapshot | None = None
+        self.shift: NeighbourShift | None = None
         # While joining: every step it can restore, with the tier it would come from (RAM, replica files).
         self.held: dict[int, tuple[str, HostSnapshot]] = {}
         # The group's durable checkpoints (storage/sharded.py), when the controller keeps them.
@@ -308,7 +312,8 @@ class Worker:
             return
         layout = f"position {form.process_id % form.slice_size} of {form.slice_size} x {self.local_devices} devices"
         if self.ram is not None and self.ram.metadata.get("layout") != layout:
-            self.ram = None  # seated elsewhere in a slice: the shards it holds are not the ones it needs now
+            # Seated elsewhere in a slice: the shards it holds are not the ones it needs now.
+            self.ram = self.neighbour = None
         self.layout = {"layout": layout}
         self.slice_size = form.slice_size
         self.local_like = local_like(self.template, self.state_shardings)
@@ -317,6 +322,9 @@ class Worker:
         self.durable_every = form.durable_every
         self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
+        self.shift = NeighbourShift(self.template, self.state_shardings) if form.neighbour_replicas else None
+        if self.shift is None:
+            self.neighbour = None
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
         log.info(
@@ -336,6 +344,8 @@ class Worker:
                 best_step=best,
                 tier=tier,
                 steps=tuple(sorted(set(self.held) | self.durable_steps)),
+                durable_only=tuple(sorted(self.durable_steps - set(self.held))),
+                neighbour_step=self.neighbour.step if self.neighbour is not None else 0,
                 join_s=time.monotonic() - started,
                 skipped=self._skipped,
             )
@@ -425,9 +435,14 @@ class Worker:
             self.state, position = self._place(self.template, self.state_shardings), 0
             boxes = local_copy(self.state)
         else:
-            tier, mine = self.held.get(restore.step, ("none", None))
+            # A process of the source slice whose shards are in its neighbour's RAM takes them from there.
+            takes = (
+                self.process_id // self.slice_size == restore.source
+                and self.process_id % self.slice_size in restore.from_neighbour
+            )
+            tier, mine = ("neighbour", None) if takes else self.held.get(restore.step, ("none", None))
             self.held = {}
-            if mine is None and restore.step in self.durable_steps:
+            if mine is None and not takes and restore.step in self.durable_steps:
                 try:
                     mine = self._read_durable(restore.step)
                 except CheckpointInvalid as exc:
@@ -444,15 +459,20 @@ class Worker:
                 tier = "durable"
             # Every member takes its shards from the source slice, its own included: every member then holds
             # exactly the source's values, whichever tier each one held.
+            spare = self.neighbour if self.neighbour is not None and self.neighbour.step == restore.step else None
             self.state, position = restore_from_slice(
                 mine.tree if mine is not None else None,
                 mine.data_position if mine is not None else 0,
                 self.template,
                 self.state_shardings,
                 source=restore.source,
+                neighbour=spare.tree if spare is not None else None,
+                neighbour_position=spare.data_position if spare is not None else -1,
+                from_neighbour=bool(restore.from_neighbour),
             )
+            self.neighbour = spare  # the previous process's shards of this step are still those it keeps
             boxes = mine.tree if mine is not None else local_copy(self.state)
-            nbytes = mine.nbytes if mine is not None else 0
+            nbytes = mine.nbytes if mine is not None else sum(leaf.nbytes for leaf in _leaves(boxes)) if takes else 0
         self.step = restore.step
         self.ram = replica(restore.step, position, boxes, self.identity | self.layout, generation=self.generation)
         jax.block_until_ready(self.state)
@@ -535,12 +555,13 @@ class Worker:
                 return outcome
             if outcome is None:  # the step raised: not committed; wait for the controller to re-form
                 return None
-            new_state, seconds = outcome
+            (new_state, moved), seconds = outcome
             self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
             position += 1
-            self.ram = replica(
-                self.step, position, local_copy(new_state), self.identity | self.layout, generation=self.generation
-            )
+            own = local_copy(new_state)
+            self.ram = replica(self.step, position, own, self.identity | self.layout, generation=self.generation)
+            if self.shift is not None:
+                self.neighbour = replica(self.step, position, self.shift.copy(moved, own), generation=self.generation)
             if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
                 self.replicas.save(self.ram)
                 if self.durable is not None and self.durable_every > 0 and self.step % self.durable_every == 0:
@@ -640,9 +661,11 @@ class Worker:
         jax.block_until_ready(new_state)
         for check in self.step_checks:
             check(step)
+        # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
+        moved = self.shift(new_state) if self.shift is not None else []
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return new_state, time.perf_counter() - started
+        return (new_state, moved), time.perf_counter() - started
 
     def _finish(self, target: int) -> None:
         from jax.experimental import multihost_utils

@@ -58,6 +58,37 @@ def test_a_slice_restores_the_newest_step_all_its_processes_hold() -> None:
     assert (plan.step, plan.source, plan.restored_from, plan.lost_steps) == (8, 0, "file+shm", 1)
 
 
+def test_a_lost_process_shards_come_from_the_next_process_neighbour_replica() -> None:
+    group = Membership(size=4, slice_size=4)
+    group.progress([25, 25, 25, 25])
+    survivor = JoinReport(25, "ram", (20, 24, 25), durable_only=(20,), neighbour_step=25)
+    # Process 2's replacement can read only durable step 20; process 3 keeps process 2's shards of step 25.
+    replacement = JoinReport(20, "durable", (20,), durable_only=(20,))
+    plan = group.plan_restore([survivor, survivor, replacement, survivor])
+    assert (plan.step, plan.source, plan.from_neighbour, plan.lost_steps) == (25, 0, (2,), 0)
+    assert plan.restored_from == "neighbour+ram"
+    # Process 0's shards are kept by process 1 (the slice wraps around).
+    plan = group.plan_restore([replacement, survivor, survivor, survivor])
+    assert (plan.step, plan.from_neighbour) == (25, (0,))
+    # At a durable step the neighbour's RAM is preferred to the durable tier, but not to the process's own file.
+    at_20 = JoinReport(20, "ram", (20,), neighbour_step=20)
+    plan = group.plan_restore([at_20, at_20, replacement, at_20])
+    assert (plan.step, plan.from_neighbour) == (20, (2,))
+    own_file = JoinReport(20, "shm", (19, 20))
+    plan = group.plan_restore([at_20, at_20, own_file, at_20])
+    assert (plan.step, plan.from_neighbour, plan.restored_from) == (20, (), "ram+shm")
+
+
+def test_two_neighbours_lost_together_roll_back_to_a_step_the_durable_tier_holds() -> None:
+    group = Membership(size=4, slice_size=4)
+    group.progress([25, 25, 25, 25])
+    survivor = JoinReport(25, "ram", (20, 24, 25), durable_only=(20,), neighbour_step=25)
+    replacement = JoinReport(20, "durable", (20,), durable_only=(20,))
+    # Processes 2 and 3 lost: process 3 kept process 2's shards, and its replacement holds nothing of them.
+    plan = group.plan_restore([survivor, survivor, replacement, replacement])
+    assert (plan.step, plan.from_neighbour, plan.lost_steps) == (20, (), 5)
+
+
 def test_no_slice_holding_one_step_whole_is_said_and_nothing_is_restored() -> None:
     group = Membership(size=2, slice_size=2)
     plan = group.plan_restore([JoinReport(9, "ram"), JoinReport(0, "none")])

@@ -1,18 +1,24 @@
 """Slices: the state sharded over the processes of a slice, slices replicating each other (storage/shards.py).
 
 Real worker processes with ``kill -9``: a lost process's shards come from the other slice when there is one,
-else from its replica file; each process's replica holds only its own shards; the result matches a fault-free
-run of the same layout bitwise.
+else from its neighbour's RAM (neighbour replicas on) or its replica file; each process's replica holds only its
+own shards; the result matches a fault-free run of the same layout bitwise.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import jax
 import pytest
 
-from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, run_group
+from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, run_group, wipe_lost_replicas
+from runtime.cluster.protocol import ENV_STEP_DELAY_S
+from runtime.core.events import CheckpointCommitted
 from runtime.testing.compare import compare_states
+from runtime.testing.demo_model import init_state
+from runtime.testing.gcs_emulator import running_emulator
 from runtime.testing.grammar import Fault
 from storage.disk import DiskTier
 
@@ -73,4 +79,45 @@ def test_with_one_slice_the_lost_shards_come_from_the_lost_process_replica_file(
     assert result.survivor_restarts == 0
     assert replica_shapes(tmp_path / "run" / "replicas") == {(FEATURES, HIDDEN // 2)}
     assert run(tmp_path, "reference", processes=2, slices=1, kill=None).ok
+    assert compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=True)["match"]
+
+
+@pytest.mark.timeout(300)
+def test_with_neighbour_replicas_a_lost_host_shards_come_from_its_neighbour_not_from_gcs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with running_emulator("neighbours", tmp_path / "emulator.log") as emulator:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.url)  # the workers started here inherit it
+        controller = group_controller(
+            processes=4,
+            slices=1,
+            steps=STEPS,
+            run_dir=tmp_path / "run",
+            faults=[],
+            replica_dir=str(tmp_path / "run" / "replicas"),
+            durable_dir="gs://neighbours/run",
+            durable_every=10,
+            neighbour_replicas=True,
+            extra_env={ENV_STEP_DELAY_S: "0.3"},  # uploads to the emulator take a few steps
+        )
+        committed: list[int] = []
+
+        async def lose_process_0(event: CheckpointCommitted, ctx: Any) -> None:
+            # Once GCS holds a step to go back to, process 0's host is lost: its RAM and /dev/shm with it.
+            committed.append(event.step)
+            if len(committed) == 1:
+                ctx.signal(ctx.members[0], "KILL", "test: its host is lost")
+
+        controller.bus.subscribe(CheckpointCommitted, lose_process_0)
+        wipe_lost_replicas(controller)
+        result = controller.run()
+    assert result.ok and result.step == STEPS, result.reason
+    assert committed and committed[0] >= 10
+    (recovery,) = result.recoveries
+    # Process 1 kept process 0's shards (the slice wraps around); the others kept their own: nothing from GCS.
+    assert recovery["restored_from"] == "neighbour+ram" and recovery["lost_steps"] == 0, recovery
+    whole = sum(leaf.nbytes for leaf in jax.tree.leaves(init_state(FEATURES, HIDDEN)))
+    assert recovery["bytes_by_tier"] == {"ram": 3 * whole // 4, "neighbour": whole // 4}, recovery
+    assert result.survivor_restarts == 0
+    assert run(tmp_path, "reference", processes=4, slices=1, kill=None).ok
     assert compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=True)["match"]
