@@ -24,6 +24,7 @@ fence (a worker cut off from the controller whose write came late): that step is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -165,6 +166,7 @@ class ReplicaFiles:
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self.skipped: list[str] = []  # what the last :meth:`newest` would not restore, "PATH: why"
+        self.unreadable: set[Path] = set()  # replicas that failed verification: never listed again
         self.pinned: list[int] = []  # steps kept beside the newest ones (:meth:`pin`)
 
     @property
@@ -244,10 +246,30 @@ class ReplicaFiles:
     ) -> dict[int, HostSnapshot]:
         """The ``limit`` newest steps that some replica here holds and :meth:`newest` would restore, newest
         first, each read and verified. What was skipped, and why, is then in :attr:`skipped`."""
+        found: dict[int, HostSnapshot] = {}
+        for step, tiers in self.listed(identity, max_step=max_step, fences=fences).items():
+            if len(found) >= limit:
+                break
+            with contextlib.suppress(CheckpointInvalid):  # each failure is in ``skipped``
+                found[step] = self.read(step, tiers, like)
+        return found
+
+    def listed(
+        self,
+        identity: dict[str, str] | None = None,
+        *,
+        max_step: int | None = None,
+        fences: dict[int, int] | None = None,
+        limit: int | None = None,
+    ) -> dict[int, list[DiskTier]]:
+        """The ``limit`` newest steps some replica here holds whose manifest says it is ours (``identity``,
+        ``max_step``, ``fences``, as :meth:`newest`), newest first, each with the folders holding it; only the
+        manifests are read (:meth:`read` reads and verifies the data). A replica that failed :meth:`read`
+        before is left out. What was skipped, and why, is then in :attr:`skipped`."""
         folders = sorted(p for p in self.directory.iterdir() if p.is_dir()) if self.directory.is_dir() else []
         identity = dict(identity or {})
         layout = identity.pop("layout", None)
-        candidates: list[tuple[int, DiskTier]] = []
+        candidates: dict[int, list[DiskTier]] = {}
         skipped: list[str] = []
         self.skipped = skipped
         for folder in folders:
@@ -258,24 +280,38 @@ class ReplicaFiles:
                 skipped.append(f"{folder}: cannot list: {exc}")
                 continue
             for step in steps:
-                if not _holds(tier, step, layout):
-                    continue  # another position's shards: expected, not worth a word
+                if tier.path_of(step) in self.unreadable or not _holds(tier, step, layout):
+                    continue  # known damaged (said when found), or another position's shards: not worth a word
                 why = _not_ours(tier, step, identity, max_step, fences or {})
                 if why:
                     skipped.append(f"{tier.path_of(step)}: {why}")
                 else:
-                    candidates.append((step, tier))
-        found: dict[int, HostSnapshot] = {}
-        for step, tier in sorted(candidates, key=lambda c: c[0], reverse=True):
-            if len(found) >= limit:
-                break
-            if step in found:
-                continue
+                    candidates.setdefault(step, []).append(tier)
+        newest = sorted(candidates, reverse=True)[:limit]
+        return {step: candidates[step] for step in newest}
+
+    def read(self, step: int, tiers: list[DiskTier], like: PyTree) -> HostSnapshot:
+        """Replica ``step`` from the first of ``tiers`` (from :meth:`listed`) that verifies. One that does not is
+        added to :attr:`skipped` and never listed again.
+
+        Raises:
+            CheckpointInvalid: none verifies; ``path`` and ``reason`` are the last one's.
+        """
+        failure: CheckpointInvalid | None = None
+        for tier in tiers:
             try:
-                found[step] = tier.restore(step, like, timeout=_TIMEOUT_S)
+                return tier.restore(step, like, timeout=_TIMEOUT_S)
             except (CheckpointInvalid, SnapshotUnavailable, StorageError) as exc:
-                skipped.append(f"{tier.path_of(step)}: {exc}")
-        return found
+                path = tier.path_of(step)
+                self.unreadable.add(path)
+                self.skipped.append(f"{path}: {exc}")
+                failure = CheckpointInvalid(
+                    f"replica of step {step} unreadable: {exc}",
+                    path=getattr(exc, "path", str(path)),
+                    reason=getattr(exc, "reason", str(exc)),
+                )
+        assert failure is not None, "read needs a folder to read from"
+        raise failure
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -606,10 +606,11 @@ class Controller(GroupFormer):
                 self._wake.set()
             case Saved(generation=gen) if gen == self.group.generation and self.durable is not None:
                 await self._saved(proc, message)
-            case Unreadable(generation=gen) if gen == self.group.generation and self.durable is not None:
+            case Unreadable(generation=gen) if gen == self.group.generation:
                 await self._unreadable_step(message)
             case Restored(generation=gen, tier=tier, nbytes=nbytes) if gen == self.group.generation:
-                self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
+                if nbytes:  # a member that took every shard from the others delivered nothing itself
+                    self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
             case Failed(generation=gen) if gen == self.group.generation:
                 await self._failed(proc, message)
             case Finished(generation=gen) if gen == self.group.generation:
@@ -652,21 +653,24 @@ class Controller(GroupFormer):
         )
 
     async def _unreadable_step(self, message: Unreadable) -> None:
-        """A member found the durable step being restored damaged: it is withdrawn (its manifest set aside, its
-        files kept for a look) and the group re-forms from the next best step."""
-        assert self.durable is not None
-        log.error("controller: durable step %d unreadable (%s: %s)", message.step, message.path, message.reason)
+        """A member found its shards of the step being restored damaged: the group re-forms from the next best
+        step. A durable step is withdrawn (its manifest set aside, its files kept for a look); a replica file is
+        never listed again by the member that found it."""
+        log.error(
+            "controller: %s step %d unreadable (%s: %s)", message.tier, message.step, message.path, message.reason
+        )
         await self.bus.publish(
             CheckpointCorrupt(
                 step=message.step,
                 source=f"worker-{message.worker}",
-                tier="durable",
+                tier=message.tier,
                 path=message.path,
                 reason=message.reason,
             )
         )
-        await anyio.to_thread.run_sync(self.durable.withdraw, message.step)
-        self._unreadable = f"durable step {message.step} unreadable: {message.reason}"
+        if message.tier == "durable" and self.durable is not None:
+            await anyio.to_thread.run_sync(self.durable.withdraw, message.step)
+        self._unreadable = f"{message.tier} step {message.step} unreadable: {message.reason}"
         self._wake.set()
 
     async def _skipped(self, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:

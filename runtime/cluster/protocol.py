@@ -146,12 +146,13 @@ class Restored(Message, frozen=True, kw_only=True):
 
 
 class Unreadable(Message, frozen=True, kw_only=True):
-    """The worker could not read its shards of durable checkpoint ``step`` (``path``: a missing, truncated or
-    damaged file): the group must restore another step."""
+    """The worker could not read its shards of ``step`` from ``tier`` ("durable", or its replica files' "shm" or
+    "disk"; ``path``: a missing, truncated or damaged file): the group must restore another step."""
 
     worker: int
     generation: int
     step: int
+    tier: str = "durable"
     path: str
     reason: str
 

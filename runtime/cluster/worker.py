@@ -194,8 +194,10 @@ class Worker:
         # With neighbour replicas: the previous process's shards of the same step, and the permute that moves them.
         self.neighbour: HostSnapshot | None = None
         self.shift: NeighbourShift | None = None
-        # While joining: every step it can restore, with the tier it would come from (RAM, replica files).
-        self.held: dict[int, tuple[str, HostSnapshot]] = {}
+        # While joining: the steps its replica files hold, with the folders holding each (read only if restored),
+        # and the tier they are in ("shm" or "disk").
+        self.files: dict[int, list[DiskTier]] = {}
+        self.files_tier = "shm" if str(replicas.directory).startswith("/dev/shm") else "disk"
         # The group's durable checkpoints (storage/sharded.py), when the controller keeps them.
         self.durable: ShardedStore | None = None
         self.durable_every = 0
@@ -343,8 +345,8 @@ class Worker:
                 generation=self.generation,
                 best_step=best,
                 tier=tier,
-                steps=tuple(sorted(set(self.held) | self.durable_steps)),
-                durable_only=tuple(sorted(self.durable_steps - set(self.held))),
+                steps=tuple(sorted(self._local_steps() | self.durable_steps)),
+                durable_only=tuple(sorted(self.durable_steps - self._local_steps())),
                 neighbour_step=self.neighbour.step if self.neighbour is not None else 0,
                 join_s=time.monotonic() - started,
                 skipped=self._skipped,
@@ -374,35 +376,35 @@ class Worker:
         log.info("warmed up in %.3f s", time.monotonic() - started)
 
     def _best_local(self, read_files: bool) -> tuple[int, str]:
-        """The newest step this process can restore and from where; every such step is put in ``held`` (and
-        the group's committed durable checkpoints in ``durable_steps``)."""
-        self.held = {self.ram.step: ("ram", self.ram)} if self.ram is not None else {}
+        """The newest step this process can restore and from where. The steps its replica files hold go in
+        ``files`` (only their manifests are read here: the data of the one restored is read by ``_restore``),
+        the group's committed durable checkpoints in ``durable_steps``."""
+        self.files = {}
         if read_files:  # a restarted worker, a resumed run, or a slice that may need to roll back
-            tier = "shm" if str(self.replicas.directory).startswith("/dev/shm") else "disk"
             try:
-                found = self.replicas.readable(
-                    self.local_like,
+                self.files = self.replicas.listed(
                     self.identity | self.layout,
                     max_step=self.target_steps,
                     fences=self.fences,
                     # One process a slice: its newest is its slice's best. Else an older step may be the one
                     # the whole slice holds (a peer's newest write did not finish, or only the durable tier
-                    # holds a lost process's shards).
-                    # (the keep=2 newest and those pinned for durable steps)
+                    # holds a lost process's shards): the keep=2 newest and those pinned for durable steps.
                     limit=1 if self.slice_size == 1 else 2 + MAX_PINS,
                 )
             finally:
                 self._skipped = tuple(self.replicas.skipped)
-            self.held = {step: (tier, snapshot) for step, snapshot in found.items()} | self.held
         self.durable_steps = self._durable_steps()
         if self.ram is not None:
             return self.ram.step, "ram"
-        if self.held:
-            newest = max(self.held)
-            return newest, self.held[newest][0]
+        if self.files:
+            return max(self.files), self.files_tier
         if self.durable_steps:
             return max(self.durable_steps), "durable"
         return 0, "none"
+
+    def _local_steps(self) -> set[int]:
+        """The steps it can restore from its own memory or replica files."""
+        return set(self.files) | ({self.ram.step} if self.ram is not None else set())
 
     def _durable_steps(self) -> set[int]:
         """This run's committed durable checkpoints (any layout: every process reads its own shards)."""
@@ -435,28 +437,16 @@ class Worker:
             self.state, position = self._place(self.template, self.state_shardings), 0
             boxes = local_copy(self.state)
         else:
-            # A process of the source slice whose shards are in its neighbour's RAM takes them from there.
-            takes = (
-                self.process_id // self.slice_size == restore.source
-                and self.process_id % self.slice_size in restore.from_neighbour
-            )
-            tier, mine = ("neighbour", None) if takes else self.held.get(restore.step, ("none", None))
-            self.held = {}
-            if mine is None and not takes and restore.step in self.durable_steps:
-                try:
-                    mine = self._read_durable(restore.step)
-                except CheckpointInvalid as exc:
-                    # Not into the collective with a partial state: the controller re-forms from another step.
-                    unreadable = Unreadable(
-                        worker=self.worker,
-                        generation=self.generation,
-                        step=restore.step,
-                        path=exc.path,
-                        reason=exc.reason,
-                    )
-                    self.link.send(unreadable)
-                    raise
-                tier = "durable"
+            # Only the source slice's shards are read: the other slices' would be thrown away. A process of it
+            # whose shards are in its neighbour's RAM takes them from there.
+            in_source = self.process_id // self.slice_size == restore.source
+            takes = in_source and self.process_id % self.slice_size in restore.from_neighbour
+            files, self.files = self.files, {}
+            mine: HostSnapshot | None = None
+            if takes:
+                tier = "neighbour"
+            elif in_source:
+                tier, mine = self._read_own(restore.step, files)
             # Every member takes its shards from the source slice, its own included: every member then holds
             # exactly the source's values, whichever tier each one held.
             spare = self.neighbour if self.neighbour is not None and self.neighbour.step == restore.step else None
@@ -481,6 +471,34 @@ class Worker:
         )
         self._heartbeat()
         return self.state, 0.0
+
+    def _read_own(self, step: int, files: dict[int, list[DiskTier]]) -> tuple[str, HostSnapshot]:
+        """This process's shards of ``step``, from the fastest tier holding them: RAM, a replica file, the
+        durable tier (raises CheckpointInvalid when all that hold it fail verification)."""
+        if self.ram is not None and self.ram.step == step:
+            return "ram", self.ram
+        tier = self.files_tier if step in files else "durable" if step in self.durable_steps else "none"
+        try:
+            if tier == "none":  # the plan counted on this process: it said it holds the step
+                where = str(self.replicas.directory)
+                raise CheckpointInvalid(f"step {step} is no longer held here", path=where, reason="not held")
+            if step in files:
+                return tier, self.replicas.read(step, files[step], self.local_like)
+            return tier, self._read_durable(step)
+        except CheckpointInvalid as exc:
+            # Not into the collective with a partial state: the controller re-forms from another step (a damaged
+            # replica file is never listed again; a damaged durable step is withdrawn).
+            self.link.send(
+                Unreadable(
+                    worker=self.worker,
+                    generation=self.generation,
+                    step=step,
+                    tier=tier,
+                    path=exc.path,
+                    reason=exc.reason,
+                )
+            )
+            raise
 
     def _read_durable(self, step: int) -> HostSnapshot:
         """This process's shards of durable checkpoint ``step``, only the bytes they need, verified."""

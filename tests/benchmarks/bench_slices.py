@@ -13,6 +13,8 @@ each case a fresh run:
   of process 2 once durable step 10 is committed (steps slowed to 0.2 s: uploads to the emulator are slow),
   and its replica files deleted (its host's ``/dev/shm``): the survivors keep their shards, the group rolls
   back to the newest durable step, and only the lost process's shards come from GCS;
+- ``gcs_neighbours``: the same with neighbour replicas on (``neighbour_replicas``): the next process keeps the
+  lost process's shards in RAM, and nothing is read from GCS;
 - ``gcs_full_restart``: the same run stopped at the kill (``max_failures=0``), then every process started
   again (``resume``, an empty replica folder: new hosts) restoring the whole state from GCS.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -88,6 +91,13 @@ def first_commit_after(events_path: str, killed: float) -> tuple[float, int]:
     raise RuntimeError(f"no step committed after the kill in {events_path}")
 
 
+def step_interval(events_path: str, before: float) -> float:
+    """The median time between consecutive committed steps before the kill: what a step costs with its
+    snapshots (and neighbour copies), steps slowed alike in every case."""
+    times = [e.mono_time for e in read_events(events_path) if isinstance(e, StepCompleted) and e.mono_time < before]
+    return round(statistics.median(b - a for a, b in itertools.pairwise(times)), 4)
+
+
 def final(run_dir: Path) -> Any:
     return DiskTier(run_dir / "final").latest(None).tree
 
@@ -120,8 +130,10 @@ def against(run_dir: Path, reference: Path) -> dict[str, Any]:
     }
 
 
-def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart: bool) -> dict[str, Any]:
-    name = "gcs_full_restart" if full_restart else "gcs_in_place"
+def case_gcs(
+    root: Path, hidden: int, gcs: str, reference: Path, *, full_restart: bool, neighbours: bool = False
+) -> dict[str, Any]:
+    name = "gcs_full_restart" if full_restart else "gcs_neighbours" if neighbours else "gcs_in_place"
     run_dir = root / name
     durable = f"{gcs}/{root.name}/{name}"  # a prefix of its own per repeat
     common = {
@@ -129,6 +141,7 @@ def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart
         "slices": 1,
         "durable_dir": durable,
         "durable_every": EVERY,
+        "neighbour_replicas": neighbours,
         "extra_env": {ENV_STEP_DELAY_S: "0.2"},
     }
     first = controller(
@@ -148,6 +161,7 @@ def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart
             raise
         result = first.result
     killed = kill_time(result.events_path)
+    interval = step_interval(result.events_path, killed)
     by_tier = result.recoveries[0]["bytes_by_tier"] if result.recoveries else {}
     events = result.events_path
     if full_restart:  # every process again, on "new hosts" (nothing local), from the newest durable step
@@ -170,6 +184,7 @@ def case_gcs(root: Path, hidden: int, gcs: str, reference: Path, *, full_restart
         "next_commit_s": round(at - killed, 3),
         "next_step": step,
         "resumed_from": result.resumed_from if full_restart else None,
+        "step_interval_s": interval,
         "bytes_by_tier": by_tier,
         **against(run_dir, reference),
     }
@@ -188,7 +203,12 @@ def main() -> None:
         f"state {state_bytes / 2**20:.1f} MB (features = hidden = {hidden}), {args.repeats} repeats, in {root}",
         file=sys.stderr,
     )
-    runs: dict[str, list[dict[str, Any]]] = {"slices": [], "gcs_in_place": [], "gcs_full_restart": []}
+    runs: dict[str, list[dict[str, Any]]] = {
+        "slices": [],
+        "gcs_in_place": [],
+        "gcs_neighbours": [],
+        "gcs_full_restart": [],
+    }
     started = time.time()
     with running_emulator("bench", root / "emulator.log") as emulator, contextlib.ExitStack():
         os.environ["STORAGE_EMULATOR_HOST"] = emulator.url  # the workers started here inherit it
@@ -204,7 +224,12 @@ def main() -> None:
                     outcome = case_slices(scratch, hidden, references[2])
                 else:
                     outcome = case_gcs(
-                        scratch, hidden, "gs://bench", references[1], full_restart=name == "gcs_full_restart"
+                        scratch,
+                        hidden,
+                        "gs://bench",
+                        references[1],
+                        full_restart=name == "gcs_full_restart",
+                        neighbours=name == "gcs_neighbours",
                     )
                 runs[name].append(outcome)
                 print(name, json.dumps(outcome), file=sys.stderr)
@@ -215,6 +240,7 @@ def main() -> None:
         "minutes": round((time.time() - started) / 60, 1),
         "next_commit_s_median": medians,
         "full_restart_over_in_place": round(medians["gcs_full_restart"] / medians["gcs_in_place"], 2),
+        "full_restart_over_neighbours": round(medians["gcs_full_restart"] / medians["gcs_neighbours"], 2),
         "runs": runs,
     }
     print(json.dumps(summary, indent=1))
