@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gcs_support import small_state
 
-from runtime.core.errors import SnapshotUnavailable
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
 from storage.replicas import MAX_PINS, ReplicaFiles, job_fingerprint, replica, run_identity
 
 
@@ -131,5 +131,27 @@ def test_replicas_of_durable_steps_stay_until_a_newer_durable_step_is_committed(
             files.pin(step)
             files.save(replica(step, step, small_state(step)))
         assert held() == list(range(10, 10 + MAX_PINS))  # steps 4 to 9 unpinned and gone
+    finally:
+        files.close()
+
+
+def test_listing_reads_only_manifests_and_a_replica_that_fails_its_read_is_never_listed_again(
+    tmp_path: Path,
+) -> None:
+    files = ReplicaFiles(tmp_path, "worker-0")
+    try:
+        for step in (1, 2):
+            files.save(replica(step, 10 * step, small_state(step)))
+            files.wait()
+        victim = next(p for p in files.tier.path_of(2).rglob("*") if p.is_file() and p.stat().st_size > 1000)
+        victim.write_bytes(victim.read_bytes()[:-100])  # truncated: its size no longer matches the manifest
+        listed = files.listed()
+        assert list(listed) == [2, 1]  # the damage is not seen by listing, which reads no data
+        with pytest.raises(CheckpointInvalid) as caught:
+            files.read(2, listed[2], small_state(0))
+        assert str(victim.relative_to(files.tier.path_of(2))) in caught.value.path + caught.value.reason
+        assert any(str(files.tier.path_of(2)) in entry for entry in files.skipped)
+        assert list(files.listed()) == [1]
+        assert files.read(1, files.listed()[1], small_state(0)).data_position == 10
     finally:
         files.close()
