@@ -9,7 +9,7 @@ Each process copies to host memory only what it holds: for every array the small
 that covers its shards (:func:`local_box`, :func:`local_copy`). Processes at the same position of different
 slices hold the same boxes, so a slice is its neighbours' replica, shard for shard.
 
-A re-formed group restores from one *source slice* (:func:`restore_from_slice`): every process puts its box
+A re-formed group restores from one *source slice* (:class:`SliceRestore`): every process puts its box
 (or zeros, when it holds nothing of that step) into a stacked array with one entry per slice, and one jitted
 selection of the source's entry moves each shard from the source slice's process at the same position
 (XLA's collectives over the ``data`` axis). No process ever holds more than its own shards.
@@ -29,12 +29,12 @@ from runtime.core.errors import SnapshotUnavailable
 
 __all__ = [
     "NeighbourShift",
+    "SliceRestore",
     "local_box",
     "local_copy",
     "local_like",
     "over_model",
     "per_leaf",
-    "restore_from_slice",
     "uses_axis",
 ]
 
@@ -194,88 +194,112 @@ def _devices_per_process(mesh: Any) -> int:
     return sum(d.process_index == row[0].process_index for d in row)
 
 
-def restore_from_slice(
-    boxes: PyTree | None,
-    position: int,
-    template: PyTree,
-    shardings: PyTree,
-    *,
-    source: int,
-    neighbour: PyTree | None = None,
-    neighbour_position: int = -1,
-    from_neighbour: bool = False,
-) -> tuple[PyTree, int]:
-    """The state on ``shardings``' mesh, taken from slice ``source``, and the source's data position.
+class SliceRestore:
+    """The restore of a group: the state on ``shardings``' mesh, taken from one source slice.
 
-    A collective over the current group: every process calls it with the same ``source``. ``boxes`` is this
-    process's :func:`local_copy` of the step being restored, or None when it holds nothing of that step (a
-    replacement); only the source slice's boxes are read, and each process receives only its own shards.
+    A collective over the group: every process calls it with the same ``source``, each with its own
+    :func:`local_copy` of the step (or None when it holds nothing of it, or is outside the source slice); only
+    the source slice's boxes are read, and each process receives only its own shards. With neighbour replicas
+    (:class:`NeighbourShift`), a process of the source slice whose shards are missing takes them from the next
+    process's neighbour copy: one collective permute back over ``model``, then the source's selection.
 
-    With neighbour replicas (:class:`NeighbourShift`), a process of the source slice whose shards are missing
-    (``from_neighbour``; the same value on every process of a slice that does so) takes them from the next
-    process's ``neighbour`` copy: one collective permute back over ``model``, then the source's selection.
-    ``position`` and ``neighbour_position`` are the data positions of ``boxes`` and ``neighbour``.
+    The programs (with and without neighbour copies, the source an argument) are compiled when it is built, at
+    a group's forming: a restore never compiles.
     """
-    leaves, treedef = jax.tree.flatten(template)
-    leaf_shardings: list[Any] = jax.tree.leaves(per_leaf(shardings, template))  # NamedShardings are leaves
-    mesh = leaf_shardings[0].mesh
-    held: list[Any] = jax.tree.leaves(boxes) if boxes is not None else [None] * len(leaves)
-    spares: list[Any] = jax.tree.leaves(neighbour) if neighbour is not None else [None] * len(leaves)
-    stacks, specs = [], []
-    for leaf, sharding, mine, spare in zip(leaves, leaf_shardings, held, spares, strict=True):
-        shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
-        spec = PartitionSpec("data", *tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec)))
-        box = local_box(shape, sharding)
-        stacked_sharding = NamedSharding(mesh, spec)
-        stack = (mesh.shape["data"], *shape)
-        stacks.append(jax.make_array_from_callback(stack, stacked_sharding, _reader(mine, box, shape, dtype)))
-        if from_neighbour:
-            stacks.append(jax.make_array_from_callback(stack, stacked_sharding, _reader(spare, box, shape, dtype)))
-        specs.append(spec)
-    # The data position: every device says its process's (-1: none); the source slice's largest is its own.
-    grid = NamedSharding(mesh, PartitionSpec("data", "model"))
-    mine_position = position if boxes is not None else neighbour_position if from_neighbour else -1
-    positions = jax.make_array_from_callback(
-        (mesh.shape["data"], mesh.shape["model"]), grid, lambda index: np.full((1, 1), mine_position, np.int32)
-    )
-    # Which devices take their shards from the neighbour copy: those of processes holding nothing of the step.
-    missing = jax.make_array_from_callback(
-        (mesh.shape["data"], mesh.shape["model"]), grid, lambda index: np.full((1, 1), boxes is None, np.bool_)
-    )
-    outputs = (*leaf_shardings, NamedSharding(mesh, PartitionSpec()))
-    dtypes = [np.asarray(leaf).dtype for leaf in leaves]
-    size, per_process = mesh.shape["model"], _devices_per_process(mesh)
-    backward = [(j, (j - per_process) % size) for j in range(size)]
 
-    def take_back(flags: jax.Array, pairs: list[jax.Array]) -> list[jax.Array]:
-        # Every device of a process that misses its shards takes those its next neighbour keeps of them.
-        owns, copies = pairs[0::2], pairs[1::2]
-        return [
-            jax.lax.select(
-                jnp.broadcast_to(flags.reshape((1,) * own.ndim), own.shape),
-                jax.lax.ppermute(copy, "model", backward),
-                own,
-            )
-            for own, copy in zip(owns, copies, strict=True)
+    def __init__(self, template: PyTree, shardings: PyTree, *, neighbours: bool) -> None:
+        leaves, self._treedef = jax.tree.flatten(template)
+        self._leaf_shardings: list[Any] = jax.tree.leaves(per_leaf(shardings, template))  # NamedShardings: leaves
+        mesh = self._mesh = self._leaf_shardings[0].mesh
+        self._shapes = [np.shape(leaf) for leaf in leaves]
+        self._dtypes = [np.asarray(leaf).dtype for leaf in leaves]
+        self._specs = [
+            PartitionSpec("data", *tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec)))
+            for sharding, shape in zip(self._leaf_shardings, self._shapes, strict=True)
         ]
+        self._grid = NamedSharding(mesh, PartitionSpec("data", "model"))
+        self._programs = {with_copies: self._compile(with_copies) for with_copies in {False, neighbours}}
 
-    def select(flags: jax.Array, stacked: list[jax.Array], where: jax.Array) -> list[jax.Array]:
-        if from_neighbour:
-            stacked = jax.shard_map(
-                take_back,
-                mesh=mesh,
-                in_specs=(PartitionSpec("data", "model"), [s for s in specs for _ in (0, 1)]),
-                out_specs=specs,
-                check_vma=False,
-            )(flags, stacked)
-        # XLA may select by summing masked entries (a reduction over "data"): in floats -0.0 + 0.0 is +0.0.
-        # The entries travel as their bits, where adding zeros changes nothing, and become floats again here.
-        chosen = [jax.lax.bitcast_convert_type(a[source], dtype) for a, dtype in zip(stacked, dtypes, strict=True)]
-        return [*chosen, jnp.max(where[source])]
+    def _compile(self, with_copies: bool) -> Any:
+        mesh, specs, dtypes = self._mesh, self._specs, self._dtypes
+        size, per_process = mesh.shape["model"], _devices_per_process(mesh)
+        backward = [(j, (j - per_process) % size) for j in range(size)]
 
-    chosen = jax.jit(select, out_shardings=list(outputs))(missing, stacks, positions)
-    state = jax.tree.unflatten(treedef, chosen[:-1])
-    return state, int(np.asarray(chosen[-1].addressable_data(0)))
+        def take_back(flags: jax.Array, pairs: list[jax.Array]) -> list[jax.Array]:
+            # Every device of a process that misses its shards takes those its next neighbour keeps of them.
+            return [
+                jax.lax.select(
+                    jnp.broadcast_to(flags.reshape((1,) * own.ndim), own.shape),
+                    jax.lax.ppermute(copy, "model", backward),
+                    own,
+                )
+                for own, copy in zip(pairs[0::2], pairs[1::2], strict=True)
+            ]
+
+        def select(flags: jax.Array, stacked: list[jax.Array], where: jax.Array, source: jax.Array) -> list[Any]:
+            if with_copies:
+                paired = [spec for spec in specs for _ in (0, 1)]
+                stacked = jax.shard_map(
+                    take_back, mesh=mesh, in_specs=(self._grid.spec, paired), out_specs=specs, check_vma=False
+                )(flags, stacked)
+            # XLA may select by summing masked entries (a reduction over "data"): in floats -0.0 + 0.0 is +0.0.
+            # The entries travel as their bits, where adding zeros changes nothing, and become floats again here.
+            chosen = [
+                jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(a, source, keepdims=False), dtype)
+                for a, dtype in zip(stacked, dtypes, strict=True)
+            ]
+            return [*chosen, jnp.max(jax.lax.dynamic_index_in_dim(where, source, keepdims=False))]
+
+        slices = mesh.shape["data"]
+        stacked = [
+            jax.ShapeDtypeStruct((slices, *shape), _bits(dtype), sharding=NamedSharding(mesh, spec))
+            for shape, dtype, spec in zip(self._shapes, dtypes, specs, strict=True)
+            for _ in range((1, 2)[with_copies])
+        ]
+        grid = (slices, mesh.shape["model"])
+        replicated = NamedSharding(mesh, PartitionSpec())
+        arguments = (
+            jax.ShapeDtypeStruct(grid, np.bool_, sharding=self._grid),
+            stacked,
+            jax.ShapeDtypeStruct(grid, np.int32, sharding=self._grid),
+            jax.ShapeDtypeStruct((), np.int32, sharding=replicated),
+        )
+        outputs = [*self._leaf_shardings, replicated]
+        return jax.jit(select, out_shardings=outputs).lower(*arguments).compile()
+
+    def __call__(
+        self,
+        boxes: PyTree | None,
+        position: int,
+        *,
+        source: int,
+        neighbour: PyTree | None = None,
+        neighbour_position: int = -1,
+        from_neighbour: bool = False,
+    ) -> tuple[PyTree, int]:
+        """The restored state and the source's data position. ``position`` and ``neighbour_position`` are the
+        data positions of ``boxes`` and ``neighbour``; ``from_neighbour`` is the same on every process."""
+        mesh, n = self._mesh, len(self._shapes)
+        held: list[Any] = jax.tree.leaves(boxes) if boxes is not None else [None] * n
+        spares: list[Any] = jax.tree.leaves(neighbour) if neighbour is not None else [None] * n
+        stacks = []
+        for shape, dtype, sharding, spec, mine, spare in zip(
+            self._shapes, self._dtypes, self._leaf_shardings, self._specs, held, spares, strict=True
+        ):
+            box = local_box(shape, sharding)
+            stack, stacked_sharding = (mesh.shape["data"], *shape), NamedSharding(mesh, spec)
+            stacks.append(jax.make_array_from_callback(stack, stacked_sharding, _reader(mine, box, shape, dtype)))
+            if from_neighbour:
+                stacks.append(jax.make_array_from_callback(stack, stacked_sharding, _reader(spare, box, shape, dtype)))
+        grid = (mesh.shape["data"], mesh.shape["model"])
+        # The data position: every device says its process's (-1: none); the source slice's largest is its own.
+        mine_position = position if boxes is not None else neighbour_position if from_neighbour else -1
+        positions = jax.make_array_from_callback(grid, self._grid, lambda _: np.full((1, 1), mine_position, np.int32))
+        # Which devices take their shards from the neighbour copy: those of processes holding nothing of the step.
+        missing = jax.make_array_from_callback(grid, self._grid, lambda _: np.full((1, 1), boxes is None, np.bool_))
+        chosen = self._programs[from_neighbour](missing, stacks, positions, np.int32(source))
+        state = jax.tree.unflatten(self._treedef, chosen[:-1])
+        return state, int(np.asarray(chosen[-1].addressable_data(0)))
 
 
 def _reader(mine: np.ndarray | None, box: Box, shape: tuple[int, ...], dtype: Any) -> Any:

@@ -80,7 +80,7 @@ from storage.disk import DiskTier
 from storage.manifest import describe_leaves
 from storage.replicas import MAX_PINS, ReplicaFiles, replica, run_identity
 from storage.sharded import ShardedStore, writes
-from storage.shards import NeighbourShift, local_copy, local_like, restore_from_slice, uses_axis
+from storage.shards import NeighbourShift, SliceRestore, local_copy, local_like, uses_axis
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,7 @@ class Worker:
         # With neighbour replicas: the previous process's shards of the same step, and the permute that moves them.
         self.neighbour: HostSnapshot | None = None
         self.shift: NeighbourShift | None = None
+        self.restorer: SliceRestore | None = None  # the group's restore, compiled at forming
         # While joining: the steps its replica files hold, with the folders holding each (read only if restored),
         # and the tier they are in ("shm" or "disk").
         self.files: dict[int, list[DiskTier]] = {}
@@ -325,6 +326,7 @@ class Worker:
         self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
         self.shift = NeighbourShift(self.template, self.state_shardings) if form.neighbour_replicas else None
+        self.restorer = SliceRestore(self.template, self.state_shardings, neighbours=form.neighbour_replicas)
         if self.shift is None:
             self.neighbour = None
         compiled = time.monotonic()
@@ -450,11 +452,10 @@ class Worker:
             # Every member takes its shards from the source slice, its own included: every member then holds
             # exactly the source's values, whichever tier each one held.
             spare = self.neighbour if self.neighbour is not None and self.neighbour.step == restore.step else None
-            self.state, position = restore_from_slice(
+            assert self.restorer is not None
+            self.state, position = self.restorer(
                 mine.tree if mine is not None else None,
                 mine.data_position if mine is not None else 0,
-                self.template,
-                self.state_shardings,
                 source=restore.source,
                 neighbour=spare.tree if spare is not None else None,
                 neighbour_position=spare.data_position if spare is not None else -1,
