@@ -653,9 +653,9 @@ class Controller(GroupFormer):
         )
 
     async def _unreadable_step(self, message: Unreadable) -> None:
-        """A member found its shards of the step being restored damaged: the group re-forms from the next best
-        step. A durable step is withdrawn (its manifest set aside, its files kept for a look); a replica file is
-        never listed again by the member that found it."""
+        """A member found its shards of the step being restored damaged: unless it read them from the next tier,
+        the group re-forms from the next best step. A durable step is withdrawn (its manifest set aside, its
+        files kept for a look); a replica file is never listed again by the member that found it."""
         log.error(
             "controller: %s step %d unreadable (%s: %s)", message.tier, message.step, message.path, message.reason
         )
@@ -670,8 +670,9 @@ class Controller(GroupFormer):
         )
         if message.tier == "durable" and self.durable is not None:
             await anyio.to_thread.run_sync(self.durable.withdraw, message.step)
-        self._unreadable = f"{message.tier} step {message.step} unreadable: {message.reason}"
-        self._wake.set()
+        if not message.recovered_from:  # else the member read the step from the next tier, and the restore goes on
+            self._unreadable = f"{message.tier} step {message.step} unreadable: {message.reason}"
+            self._wake.set()
 
     async def _skipped(self, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
         for entry in skipped:

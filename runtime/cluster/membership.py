@@ -125,7 +125,12 @@ class Membership:
         if source < 0:
             held_any = sorted({s for r in reports for s in r.holds() if s > 0})
             missing = ""
-            if held_any:
+            if not held_any and self.high_water > 0:  # never start again from the initial state by accident
+                missing = (
+                    f"the group committed step {self.high_water}, but no member holds any step of this run "
+                    "(replicas lost, fenced or unreadable; durable steps withdrawn)"
+                )
+            elif held_any:
                 newest = held_any[-1]
                 lacking = [i for i, r in enumerate(reports) if newest not in r.holds()]
                 missing = (

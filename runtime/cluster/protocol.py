@@ -147,7 +147,8 @@ class Restored(Message, frozen=True, kw_only=True):
 
 class Unreadable(Message, frozen=True, kw_only=True):
     """The worker could not read its shards of ``step`` from ``tier`` ("durable", or its replica files' "shm" or
-    "disk"; ``path``: a missing, truncated or damaged file): the group must restore another step."""
+    "disk"; ``path``: a missing, truncated or damaged file). Unless another tier gave them (``recovered_from``),
+    the group must restore another step."""
 
     worker: int
     generation: int
@@ -155,6 +156,8 @@ class Unreadable(Message, frozen=True, kw_only=True):
     tier: str = "durable"
     path: str
     reason: str
+    # The tier it read the step from instead ("": none did; the group must restore another step).
+    recovered_from: str = ""
 
 
 class Finished(Message, frozen=True, kw_only=True):

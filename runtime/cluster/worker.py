@@ -32,6 +32,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
@@ -90,6 +91,8 @@ Inbound = Form | Restore | Warm | Stop
 _HANDSHAKE_TRIES = 5
 # How long a step still running when the group re-forms may take to finish before it is abandoned.
 _ABANDON_GRACE_S = 0.2
+# How long a new group waits for an abandoned restore that may still be reading its shards.
+_RESTORE_SETTLE_S = 2.0
 
 
 def is_worker() -> bool:
@@ -220,6 +223,9 @@ class Worker:
         self.state: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self._deferred: Form | None = None  # a planned re-forming, due after its ``at_step``
+        # A restore left running when the group re-formed: it may still be reading, and must not build arrays on
+        # the next group's backend (see ``_form``).
+        self._abandoned_restore: Future[Any] | None = None
 
     # --- the loop ----------------------------------------------------------------------------------------
 
@@ -235,11 +241,18 @@ class Worker:
                 case Form():
                     self._form(message)
                 case Restore() if message.generation == self.generation:
-                    # The broadcast is a collective too: if a peer dies during it, abandon it like a step.
-                    outcome = self._await(self._pool.submit(self._restore, message))
+                    # The restore is a collective too: if a peer dies during it, abandon it like a step. Its
+                    # thread only returns what it restored; the worker's state is set here, by this thread.
+                    abandoned = threading.Event()
+                    future = self._pool.submit(self._restore, message, self.files, abandoned)
+                    self.files = {}
+                    outcome = self._await(future, what=f"the restore of step {message.step}")
                     if isinstance(outcome, Message):
+                        abandoned.set()
+                        self._abandoned_restore = future
                         pending = outcome
                     elif outcome is not None:
+                        self._restored(message, outcome[0])
                         pending = self._train(message.target_steps)
                 case Restore():
                     log.info("stale restore for generation %d ignored", message.generation)
@@ -285,6 +298,11 @@ class Worker:
         self.fences = dict(form.fences)
         if form.faults:
             attach_worker_faults(self, form.faults)
+        if self._abandoned_restore is not None:
+            # Reading files, it ends soon (and then stops before touching JAX); blocked in a collective, never.
+            with contextlib.suppress(Exception):
+                self._abandoned_restore.result(timeout=_RESTORE_SETTLE_S)
+            self._abandoned_restore = None
         if self.initialized:
             _leave_group()
             jax.extend.backend.clear_backends()
@@ -431,75 +449,98 @@ class Worker:
                 found.add(step)
         return found
 
-    def _restore(self, restore: Restore) -> tuple[PyTree, float]:
+    def _restore(
+        self, restore: Restore, files: dict[int, list[DiskTier]], abandoned: threading.Event
+    ) -> tuple[_Restoration, float]:
+        """Read this process's shards of ``restore.step`` (when the source slice needs them) and take part in the
+        group's restore. Runs in the step thread and changes nothing of the worker's: ``_restored`` does."""
         import jax
 
-        tier, nbytes = "none", 0
         if restore.source < 0:
-            self.state, position = self._place(self.template, self.state_shardings), 0
-            boxes = local_copy(self.state)
-        else:
-            # Only the source slice's shards are read: the other slices' would be thrown away. A process of it
-            # whose shards are in its neighbour's RAM takes them from there.
-            in_source = self.process_id // self.slice_size == restore.source
-            takes = in_source and self.process_id % self.slice_size in restore.from_neighbour
-            files, self.files = self.files, {}
-            mine: HostSnapshot | None = None
-            if takes:
-                tier = "neighbour"
-            elif in_source:
-                tier, mine = self._read_own(restore.step, files)
-            # Every member takes its shards from the source slice, its own included: every member then holds
-            # exactly the source's values, whichever tier each one held.
-            spare = self.neighbour if self.neighbour is not None and self.neighbour.step == restore.step else None
-            assert self.restorer is not None
-            self.state, position = self.restorer(
-                mine.tree if mine is not None else None,
-                mine.data_position if mine is not None else 0,
-                source=restore.source,
-                neighbour=spare.tree if spare is not None else None,
-                neighbour_position=spare.data_position if spare is not None else -1,
-                from_neighbour=bool(restore.from_neighbour),
-            )
-            self.neighbour = spare  # the previous process's shards of this step are still those it keeps
-            boxes = mine.tree if mine is not None else local_copy(self.state)
-            nbytes = mine.nbytes if mine is not None else sum(leaf.nbytes for leaf in _leaves(boxes)) if takes else 0
-        self.step = restore.step
-        self.ram = replica(restore.step, position, boxes, self.identity | self.layout, generation=self.generation)
-        jax.block_until_ready(self.state)
-        self.link.send(
-            Restored(worker=self.worker, generation=self.generation, step=restore.step, tier=tier, nbytes=nbytes)
+            state = self._place(self.template, self.state_shardings)
+            return _Restoration(state, 0, local_copy(state), "none", 0, None), 0.0
+        # Only the source slice's shards are read: the other slices' would be thrown away. A process of it
+        # whose shards are in its neighbour's RAM takes them from there.
+        in_source = self.process_id // self.slice_size == restore.source
+        takes = in_source and self.process_id % self.slice_size in restore.from_neighbour
+        tier, mine = "none", None
+        if takes:
+            tier = "neighbour"
+        elif in_source:
+            tier, mine = self._read_own(restore, files)
+        if abandoned.is_set():  # the group re-formed while this read: the backend is no longer this group's
+            raise RuntimeError(f"the restore of step {restore.step} was abandoned")
+        spare = self.neighbour if self.neighbour is not None and self.neighbour.step == restore.step else None
+        assert self.restorer is not None
+        # Every member takes its shards from the source slice, its own included: every member then holds
+        # exactly the source's values, whichever tier each one held.
+        state, position = self.restorer(
+            mine.tree if mine is not None else None,
+            mine.data_position if mine is not None else 0,
+            source=restore.source,
+            neighbour=spare.tree if spare is not None else None,
+            neighbour_position=spare.data_position if spare is not None else -1,
+            from_neighbour=bool(restore.from_neighbour),
         )
-        self._heartbeat()
-        return self.state, 0.0
+        jax.block_until_ready(state)
+        boxes = mine.tree if mine is not None else local_copy(state)
+        nbytes = mine.nbytes if mine is not None else sum(leaf.nbytes for leaf in _leaves(boxes)) if takes else 0
+        return _Restoration(state, position, boxes, tier, nbytes, spare), 0.0
 
-    def _read_own(self, step: int, files: dict[int, list[DiskTier]]) -> tuple[str, HostSnapshot]:
-        """This process's shards of ``step``, from the fastest tier holding them: RAM, a replica file, the
-        durable tier (raises CheckpointInvalid when all that hold it fail verification)."""
+    def _restored(self, restore: Restore, done: _Restoration) -> None:
+        """The group's restore finished: the worker holds its step (and the neighbour copy of it it kept)."""
+        self.state, self.step, self.neighbour = done.state, restore.step, done.neighbour
+        self.ram = replica(
+            restore.step, done.position, done.boxes, self.identity | self.layout, generation=restore.generation
+        )
+        restored = Restored(
+            worker=self.worker, generation=restore.generation, step=restore.step, tier=done.tier, nbytes=done.nbytes
+        )
+        self.link.send(restored)
+        self._heartbeat()
+
+    def _read_own(self, restore: Restore, files: dict[int, list[DiskTier]]) -> tuple[str, HostSnapshot]:
+        """This process's shards of the step, from the fastest tier holding them that verifies: RAM, its replica
+        files, the durable tier. Each one that fails its checksums is reported (``Unreadable``); when all fail,
+        CheckpointInvalid is raised, and the controller re-forms from another step: never a partial state."""
+        step = restore.step
         if self.ram is not None and self.ram.step == step:
             return "ram", self.ram
-        tier = self.files_tier if step in files else "durable" if step in self.durable_steps else "none"
-        try:
-            if tier == "none":  # the plan counted on this process: it said it holds the step
-                where = str(self.replicas.directory)
-                raise CheckpointInvalid(f"step {step} is no longer held here", path=where, reason="not held")
-            if step in files:
-                return tier, self.replicas.read(step, files[step], self.local_like)
-            return tier, self._read_durable(step)
-        except CheckpointInvalid as exc:
-            # Not into the collective with a partial state: the controller re-forms from another step (a damaged
-            # replica file is never listed again; a damaged durable step is withdrawn).
-            self.link.send(
-                Unreadable(
-                    worker=self.worker,
-                    generation=self.generation,
-                    step=step,
-                    tier=tier,
-                    path=exc.path,
-                    reason=exc.reason,
-                )
+        sources: list[tuple[str, Callable[[], HostSnapshot]]] = []
+        if step in files:
+            sources.append((self.files_tier, lambda: self.replicas.read(step, files[step], self.local_like)))
+        if step in self.durable_steps:
+            sources.append(("durable", lambda: self._read_durable(step)))
+        failures: list[tuple[str, CheckpointInvalid]] = []
+        for tier, read in sources:
+            try:
+                snapshot = read()
+            except CheckpointInvalid as exc:
+                failures.append((tier, exc))
+                continue
+            self._unreadable(restore, failures, recovered_from=tier)
+            return tier, snapshot
+        if not failures:  # the plan counted on this process, which said it holds the step
+            where = str(self.replicas.directory)
+            failures.append(("none", CheckpointInvalid(f"step {step} not held", path=where, reason="not held")))
+        self._unreadable(restore, failures, recovered_from="")
+        raise failures[-1][1]
+
+    def _unreadable(
+        self, restore: Restore, failures: list[tuple[str, CheckpointInvalid]], *, recovered_from: str
+    ) -> None:
+        for tier, exc in failures:
+            log.error("step %d unreadable from %s: %s", restore.step, tier, exc)
+            unreadable = Unreadable(
+                worker=self.worker,
+                generation=restore.generation,
+                step=restore.step,
+                tier=tier,
+                path=exc.path,
+                reason=exc.reason,
+                recovered_from=recovered_from,
             )
-            raise
+            self.link.send(unreadable)
 
     def _read_durable(self, step: int) -> HostSnapshot:
         """This process's shards of durable checkpoint ``step``, only the bytes they need, verified."""
@@ -611,10 +652,12 @@ class Worker:
                 return message
 
     def _await(
-        self, future: Future[tuple[PyTree, float]], *, users_code: bool = False
-    ) -> tuple[PyTree, float] | Inbound | None:
+        self, future: Future[tuple[Any, float]], *, users_code: bool = False, what: str = ""
+    ) -> tuple[Any, float] | Inbound | None:
         """The step's result; a controller message if one came while the step hung; None if the step raised.
-        ``users_code``: the future runs the user's data and step, whose own errors end the run."""
+        ``users_code``: the future runs the user's data and step, whose own errors end the run. ``what``: what
+        the future does, for the log (default: the next step)."""
+        what = what or f"step {self.step + 1}"
         lapsed = False
         while True:
             try:
@@ -631,13 +674,13 @@ class Worker:
                     log.exception("step %d failed in the user's code; reporting it to the controller", self.step + 1)
                     self._report_failure(type(exc).__name__, str(exc), traceback.format_exc(), step=self.step + 1)
                 else:
-                    log.error("step %d failed: %s: %s; waiting for the group to re-form", self.step + 1, type(exc), exc)
+                    log.error("%s failed: %s: %s; waiting for the group to re-form", what, type(exc), exc)
                 return None
             try:
                 return future.result(timeout=_ABANDON_GRACE_S)
             except FutureTimeout:
                 # Blocked in a collective with a dead peer: gloo never returns. Leave the thread behind.
-                log.warning("abandoning step %d, blocked in a collective; re-forming", self.step + 1)
+                log.warning("abandoning %s, blocked in a collective; re-forming", what)
                 self._pool.shutdown(wait=False)
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
                 return self.link.inbox.get()
@@ -703,6 +746,19 @@ class Worker:
             final = replica(target, self.ram.data_position, whole, self.identity)
             DiskTier(result, name="result", check_space=False).save(final, timeout=600.0)
         self.link.send(Finished(worker=self.worker, generation=self.generation, step=target, digest=digest))
+
+
+@dataclass
+class _Restoration:
+    """What a restore gives a worker: the state on its devices, its data position, this process's boxes of it,
+    and where they came from."""
+
+    state: PyTree
+    position: int
+    boxes: PyTree
+    tier: str
+    nbytes: int
+    neighbour: HostSnapshot | None  # the neighbour copy of the restored step it keeps, if any
 
 
 def _log_failure(future: Future[None]) -> None:
