@@ -157,13 +157,19 @@ def read_local(
         """The file's bytes, once its size and CRC32C match the manifest's."""
         nonlocal nbytes
         path, entry = f"{where}/{rel}", entries.get(rel)
+        if entry is None:
+            raise CheckpointInvalid(f"{path}: not in the manifest", path=path, reason="not in the manifest")
         try:
-            data = read(rel) if entry is not None else b""
+            data = read(rel)
         except OSError as exc:
             raise CheckpointInvalid(f"cannot read {path}: {exc}", path=path, reason=str(exc)) from exc
-        if entry is None or len(data) != entry.size or int(google_crc32c.value(data)) != entry.crc32c:
-            reason = "not in the manifest" if entry is None else "size or CRC32C differs from the manifest's"
-            raise CheckpointInvalid(f"{path}: {reason}", path=path, reason=reason)
+        if len(data) != entry.size:
+            reason = f"size {len(data)}, manifest says {entry.size}"
+            raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=path, reason=reason)
+        crc = int(google_crc32c.value(data))
+        if crc != entry.crc32c:
+            reason = f"crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
+            raise CheckpointInvalid(f"{path}: {reason} (altered bytes)", path=path, reason=reason)
         nbytes += len(data)
         return data
 
