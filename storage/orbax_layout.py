@@ -100,9 +100,13 @@ def fsync_all(paths: list[Path], *, workers: int = 16) -> None:
             future.result()
 
 
-def _crc_of_array(array: np.ndarray) -> int:
+def crc_of_array(array: np.ndarray) -> int:
+    """The CRC32C of a C-contiguous array's bytes, computed in place.
+
+    google_crc32c takes read-only buffers only: a writable one would have to be copied to ``bytes`` first.
+    """
     view = array.reshape(-1).view(np.uint8)
-    view.flags.writeable = False  # google_crc32c reads read-only numpy buffers without a copy
+    view.flags.writeable = False  # this view only; the array stays writable
     return int(google_crc32c.value(view))
 
 
@@ -213,7 +217,7 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
         meta = zarray(array.shape, array.shape, array.dtype)
         add(directory / ".zarray", _write_file(directory / ".zarray", meta), int(google_crc32c.value(meta)))
         chunk = directory / (".".join("0" for _ in array.shape) or "0")
-        crc = _crc_of_array(array)
+        crc = crc_of_array(array)
         add(chunk, _write_file(chunk, memoryview(array.reshape(-1).view(np.uint8).data)), crc)
         written.append(directory)
         name, node = array_entry(key)

@@ -77,17 +77,20 @@ def write_part(
     entries: list[FileEntry] = []
     written: list[Path] = []
 
-    def write(path: Path, data: bytes | memoryview) -> None:
+    def write(path: Path, data: bytes | memoryview, crc: int) -> None:
+        view = memoryview(data)
+        size = view.nbytes
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         written.append(path)
-        crc = int(google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data))
-        entries.append(FileEntry(path=path.relative_to(step_dir).as_posix(), size=len(memoryview(data)), crc32c=crc))
+        entries.append(FileEntry(path=path.relative_to(step_dir).as_posix(), size=size, crc32c=crc))
+
+    def write_bytes(path: Path, data: bytes) -> None:
+        write(path, data, int(google_crc32c.value(data)))
 
     tree_metadata: dict[str, Any] = {}
     paths = jax.tree_util.tree_flatten_with_path(template)[0]
@@ -100,17 +103,18 @@ def write_part(
         box = local_box(shape, sharding)
         chunks = _box_shape(box)
         if lead:
-            write(directory / ".zarray", orbax_layout.zarray(shape, chunks, np.asarray(leaf).dtype))
+            write_bytes(directory / ".zarray", orbax_layout.zarray(shape, chunks, np.asarray(leaf).dtype))
             name, node = orbax_layout.array_entry(key)
             tree_metadata[name] = node
         if own:
             array = np.ascontiguousarray(mine)
             chunk = ".".join(str(b.start // c) for b, c in zip(box, chunks, strict=True)) or "0"
-            write(directory / chunk, memoryview(array.reshape(-1).view(np.uint8).data))
+            # The chunk's CRC32C from the array in memory, without a copy of its bytes.
+            write(directory / chunk, array.reshape(-1).view(np.uint8).data, orbax_layout.crc_of_array(array))
         written.append(directory)
     if lead:
         for name, data in orbax_layout.metadata_files(template, tree_metadata, state_dir):
-            write(state_dir / name, data)
+            write_bytes(state_dir / name, data)
     orbax_layout.fsync_all([*written, state_dir, step_dir])
     return entries
 
@@ -153,13 +157,19 @@ def read_local(
         """The file's bytes, once its size and CRC32C match the manifest's."""
         nonlocal nbytes
         path, entry = f"{where}/{rel}", entries.get(rel)
+        if entry is None:
+            raise CheckpointInvalid(f"{path}: not in the manifest", path=path, reason="not in the manifest")
         try:
-            data = read(rel) if entry is not None else b""
+            data = read(rel)
         except OSError as exc:
             raise CheckpointInvalid(f"cannot read {path}: {exc}", path=path, reason=str(exc)) from exc
-        if entry is None or len(data) != entry.size or int(google_crc32c.value(data)) != entry.crc32c:
-            reason = "not in the manifest" if entry is None else "size or CRC32C differs from the manifest's"
-            raise CheckpointInvalid(f"{path}: {reason}", path=path, reason=reason)
+        if len(data) != entry.size:
+            reason = f"size {len(data)}, manifest says {entry.size}"
+            raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=path, reason=reason)
+        crc = int(google_crc32c.value(data))
+        if crc != entry.crc32c:
+            reason = f"crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
+            raise CheckpointInvalid(f"{path}: {reason} (altered bytes)", path=path, reason=reason)
         nbytes += len(data)
         return data
 

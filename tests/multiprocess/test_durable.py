@@ -4,16 +4,23 @@ One slice of 4 processes, the state sharded over all of them, durable checkpoint
 killed with ``kill -9`` and its replica files are deleted (a lost host's RAM and ``/dev/shm``): the group rolls
 back to the newest durable step, the survivors read their own shards from their own replica files and only the
 lost process's shards come from the durable tier. The checkpoint the 4 processes wrote restores with plain
-Orbax in this one process onto another mesh, and a damaged chunk is found by its checksum.
+Orbax in this one process onto another mesh.
+
+Bad input (issue 19), truncated or bit-flipped in every tier the lost shards can come from: the lost process's
+own replica files, a durable chunk on disk, a durable chunk in GCS. Each is found by its checksum and the next
+source is used (its replica files -> the durable step -> the durable step before); with every copy of its
+shards damaged, the run ends with a RecoveryError naming the step and the process, and nothing is trained.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import anyio
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -23,34 +30,52 @@ from jax.sharding import PartitionSpec as P
 
 from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, wipe_lost_replicas
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
-from runtime.core.errors import CheckpointInvalid
+from runtime.core.errors import CheckpointInvalid, RecoveryError
 from runtime.core.eventlog import read_events
-from runtime.core.events import CheckpointCommitted, CheckpointCorrupt, StateRestored
+from runtime.core.events import (
+    CheckpointCommitted,
+    CheckpointCorrupt,
+    ReplicaSkipped,
+    StateRestored,
+    StepCompleted,
+    WorkerExited,
+    WorkerLost,
+)
 from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import init_state
 from runtime.testing.gcs_emulator import running_emulator
 from runtime.testing.grammar import Fault
 from storage.disk import DiskTier
-from storage.gcs import GcsTier
+from storage.gcs import GcsTier, make_client, parse_gs_uri
+from storage.manifest import step_dirname
 from storage.sharded import ShardedStore
 
 STEPS = 30
 EVERY = 5
+LOST = 2  # the process killed; its chunk of w1 in a durable checkpoint is state/params.w1/0.2
+
+Damage = Literal["bit-flipped", "truncated"]
+# What each damage looks like to the checksummed reads (storage/checked_read.py, storage/sharded.py).
+FOUND_AS = {"bit-flipped": "(altered bytes)", "truncated": "(truncated or overwritten)"}
+REASON = {"bit-flipped": "crc32c ", "truncated": "size "}  # how the reason in a CheckpointCorrupt event starts
 
 
 def run(
     run_dir: Path,
     *,
     kill: int | None,
-    damage: int | None = None,
+    damage: dict[int, Damage] | None = None,
+    lost_replicas: Damage | None = None,
     durable: str | None = None,
-    kill_after_commit: int | None = None,
+    kill_after_commits: int | None = None,
     step_delay_s: float = 0.0,
     every: int = EVERY,
 ) -> tuple[Any, list[int]]:
-    """The demo job on 1 slice x 4 processes; the killed worker's replica files are deleted as it dies. With
-    ``damage``, one bit of process 2's chunk of w1 in that durable step is flipped as soon as it commits; with
-    ``kill_after_commit``, process 2 is killed once that durable step is committed (not at a fixed step)."""
+    """The demo job on 1 slice x 4 processes; the killed worker's replica files are deleted as it dies, or, with
+    ``lost_replicas``, damaged so (each one's chunk of w1). ``damage`` maps the n-th durable step committed
+    (1: the first) to how process 2's chunk of w1 in it is damaged as soon as it commits; with
+    ``kill_after_commits``, process 2 is killed once that many durable steps are committed (not at a fixed step).
+    Returns the result and the durable steps committed, in order."""
     replicas = run_dir / "replicas"
     controller = group_controller(
         processes=4,
@@ -66,26 +91,87 @@ def run(
     committed: list[int] = []
 
     async def note(event: CheckpointCommitted, ctx: Any) -> None:
+        assert event.step is not None
         committed.append(event.step)
-        if kill_after_commit is not None and event.step >= kill_after_commit and len(committed) == 1:
-            ctx.signal(ctx.members[2], "KILL", "test: its host is lost")
-        if event.step == damage:
-            flip_bit(Path(event.path) / "state" / "params.w1" / "0.2")
+        how = (damage or {}).get(len(committed))
+        if how is not None:
+            await anyio.to_thread.run_sync(damage_file, f"{event.path}/state/params.w1/0.{LOST}", how)
+        if len(committed) == kill_after_commits:
+            ctx.signal(ctx.members[LOST], "KILL", "test: its host is lost")
 
-    wipe_lost_replicas(controller)
+    if lost_replicas is None:
+        wipe_lost_replicas(controller)
+    else:
+        damage_lost_replicas(controller, lost_replicas)
     controller.bus.subscribe(CheckpointCommitted, note)
     return controller.run(), committed
 
 
-def restored_steps(result: Any) -> list[int]:
+def damage_lost_replicas(controller: Any, how: Damage) -> None:
+    """A lost worker's replica files stay, each damaged (``how``) in its chunk of w1, before the group
+    re-forms: its shards must come from elsewhere."""
+    done: set[Path] = set()  # a loss is reported twice (exited, lost); a second flip would undo the first
+
+    async def damage(event: WorkerExited | WorkerLost, ctx: Any) -> None:
+        if isinstance(event, WorkerExited) and event.returncode == 0:
+            return
+        tier = DiskTier(Path(controller.replica_dir) / f"worker-{event.worker}", name="shm", check_space=False)
+        for step in tier.steps(timeout=10):
+            chunk = tier.path_of(step) / "state" / "params.w1" / "0.0"  # the process's box: one chunk
+            if chunk not in done:
+                done.add(chunk)
+                damage_file(str(chunk), how)
+
+    # As wipe_lost_replicas: before the regroup handler (priority 0) asks for the group that reads the files.
+    controller.bus.subscribe(WorkerExited, damage, priority=100)
+    controller.bus.subscribe(WorkerLost, damage, priority=100)
+
+
+def events_of(result: Any) -> list[Any]:
+    return list(read_events(result.events_path))
+
+
+def restored_steps(events: list[Any]) -> list[int | None]:
     """The steps the run's re-formed groups restored, in order."""
-    return [e.step for e in read_events(result.events_path) if isinstance(e, StateRestored)]
+    return [e.step for e in events if isinstance(e, StateRestored)]
 
 
-def flip_bit(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[100] ^= 0x01
-    path.write_bytes(bytes(data))
+def damaged(data: bytes, how: Damage) -> bytes:
+    if how == "truncated":
+        return data[: len(data) // 2]
+    flipped = bytearray(data)
+    flipped[100] ^= 0x01
+    return bytes(flipped)
+
+
+def damage_file(location: str, how: Damage) -> None:
+    """Damage the file at ``location``: a path, or ``gs://BUCKET/KEY`` on the emulator (``STORAGE_EMULATOR_HOST``),
+    where the damaged bytes replace the object (a new object: its own CRC32C matches them, only the manifest's
+    does not)."""
+    if not location.startswith("gs://"):
+        path = Path(location)
+        path.write_bytes(damaged(path.read_bytes(), how))
+        return
+    bucket, key = parse_gs_uri(location)
+    blob = make_client().bucket(bucket).blob(key)
+    blob.upload_from_string(damaged(blob.download_as_bytes(), how))
+
+
+def whole_state_bytes() -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(init_state(FEATURES, HIDDEN)))
+
+
+def final(run_dir: Path) -> Any:
+    return DiskTier(run_dir / "final").latest(None).tree
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run folder of a fault-free run of the same job, which every run here must end equal to."""
+    run_dir = tmp_path_factory.mktemp("fault-free") / "run"
+    result, _ = run(run_dir, kill=None)
+    assert result.ok and result.step == STEPS, result.reason
+    return run_dir
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +188,8 @@ def test_only_the_lost_process_shards_come_from_the_durable_tier(lost: tuple[Pat
     assert {5, 10, 15, 20, 25, 30} >= set(committed) >= {10, 30}
     (recovery,) = result.recoveries
     assert recovery["restored_from"] == "durable+file", recovery
-    assert restored_steps(result) == [10] and recovery["lost_steps"] >= 3  # from step 13 (or 14) back to 10
-    whole = sum(leaf.nbytes for leaf in jax.tree.leaves(init_state(FEATURES, HIDDEN)))
+    assert restored_steps(events_of(result)) == [10] and recovery["lost_steps"] >= 3  # from step 13 (or 14) back to 10
+    whole = whole_state_bytes()
     by_tier = recovery["bytes_by_tier"]
     # The replacement read one quarter of the state (its shards, and each array's small .zarray) from the
     # durable tier; the survivors their own three quarters from their replica files on this disk.
@@ -113,12 +199,8 @@ def test_only_the_lost_process_shards_come_from_the_durable_tier(lost: tuple[Pat
 
 
 @pytest.mark.timeout(300)
-def test_the_result_matches_a_fault_free_run(lost: tuple[Path, Any, list[int]], tmp_path: Path) -> None:
-    run_dir = lost[0]
-    reference, _ = run(tmp_path / "reference", kill=None)
-    assert reference.ok
-    got, want = (DiskTier(d / "final").latest(None).tree for d in (run_dir, tmp_path / "reference"))
-    assert compare_states(got, want, bitwise=True)["match"]
+def test_the_result_matches_a_fault_free_run(lost: tuple[Path, Any, list[int]], fault_free: Path) -> None:
+    assert compare_states(final(lost[0]), final(fault_free), bitwise=True)["match"]
 
 
 def test_a_checkpoint_written_by_4_processes_restores_with_plain_orbax_onto_another_mesh(
@@ -137,33 +219,78 @@ def test_a_checkpoint_written_by_4_processes_restores_with_plain_orbax_onto_anot
     assert compare_states(jax.tree.map(np.asarray, restored), ours, bitwise=True)["match"]
 
 
-def test_a_damaged_chunk_is_found_by_its_checksum(lost: tuple[Path, Any, list[int]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["bit-flipped", "truncated"])
+def test_a_damaged_chunk_is_found_by_its_checksum(
+    lost: tuple[Path, Any, list[int]], tmp_path: Path, how: Damage
+) -> None:
     source = DiskTier(lost[0] / "durable")
     step = source.steps(timeout=10)[0]
     copy = tmp_path / "durable"
     shutil.copytree(source.path_of(step), copy / source.path_of(step).name)
-    flip_bit(copy / source.path_of(step).name / "state" / "params.w1" / "0.2")
+    damage_file(str(copy / source.path_of(step).name / "state" / "params.w1" / "0.2"), how)
     template = init_state(FEATURES, HIDDEN)
     mesh = Mesh(np.array(jax.devices()[:1]), ("model",))
     shardings = NamedSharding(mesh, P())
     store = ShardedStore(str(copy))
-    with pytest.raises(CheckpointInvalid, match=r"params\.w1/0\.2"):
+    with pytest.raises(CheckpointInvalid, match=re.escape(f"params.w1/0.{LOST}: {REASON[how]}")) as caught:
         store.read(step, store.manifest(step), template, shardings)
+    assert str(caught.value).endswith(FOUND_AS[how])
+
+
+@pytest.fixture(scope="module", params=["bit-flipped", "truncated"])
+def damaged_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Damage]:
+    """Process 2 is killed at step 13; its replica files stay, every one damaged (``how``); and so is its chunk of
+    w1 in durable step 10, the second committed."""
+    how: Damage = request.param
+    run_dir = tmp_path_factory.mktemp(f"damaged-{how}") / "run"
+    result, committed = run(run_dir, kill=LOST, damage={2: how}, lost_replicas=how)
+    assert committed[:2] == [5, 10], committed
+    return run_dir, result, how
 
 
 @pytest.mark.timeout(300)
-def test_a_damaged_durable_step_is_withdrawn_and_the_group_restores_the_one_before(tmp_path: Path) -> None:
-    result, committed = run(tmp_path / "run", kill=2, damage=10)
+def test_damaged_replica_files_and_a_damaged_durable_step_fall_back_to_the_durable_step_before(
+    damaged_run: tuple[Path, Any, Damage], fault_free: Path
+) -> None:
+    # Each is found by its checksum: the group tries step 10 with the lost shards from the durable tier (not
+    # from the lost process's damaged files), finds them damaged too, withdraws the step and goes back to 5.
+    run_dir, result, how = damaged_run
     assert result.ok and result.step == STEPS, result.reason
-    corrupt = [e for e in read_events(result.events_path) if isinstance(e, CheckpointCorrupt)]
-    assert len(corrupt) == 1 and corrupt[0].step == 10 and "params.w1/0.2" in corrupt[0].path
-    # Withdrawn (its manifest set aside), then written and committed again by the group that rolled back to 5.
-    assert committed.count(10) == 2
-    assert restored_steps(result) == [10, 5]  # tried step 10 (damaged), then went back to 5
-    assert "durable" in result.recoveries[-1]["restored_from"]
-    assert run(tmp_path / "reference", kill=None)[0].ok
-    got, want = (DiskTier(d / "final").latest(None).tree for d in (tmp_path / "run", tmp_path / "reference"))
-    assert compare_states(got, want, bitwise=True)["match"]
+    events = events_of(result)
+    [lost] = {e.worker for e in events if isinstance(e, WorkerLost)}
+    skipped = [e for e in events if isinstance(e, ReplicaSkipped) and f"/worker-{lost}/" in e.path]
+    assert len(skipped) >= 2, "the damaged replica files were not all reported"  # the 2 newest, any pinned
+    for event in skipped:
+        assert event.reason.startswith(f"{event.path}/state/params.w1/0.0: "), event
+        assert event.reason.endswith(FOUND_AS[how]), event
+    [first, second] = [e for e in events if isinstance(e, StateRestored)]
+    # Step 10: the survivors from their own replica files, the lost shards from the durable tier.
+    assert (first.step, first.restored_from) == (10, "durable+file"), first
+    corrupt = [e for e in events if isinstance(e, CheckpointCorrupt)]
+    assert [(e.step, e.tier) for e in corrupt] == [(10, "durable")], corrupt
+    chunk = DiskTier(run_dir / "durable").path_of(10) / "state" / "params.w1" / f"0.{LOST}"
+    assert corrupt[0].path == str(chunk) and corrupt[0].reason.startswith(REASON[how]), corrupt
+    # Withdrawn (its manifest set aside), then written and committed again by the group that rolled back to 5:
+    # every process from the durable tier, or (a replica kept for step 5 until step 10 was committed) its file.
+    assert [e.step for e in events if isinstance(e, CheckpointCommitted)].count(10) == 2
+    assert second.step == 5 and second.restored_from in ("durable", "durable+file"), second
+    (recovery,) = result.recoveries
+    assert recovery["restored_from"] == second.restored_from
+    assert recovery["bytes_by_tier"]["durable"] >= whole_state_bytes() // 4, recovery  # the lost shards at least
+    assert compare_states(final(run_dir), final(fault_free), bitwise=True)["match"]
+
+
+@pytest.mark.xfail(
+    reason="runtime/cluster/worker.py: a survivor's restore abandoned when the group re-forms (after 0.2 s) goes on "
+    "in its thread and reports Restored under the next generation (and sets step, ram and state after it)",
+    strict=False,
+)
+def test_each_process_restore_is_counted_once(damaged_run: tuple[Path, Any, Damage]) -> None:
+    # The group that restored step 5 has 4 processes, each restoring its quarter of the state once (plus each
+    # array's .zarray from the durable tier): no bytes of the abandoned attempt at step 10.
+    _, result, _ = damaged_run
+    by_tier = result.recoveries[-1]["bytes_by_tier"]
+    assert whole_state_bytes() <= sum(by_tier.values()) <= whole_state_bytes() + 4 * 6 * 256, by_tier
 
 
 @pytest.fixture(scope="module")
@@ -179,12 +306,12 @@ def gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_in_gcs_only_the_lost_process_shards_are_read_from_the_bucket(gcs: str, tmp_path: Path) -> None:
     # The emulator serves one request at a time (~70 ms each): a durable step's 4 parts take ~4 s to upload.
     # Slower steps, fewer durable ones, and the host is lost once one is committed.
-    result, committed = run(tmp_path / "run", kill=None, durable=gcs, kill_after_commit=10, step_delay_s=0.3, every=10)
+    result, committed = run(tmp_path / "run", kill=None, durable=gcs, kill_after_commits=1, step_delay_s=0.3, every=10)
     assert result.ok and result.step == STEPS, result.reason
     (recovery,) = result.recoveries
-    (restored,) = restored_steps(result)
+    (restored,) = restored_steps(events_of(result))
     assert recovery["restored_from"] == "durable+file" and restored in committed, recovery
-    whole = sum(leaf.nbytes for leaf in jax.tree.leaves(init_state(FEATURES, HIDDEN)))
+    whole = whole_state_bytes()
     assert whole // 4 <= recovery["bytes_by_tier"]["durable"] <= whole // 4 + 6 * 256, recovery
     # What the 4 processes wrote to the bucket is one checkpoint the GCS tier reads whole, verified.
     store = GcsTier(gcs)
@@ -192,3 +319,43 @@ def test_in_gcs_only_the_lost_process_shards_are_read_from_the_bucket(gcs: str, 
     assert compare_states(store.restore(STEPS, init_state(FEATURES, HIDDEN), timeout=60).tree, final, bitwise=True)[
         "match"
     ]
+
+
+@pytest.mark.timeout(300)
+def test_in_gcs_damaged_chunks_are_found_and_with_no_copy_left_the_run_ends_naming_step_and_process(
+    gcs: str, tmp_path: Path
+) -> None:
+    # Process 2's chunk of w1 is truncated in the first durable step committed and bit-flipped in the second;
+    # then process 2 is killed, its replica files with it. The group tries the second step (the lost shards from
+    # the bucket), finds them damaged, withdraws it; the first, the same. No copy of process 2's shards is left
+    # at any step: the run ends with a RecoveryError, and the group trains nothing after the loss.
+    run_dir, durable = tmp_path / "run", f"{gcs}-damaged"
+    with pytest.raises(RecoveryError) as caught:
+        run(
+            run_dir,
+            kill=None,
+            durable=durable,
+            damage={1: "truncated", 2: "bit-flipped"},
+            kill_after_commits=2,
+            step_delay_s=0.3,
+        )
+    events = list(read_events(run_dir / "events.jsonl"))
+    older, newer = [e.step or 0 for e in events if isinstance(e, CheckpointCommitted)]
+    corrupt = [e for e in events if isinstance(e, CheckpointCorrupt)]
+    assert [(e.step, e.tier) for e in corrupt] == [(newer, "durable"), (older, "durable")], corrupt
+    for event, how in zip(corrupt, ["bit-flipped", "truncated"], strict=True):
+        assert event.path == f"{durable}/{step_dirname(event.step or 0)}/state/params.w1/0.{LOST}", event
+        assert event.reason.startswith(REASON[how]), event
+    assert restored_steps(events) == [newer, older]
+    assert GcsTier(durable).steps(timeout=60) == []  # both withdrawn
+    message = str(caught.value)
+    found = re.search(r"the shards of process\(es\) \[(\d+)\] at step (\d+) are nowhere", message)
+    assert found is not None, message
+    # The newest step the survivors hold: the older durable step (their own shards of it, read when the group
+    # tried it), or the one they were at when process 2 was lost.
+    assert int(found[1]) == LOST and (int(found[2]) == older or int(found[2]) > newer), message
+    assert caught.value.last_committed_step == older
+    # Nothing trained on a partial state: no step completed after the first restore, no final state written.
+    restored_at = next(e.mono_time for e in events if isinstance(e, StateRestored))
+    assert not [e.step for e in events if isinstance(e, StepCompleted) and e.mono_time > restored_at]
+    assert not (run_dir / "final").exists()
