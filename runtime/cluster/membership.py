@@ -139,12 +139,18 @@ class Membership:
                     "as (process, steps))"
                 )
             return RestorePlan(step=0, source=-1, restored_from="init", lost_steps=lost_steps, missing=missing)
-        # "ram" when the source slice restores from memory only; "file" when a process of it reads a replica file.
+        # Where the source slice's processes take their shards: "ram", a replica file ("shm", "disk", or "file"
+        # when not its newest), "durable", or the next process's "neighbour" copy.
         sources = reports[source * n : (source + 1) * n]
-        used = {
-            "neighbour" if i in from_neighbour else r.tier if r.best_step == best_step else "file"
-            for i, r in enumerate(sources)
-        }
+
+        def tier_of(position: int, report: JoinReport) -> str:
+            if position in from_neighbour:
+                return "neighbour"
+            if best_step in report.durable_only:
+                return "durable"
+            return report.tier if report.best_step == best_step else "file"
+
+        used = {tier_of(i, r) for i, r in enumerate(sources)}
         restored_from = "+".join(sorted(used))
         taking = {source * n + i for i in from_neighbour}
         if any(best_step not in r.holds() for i, r in enumerate(reports) if i not in taking):
