@@ -186,7 +186,8 @@ class Controller(GroupFormer):
         self.port = 0
         self._restored = False  # the current generation got its Restore
         self.restored_bytes: dict[str, int] = {}  # what the current generation's members restored, per tier
-        self._unreadable = ""  # a member could not read the durable step being restored: why
+        self._unreadable = ""  # a member could not read the step being restored: why
+        self._failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
         self.durable = (
             DurableCommits(
                 config.durable_dir,
@@ -670,7 +671,11 @@ class Controller(GroupFormer):
         )
         if message.tier == "durable" and self.durable is not None:
             await anyio.to_thread.run_sync(self.durable.withdraw, message.step)
-        if not message.recovered_from:  # else the member read the step from the next tier, and the restore goes on
+        # Re-form once per failed restore, however many tiers or members found it damaged; not at all when the
+        # member read the step from the next tier instead.
+        failed = (message.generation, message.step)
+        if not message.recovered_from and failed not in self._failed_restores:
+            self._failed_restores.add(failed)
             self._unreadable = f"{message.tier} step {message.step} unreadable: {message.reason}"
             self._wake.set()
 
