@@ -1,10 +1,7 @@
-"""Replicas for multi-process runs: a full host copy of the state in every worker, shared by broadcast.
+"""Replica files for multi-process runs: each worker's host copy of its shards, on its host.
 
-In the multi-process layout the state is sharded over the devices *inside* a process and replicated across
-processes (the ``data`` axis spans processes), so every worker holds a complete copy: each is its
-neighbours' replica, and losing any one worker loses no committed step. A re-formed group restores by
-broadcasting the newest copy from one member (:func:`broadcast_state`), which is how a replacement worker
-takes its shards from its peers.
+Each worker keeps its own shards of every committed step in host memory (:func:`replica`, of
+:func:`storage.shards.local_copy`); a re-formed group restores from them (:class:`storage.shards.SliceRestore`).
 
 :class:`ReplicaFiles` keeps the same copy in files, one folder per process, under ``/dev/shm`` by default
 (survives the loss of every worker process, not of the host) or any directory, in the disk tier's format:
@@ -80,69 +77,6 @@ def replica(
     return HostSnapshot(
         step=step, data_position=data_position, tree=tree, nbytes=nbytes, seconds=0.0, metadata=metadata
     )
-
-
-def partly_held(shapes: PyTree, shardings: PyTree) -> list[str]:
-    """The leaves (as tree paths) of which this process would hold only a part under ``shardings``: a state
-    sharded across processes, which no host copy of one process holds whole (see :func:`host_copy`)."""
-    found: list[str] = []
-
-    def key(index: tuple[slice, ...]) -> tuple[tuple[int | None, int | None, int | None], ...]:
-        return tuple((s.start, s.stop, s.step) for s in index)  # slices are not hashable before Python 3.12
-
-    def check(prefix: Any, sharding: Any, subtree: PyTree) -> None:
-        # ``shardings`` is a prefix of the state (one sharding may stand for a whole subtree).
-        for path, leaf in jax.tree_util.tree_flatten_with_path(subtree)[0]:
-            shape = np.shape(leaf)
-            every = {key(index) for index in sharding.devices_indices_map(shape).values()}
-            mine = {key(index) for index in sharding.addressable_devices_indices_map(shape).values()}
-            if not every <= mine:
-                found.append(jax.tree_util.keystr(tuple(prefix) + tuple(path)) or "the state")
-
-    jax.tree_util.tree_map_with_path(check, shardings, shapes)
-    return found
-
-
-def host_copy(tree: PyTree) -> PyTree:
-    """Copy ``tree``'s arrays to host memory from this process's addressable shards.
-
-    Unlike the single-process RAM tier (which copies ``replica_id == 0`` shards, some of which live on other
-    processes here), every local shard is copied, so the copy is complete whenever this process holds the
-    whole array, as it does when the state is replicated across processes.
-
-    Raises:
-        SnapshotUnavailable: this process does not hold every element of some array.
-    """
-
-    def one(leaf: Any) -> np.ndarray:
-        if not isinstance(leaf, jax.Array):
-            return np.array(leaf)
-        out = np.empty(leaf.shape, leaf.dtype)
-        covered = np.zeros(leaf.shape, bool) if leaf.ndim else None
-        for shard in leaf.addressable_shards:
-            out[shard.index] = np.asarray(shard.data)
-            if covered is not None:
-                covered[shard.index] = True
-        if covered is not None and not covered.all():
-            raise SnapshotUnavailable(
-                f"process {jax.process_index()} holds only part of an array of shape {leaf.shape}; "
-                "peer replicas need the state replicated across processes"
-            )
-        return out
-
-    return jax.tree.map(one, tree)
-
-
-def broadcast_state(tree: PyTree, *, is_source: bool) -> PyTree:
-    """Every process gets the source's ``tree`` (host arrays of the same structure everywhere).
-
-    A collective over the current ``jax.distributed`` group: every member must call it, exactly one with
-    ``is_source``. Non-sources pass any tree of the right shapes and dtypes (their values are ignored).
-    """
-    from jax.experimental import multihost_utils
-
-    result: PyTree = multihost_utils.broadcast_one_to_all(tree, is_source=is_source)
-    return jax.tree.map(np.asarray, result)
 
 
 class ReplicaFiles:
