@@ -2,6 +2,7 @@
 run. Not collected by pytest.
 
     PYTHONPATH=. .venv/bin/python tests/benchmarks/bench_orbax_emergency.py [--mb 32] [--repeats 3] [--json out.json]
+        [--cases orbax_1slice,orbax_2slice,ours,ours_blocking,orbax_2slice_lost0]
 
 The demo model (``runtime/testing/demo_model.py``) scaled to about ``--mb`` MB of state (as in
 ``bench_slices.py``), 4 processes x 2 CPU devices (gloo), the hidden layer sharded over the ``model`` axis, 30
@@ -17,7 +18,8 @@ steps, ``kill -9`` of process 2 once step 15 is done and persistent/durable step
 - ``orbax_2slice``: the layout Orbax's local tier needs: 2 replicas along ``data`` (processes 0-1 and 2-3), the
   state sharded over ``model`` inside each and so held twice (each process holds half of it, not a quarter);
   the primary replica saves persistent every 5 steps, the other local every step; process 2's local folder is
-  lost, then the same restart;
+  lost, then the same restart; ``orbax_2slice_lost0`` (only with ``--cases``): process 0 of the primary replica
+  lost instead, so that the other replica's local tier serves the restore;
 - ``ours``: our runtime (``elastic-runtime launch``'s controller, a warm spare), the durable tier a local-disk
   folder every 5 steps, replica files in ``/dev/shm`` every step: the survivors keep their processes and shards,
   only process 2's shards come from the durable tier;
@@ -33,6 +35,12 @@ before it sends itself SIGKILL; every process here shares the machine's monotoni
 trained and committed after it (for Orbax: by every process, its ``save`` call returned). Bytes per step are
 measured from the checkpoints left on disk at the end (every step of a tier has the same arrays); totals are
 bytes per step times the saves made.
+
+Orbax's emergency manager needs two things a plain JAX program does not do, both done here as Orbax's own
+emergency benchmark does: ``multihost.initialize_runtime_to_distributed_ids()`` and
+``initialize_distributed_to_device_ids()`` after ``jax.distributed.initialize`` (a local save fails without
+them), and parsed absl flags (a restore from the local tier reads one). Every run is bounded
+(``RUN_TIMEOUT_S`` a group) and removes its processes, ``/dev/shm`` folders and temporary folder.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +80,13 @@ def worker_main(args: argparse.Namespace) -> None:
 
     note("started")
     import jax
+    from absl import flags
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.INFO)  # Orbax says which tier it restores from
+    # Orbax reads absl flags (--experimental_use_distributed_id_for_mesh_consistency, in a restore from the
+    # local tier) and raises UnparsedFlagAccessError outside an absl app: take the defaults.
+    flags.FLAGS.mark_as_parsed()
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_compilation_cache_dir", args.compile_cache)
@@ -123,7 +136,7 @@ def worker_main(args: argparse.Namespace) -> None:
         step += 1
         computed = time.monotonic()
         if (
-            args.process_id == LOST
+            args.process_id == args.lost
             and args.kill_at
             and step >= args.kill_at
             and saver.durable_done(args.kill_at - EVERY)
@@ -274,7 +287,9 @@ def read_log(path: Path) -> list[dict[str, Any]]:
 class Group:
     """4 harness workers of one mode, started together; killed together on any failure or timeout."""
 
-    def __init__(self, root: Path, name: str, *, mode: str, size: int, slices: int, kill_at: int = 0) -> None:
+    def __init__(
+        self, root: Path, name: str, *, mode: str, size: int, slices: int, kill_at: int = 0, lost: int = LOST
+    ) -> None:
         self.root, self.name = root, name
         self.procs: list[subprocess.Popen[bytes]] = []
         port = free_port()
@@ -291,6 +306,7 @@ class Group:
                 f"--size={size}",
                 f"--slices={slices}",
                 f"--kill-at={kill_at}",
+                f"--lost={lost}",
                 f"--local-dir={local_dir(root, pid)}",
                 f"--persistent-dir={root / 'persistent'}",
                 f"--compile-cache={root.parent / 'xla-cache'}",
@@ -303,7 +319,7 @@ class Group:
         """Until every process (or ``for_pid``) has exited; raises RuntimeError on a timeout or a failure."""
         deadline = time.monotonic() + timeout
         watched = self.procs if for_pid is None else [self.procs[for_pid]]
-        while any(p.poll() is None for p in watched):
+        while [p.poll() for p in self.procs] and any(p.returncode is None for p in watched):
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"{self.name}: timed out after {timeout} s (logs in {self.root})")
@@ -354,22 +370,25 @@ def blocking(logs: list[list[dict[str, Any]]], *, durable_only: bool = False) ->
     }
 
 
-def case_orbax(root: Path, size: int, slices: int) -> dict[str, Any]:
+def case_orbax(root: Path, size: int, slices: int, lost: int = LOST) -> dict[str, Any]:
     root.mkdir(parents=True)
     name = f"orbax_{slices}slice"
     try:
-        first = Group(root, f"{name}-first", mode="orbax", size=size, slices=slices, kill_at=KILL_AT)
+        first = Group(root, f"{name}-first", mode="orbax", size=size, slices=slices, kill_at=KILL_AT, lost=lost)
         try:
-            first.wait(for_pid=LOST)
-            if first.procs[LOST].returncode != -signal.SIGKILL:
-                raise RuntimeError(f"{name}: process {LOST} exited with {first.procs[LOST].returncode}, see {root}")
+            first.wait(for_pid=lost)
+            if first.procs[lost].returncode != -signal.SIGKILL:
+                raise RuntimeError(f"{name}: process {lost} exited with {first.procs[lost].returncode}, see {root}")
         finally:
             first.kill()  # restart on loss: every process goes, as a JobSet restarts every pod
         before = first.logs()
-        killed = next(e for e in before[LOST] if e["ev"] == "kill")
-        shutil.rmtree(local_dir(root, LOST), ignore_errors=True)  # its host's /dev/shm is gone with it
+        killed = next(e for e in before[lost] if e["ev"] == "kill")
+        shutil.rmtree(local_dir(root, lost), ignore_errors=True)  # its host's /dev/shm is gone with it
         again = Group(root, f"{name}-again", mode="orbax", size=size, slices=slices)
-        again.wait()
+        try:
+            again.wait()
+        finally:
+            again.kill()
         after = again.logs()
         restored = [next(e for e in events if e["ev"] == "restored") for events in after]
         first_steps = [next(e for e in events if e["ev"] == "step") for events in after]
@@ -387,7 +406,9 @@ def case_orbax(root: Path, size: int, slices: int) -> dict[str, Any]:
             "manager": next(e["kind"] for e in after[0] if e["ev"] == "manager"),
             "kill_step": killed["step"],
             "restored_step": restored[0]["step"],
-            "restored_from": "persistent" if slices == 1 or "from persistent" in stderr.lower() else "local",
+            "restored_from": "persistent"
+            if slices == 1 or "finished restoring from persistent checkpoint" in stderr.lower()
+            else "local",
             "restore_s": round(max(e["seconds"] for e in restored), 3),
             # From the kill, when the last process of the restarted group reached each point.
             "timeline_s": {
@@ -422,7 +443,10 @@ def case_ours_blocking(root: Path, size: int) -> dict[str, Any]:
     root.mkdir(parents=True)
     try:
         group = Group(root, "ours_blocking", mode="ours", size=size, slices=1)
-        group.wait()
+        try:
+            group.wait()
+        finally:
+            group.kill()
         logs = group.logs()
         return {
             "blocking_save_s": blocking(logs),
@@ -498,16 +522,27 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=32.0, help="state size in MB (default 32)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the results here too")
-    parser.add_argument("--cases", default="orbax_1slice,orbax_2slice,ours,ours_blocking")
+    parser.add_argument(
+        "--cases",
+        default="orbax_1slice,orbax_2slice,ours,ours_blocking",
+        help="also: orbax_2slice_lost0 (process 0 lost: Orbax restores from the other replica's local tier)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("mode", "local-dir", "persistent-dir", "compile-cache", "log"):
         parser.add_argument(f"--{name}", help=argparse.SUPPRESS)
     for name in ("process-id", "port", "size", "slices", "kill-at"):
         parser.add_argument(f"--{name}", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--lost", type=int, default=LOST, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker_main(args)
+        try:
+            worker_main(args)
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)  # not Python's exit: JAX's shutdown would wait at a barrier for peers that may be gone
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the cleanup below runs
     from bench_slices import size_for
 
     size = size_for(args.mb)
@@ -528,6 +563,8 @@ def main() -> None:
                     outcome = case_orbax(scratch, size, 1)
                 elif name == "orbax_2slice":
                     outcome = case_orbax(scratch, size, 2)
+                elif name == "orbax_2slice_lost0":  # a process of the primary replica: the other's local is whole
+                    outcome = case_orbax(scratch, size, 2, lost=0)
                 elif name == "ours":
                     outcome = case_ours(scratch, size)
                 else:
@@ -565,7 +602,7 @@ def medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         out[name] = figures
     ours = out.get("ours", {}).get("next_commit_s")
     mine = out.get("ours_blocking", {}).get("blocking_save_mean_s")
-    for name in ("orbax_1slice", "orbax_2slice"):
+    for name in ("orbax_1slice", "orbax_2slice", "orbax_2slice_lost0"):
         if name in out and ours:
             out[name]["next_commit_over_ours"] = round(out[name]["next_commit_s"] / ours, 2)
         if name in out and mine:
