@@ -629,7 +629,11 @@ class Worker:
                     if self.process_id < self.slice_size:  # the first slice writes the group's checkpoint
                         self._save_durable(final=self.step == target)
             self._heartbeat()
-        self._finish(target)
+        # The gather is a collective: a peer lost now must not leave this worker deaf to the next Form.
+        outcome = self._await(self._pool.submit(self._gather_whole), what="the final gather")
+        if isinstance(outcome, Message) or outcome is None:
+            return outcome
+        self._finish(target, outcome[0])
         return None
 
     def _fenced(self) -> Inbound | None:
@@ -729,16 +733,19 @@ class Worker:
             time.sleep(self.step_delay_s)
         return (new_state, moved), time.perf_counter() - started
 
-    def _finish(self, target: int) -> None:
+    def _gather_whole(self) -> tuple[PyTree, float]:
+        """The whole final state on every member, gathered from every slice's shards (a collective: every member
+        finishes together), once this process's part of the final durable checkpoint is out (``Saved`` before
+        ``Finished``, so the controller commits it)."""
         from jax.experimental import multihost_utils
 
-        assert self.ram is not None
         if self._durable_write is not None:
-            # The final durable checkpoint's part goes out (Saved) before Finished, so the controller commits it.
             with contextlib.suppress(Exception):  # a failure was logged by _log_failure
                 self._durable_write.result()
-        # The whole state, gathered from every slice's shards (a collective: every member finishes together).
-        whole = multihost_utils.process_allgather(self.state, tiled=True)
+        return multihost_utils.process_allgather(self.state, tiled=True), 0.0
+
+    def _finish(self, target: int, whole: PyTree) -> None:
+        assert self.ram is not None
         leaves = [np.ascontiguousarray(leaf) for leaf in _leaves(whole)]
         digest = hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
         result = os.environ.get(ENV_RESULT)

@@ -19,7 +19,7 @@ from runtime.core.events import CheckpointCommitted
 from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import init_state
 from runtime.testing.gcs_emulator import running_emulator
-from runtime.testing.grammar import Fault
+from runtime.testing.grammar import Fault, parse_faults
 from storage.disk import DiskTier
 
 STEPS = 30
@@ -39,8 +39,8 @@ def replica_shapes(replicas: Path) -> set[tuple[int, ...]]:
     return shapes
 
 
-def run(tmp_path: Path, name: str, *, processes: int, slices: int, kill: int | None) -> object:
-    faults = [] if kill is None else [Fault("kill", kill, step=10)]
+def run(tmp_path: Path, name: str, *, processes: int, slices: int, kill: int | None, faults: Any = ()) -> Any:
+    faults = [*faults, *([] if kill is None else [Fault("kill", kill, step=10)])]
     return run_group(
         processes=processes,
         slices=slices,
@@ -78,6 +78,18 @@ def test_with_one_slice_the_lost_shards_come_from_the_lost_process_replica_file(
     assert "disk" in recovery["restored_from"] and recovery["strategy"] == "reform"  # files in tmp_path
     assert result.survivor_restarts == 0
     assert replica_shapes(tmp_path / "run" / "replicas") == {(FEATURES, HIDDEN // 2)}
+    assert run(tmp_path, "reference", processes=2, slices=1, kill=None).ok
+    assert compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=True)["match"]
+
+
+@pytest.mark.timeout(240)
+def test_a_process_hung_at_the_last_step_leaves_the_other_in_the_final_gather_and_it_reforms(tmp_path: Path) -> None:
+    # Process 1 computes the last step and hangs before committing it; process 0 commits it and enters the
+    # final gather of the sharded state (a collective) with a peer that never joins. It must still hear the
+    # next Form: the hung process is replaced and the group re-forms from the last step, nobody restarts.
+    result = run(tmp_path, "run", processes=2, slices=1, kill=None, faults=parse_faults(f"hang:1@{STEPS}"))
+    assert result.ok and result.step == STEPS, result.reason
+    assert result.strategies == ["start", "reform"] and result.survivor_restarts == 0, result.strategies
     assert run(tmp_path, "reference", processes=2, slices=1, kill=None).ok
     assert compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=True)["match"]
 
