@@ -733,23 +733,36 @@ class Worker:
             time.sleep(self.step_delay_s)
         return (new_state, moved), time.perf_counter() - started
 
-    def _gather_whole(self) -> tuple[PyTree, float]:
-        """The whole final state on every member, gathered from every slice's shards (a collective: every member
-        finishes together), once this process's part of the final durable checkpoint is out (``Saved`` before
-        ``Finished``, so the controller commits it)."""
+    def _gather_whole(self) -> tuple[tuple[str, PyTree | None], float]:
+        """The final state's digest, gathered from every slice's shards (a collective: every member finishes
+        together), once this process's part of the final durable checkpoint is out (``Saved`` before
+        ``Finished``, so the controller commits it). Only the process that writes the result keeps the whole
+        state (returned with the digest); the others hash each leaf and let it go."""
+        import jax
         from jax.experimental import multihost_utils
 
         if self._durable_write is not None:
             with contextlib.suppress(Exception):  # a failure was logged by _log_failure
                 self._durable_write.result()
-        return multihost_utils.process_allgather(self.state, tiled=True), 0.0
+        # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local
+        # device), and hashing one joined copy two more: at a GB of state 4 workers ran the machine out of memory.
+        keep = bool(os.environ.get(ENV_RESULT)) and self.process_id == 0
+        hasher = hashlib.sha256()
+        kept: list[np.ndarray] = []
+        for leaf in _leaves(self.state):
+            whole = np.ascontiguousarray(multihost_utils.process_allgather(leaf, tiled=True))
+            hasher.update(whole.reshape(-1).view(np.uint8).data)
+            if keep:
+                kept.append(whole)
+            del whole
+        tree = jax.tree.unflatten(jax.tree.structure(self.state), kept) if keep else None
+        return (hasher.hexdigest(), tree), 0.0
 
-    def _finish(self, target: int, whole: PyTree) -> None:
+    def _finish(self, target: int, gathered: tuple[str, PyTree | None]) -> None:
         assert self.ram is not None
-        leaves = [np.ascontiguousarray(leaf) for leaf in _leaves(whole)]
-        digest = hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
+        digest, whole = gathered
         result = os.environ.get(ENV_RESULT)
-        if result and self.process_id == 0:  # in the disk tier's format: verified, and plain Orbax reads it
+        if result and whole is not None:  # in the disk tier's format: verified, and plain Orbax reads it
             final = replica(target, self.ram.data_position, whole, self.identity)
             DiskTier(result, name="result", check_space=False).save(final, timeout=600.0)
         self.link.send(Finished(worker=self.worker, generation=self.generation, step=target, digest=digest))
