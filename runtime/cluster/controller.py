@@ -36,6 +36,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import SocketStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
@@ -203,6 +204,11 @@ class Controller(GroupFormer):
         self._request_strategy: Strategy | None = None
         self._wake = anyio.Event()
         self._finished = anyio.Event()
+        # Durable steps whose every part is in, committed one after another by ``_commit_durable``: a commit
+        # (manifest, then pruning, seconds in GCS) awaited where messages are read would hold back the writer's
+        # heartbeats, and the monitor would take a healthy worker for lost.
+        self._to_commit: MemoryObjectSendStream[int] | None = None  # made (and closed) by ``run``
+        self._commits_pending = 0
         self._kill_times: dict[int, float] = {}  # worker -> when it was signalled, to time the detection
         # Every generation's coordination service stays up until the run ends: stopping one while a live
         # worker's client is still attached makes that client terminate its process.
@@ -283,6 +289,7 @@ class Controller(GroupFormer):
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         self.pool.controller_address = f"{host}:{self.port}"
         reason = ""
+        self._to_commit, commit_queue = anyio.create_memory_object_stream[int](max_buffer_size=1024)
         try:
             async with anyio.create_task_group() as tg:
                 bus_done = anyio.Event()
@@ -303,6 +310,7 @@ class Controller(GroupFormer):
                                 inner.start_soon(watch, self.monitor, self._on_verdict)
                                 inner.start_soon(self._reap)
                                 inner.start_soon(self.server.report_due)
+                                inner.start_soon(self._commit_durable, commit_queue)
                                 if not self.config.starts_workers:
                                     inner.start_soon(self._renew_leases)
                                 for companion in self.companions:
@@ -359,6 +367,8 @@ class Controller(GroupFormer):
                             await self.bus.close()
                     tg.cancel_scope.cancel()
         finally:
+            self._to_commit.close()
+            commit_queue.close()
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
             self.event_log.close()
@@ -418,6 +428,9 @@ class Controller(GroupFormer):
                 await self._regroup(set(), reason, None)  # the same members, from another step
             elif self._can_grow():
                 await self._form(reason="a spare is ready", strategy=Strategy.GROW)
+        # The last durable step's parts came in before the members' Finished: its commit is part of the run.
+        while self._commits_pending:
+            await anyio.sleep(0.05)
 
     def _can_grow(self) -> bool:
         """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
@@ -631,14 +644,31 @@ class Controller(GroupFormer):
             return
         try:
             step = self.durable.add(saved, self.members.index(proc.worker))
-            if step is None:
-                return
+        except (CheckpointInvalid, StorageError) as exc:
+            await self._not_committed(saved.step, exc)
+            return
+        if step is not None and self._to_commit is not None:
+            self._commits_pending += 1
+            self._to_commit.send_nowait(step)
+
+    async def _commit_durable(self, queue: MemoryObjectReceiveStream[int]) -> None:
+        """Commit each durable step whose parts are all in, in order, apart from the reading of messages."""
+        async for step in queue:
+            try:
+                await self._commit(step)
+            finally:
+                self._commits_pending -= 1
+
+    async def _not_committed(self, step: int, exc: Exception) -> None:
+        log.error("controller: durable checkpoint of step %d not committed: %s", step, exc)
+        await self.bus.publish(CheckpointFailed(step=step, source="controller", tier="durable", reason=str(exc)))
+
+    async def _commit(self, step: int) -> None:
+        assert self.durable is not None
+        try:
             committed = await anyio.to_thread.run_sync(self.durable.commit, step)
         except (CheckpointInvalid, StorageError) as exc:
-            log.error("controller: durable checkpoint of step %d not committed: %s", saved.step, exc)
-            await self.bus.publish(
-                CheckpointFailed(step=saved.step, source="controller", tier="durable", reason=str(exc))
-            )
+            await self._not_committed(step, exc)
             return
         for worker in self.members:  # their replicas pinned for older durable steps may go
             await self.server.send(self.pool[worker], Committed(step=committed.step))
