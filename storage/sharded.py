@@ -64,13 +64,23 @@ def writes(template: PyTree, shardings: PyTree, slice_size: int) -> list[bool]:
 
 
 def write_part(
-    step_dir: Path, boxes: PyTree, template: PyTree, shardings: PyTree, *, owned: list[bool], lead: bool
+    step_dir: Path,
+    boxes: PyTree,
+    template: PyTree,
+    shardings: PyTree,
+    *,
+    owned: list[bool],
+    lead: bool,
+    process: int | None = None,
 ) -> list[FileEntry]:
     """Write this process's part of a step's checkpoint under ``step_dir``; every file is fsynced.
 
     ``boxes`` is this process's :func:`~storage.shards.local_copy` of the step, ``owned`` what
     :func:`writes` says. The ``lead`` (the first process) writes every array's ``.zarray`` and Orbax's metadata.
-    Returns the files written, relative to ``step_dir``, for the manifest. Raises OSError as the OS does.
+    ``process``: this process's index in the group that made ``shardings`` (default: ``jax.process_index()``);
+    a write in a background thread passes it, since asking JAX while the group re-forms would bring up a
+    backend outside the group. Returns the files written, relative to ``step_dir``, for the manifest. Raises
+    OSError as the OS does.
     """
     state_dir = step_dir / STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -100,7 +110,7 @@ def write_part(
         directory = state_dir / orbax_layout.array_dirname(key)
         directory.mkdir(exist_ok=True)
         shape = np.shape(leaf)
-        box = local_box(shape, sharding)
+        box = local_box(shape, sharding, process)
         chunks = _box_shape(box)
         if lead:
             write_bytes(directory / ".zarray", orbax_layout.zarray(shape, chunks, np.asarray(leaf).dtype))
@@ -141,11 +151,18 @@ def manifest_of(
 
 
 def read_local(
-    manifest: Manifest, template: PyTree, shardings: PyTree, read: Callable[[str], bytes], where: str
+    manifest: Manifest,
+    template: PyTree,
+    shardings: PyTree,
+    read: Callable[[str], bytes],
+    where: str,
+    *,
+    process: int | None = None,
 ) -> tuple[PyTree, int]:
     """This process's boxes of the committed checkpoint ``manifest`` describes (as ``local_copy`` makes them),
     from the chunk files that overlap them (``read(rel)`` gives a file's bytes), each checked against the
-    manifest before use; and the bytes read. ``where`` names the checkpoint in errors.
+    manifest before use; and the bytes read. ``where`` names the checkpoint in errors; ``process`` is as
+    :func:`write_part`'s.
 
     Raises:
         CheckpointInvalid: a file is missing, truncated or damaged, or the array is not stored as expected.
@@ -179,7 +196,7 @@ def read_local(
         name = f"{STATE_DIR}/{orbax_layout.array_dirname(mf.key_of(path))}"
         shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
         chunks = tuple(json.loads(checked(f"{name}/.zarray"))["chunks"])
-        box = local_box(shape, sharding)
+        box = local_box(shape, sharding, process)
         mine = np.empty(_box_shape(box), dtype)
         # Every chunk that overlaps the box: its grid index along each axis.
         ranges = [range(b.start // c, -(-b.stop // c)) for b, c in zip(box, chunks, strict=True)]
@@ -233,7 +250,8 @@ class ShardedStore:
         return self.disk.manifest(step)
 
     def write(self, step: int, boxes: PyTree, template: PyTree, shardings: PyTree, **part: Any) -> list[FileEntry]:
-        """Write this process's part of ``step`` (:func:`write_part`; ``part``: its ``owned`` and ``lead``)."""
+        """Write this process's part of ``step`` (:func:`write_part`; ``part``: its ``owned``, ``lead`` and
+        ``process``)."""
         if self.disk is not None:
             return write_part(self.disk.path_of(step), boxes, template, shardings, **part)
         assert self.gcs is not None
@@ -250,15 +268,29 @@ class ShardedStore:
             assert self.gcs is not None
             self.gcs.put_manifest(manifest, timeout=_TIMEOUT_S)
 
-    def read(self, step: int, manifest: Manifest, template: PyTree, shardings: PyTree) -> tuple[PyTree, int]:
+    def read(
+        self, step: int, manifest: Manifest, template: PyTree, shardings: PyTree, *, process: int | None = None
+    ) -> tuple[PyTree, int]:
         """This process's boxes of committed ``step`` (:func:`read_local`), and the bytes read."""
         if self.disk is not None:
             directory = self.disk.path_of(step)
-            return read_local(manifest, template, shardings, lambda rel: (directory / rel).read_bytes(), str(directory))
+            return read_local(
+                manifest,
+                template,
+                shardings,
+                lambda rel: (directory / rel).read_bytes(),
+                str(directory),
+                process=process,
+            )
         gcs = self.gcs
         assert gcs is not None
         return read_local(
-            manifest, template, shardings, lambda rel: gcs.read_file(step, rel, timeout=_TIMEOUT_S), self.where(step)
+            manifest,
+            template,
+            shardings,
+            lambda rel: gcs.read_file(step, rel, timeout=_TIMEOUT_S),
+            self.where(step),
+            process=process,
         )
 
     def withdraw(self, step: int) -> None:

@@ -218,6 +218,8 @@ class SliceRestore:
             for sharding, shape in zip(self._leaf_shardings, self._shapes, strict=True)
         ]
         self._grid = NamedSharding(mesh, PartitionSpec("data", "model"))
+        # Asked now, at forming: a restore abandoned when the group re-forms must not ask JAX (a new backend).
+        self._process = jax.process_index()
         self._programs = {with_copies: self._compile(with_copies) for with_copies in {False, neighbours}}
 
     def _compile(self, with_copies: bool) -> Any:
@@ -286,7 +288,7 @@ class SliceRestore:
         for shape, dtype, sharding, spec, mine, spare in zip(
             self._shapes, self._dtypes, self._leaf_shardings, self._specs, held, spares, strict=True
         ):
-            box = local_box(shape, sharding)
+            box = local_box(shape, sharding, self._process)
             stack, stacked_sharding = (mesh.shape["data"], *shape), NamedSharding(mesh, spec)
             stacks.append(jax.make_array_from_callback(stack, stacked_sharding, _reader(mine, box, shape, dtype)))
             if from_neighbour:

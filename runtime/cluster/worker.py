@@ -309,6 +309,11 @@ class Worker:
             self.state = None  # it lived on the old backend
         left = time.monotonic()
         _join_group(form)
+        if jax.process_count() != form.num_processes:
+            # Another thread asked JAX between leaving the old group and joining this one, which brought up a
+            # backend outside any group: drop it, so the next call brings up the group's.
+            log.warning("worker %d: a backend outside the group was up; cleared", self.worker)
+            jax.extend.backend.clear_backends()
         connected = time.monotonic()
         self.initialized = True
         self.generation, self.process_id, self.num_processes = form.generation, form.process_id, form.num_processes
@@ -546,7 +551,7 @@ class Worker:
         """This process's shards of durable checkpoint ``step``, only the bytes they need, verified."""
         assert self.durable is not None
         manifest = self.durable.manifest(step)
-        boxes, nbytes = self.durable.read(step, manifest, self.template, self.state_shardings)
+        boxes, nbytes = self.durable.read(step, manifest, self.template, self.state_shardings, process=self.process_id)
         snapshot = replica(step, manifest.data_position, boxes)
         snapshot.nbytes = nbytes
         return snapshot
@@ -559,11 +564,14 @@ class Worker:
         if self._durable_write is not None and not self._durable_write.done() and not final:
             log.info("durable checkpoint of step %d skipped: the previous write is still running", self.step)
             return
-        snapshot, generation, lead = self.ram, self.generation, self.process_id == 0
+        # Captured here: the write runs on while a re-forming group may be without a backend (see write_part).
+        snapshot, generation, process, lead = self.ram, self.generation, self.process_id, self.process_id == 0
         owned, shardings, store = self._writes, self.state_shardings, self.durable
 
         def write() -> None:
-            files = store.write(snapshot.step, snapshot.tree, self.template, shardings, owned=owned, lead=lead)
+            files = store.write(
+                snapshot.step, snapshot.tree, self.template, shardings, owned=owned, lead=lead, process=process
+            )
             structure, leaves = describe_leaves(self.template) if lead else ("", ())
             saved = Saved(
                 worker=self.worker,
