@@ -256,7 +256,7 @@ class SliceRestore:
         stacked = [
             jax.ShapeDtypeStruct((slices, *shape), _bits(dtype), sharding=NamedSharding(mesh, spec))
             for shape, dtype, spec in zip(self._shapes, dtypes, specs, strict=True)
-            for _ in range((1, 2)[with_copies])
+            for _ in range(2 if with_copies else 1)
         ]
         grid = (slices, mesh.shape["model"])
         replicated = NamedSharding(mesh, PartitionSpec())
