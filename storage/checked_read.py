@@ -85,10 +85,12 @@ def verify_file(root: Path, entry: FileEntry) -> None:
         raise CheckpointInvalid(f"{path} is missing", path=str(path), reason="missing") from exc
     except OSError as exc:
         raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
-    _check(path, entry, size, crc)
+    check_entry(path, entry, size, crc)
 
 
-def _check(path: Path, entry: FileEntry, size: int, crc: int) -> None:
+def check_entry(path: str | Path, entry: FileEntry, size: int, crc: int) -> None:
+    """Raises CheckpointInvalid when a file of ``size`` bytes and CRC32C ``crc``, read from ``path``, is not the
+    one ``entry`` names: a size apart is a truncated or overwritten file, a CRC32C apart altered bytes."""
     if size != entry.size:
         reason = f"size {size}, manifest says {entry.size}"
         raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=str(path), reason=reason)
@@ -203,7 +205,7 @@ def _read_verified(root: Path, entry: FileEntry) -> bytes:
         data = path.read_bytes()
     except OSError as exc:
         raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
-    _check(path, entry, len(data), mf.crc32c_bytes(data))
+    check_entry(path, entry, len(data), mf.crc32c_bytes(data))
     return data
 
 
@@ -232,7 +234,7 @@ def _read_into(root: Path, entry: FileEntry, target: memoryview) -> None:
         size = total + len(extra)
         reason = f"size {size}{'+' if extra else ''}, expected {len(target)} (manifest says {entry.size})"
         raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=str(path), reason=reason)
-    _check(path, entry, total, int.from_bytes(checksum.digest(), "big"))
+    check_entry(path, entry, total, int.from_bytes(checksum.digest(), "big"))
 
 
 def _read_with_orbax(state_dir: Path, manifest: Manifest) -> dict[tuple[KeyPart, ...], np.ndarray]:

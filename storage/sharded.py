@@ -35,7 +35,7 @@ import numpy as np
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
 from storage import manifest as mf
 from storage import orbax_layout
-from storage.checked_read import LAYOUT, STATE_DIR
+from storage.checked_read import LAYOUT, STATE_DIR, check_entry
 from storage.disk import DiskTier, write_manifest
 from storage.gcs import GcsTier
 from storage.manifest import FileEntry, LeafEntry, Manifest
@@ -180,13 +180,7 @@ def read_local(
             data = read(rel)
         except OSError as exc:
             raise CheckpointInvalid(f"cannot read {path}: {exc}", path=path, reason=str(exc)) from exc
-        if len(data) != entry.size:
-            reason = f"size {len(data)}, manifest says {entry.size}"
-            raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=path, reason=reason)
-        crc = int(google_crc32c.value(data))
-        if crc != entry.crc32c:
-            reason = f"crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
-            raise CheckpointInvalid(f"{path}: {reason} (altered bytes)", path=path, reason=reason)
+        check_entry(path, entry, len(data), int(google_crc32c.value(data)))
         nbytes += len(data)
         return data
 

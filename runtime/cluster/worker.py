@@ -488,8 +488,11 @@ class Worker:
             from_neighbour=bool(restore.from_neighbour),
         )
         jax.block_until_ready(state)
-        boxes = mine.tree if mine is not None else local_copy(state)
-        nbytes = mine.nbytes if mine is not None else sum(leaf.nbytes for leaf in _leaves(boxes)) if takes else 0
+        if mine is not None:
+            boxes, nbytes = mine.tree, mine.nbytes
+        else:  # what came from the neighbour's copy counts as delivered by it; a non-source member's, as nothing
+            boxes = local_copy(state)
+            nbytes = sum(leaf.nbytes for leaf in _leaves(boxes)) if takes else 0
         return _Restoration(state, position, boxes, tier, nbytes, spare), 0.0
 
     def _restored(self, restore: Restore, done: _Restoration) -> None:

@@ -58,12 +58,21 @@ def test_a_slice_restores_the_newest_step_all_its_processes_hold() -> None:
     assert (plan.step, plan.source, plan.restored_from, plan.lost_steps) == (8, 0, "file+shm", 1)
 
 
-def test_a_lost_process_shards_come_from_the_next_process_neighbour_replica() -> None:
+# One slice of 4 that committed step 25, durable step 20 in GCS: a survivor holds 25 in RAM and keeps its
+# neighbour's shards of 25; a replacement can read only durable step 20.
+SURVIVOR = JoinReport(25, "ram", (20, 24, 25), durable_only=(20,), neighbour_step=25)
+REPLACEMENT = JoinReport(20, "durable", (20,), durable_only=(20,))
+
+
+def slice_at_25() -> Membership:
     group = Membership(size=4, slice_size=4)
     group.progress([25, 25, 25, 25])
-    survivor = JoinReport(25, "ram", (20, 24, 25), durable_only=(20,), neighbour_step=25)
+    return group
+
+
+def test_a_lost_process_shards_come_from_the_next_process_neighbour_replica() -> None:
+    group, survivor, replacement = slice_at_25(), SURVIVOR, REPLACEMENT
     # Process 2's replacement can read only durable step 20; process 3 keeps process 2's shards of step 25.
-    replacement = JoinReport(20, "durable", (20,), durable_only=(20,))
     plan = group.plan_restore([survivor, survivor, replacement, survivor])
     assert (plan.step, plan.source, plan.from_neighbour, plan.lost_steps) == (25, 0, (2,), 0)
     assert plan.restored_from == "neighbour+ram"
@@ -80,12 +89,8 @@ def test_a_lost_process_shards_come_from_the_next_process_neighbour_replica() ->
 
 
 def test_two_neighbours_lost_together_roll_back_to_a_step_the_durable_tier_holds() -> None:
-    group = Membership(size=4, slice_size=4)
-    group.progress([25, 25, 25, 25])
-    survivor = JoinReport(25, "ram", (20, 24, 25), durable_only=(20,), neighbour_step=25)
-    replacement = JoinReport(20, "durable", (20,), durable_only=(20,))
     # Processes 2 and 3 lost: process 3 kept process 2's shards, and its replacement holds nothing of them.
-    plan = group.plan_restore([survivor, survivor, replacement, replacement])
+    plan = slice_at_25().plan_restore([SURVIVOR, SURVIVOR, REPLACEMENT, REPLACEMENT])
     assert (plan.step, plan.from_neighbour, plan.lost_steps) == (20, (), 5)
 
 
