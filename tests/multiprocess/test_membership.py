@@ -101,6 +101,13 @@ def test_no_slice_holding_one_step_whole_is_said_and_nothing_is_restored() -> No
     assert "the shards of process(es) [1] at step 9 are nowhere" in plan.missing
 
 
+def test_a_group_that_committed_steps_but_holds_none_is_said_rather_than_started_again() -> None:
+    group = Membership(size=2)
+    group.progress([9, 9])
+    plan = group.plan_restore([JoinReport(0, "none"), JoinReport(0, "none")])
+    assert plan.source == -1 and "committed step 9, but no member holds any step" in plan.missing
+
+
 def test_a_restore_fences_every_earlier_generation_at_the_step_the_group_went_on_from() -> None:
     group = Membership(size=3)
     group.new_generation([0, 1, 2])
