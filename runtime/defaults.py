@@ -44,9 +44,9 @@ from runtime.core.executor import RunResult
 from runtime.core.job import TrainJob
 from runtime.core.mesh import MeshPolicy
 from runtime.core.runtime import Runtime
+from runtime.faults.process import ProcessFaults
 from runtime.maintenance.intake import NoticeIntake
 from runtime.maintenance.metadata import MetadataWatcher
-from runtime.testing.process_faults import ProcessFaults
 from storage.cascade import TieredCheckpointer
 
 if TYPE_CHECKING:

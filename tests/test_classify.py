@@ -52,3 +52,26 @@ def test_process_failure_is_process_lost() -> None:
 def test_status_parsing_ignores_prose() -> None:
     assert xla_status(ValueError("no status here")) == ""
     assert xla_status(ValueError("Data loss: lower case is not a status")) == ""
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        # A collective whose peer died can raise any status: in a group the group re-forms, nothing is the user's.
+        (JaxRuntimeError("INVALID_ARGUMENT: gloo connection reset"), ProcessLost),
+        (JaxRuntimeError("DATA_LOSS: peer gone"), ProcessLost),
+        (ProcessFailureError("peer 1 died"), ProcessLost),
+        # The user's own errors end the run in a group as they do in one process.
+        (ValueError("user bug"), StepFailed),
+        (RuntimeError("DATA_LOSS lookalike without the XLA error type"), StepFailed),
+    ],
+    ids=lambda e: f"{type(e).__name__}:{str(e)[:20]}" if isinstance(e, BaseException) else e.__name__,
+)
+def test_in_a_group_any_jax_runtime_error_is_the_groups(exc: Exception, expected: type) -> None:
+    event = classify(exc, step=7, in_group=True, source="worker-3")
+    assert type(event) is expected
+    assert event.step == 7 and event.source == "worker-3" and event.error_type == type(exc).__name__
+
+
+def test_outside_a_group_the_same_error_is_the_users() -> None:
+    assert type(classify(JaxRuntimeError("INVALID_ARGUMENT: gloo connection reset"), step=7)) is StepFailed

@@ -7,9 +7,9 @@ import pytest
 from jax.errors import JaxRuntimeError
 
 from runtime.core.health import DeviceHealth
+from runtime.faults.grammar import format_faults, parse_faults
+from runtime.faults.process import worker_faults_text
 from runtime.testing.faults import FaultInjector, FaultSchedule
-from runtime.testing.grammar import format_faults, parse_faults
-from runtime.testing.process_faults import worker_faults_text
 
 
 def test_a_dead_device_fails_the_step_with_the_status_a_real_runtime_uses() -> None:

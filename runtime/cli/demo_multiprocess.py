@@ -101,9 +101,9 @@ def run_group(**kwargs: Any) -> Any:
 def run_multiprocess_demo(args: argparse.Namespace) -> int:
     """The ``demo --processes N`` entry point."""
     from runtime.cli.progress import ProgressPrinter
+    from runtime.faults.grammar import Fault
     from runtime.testing.compare import compare_states
     from runtime.testing.gcs_emulator import running_emulator
-    from runtime.testing.grammar import Fault
     from storage.disk import DiskTier
 
     steps = args.steps

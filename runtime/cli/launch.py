@@ -15,7 +15,7 @@ from typing import Any
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
 from runtime.core.errors import ElasticRuntimeError
 from runtime.defaults import default_controller
-from runtime.testing.grammar import Fault, parse_faults
+from runtime.faults.grammar import Fault, parse_faults
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -94,7 +94,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ACTION:PID@WHEN",
-        help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (runtime.testing.grammar)",
+        help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (runtime.faults.grammar)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(func=launch_main)

@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import Any
 
 from runtime.core.retry import Backoff, RetryPolicy
-from runtime.testing.grammar import Fault
+from runtime.faults.grammar import Fault
 
 __all__ = ["LaunchConfig", "LaunchError", "LaunchResult", "Strategy"]
 
@@ -68,8 +68,8 @@ class LaunchConfig:
         neighbour_replicas: every process also keeps the shards of the process before it in its slice in host
             memory (one collective permute per step), so that a lost process's shards come from its neighbour
             rather than from the durable tier. Needs slices of 2 processes or more.
-        faults: fault injection: process and worker faults of ``runtime.testing.grammar``
-            (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.testing.process_faults``.
+        faults: fault injection: process and worker faults of ``runtime.faults.grammar``
+            (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.faults.process``.
         target_steps: the run's target; None: the first of the controller's own workers to say ``Hello``
             sets it. Either way a worker cannot change it: a ``Hello`` with another target is refused.
         secret: what every connection to the controller's port proves (``runtime.cluster.auth``); None: a

@@ -731,7 +731,7 @@ class Controller(GroupFormer):
             )
         )
         where = f"worker {proc.worker} (pid {proc.pid}, log {self.pool.logs / f'worker-{proc.worker}.log'})"
-        if failed.error_type == JobUnsupported.__name__:
+        if failed.unsupported:
             self.end(JobUnsupported(f"refused before step 1 by {where}: {failed.message}"))
             return
         text = f"step {failed.step} failed in {where}: {failed.error_type}: {failed.message}"

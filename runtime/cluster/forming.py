@@ -27,7 +27,7 @@ from runtime.core.bus import EventBus
 from runtime.core.errors import RecoveryError
 from runtime.core.events import Event, GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
 from runtime.core.recovery import RecoveryTracker
-from runtime.testing.process_faults import worker_faults_text
+from runtime.faults.process import worker_faults_text
 
 __all__ = ["GroupFormer"]
 

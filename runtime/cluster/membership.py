@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from runtime.cluster.tiers import Tier
+
 __all__ = ["JoinReport", "Membership", "RestorePlan"]
 
 
@@ -16,13 +18,13 @@ class JoinReport:
     """What a member says when it has joined a generation: the newest step it can restore, and from where."""
 
     best_step: int
-    tier: str  # "ram", "file", or "none"
+    tier: Tier  # where its ``best_step`` is: RAM, SHM, DISK, DURABLE or NONE
     steps: tuple[int, ...] = ()  # every step it can restore; empty: only ``best_step`` (unless tier is "none")
     durable_only: tuple[int, ...] = ()  # of ``steps``, those whose shards it would read from the durable tier
     neighbour_step: int = 0  # the step of the previous process's shards it holds in RAM; 0: none
 
     def holds(self) -> set[int]:
-        return set(self.steps) | ({self.best_step} if self.tier != "none" else set())
+        return set(self.steps) | ({self.best_step} if self.tier != Tier.NONE else set())
 
     def local(self) -> set[int]:
         """The steps it holds in its own memory or files (not only in the durable tier)."""
@@ -116,7 +118,7 @@ class Membership:
             candidates = {s for r in members for s in r.holds()} | set(kept)
             whole = [s for s in candidates if all(s in r.holds() or kept[i] == s for i, r in enumerate(members))]
             step = max(whole, default=0)
-            in_memory = sum(r.tier == "ram" and r.best_step == step for r in members)
+            in_memory = sum(r.tier == Tier.RAM and r.best_step == step for r in members)
             if step > 0 and (step, in_memory) > best:
                 best, source = (step, in_memory), k
                 from_neighbour = tuple(i for i, r in enumerate(members) if step not in r.local() and kept[i] == step)
@@ -143,12 +145,12 @@ class Membership:
         # when not its newest), "durable", or the next process's "neighbour" copy.
         sources = reports[source * n : (source + 1) * n]
 
-        def tier_of(position: int, report: JoinReport) -> str:
+        def tier_of(position: int, report: JoinReport) -> Tier:
             if position in from_neighbour:
-                return "neighbour"
+                return Tier.NEIGHBOUR
             if best_step in report.durable_only:
-                return "durable"
-            return report.tier if report.best_step == best_step else "file"
+                return Tier.DURABLE
+            return report.tier if report.best_step == best_step else Tier.FILE
 
         used = {tier_of(i, r) for i, r in enumerate(sources)}
         restored_from = "+".join(sorted(used))

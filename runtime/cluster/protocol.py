@@ -14,6 +14,7 @@ from typing import Union
 
 import msgspec
 
+from runtime.cluster.tiers import Tier
 from storage.manifest import FileEntry, LeafEntry
 
 __all__ = [
@@ -108,7 +109,7 @@ class Joined(Message, frozen=True, kw_only=True):
     worker: int
     generation: int
     best_step: int
-    tier: str  # "ram" (own memory), "shm" (a /dev/shm or disk file), or "none"
+    tier: Tier  # RAM (own memory), SHM or DISK (its newest replica file), DURABLE, or NONE
     # Every step it can restore (its RAM's and its replica files'): a slice whose processes' newest steps differ
     # restores an older step they all hold.
     steps: tuple[int, ...] = ()
@@ -141,7 +142,7 @@ class Restored(Message, frozen=True, kw_only=True):
     worker: int
     generation: int
     step: int
-    tier: str
+    tier: Tier
     nbytes: int
 
 
@@ -153,11 +154,11 @@ class Unreadable(Message, frozen=True, kw_only=True):
     worker: int
     generation: int
     step: int
-    tier: str = "durable"
+    tier: Tier = Tier.DURABLE
     path: str
     reason: str
-    # The tier it read the step from instead ("": none did; the group must restore another step).
-    recovered_from: str = ""
+    # The tier it read the step from instead (None: none did; the group must restore another step).
+    recovered_from: Tier | None = None
 
 
 class Finished(Message, frozen=True, kw_only=True):
@@ -171,7 +172,8 @@ class Finished(Message, frozen=True, kw_only=True):
 
 class Failed(Message, frozen=True, kw_only=True):
     """The user's code failed in this worker (its data or step raised), or the job is one this mode cannot
-    run (``error_type`` ``JobUnsupported``). Not a lost worker: the run ends, nothing is retried."""
+    run (``unsupported``: the controller ends the run with ``JobUnsupported``). Not a lost worker: the run ends,
+    nothing is retried."""
 
     worker: int
     generation: int
@@ -179,6 +181,7 @@ class Failed(Message, frozen=True, kw_only=True):
     error_type: str
     message: str
     traceback: str = ""
+    unsupported: bool = False
 
 
 # --- controller -> worker ---------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ class Form(Message, frozen=True, kw_only=True):
     process_id: int
     num_processes: int
     read_files: bool = True  # look in the replica files when this process holds no state in memory
-    faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (runtime.testing.grammar)
+    faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (runtime.faults.grammar)
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
     run_id: str = ""  # the run's id, for a worker not started with it in its environment (ELASTIC_RUN_ID)
     slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)

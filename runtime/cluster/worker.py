@@ -72,11 +72,13 @@ from runtime.cluster.protocol import (
     decode_from_controller,
     encode,
 )
-from runtime.core.classify import is_infrastructure_failure
+from runtime.cluster.tiers import Tier
+from runtime.core.classify import classify
 from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.events import StepFailed
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.snapshot import HostSnapshot
-from runtime.testing.process_faults import attach_worker_faults
+from runtime.faults.process import attach_worker_faults
 from storage.disk import DiskTier
 from storage.manifest import describe_leaves
 from storage.replicas import MAX_PINS, ReplicaFiles, replica, run_identity
@@ -180,7 +182,7 @@ class Worker:
         self.replicas = replicas
         link.on_committed = replicas.committed
         # Called with the step once its result is ready, before it is committed; one that raises (or never
-        # returns) stops the step there. Fault injection uses it (runtime.testing.process_faults).
+        # returns) stops the step there. Fault injection uses it (runtime.faults.process).
         self.step_checks: list[Callable[[int], None]] = []
         self.local_devices = int(os.environ.get(ENV_LOCAL_DEVICES, "2"))
         self.step_delay_s = float(os.environ.get(ENV_STEP_DELAY_S, "0"))
@@ -201,7 +203,7 @@ class Worker:
         # While joining: the steps its replica files hold, with the folders holding each (read only if restored),
         # and the tier they are in ("shm" or "disk").
         self.files: dict[int, list[DiskTier]] = {}
-        self.files_tier = "shm" if str(replicas.directory).startswith("/dev/shm") else "disk"
+        self.files_tier = Tier.SHM if str(replicas.directory).startswith("/dev/shm") else Tier.DISK
         # The group's durable checkpoints (storage/sharded.py), when the controller keeps them.
         self.durable: ShardedStore | None = None
         self.durable_every = 0
@@ -334,7 +336,7 @@ class Worker:
                 "across slices, which shrinks when one is lost: shard the state over 'model', which spans the "
                 "processes of a slice (launch --slices)"
             )
-            self._report_failure("JobUnsupported", message, "", step=self.step)
+            self._report_failure("JobUnsupported", message, "", step=self.step, unsupported=True)
             return
         layout = f"position {form.process_id % form.slice_size} of {form.slice_size} x {self.local_devices} devices"
         if self.ram is not None and self.ram.metadata.get("layout") != layout:
@@ -400,7 +402,7 @@ class Worker:
             jax.extend.backend.clear_backends()
         log.info("warmed up in %.3f s", time.monotonic() - started)
 
-    def _best_local(self, read_files: bool) -> tuple[int, str]:
+    def _best_local(self, read_files: bool) -> tuple[int, Tier]:
         """The newest step this process can restore and from where. The steps its replica files hold go in
         ``files`` (only their manifests are read here: the data of the one restored is read by ``_restore``),
         the group's committed durable checkpoints in ``durable_steps``."""
@@ -420,12 +422,12 @@ class Worker:
                 self._skipped = tuple(self.replicas.skipped)
         self.durable_steps = self._durable_steps()
         if self.ram is not None:
-            return self.ram.step, "ram"
+            return self.ram.step, Tier.RAM
         if self.files:
             return max(self.files), self.files_tier
         if self.durable_steps:
-            return max(self.durable_steps), "durable"
-        return 0, "none"
+            return max(self.durable_steps), Tier.DURABLE
+        return 0, Tier.NONE
 
     def _local_steps(self) -> set[int]:
         """The steps it can restore from its own memory or replica files."""
@@ -463,14 +465,15 @@ class Worker:
 
         if restore.source < 0:
             state = self._place(self.template, self.state_shardings)
-            return _Restoration(state, 0, local_copy(state), "none", 0, None), 0.0
+            return _Restoration(state, 0, local_copy(state), Tier.NONE, 0, None), 0.0
         # Only the source slice's shards are read: the other slices' would be thrown away. A process of it
         # whose shards are in its neighbour's RAM takes them from there.
         in_source = self.process_id // self.slice_size == restore.source
         takes = in_source and self.process_id % self.slice_size in restore.from_neighbour
-        tier, mine = "none", None
+        tier: Tier = Tier.NONE
+        mine = None
         if takes:
-            tier = "neighbour"
+            tier = Tier.NEIGHBOUR
         elif in_source:
             tier, mine = self._read_own(restore, files)
         if abandoned.is_set():  # the group re-formed while this read: the backend is no longer this group's
@@ -507,19 +510,19 @@ class Worker:
         self.link.send(restored)
         self._heartbeat()
 
-    def _read_own(self, restore: Restore, files: dict[int, list[DiskTier]]) -> tuple[str, HostSnapshot]:
+    def _read_own(self, restore: Restore, files: dict[int, list[DiskTier]]) -> tuple[Tier, HostSnapshot]:
         """This process's shards of the step, from the fastest tier holding them that verifies: RAM, its replica
         files, the durable tier. Each one that fails its checksums is reported (``Unreadable``); when all fail,
         CheckpointInvalid is raised, and the controller re-forms from another step: never a partial state."""
         step = restore.step
         if self.ram is not None and self.ram.step == step:
-            return "ram", self.ram
-        sources: list[tuple[str, Callable[[], HostSnapshot]]] = []
+            return Tier.RAM, self.ram
+        sources: list[tuple[Tier, Callable[[], HostSnapshot]]] = []
         if step in files:
             sources.append((self.files_tier, lambda: self.replicas.read(step, files[step], self.local_like)))
         if step in self.durable_steps:
-            sources.append(("durable", lambda: self._read_durable(step)))
-        failures: list[tuple[str, CheckpointInvalid]] = []
+            sources.append((Tier.DURABLE, lambda: self._read_durable(step)))
+        failures: list[tuple[Tier, CheckpointInvalid]] = []
         for tier, read in sources:
             try:
                 snapshot = read()
@@ -530,12 +533,12 @@ class Worker:
             return tier, snapshot
         if not failures:  # the plan counted on this process, which said it holds the step
             where = str(self.replicas.directory)
-            failures.append(("none", CheckpointInvalid(f"step {step} not held", path=where, reason="not held")))
-        self._unreadable(restore, failures, recovered_from="")
+            failures.append((Tier.NONE, CheckpointInvalid(f"step {step} not held", path=where, reason="not held")))
+        self._unreadable(restore, failures, recovered_from=None)
         raise failures[-1][1]
 
     def _unreadable(
-        self, restore: Restore, failures: list[tuple[str, CheckpointInvalid]], *, recovered_from: str
+        self, restore: Restore, failures: list[tuple[Tier, CheckpointInvalid]], *, recovered_from: Tier | None
     ) -> None:
         for tier, exc in failures:
             log.error("step %d unreadable from %s: %s", restore.step, tier, exc)
@@ -684,7 +687,7 @@ class Worker:
                 if self.link.inbox.empty() or self._defer_head():
                     continue
             except Exception as exc:
-                if users_code and _is_users_error(exc):
+                if users_code and isinstance(classify(exc, step=self.step + 1, in_group=True), StepFailed):
                     # The same data and program would fail again in any group: the run ends, not this worker.
                     log.exception("step %d failed in the user's code; reporting it to the controller", self.step + 1)
                     self._report_failure(type(exc).__name__, str(exc), traceback.format_exc(), step=self.step + 1)
@@ -702,7 +705,9 @@ class Worker:
             except Exception:
                 return self.link.inbox.get()
 
-    def _report_failure(self, error_type: str, message: str, trace: str, *, step: int) -> None:
+    def _report_failure(
+        self, error_type: str, message: str, trace: str, *, step: int, unsupported: bool = False
+    ) -> None:
         """Tell the controller the run cannot go on; it stops every worker (this one waits for its Stop)."""
         failed = Failed(
             worker=self.worker,
@@ -711,6 +716,7 @@ class Worker:
             error_type=error_type,
             message=message,
             traceback=trace[-4000:],  # the end of a traceback names the failing line
+            unsupported=unsupported,
         )
         self.link.send(failed)
 
@@ -787,7 +793,7 @@ class _Restoration:
     state: PyTree
     position: int
     boxes: PyTree
-    tier: str
+    tier: Tier
     nbytes: int
     neighbour: HostSnapshot | None  # the neighbour copy of the restored step it keeps, if any
 
@@ -796,14 +802,6 @@ def _log_failure(future: Future[None]) -> None:
     exc = future.exception()
     if exc is not None:  # a failed write leaves the previous checkpoint; the controller commits nothing new
         log.error("durable checkpoint write failed: %s: %s", type(exc).__name__, exc)
-
-
-def _is_users_error(exc: BaseException) -> bool:
-    """An error of the user's data or step, not of the group. Any JAX runtime error is taken for the group's:
-    a collective whose peer died may raise one (rather than hang), and that is recovered by re-forming."""
-    from jax.errors import JaxRuntimeError
-
-    return not isinstance(exc, JaxRuntimeError) and not is_infrastructure_failure(exc)
 
 
 def _join_group(form: Form) -> None:

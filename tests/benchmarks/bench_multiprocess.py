@@ -28,7 +28,7 @@ from typing import Any
 from runtime.cli.demo_multiprocess import run_group, worker_command
 from runtime.core.eventlog import read_events
 from runtime.core.events import GroupFormed, StateRestored, StepCompleted, WorkerKilled
-from runtime.testing.grammar import Fault
+from runtime.faults.grammar import Fault
 
 NPROCS = 3
 

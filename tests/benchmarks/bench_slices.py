@@ -48,9 +48,9 @@ from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
 from runtime.core.events import CheckpointCommitted, RunStarted, StateRestored, StepCompleted, WorkerKilled
+from runtime.faults.grammar import Fault
 from runtime.testing.compare import compare_states
 from runtime.testing.gcs_emulator import running_emulator
-from runtime.testing.grammar import Fault
 from storage.disk import DiskTier
 from storage.gcs import make_client, parse_gs_uri
 

@@ -38,8 +38,8 @@ from runtime.cluster.runfolder import default_replica_dir
 from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
 from runtime.core.events import RunFinished, StateRestored, StepCompleted
+from runtime.faults.grammar import Fault
 from runtime.testing import launched
-from runtime.testing.grammar import Fault
 from storage.disk import DiskTier
 
 NPROCS = 3

@@ -36,7 +36,7 @@ from runtime.core.errors import AuthenticationFailed
 from runtime.core.eventlog import read_events
 from runtime.core.events import ConnectionRefused, Event, MalformedHeartbeat, WorkerExited, WorkerStarted
 from runtime.defaults import default_controller
-from runtime.testing.grammar import Fault
+from runtime.faults.grammar import Fault
 from storage.disk import DiskTier
 
 # --- the handshake and the limiter, without processes ---------------------------------------------------

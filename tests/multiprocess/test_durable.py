@@ -41,10 +41,10 @@ from runtime.core.events import (
     WorkerExited,
     WorkerLost,
 )
+from runtime.faults.grammar import Fault
 from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import init_state
 from runtime.testing.gcs_emulator import running_emulator
-from runtime.testing.grammar import Fault
 from storage.disk import DiskTier
 from storage.gcs import GcsTier, make_client, parse_gs_uri
 from storage.manifest import step_dirname

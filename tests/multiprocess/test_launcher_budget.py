@@ -36,8 +36,8 @@ from runtime.core.events import (
     StepFailed,
     WorkerHung,
 )
+from runtime.faults.grammar import parse_faults
 from runtime.testing import launched
-from runtime.testing.grammar import parse_faults
 from runtime.testing.launched import alive, events_so_far, wait_for_step, wait_until_gone, worker_pids
 from storage.disk import DiskTier
 

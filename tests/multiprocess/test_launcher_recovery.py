@@ -27,7 +27,7 @@ from runtime.core.events import (
     WorkerKilled,
     WorkerLost,
 )
-from runtime.testing.grammar import Fault, parse_faults
+from runtime.faults.grammar import Fault, parse_faults
 from storage.disk import DiskTier
 
 pytestmark = pytest.mark.timeout(120)

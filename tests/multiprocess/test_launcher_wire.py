@@ -14,7 +14,17 @@ import anyio
 import pytest
 
 from runtime.cluster.config import LaunchConfig
-from runtime.cluster.protocol import MAX_LINE, Heartbeat, Hello, MalformedMessage, Stop, decode_from_worker, encode
+from runtime.cluster.protocol import (
+    MAX_LINE,
+    Heartbeat,
+    Hello,
+    MalformedMessage,
+    Restored,
+    Stop,
+    decode_from_worker,
+    encode,
+)
+from runtime.cluster.tiers import Tier
 from runtime.cluster.worker import ControllerLink
 from runtime.core.eventlog import read_events
 from runtime.core.events import ConnectionRefused, MalformedHeartbeat
@@ -47,6 +57,14 @@ def _exchange(port: int, secret: str, worker_0_pid: int) -> None:
     hello = encode(Hello(worker=0, pid=worker_0_pid, target_steps=5))
     beat = encode(Heartbeat(worker=7, generation=0, step=1, sent_at=0.0))  # claims another worker's id
     send([hello, beat, b"\xff\xfe\n", oversized])
+
+
+def test_a_tier_is_one_of_its_names_or_the_message_is_malformed() -> None:
+    restored = Restored(worker=1, generation=2, step=3, tier=Tier.NEIGHBOUR, nbytes=4)
+    assert b'"tier":"neighbour"' in encode(restored) and decode_from_worker(encode(restored)) == restored
+    line = encode(restored).replace(b'"neighbour"', b'"file-ish"')
+    with pytest.raises(MalformedMessage, match="tier"):
+        decode_from_worker(line)
 
 
 def test_malformed_heartbeats_and_unknown_ids_do_not_crash_the_controller(

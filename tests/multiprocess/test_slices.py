@@ -16,10 +16,10 @@ import pytest
 from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, run_group, wipe_lost_replicas
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.events import CheckpointCommitted
+from runtime.faults.grammar import Fault, parse_faults
 from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import init_state
 from runtime.testing.gcs_emulator import running_emulator
-from runtime.testing.grammar import Fault, parse_faults
 from storage.disk import DiskTier
 
 STEPS = 30
