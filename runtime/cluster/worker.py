@@ -39,19 +39,7 @@ import numpy as np
 
 from runtime.cluster import auth
 from runtime.cluster.protocol import (
-    ENV_COMPILE_CACHE,
-    ENV_CONNECT_S,
     ENV_CONTROLLER,
-    ENV_HEARTBEAT_S,
-    ENV_JAX_HEARTBEAT_S,
-    ENV_JAX_INIT_S,
-    ENV_JAX_SHUTDOWN_S,
-    ENV_LOCAL_DEVICES,
-    ENV_REPLICA_DIR,
-    ENV_RESULT,
-    ENV_RUN_ID,
-    ENV_STEP_DELAY_S,
-    ENV_WORKER,
     EXIT_REPLACE,
     Committed,
     Failed,
@@ -72,6 +60,7 @@ from runtime.cluster.protocol import (
     decode_from_controller,
     encode,
 )
+from runtime.cluster.settings import WorkerSettings
 from runtime.cluster.tiers import Tier
 from runtime.core.classify import classify
 from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable, StorageError
@@ -174,18 +163,19 @@ class ControllerLink:
 class Worker:
     """One worker process's state and loop. Build it with :func:`run_worker`."""
 
-    def __init__(self, job: TrainJob, steps: int, *, worker: int, link: ControllerLink, replicas: ReplicaFiles) -> None:
+    def __init__(
+        self, job: TrainJob, steps: int, *, settings: WorkerSettings, link: ControllerLink, replicas: ReplicaFiles
+    ) -> None:
         self.job = job
         self.target_steps = steps
-        self.worker = worker
+        self.settings = settings
+        self.worker = settings.worker
         self.link = link
         self.replicas = replicas
         link.on_committed = replicas.committed
         # Called with the step once its result is ready, before it is committed; one that raises (or never
         # returns) stops the step there. Fault injection uses it (runtime.faults.process).
         self.step_checks: list[Callable[[int], None]] = []
-        self.local_devices = int(os.environ.get(ENV_LOCAL_DEVICES, "2"))
-        self.step_delay_s = float(os.environ.get(ENV_STEP_DELAY_S, "0"))
         self.generation = 0
         self.layout: dict[str, str] = {}  # which shards this process holds, in every replica's metadata
         self.slice_size = 1  # processes per slice (storage/shards.py)
@@ -214,8 +204,7 @@ class Worker:
         self.template: PyTree = job.init()
         # Written into every replica, and required of any replica restored: another run's (or job's) files in
         # the same folder are never taken for ours.
-        run_id = os.environ.get(ENV_RUN_ID, "")
-        self.identity = run_identity(run_id, self.template, steps) if run_id else {}
+        self.identity = run_identity(settings.run_id, self.template, steps) if settings.run_id else {}
         self._skipped: tuple[str, ...] = ()  # replica files the last read would not restore, for Joined
         self.fences: dict[int, int] = {}  # superseded generations' fences, from the newest Form
         self.mesh: Any = None
@@ -267,10 +256,9 @@ class Worker:
                     return code
 
     def _beat(self) -> None:
-        interval = float(os.environ.get(ENV_HEARTBEAT_S, "0.2"))
         while True:
             self._heartbeat()
-            time.sleep(interval)
+            time.sleep(self.settings.heartbeat_s)
 
     def _heartbeat(self) -> None:
         self.link.send(
@@ -310,7 +298,7 @@ class Worker:
             jax.extend.backend.clear_backends()
             self.state = None  # it lived on the old backend
         left = time.monotonic()
-        _join_group(form)
+        _join_group(form, self.settings)
         if jax.process_count() != form.num_processes:
             # Another thread asked JAX between leaving the old group and joining this one, which brought up a
             # backend outside any group: drop it, so the next call brings up the group's.
@@ -338,7 +326,8 @@ class Worker:
             )
             self._report_failure("JobUnsupported", message, "", step=self.step, unsupported=True)
             return
-        layout = f"position {form.process_id % form.slice_size} of {form.slice_size} x {self.local_devices} devices"
+        position, local = form.process_id % form.slice_size, self.settings.local_devices
+        layout = f"position {position} of {form.slice_size} x {local} devices"
         if self.ram is not None and self.ram.metadata.get("layout") != layout:
             # Seated elsewhere in a slice: the shards it holds are not the ones it needs now.
             self.ram = self.neighbour = None
@@ -746,8 +735,8 @@ class Worker:
             check(step)
         # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
         moved = self.shift(new_state) if self.shift is not None else []
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
+        if self.settings.step_delay_s:
+            time.sleep(self.settings.step_delay_s)
         return (new_state, moved), time.perf_counter() - started
 
     def _gather_whole(self) -> tuple[tuple[str, PyTree | None], float]:
@@ -763,7 +752,7 @@ class Worker:
                 self._durable_write.result()
         # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local
         # device), and hashing one joined copy two more: at a GB of state 4 workers ran the machine out of memory.
-        keep = bool(os.environ.get(ENV_RESULT)) and self.process_id == 0
+        keep = bool(self.settings.result) and self.process_id == 0
         hasher = hashlib.sha256()
         kept: list[np.ndarray] = []
         for leaf in _leaves(self.state):
@@ -778,7 +767,7 @@ class Worker:
     def _finish(self, target: int, gathered: tuple[str, PyTree | None]) -> None:
         assert self.ram is not None
         digest, whole = gathered
-        result = os.environ.get(ENV_RESULT)
+        result = self.settings.result
         if result and whole is not None:  # in the disk tier's format: verified, and plain Orbax reads it
             final = replica(target, self.ram.data_position, whole, self.identity)
             DiskTier(result, name="result", check_space=False).save(final, timeout=600.0)
@@ -804,7 +793,7 @@ def _log_failure(future: Future[None]) -> None:
         log.error("durable checkpoint write failed: %s: %s", type(exc).__name__, exc)
 
 
-def _join_group(form: Form) -> None:
+def _join_group(form: Form, settings: WorkerSettings) -> None:
     """Connect this process to the group's coordination service, which the controller hosts.
 
     ``jax.distributed.initialize`` would start the service inside process 0; measured here, when process 0
@@ -821,12 +810,10 @@ def _join_group(form: Form) -> None:
     client = jax_compat.distributed_runtime_client(
         form.coordinator,
         form.process_id,
-        init_timeout=int(os.environ.get(ENV_JAX_INIT_S, "60")),
+        init_timeout=settings.jax_init_s,
         use_compression=True,
-        # Ours detect a loss in ~2 s; JAX's own (default 100 s) must not fire first and end the group.
-        heartbeat_timeout=int(os.environ.get(ENV_JAX_HEARTBEAT_S, "30")),
-        # Default 300 s: a shutdown that waited for a dead peer would stall the re-forming for minutes.
-        shutdown_timeout=int(os.environ.get(ENV_JAX_SHUTDOWN_S, "2")),
+        heartbeat_timeout=settings.jax_heartbeat_s,
+        shutdown_timeout=settings.jax_shutdown_s,
     )
     client.connect()
     state.client = client
@@ -903,29 +890,29 @@ def run_worker(job: TrainJob, steps: int) -> NoReturn:
     # The script may have touched a device already (a default mesh policy does): that local backend must go
     # before the device count is set and the process joins a group.
     jax.extend.backend.clear_backends()
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get(ENV_LOCAL_DEVICES, "2")))
+    settings = WorkerSettings.from_env()
+    jax.config.update("jax_num_cpu_devices", settings.local_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Without it the coordination service ends every survivor when one process dies.
     jax.config.update("jax_enable_recoverability", True)
-    cache = os.environ.get(ENV_COMPILE_CACHE)
+    cache = settings.compile_cache
     if cache:
         # Every generation compiles the same step for the same layout again (new backend); with a persistent
         # cache the survivors and the replacement load it instead of running XLA.
         jax.config.update("jax_compilation_cache_dir", cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    worker = int(os.environ[ENV_WORKER])
-    replica_dir = os.environ.get(ENV_REPLICA_DIR, f"/dev/shm/elastic-runtime-{os.getppid()}")
+    worker = settings.worker
     code = 1
-    replicas = ReplicaFiles(replica_dir, f"worker-{worker}")
+    replicas = ReplicaFiles(settings.replica_folder(os.getppid()), f"worker-{worker}")
     # Read once and dropped from the environment, so that what the script starts does not inherit it.
     secret = auth.load_secret()
     os.environ.pop(auth.ENV_TOKEN, None)
     try:
         if secret is None:
             raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
-        link = connect(os.environ[ENV_CONTROLLER], secret, float(os.environ.get(ENV_CONNECT_S, "120")))
-        code = Worker(job, steps, worker=worker, link=link, replicas=replicas).serve()
+        link = connect(settings.controller, secret, settings.connect_s)
+        code = Worker(job, steps, settings=settings, link=link, replicas=replicas).serve()
         replicas.wait()
     except Exception:
         log.exception("worker %d failed", worker)

@@ -9,6 +9,7 @@ worker's Hello and then says stop, or closes the connection.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -19,7 +20,9 @@ import pytest
 
 from runtime.cluster import auth
 from runtime.cluster.protocol import (
+    ENV_CONTROLLER,
     ENV_HEARTBEAT_S,
+    ENV_WORKER,
     EXIT_REPLACE,
     Hello,
     Stop,
@@ -27,7 +30,9 @@ from runtime.cluster.protocol import (
     decode_from_worker,
     encode,
 )
+from runtime.cluster.settings import WorkerSettings
 from runtime.cluster.worker import ControllerLink, Worker
+from runtime.core.errors import ConfigError
 from runtime.testing.demo_model import demo_job
 from storage.replicas import ReplicaFiles
 
@@ -63,18 +68,14 @@ def controller(then: Callable[[socket.socket], None]) -> Iterator[str]:
     assert not failures, failures
 
 
-@pytest.fixture(autouse=True)
-def quiet_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The worker's heartbeat thread runs until its process exits; here the process is pytest's. One heartbeat,
-    # then it sleeps, rather than send to a closed socket every 0.2 s for the rest of the session.
-    monkeypatch.setenv(ENV_HEARTBEAT_S, "3600")
-
-
 def serve_worker(address: str, tmp_path: Path) -> int:
     link = ControllerLink(address, SECRET, timeout=10)
+    # The worker's heartbeat thread runs until its process exits; here the process is pytest's. One heartbeat,
+    # then it sleeps, rather than send to a closed socket every 0.2 s for the rest of the session.
+    settings = WorkerSettings.from_env({ENV_CONTROLLER: address, ENV_WORKER: "0", ENV_HEARTBEAT_S: "3600"})
     try:
         job = demo_job(global_batch=8, features=8, hidden=8)
-        return Worker(job, 5, worker=0, link=link, replicas=ReplicaFiles(tmp_path, "worker-0")).serve()
+        return Worker(job, 5, settings=settings, link=link, replicas=ReplicaFiles(tmp_path, "worker-0")).serve()
     finally:
         link.close()
 
@@ -99,3 +100,22 @@ def test_a_worker_whose_controller_is_gone_asks_to_be_replaced(tmp_path: Path) -
 def test_a_stop_without_a_code_is_the_end_of_the_run() -> None:
     # A controller of the previous version sends no exit_code: its Stop still decodes, as the end of the run.
     assert decode_from_controller(b'{"type":"Stop","reason":"the run is over"}\n') == Stop(reason="the run is over")
+
+
+@pytest.mark.parametrize(
+    ("environ", "named"),
+    [
+        ({ENV_CONTROLLER: "127.0.0.1:1"}, "ELASTIC_WORKER_ID is not set"),
+        ({ENV_CONTROLLER: "127.0.0.1:1", ENV_WORKER: "three"}, "ELASTIC_WORKER_ID='three'"),
+        ({ENV_CONTROLLER: "127.0.0.1:1", ENV_WORKER: "1", ENV_HEARTBEAT_S: "0"}, "ELASTIC_HEARTBEAT_S='0'"),
+    ],
+)
+def test_a_bad_worker_environment_names_the_variable(environ: dict[str, str], named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        WorkerSettings.from_env(environ)
+
+
+def test_the_worker_environment_is_read_once_with_its_defaults() -> None:
+    settings = WorkerSettings.from_env({ENV_CONTROLLER: "127.0.0.1:1", ENV_WORKER: "4", ENV_HEARTBEAT_S: "0.5"})
+    assert (settings.worker, settings.heartbeat_s, settings.local_devices, settings.jax_shutdown_s) == (4, 0.5, 2, 2)
+    assert settings.replica_folder(123) == "/dev/shm/elastic-runtime-123"

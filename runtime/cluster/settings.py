@@ -1,0 +1,94 @@
+"""A worker's settings, read once from the environment the controller (or the cluster) starts it with.
+
+Every ``ELASTIC_*`` variable a worker reads is a field here, with its default and its range; nothing else in
+the worker reads the environment. A bad value is a clear error naming the variable, before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from typing import Annotated
+
+import msgspec
+
+from runtime.cluster.protocol import (
+    ENV_COMPILE_CACHE,
+    ENV_CONNECT_S,
+    ENV_CONTROLLER,
+    ENV_HEARTBEAT_S,
+    ENV_JAX_HEARTBEAT_S,
+    ENV_JAX_INIT_S,
+    ENV_JAX_SHUTDOWN_S,
+    ENV_LOCAL_DEVICES,
+    ENV_REPLICA_DIR,
+    ENV_RESULT,
+    ENV_RUN_ID,
+    ENV_STEP_DELAY_S,
+    ENV_WORKER,
+)
+from runtime.core.errors import ConfigError
+
+__all__ = ["WorkerSettings"]
+
+_Positive = Annotated[float, msgspec.Meta(gt=0)]
+_Seconds = Annotated[int, msgspec.Meta(ge=1)]
+
+# field -> the variable it is read from
+_VARIABLES = {
+    "controller": ENV_CONTROLLER,
+    "worker": ENV_WORKER,
+    "replica_dir": ENV_REPLICA_DIR,
+    "local_devices": ENV_LOCAL_DEVICES,
+    "result": ENV_RESULT,
+    "run_id": ENV_RUN_ID,
+    "heartbeat_s": ENV_HEARTBEAT_S,
+    "jax_init_s": ENV_JAX_INIT_S,
+    "jax_heartbeat_s": ENV_JAX_HEARTBEAT_S,
+    "jax_shutdown_s": ENV_JAX_SHUTDOWN_S,
+    "compile_cache": ENV_COMPILE_CACHE,
+    "connect_s": ENV_CONNECT_S,
+    "step_delay_s": ENV_STEP_DELAY_S,
+}
+
+
+class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker process is told by its environment. Build it with :meth:`from_env`."""
+
+    controller: str  # host:port of the controller
+    worker: Annotated[int, msgspec.Meta(ge=0)]  # this process's worker id (unique for the run, never reused)
+    replica_dir: str = ""  # where replica files live; "": /dev/shm/elastic-runtime-<parent pid>
+    local_devices: Annotated[int, msgspec.Meta(ge=1)] = 2  # CPU devices per process
+    result: str = ""  # a folder where process 0 commits the final state; "": none
+    run_id: str = ""  # the run's id ("": it comes with the first Form)
+    heartbeat_s: _Positive = 0.2
+    jax_init_s: _Seconds = 60  # jax.distributed's initialization timeout
+    # Ours detect a loss in ~2 s; JAX's own (default 100 s) must not fire first and end the group.
+    jax_heartbeat_s: _Seconds = 30
+    # JAX's default 300 s: a shutdown that waited for a dead peer would stall the re-forming for minutes.
+    jax_shutdown_s: _Seconds = 2
+    compile_cache: str = ""  # the persistent XLA cache the workers share; "": none
+    connect_s: _Positive = 120.0  # how long to try to reach the controller
+    step_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # extra sleep per step (tests: room to kill mid-run)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:
+        """Read the worker's variables from ``environ``.
+
+        Raises:
+            ConfigError: a variable is missing (the controller's address, the worker id) or out of range,
+                naming the variable and its value.
+        """
+        values = {field: environ[name] for field, name in _VARIABLES.items() if environ.get(name, "") != ""}
+        try:
+            return msgspec.convert(values, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            found = re.search(r"\$\.(\w+)", str(exc)) or re.search(r"field `(\w+)`", str(exc))
+            field = found.group(1) if found else ""
+            shown = f"={values[field]!r}" if field in values else " is not set"
+            raise ConfigError(f"worker environment: {_VARIABLES.get(field, field)}{shown}: {exc}") from exc
+
+    def replica_folder(self, parent_pid: int) -> str:
+        """Where this worker's replica files live."""
+        return self.replica_dir or f"/dev/shm/elastic-runtime-{parent_pid}"
