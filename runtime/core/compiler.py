@@ -36,7 +36,11 @@ def shardings_for(specs: PyTree, mesh: Mesh) -> PyTree:
 
 
 def abstract(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+    """Shapes and dtypes of ``tree``'s leaves. A leaf's own dtype where it has one: a typed PRNG key array
+    (``jax.random.key``) has no NumPy dtype to convert to."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None) or np.asarray(x).dtype), tree
+    )
 
 
 class StepCompiler:
@@ -112,6 +116,13 @@ class StepCompiler:
         return future.result()
 
     def _compile(self, mesh: Mesh) -> Any:
+        # Traced under its mesh, as a real model expects: a bare PartitionSpec in with_sharding_constraint, or a
+        # module that asks for the mesh it runs on (jax.sharding.get_abstract_mesh), finds this one. The context
+        # is the compiling thread's own, so background compiles for other meshes do not see it.
+        with jax.set_mesh(mesh):
+            return self._compile_traced(mesh)
+
+    def _compile_traced(self, mesh: Mesh) -> Any:
         try:
             return self._compile_on(mesh)
         except Exception as exc:
