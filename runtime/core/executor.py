@@ -275,8 +275,8 @@ class StepExecutor:
         if snapshot.step > steps:
             raise ConfigError(f"resume: the newest checkpoint is step {snapshot.step}, beyond the target {steps}")
         self.state = await anyio.to_thread.run_sync(self._place, snapshot.tree, mesh)
-        # What an earlier process committed counts as committed.
         seconds = time.monotonic() - started
+        # What an earlier process committed counts as committed: the ledger's high water moves to it.
         return self.ledger.restored(
             snapshot.step, data_position=snapshot.data_position, restored_from=found.name, seconds=seconds
         )
