@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from runtime.core.cadence import EveryN, SavePolicy
 from runtime.core.config import RuntimeConfig
 from runtime.core.context import RuntimeContext
 from runtime.core.errors import BusClosed, CheckpointInvalid, SnapshotUnavailable
@@ -95,8 +96,9 @@ class TieredCheckpointer:
         self.shm = shm
         self.disk = disk
         self.gcs = gcs
-        self.disk_every = disk_every
-        self.gcs_every = gcs_every
+        # The same policies as the RAM snapshots' and the multi-process durable checkpoints' (runtime.core.cadence).
+        self.disk_policy: SavePolicy = EveryN(disk_every)
+        self.gcs_policy: SavePolicy = EveryN(gcs_every)
         self.keep = keep
         self.timeout_s = timeout_s
         self.save_on_finish = save_on_finish
@@ -323,7 +325,7 @@ class TieredCheckpointer:
         if self.shm is not None:
             self._shm_lane.submit(snapshot)
         # "Crosses a multiple" rather than "is a multiple": any RAM cadence then still reaches the disk.
-        if self.disk is not None and snapshot.step // self.disk_every > self._due_disk // self.disk_every:
+        if self.disk is not None and self.disk_policy.should_save(snapshot.step, self._due_disk):
             self._due_disk = snapshot.step
             self._disk_lane.submit((snapshot, False))
 
@@ -374,7 +376,7 @@ class TieredCheckpointer:
         if info is None:
             return
         step = info.step
-        if self.gcs is not None and (upload or step // self.gcs_every > self._last_uploaded // self.gcs_every):
+        if self.gcs is not None and (upload or self.gcs_policy.should_save(step, self._last_uploaded)):
             self._submit_gcs(info, forced=upload)
 
     def _submit_gcs(self, info: CheckpointInfo, *, forced: bool) -> None:

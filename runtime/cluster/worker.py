@@ -62,10 +62,12 @@ from runtime.cluster.protocol import (
 )
 from runtime.cluster.settings import WorkerSettings
 from runtime.cluster.tiers import Tier
+from runtime.core.cadence import EveryN
 from runtime.core.classify import classify
 from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.events import StepFailed
 from runtime.core.job import PyTree, TrainJob
+from runtime.core.ledger import StepLedger
 from runtime.core.snapshot import HostSnapshot
 from runtime.faults.process import attach_worker_faults
 from storage.disk import DiskTier
@@ -183,7 +185,9 @@ class Worker:
         self.process_id = -1
         self.num_processes = 0
         self.initialized = False
-        self.step = 0  # newest committed step held on the devices (or in ``ram``)
+        # The newest committed step held on the devices (or in ``ram``), its data position, when the durable
+        # tier is due. Failures and the budget are the controller's: it counts them for the whole group.
+        self.ledger = StepLedger("worker")
         self.step_time_s: float | None = None
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
         # With neighbour replicas: the previous process's shards of the same step, and the permute that moves them.
@@ -196,7 +200,6 @@ class Worker:
         self.files_tier = Tier.SHM if str(replicas.directory).startswith("/dev/shm") else Tier.DISK
         # The group's durable checkpoints (storage/sharded.py), when the controller keeps them.
         self.durable: ShardedStore | None = None
-        self.durable_every = 0
         self.durable_steps: set[int] = set()  # committed durable steps of this run (read at joining)
         self._writes: list[bool] = []  # per leaf: whether this process writes its shards there
         self._durable_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable")
@@ -217,6 +220,10 @@ class Worker:
         # A restore left running when the group re-formed: it may still be reading, and must not build arrays on
         # the next group's backend (see ``_form``).
         self._abandoned_restore: Future[Any] | None = None
+
+    @property
+    def step(self) -> int:
+        return self.ledger.step
 
     # --- the loop ----------------------------------------------------------------------------------------
 
@@ -336,7 +343,7 @@ class Worker:
         self.local_like = local_like(self.template, self.state_shardings)
         if form.durable_dir and (self.durable is None or self.durable.location != form.durable_dir.rstrip("/")):
             self.durable = ShardedStore(form.durable_dir)
-        self.durable_every = form.durable_every
+        self.ledger.policies = {"durable": EveryN(form.durable_every)} if form.durable_every > 0 else {}
         self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
         self.shift = NeighbourShift(self.template, self.state_shardings) if form.neighbour_replicas else None
@@ -489,7 +496,9 @@ class Worker:
 
     def _restored(self, restore: Restore, done: _Restoration) -> None:
         """The group's restore finished: the worker holds its step (and the neighbour copy of it it kept)."""
-        self.state, self.step, self.neighbour = done.state, restore.step, done.neighbour
+        self.state, self.neighbour = done.state, done.neighbour
+        # Its StateRestored is dropped: the controller publishes the group's, timed there.
+        self.ledger.restored(restore.step, data_position=done.position, restored_from=done.tier, seconds=0.0)
         self.ram = replica(
             restore.step, done.position, done.boxes, self.identity | self.layout, generation=restore.generation
         )
@@ -599,7 +608,7 @@ class Worker:
     def _train(self, target: int) -> Inbound | None:
         """Run steps until ``target``, or until the controller sends something; returns that message."""
         assert self.ram is not None
-        position = self.ram.data_position
+        position = self.ledger.data_position
         while self.step < target:
             if self._deferred is not None and self.step >= self._deferred.at_step:
                 form, self._deferred = self._deferred, None
@@ -619,15 +628,16 @@ class Worker:
             if outcome is None:  # the step raised: not committed; wait for the controller to re-form
                 return None
             (new_state, moved), seconds = outcome
-            self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
+            self.state, self.step_time_s = new_state, seconds
             position += 1
+            due = self.ledger.commit(self.step + 1, data_position=position).due
             own = local_copy(new_state)
             self.ram = replica(self.step, position, own, self.identity | self.layout, generation=self.generation)
             if self.shift is not None:
                 self.neighbour = replica(self.step, position, self.shift.copy(moved, own), generation=self.generation)
             if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
                 self.replicas.save(self.ram)
-                if self.durable is not None and self.durable_every > 0 and self.step % self.durable_every == 0:
+                if self.durable is not None and "durable" in due:
                     self.replicas.pin(self.step)
                     if self.process_id < self.slice_size:  # the first slice writes the group's checkpoint
                         self._save_durable(final=self.step == target)

@@ -1,15 +1,24 @@
-"""When to take a RAM snapshot: every k steps, or at the Young-Daly interval for an expected failure rate.
+"""When a tier saves a step: one policy protocol, and its three policies (every step, every n, Young-Daly).
 
-A snapshot every step loses no work to a failure, but pays for a copy of the state every step. With failures
-every M seconds on average and a copy costing C seconds, snapshots every tau seconds of training lose about
-C/tau of the time to copying and tau/(2M) to re-doing work after a failure; tau = sqrt(2*C*M) minimises the
-sum (Young 1974, Daly 2006). The cadence measures the step time and C (the extra time of a snapshotted step
-over the average step without a copy) as the run goes, and turns tau into steps.
+A policy answers one question, in the spirit of Orbax's ``SaveDecisionPolicy``: is step ``step`` due, the
+tier's previous save (or the step a run restarted from) being ``last``? The caller keeps ``last`` per tier
+(:class:`runtime.core.ledger.StepLedger` does), so that a policy is a small callable shared by the RAM
+snapshots, the disk and GCS tiers of the cascade, and the multi-process worker's durable checkpoints.
+
+Young-Daly: a snapshot every step loses no work to a failure, but pays for a copy of the state every step.
+With failures every M seconds on average and a copy costing C seconds, snapshots every tau seconds of
+training lose about C/tau of the time to copying and tau/(2M) to re-doing work after a failure;
+tau = sqrt(2*C*M) minimises the sum (Young 1974, Daly 2006). :class:`SnapshotCadence` measures the step time
+and C (the extra time of a snapshotted step over the average step without a copy) as the run goes, and
+turns tau into steps.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
+
+__all__ = ["EveryN", "EveryStep", "SavePolicy", "SnapshotCadence"]
 
 _SMOOTHING = 0.2  # weight of the newest measurement in the running averages
 # A copy measured at no cost (the difference of two noisy step times) still costs something: without a
@@ -17,11 +26,42 @@ _SMOOTHING = 0.2  # weight of the newest measurement in the running averages
 _MIN_COPY_S = 1e-4
 
 
+class SavePolicy(Protocol):
+    """Decides whether a tier saves a step."""
+
+    def should_save(self, step: int, last: int) -> bool:
+        """Whether ``step`` is due, the tier's newest save (or restart point) being step ``last``."""
+        ...
+
+
+class EveryStep:
+    """Every step past the last save."""
+
+    def should_save(self, step: int, last: int) -> bool:
+        return step > last
+
+
+class EveryN:
+    """Each time the step crosses a multiple of ``n``.
+
+    "Crosses" rather than "is": a tier fed only some steps (the disk, from a sparser RAM cadence) still
+    saves one per multiple; with every step offered it is the same as ``step % n == 0``.
+    """
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"a save cadence must be >= 1 step, got {n}")
+        self.n = n
+
+    def should_save(self, step: int, last: int) -> bool:
+        return step // self.n > last // self.n
+
+
 class SnapshotCadence:
-    """Decides which steps are snapshotted.
+    """``every`` steps after the last save; with ``mtbf_s``, at the Young-Daly interval, measured as it runs.
 
     Args:
-        every: snapshot every ``every`` steps; with ``mtbf_s``, only until the first copy is measured.
+        every: save every ``every`` steps; with ``mtbf_s``, only until the first copy is measured.
         mtbf_s: expected mean time between failures; None keeps ``every`` fixed.
     """
 
@@ -32,15 +72,22 @@ class SnapshotCadence:
             raise ValueError(f"mean time between failures must be > 0 s, got {mtbf_s}")
         self.every = every
         self.mtbf_s = mtbf_s
-        self.last = 0  # the newest snapshotted step (or the step a run restarted from)
+        self.last = 0  # for the single-tier use of due/taken/restarted, without a ledger
         self._copy_s: float | None = None
         self._step_s: float | None = None
 
+    def should_save(self, step: int, last: int) -> bool:
+        return step - last >= self.every
+
     def due(self, step: int) -> bool:
-        return step - self.last >= self.every
+        return self.should_save(step, self.last)
 
     def taken(self, step: int) -> None:
         """Step ``step`` is being snapshotted (the next one is due ``every`` steps later)."""
+        self.last = step
+
+    def restarted(self, step: int) -> None:
+        """The run went back to (or on from) ``step``, whose state is held by a tier."""
         self.last = step
 
     def copied(self, copy_s: float) -> None:
@@ -56,10 +103,6 @@ class SnapshotCadence:
     def step_s(self) -> float | None:
         """The running average of a step without a snapshot; None before the first."""
         return self._step_s
-
-    def restarted(self, step: int) -> None:
-        """The run went back to (or on from) ``step``, whose state is held by a tier."""
-        self.last = step
 
     def _adapt(self) -> None:
         if self.mtbf_s is None or self._copy_s is None or not self._step_s:

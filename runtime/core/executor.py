@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 
 from runtime.core.bus import EventBus
 from runtime.core.cadence import SnapshotCadence
-from runtime.core.classify import classify
 from runtime.core.commands import Abort, Command, Pause, Remesh, Restore, Resume, TransformState
 from runtime.core.compiler import StepCompiler
 from runtime.core.config import RuntimeConfig
@@ -39,7 +38,6 @@ from runtime.core.events import (
     Event,
     MeshChanged,
     MeshReduced,
-    RecoveryFailed,
     RunStarted,
     StateRestored,
     StateTransformed,
@@ -48,9 +46,9 @@ from runtime.core.events import (
 )
 from runtime.core.health import DeviceHealth
 from runtime.core.job import PyTree, TrainJob
+from runtime.core.ledger import StepLedger
 from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
 from runtime.core.prefetch import BatchPrefetcher
-from runtime.core.recovery import RecoveryTracker
 from runtime.core.restore import RestoreSource, refuse_earlier_checkpoints, restore_newest
 from runtime.core.snapshot import RamTier
 
@@ -132,7 +130,16 @@ class StepExecutor:
         # raises fails the step as that exception (a site's result validation, or a fault injector).
         self.step_checks: list[StepCheck] = []
         self.ram = RamTier()
+        # The RAM snapshot's cadence, and the measure of a step without a copy that Young-Daly plans by.
         self.cadence = SnapshotCadence(max(config.snapshot_every, 1), config.snapshot_mtbf_s)
+        # The books: committed step, data position, when the RAM tier is due (decided as a step is dispatched:
+        # its copy is queued right behind it), the recovery under way.
+        self.ledger = StepLedger(
+            "executor",
+            max_failures=config.max_recoveries,
+            policies={"ram": self.cadence} if config.snapshot_every > 0 else {},
+            at_dispatch=("ram",),
+        )
         self.ram.failure_listeners.append(self._snapshot_failed)
         # Where a restore looks, fastest first. The storage tiers append themselves after RAM.
         self.restore_sources: list[RestoreSource] = [self.ram]
@@ -154,13 +161,9 @@ class StepExecutor:
         self.mesh_updates_send, self.mesh_updates = anyio.create_memory_object_stream[Mesh](math.inf)
         self.mesh: Mesh | None = None
         self.state: PyTree | None = None
-        self.step = 0  # the newest committed step
-        self.data_position = 0
-        self.high_water = 0  # the newest step ever committed, before any rollback
         self.loss: float | None = None
         self.paused = False
         self.mesh_history: list[dict[str, int]] = []
-        self.recovery = RecoveryTracker("executor", config.max_recoveries)
         self._recovery_deadline = math.inf  # when the handlers must have resumed the current recovery
         self._resumed = False  # a handler resumed the current recovery
         self._initial: PyTree | None = None
@@ -178,8 +181,17 @@ class StepExecutor:
         self._attention.set()  # the worker thread stops after its current step
 
     @property
+    def step(self) -> int:
+        """The newest committed step."""
+        return self.ledger.step
+
+    @property
+    def data_position(self) -> int:
+        return self.ledger.data_position
+
+    @property
     def recovering(self) -> bool:
-        return self.recovery.current is not None
+        return self.ledger.recovering
 
     # --- the run ---------------------------------------------------------------------------------------
 
@@ -205,7 +217,7 @@ class StepExecutor:
             data_position=self.data_position,
             loss=self.loss,
             mesh_history=self.mesh_history,
-            recoveries=self.recovery.failures,
+            recoveries=self.ledger.recovery.failures,
         )
 
     async def _start(self, steps: int, resume: bool) -> None:
@@ -263,12 +275,10 @@ class StepExecutor:
         if snapshot.step > steps:
             raise ConfigError(f"resume: the newest checkpoint is step {snapshot.step}, beyond the target {steps}")
         self.state = await anyio.to_thread.run_sync(self._place, snapshot.tree, mesh)
-        self.step = self.high_water = snapshot.step  # what an earlier process committed counts as committed
-        self.data_position = snapshot.data_position
-        self.cadence.restarted(snapshot.step)
         seconds = time.monotonic() - started
-        return StateRestored(
-            step=snapshot.step, source="executor", restored_from=found.name, lost_steps=0, seconds=seconds
+        # What an earlier process committed counts as committed: the ledger's high water moves to it.
+        return self.ledger.restored(
+            snapshot.step, data_position=snapshot.data_position, restored_from=found.name, seconds=seconds
         )
 
     def _set_mesh(self, mesh: Mesh) -> None:
@@ -403,18 +413,9 @@ class StepExecutor:
             if self.step > 0 and self.config.snapshot_every > 0:
                 await self._fail_recovery(f"no tier of {names} holds a snapshot to restore step {self.step} from")
         self.state = await anyio.to_thread.run_sync(self._place, tree, self.mesh)
-        lost = self.high_water - step
-        self.step, self.data_position = step, position
-        self.cadence.restarted(step)
-        self.recovery.restored(step, restored_from=origin, lost_steps=lost)
+        seconds = time.monotonic() - started
         await self.bus.publish(
-            StateRestored(
-                step=step,
-                source="executor",
-                restored_from=origin,
-                lost_steps=lost,
-                seconds=time.monotonic() - started,
-            )
+            self.ledger.restored(step, data_position=position, restored_from=origin, seconds=seconds)
         )
 
     async def _run_steps(self, target: int) -> None:
@@ -521,12 +522,9 @@ class StepExecutor:
                 snapshot_wait_s=done.snapshot_wait_s,
             )
         )
-        completed = self.recovery.committed(step, shape)
-        if completed is not None:
-            self._from_threads.append(completed)
-        self.state, self.loss, self.data_position = done.state, done.loss, position
-        self.high_water = max(self.high_water, step)
-        self.step = step  # last: the step counts as committed once everything above is in place
+        self.state, self.loss = done.state, done.loss
+        # Last: the step counts as committed once everything above is in place.
+        self._from_threads.extend(self.ledger.commit(step, data_position=position, mesh_shape=shape).events)
 
     def _dispatch(self, state: PyTree, step: int, mesh: Mesh, position: int) -> _InFlight:
         """Load the step's batch and queue the compiled step on the devices; does not wait for it.
@@ -552,8 +550,8 @@ class StepExecutor:
         else:  # compiled here, or waited for: after a failure, part of the recovery's time
             waiting = time.perf_counter()
             compiled = compiler.get(mesh)
-            self.recovery.waited_for_compile(time.perf_counter() - waiting)
-        copy_due = not compiler.host_copy and self.config.snapshot_every > 0 and self.cadence.due(step)
+            self.ledger.recovery.waited_for_compile(time.perf_counter() - waiting)
+        copy_due = not compiler.host_copy and "ram" in self.ledger.due(step)
         if copy_due:  # a copy compiled here (a layout not prepared ahead) is no part of the copy's cost
             self.ram.prepare(state)
         # An executable's first run warms it up: no measure of a step to plan by.
@@ -572,7 +570,7 @@ class StepExecutor:
                 # that one too and emptied the pipeline (a whole step, where the copy itself is far shorter).
                 host = self.ram.dispatch_copy(new_state, step=step)  # None: failed, reported as an event
                 if host is not None:  # one that could not be queued is tried again at the next step
-                    self.cadence.taken(step)
+                    self.ledger.taken("ram", step)
         return _InFlight(step, position, new_state, metrics, host, dispatched, data_s, measured)
 
     def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float, ended_unseen: bool) -> _StepDone:
@@ -627,27 +625,25 @@ class StepExecutor:
         in_mesh = list(mesh.devices.flat)
         healthy = await anyio.to_thread.run_sync(self.health.healthy, in_mesh)
         lost = tuple(sorted(set(device_ids(mesh)) - {d.id for d in healthy}))
-        event = classify(
+        event, started = self.ledger.fail(
             exc,
             step=step,
             lost_devices=lost,
             slices=self.policy.slices_of(lost),
             slice_size=self.policy.slice_size,
+            at=failed_at,
         )
         await self.bus.publish(event)
-        if isinstance(event, StepFailed):
+        if started is None:
             raise StepError(
                 f"step {step} raised {event.error_type} in user code: {event.message} "
                 f"(last committed step {self.step} is intact)",
                 step=step,
             ) from exc
-        started = self.recovery.fail(
-            type(event).__name__, failed_step=step, last_committed_step=self.step, at=failed_at
-        )
         self._recovery_deadline = time.monotonic() + self.config.recovery_timeout_s
         self._resumed = False
-        if self.recovery.over_budget:
-            failures = self.recovery.failures
+        if self.ledger.over_budget:
+            failures = self.ledger.recovery.failures
             await self._fail_recovery(f"{failures} failures exceed max_recoveries={self.config.max_recoveries}")
         log.warning("step %d failed: %s: %s; waiting for recovery", step, event.error_type, event.message)
         await self.bus.publish(started)
@@ -660,5 +656,5 @@ class StepExecutor:
         raise StepError(f"{what}: {event.error_type}: {event.message}", step=step) from exc
 
     async def _fail_recovery(self, reason: str) -> NoReturn:
-        await self.bus.publish(RecoveryFailed(step=self.step, source="executor", reason=reason, message=reason))
+        await self.bus.publish(self.ledger.give_up(reason))
         raise RecoveryError(f"recovery failed at step {self.step}: {reason}", last_committed_step=self.step)
