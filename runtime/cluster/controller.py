@@ -46,7 +46,6 @@ from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
-from runtime.cluster.relay import EventRelay
 from runtime.cluster.protocol import (
     EXIT_REPLACE,
     Committed,
@@ -65,6 +64,7 @@ from runtime.cluster.protocol import (
     Unreadable,
     Warm,
 )
+from runtime.cluster.relay import EventRelay
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run, save_fences
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus

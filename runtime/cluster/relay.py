@@ -27,7 +27,7 @@ import msgspec
 
 from runtime.cluster.protocol import Notify, Published, Requested
 from runtime.core.bus import EventBus
-from runtime.core.errors import RecoveryError
+from runtime.core.errors import ConfigError, RecoveryError
 from runtime.core.eventlog import decode_event, encode_event
 from runtime.core.events import Event, GroupFormed, GroupForming, RecoveryStarted, RunFinished, WorkerHung, WorkerLost
 
@@ -77,6 +77,7 @@ class EventRelay:
             self._holding = True
         if isinstance(event, GroupFormed):
             self._holding, self._generation, self._members = False, event.generation, event.members
+            self._check_alike(event.members)
             held, self._held = self._held, []
             for earlier in held:
                 await self._send(earlier)
@@ -84,9 +85,24 @@ class EventRelay:
             if len(self._held) < _MAX_HELD:
                 self._held.append(event)
             else:
-                log.warning("controller: %s not forwarded to the workers' handlers: too many held", type(event).__name__)
+                log.warning(
+                    "controller: %s not forwarded to the workers' handlers: too many held", type(event).__name__
+                )
             return
         await self._send(event)
+
+    def _check_alike(self, members: tuple[int, ...]) -> None:
+        """Members whose scripts differ in having handlers at all would not all join the boundary's all-gather
+        (``worker_handlers.py``): the group would hang at its first step. End the run, saying why."""
+        hellos = {w: self._c.pool[w].hello for w in members if w in self._c.pool.procs}
+        with_handlers = {w for w, hello in hellos.items() if hello is not None and hello.events}
+        if with_handlers and len(with_handlers) < len(members):
+            self._c.end(
+                ConfigError(
+                    f"workers {sorted(with_handlers)} run a script with handlers and workers "
+                    f"{sorted(set(members) - with_handlers)} one without: every worker must run the same script"
+                )
+            )
 
     async def _send(self, event: Event) -> None:
         if not self._wanted(event, self._members):

@@ -3,6 +3,9 @@
 
     python tests/multiprocess/handlers_train.py --steps 30 --out DIR [--scale 0.5] [--abort]
 
+``--scale``: on StateRestored, scale every float leaf of the state (``ctx.transform_state``); ``--abort``: on
+the first GroupFormed, abort the run and (another handler) ask for a re-mesh, which this mode cannot do.
+
 Every process appends what its handlers saw to ``DIR/handlers-PID.jsonl``: the event, ``ctx.lead``, the
 process id and the step boundary the handler ran at.
 """
@@ -44,7 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scale", type=float, default=0.0, help="on StateRestored: scale every float leaf")
-    parser.add_argument("--abort", action="store_true", help="on StateRestored: abort the run (and try a remesh)")
+    parser.add_argument("--abort", action="store_true", help="on GroupFormed: abort the run (and try a remesh)")
     args = parser.parse_args()
     job = demo_job(global_batch=GLOBAL_BATCH, features=FEATURES, hidden=HIDDEN)
     runtime = ElasticRuntime(job, mesh_policy=MeshPolicy({"data": 1, "model": 1}))
@@ -56,6 +59,13 @@ def main() -> None:
     @runtime.on(GroupFormed)
     async def formed(event: GroupFormed, ctx: Any) -> None:
         record(args.out, event, ctx)
+        if args.abort:
+            ctx.abort(f"generation {event.generation} formed: giving up on purpose")
+
+    @runtime.on(GroupFormed, priority=-1)
+    async def try_remesh(event: GroupFormed, ctx: Any) -> None:
+        if args.abort:
+            ctx.remesh(None, reason="not possible under launch")
 
     @runtime.on(StateRestored)
     async def restored(event: StateRestored, ctx: Any) -> None:
@@ -67,13 +77,6 @@ def main() -> None:
                 return jax.tree.map(floats, state)
 
             ctx.transform_state(scale, reason=f"scale by {args.scale} after a restore")
-        if args.abort:
-            ctx.abort(f"restored step {event.step}: giving up on purpose")
-
-    @runtime.on(StateRestored, priority=-1)
-    async def try_remesh(event: StateRestored, ctx: Any) -> None:
-        if args.abort:
-            ctx.remesh(None, reason="not possible under launch")
 
     @runtime.on(RecoveryCompleted)
     async def recovered(event: RecoveryCompleted, ctx: Any) -> None:
@@ -83,9 +86,9 @@ def main() -> None:
 
 
 async def count_on_controller(event: GroupFormed | StateRestored, ctx: Any) -> None:
-    """A controller-side handler (``launch --handlers handlers_train:count_on_controller``)."""
+    """A controller-side handler (``launch --handlers handlers_train:count_on_controller``): once per event."""
     with Path(os.environ[ENV_CONTROLLER_OUT]).open("a") as f:
-        f.write(json.dumps({"event": type(event).__name__, "members": list(ctx.members)}) + "\n")
+        f.write(json.dumps({"event": type(event).__name__, "step": event.step}) + "\n")
 
 
 if __name__ == "__main__":
