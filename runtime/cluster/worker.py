@@ -678,6 +678,10 @@ class Worker:
         if done.state is not None:
             self.state = done.state
         if done.checkpoint and self.durable is not None and self.link.leased():
+            if self.step in self.durable_steps or self.step % max(self.durable_every, 1) == 0:
+                # Written (or due) already: writing a committed step's files again could damage it.
+                log.info("checkpoint asked for at step %d: it is a durable step already", self.step)
+                return
             self.replicas.pin(self.step)
             if self.process_id < self.slice_size:  # the first slice writes the group's checkpoint
                 self._save_durable(final=False)

@@ -1,10 +1,11 @@
 """A training script with its own handlers, written as ``examples/custom_handler.py`` writes them, for
 ``test_handlers_everywhere.py``; also a controller-side handler for ``launch --handlers``. Not collected.
 
-    python tests/multiprocess/handlers_train.py --steps 30 --out DIR [--scale 0.5] [--abort]
+    python tests/multiprocess/handlers_train.py --steps 30 --out DIR [--scale 0.5] [--abort] [--checkpoint-on TYPE]
 
 ``--scale``: on StateRestored, scale every float leaf of the state (``ctx.transform_state``); ``--abort``: on
-the first GroupFormed, abort the run and (another handler) ask for a re-mesh, which this mode cannot do.
+the first GroupFormed, abort the run and (another handler) ask for a re-mesh, which this mode cannot do;
+``--checkpoint-on``: on the first event of that type, ask for a durable checkpoint (``ctx.request_checkpoint``).
 
 Every process appends what its handlers saw to ``DIR/handlers-PID.jsonl``: the event, ``ctx.lead``, the
 process id and the step boundary the handler ran at.
@@ -21,7 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from runtime import ElasticRuntime, GroupFormed, MeshPolicy, RecoveryCompleted, StateRestored, WorkerLost
+import runtime as runtime_api
+from runtime import ElasticRuntime, Event, GroupFormed, MeshPolicy, RecoveryCompleted, StateRestored, WorkerLost
 from runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN
 from runtime.testing.demo_model import demo_job
 
@@ -48,6 +50,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--scale", type=float, default=0.0, help="on StateRestored: scale every float leaf")
     parser.add_argument("--abort", action="store_true", help="on GroupFormed: abort the run (and try a remesh)")
+    parser.add_argument("--checkpoint-on", default="", help="an event type: ask for a checkpoint on it")
     args = parser.parse_args()
     job = demo_job(global_batch=GLOBAL_BATCH, features=FEATURES, hidden=HIDDEN)
     runtime = ElasticRuntime(job, mesh_policy=MeshPolicy({"data": 1, "model": 1}))
@@ -77,6 +80,12 @@ def main() -> None:
                 return jax.tree.map(floats, state)
 
             ctx.transform_state(scale, reason=f"scale by {args.scale} after a restore")
+
+    async def checkpoint(event: Event, ctx: Any) -> None:
+        await ctx.request_checkpoint(reason=f"on {args.checkpoint_on}")
+
+    if args.checkpoint_on:
+        runtime.subscribe(getattr(runtime_api, args.checkpoint_on), checkpoint, priority=-2)
 
     @runtime.on(RecoveryCompleted)
     async def recovered(event: RecoveryCompleted, ctx: Any) -> None:

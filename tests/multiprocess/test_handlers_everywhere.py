@@ -5,9 +5,11 @@ Real worker processes, a real ``kill -9``, no mocks.
   fire in every process of the group once for each of the group's events (the lost worker, the re-forming,
   the restore), all at the same step boundary, with ``ctx.lead`` true in one process only;
 - their ``ctx.transform_state`` acts: the final state differs from the same run without it, and the
-  controller's log says ``StateTransformed`` once;
-- ``ctx.abort`` ends the run with the handler's reason, and ``ctx.remesh`` (impossible here) is a
-  ``HandlerFailed`` naming the mode, not a silent no-op;
+  controller's log says ``StateTransformed`` once; their ``ctx.request_checkpoint`` commits a durable
+  checkpoint of that step (``launch --durable``);
+- ``ctx.abort`` ends the run with the handler's reason, and ``ctx.remesh`` (impossible here) and
+  ``ctx.request_checkpoint`` without a durable tier are each a ``HandlerFailed`` naming why, not a silent
+  no-op;
 - ``launch --handlers package.module:function`` subscribes a controller-side handler, run once per event.
 """
 
@@ -28,7 +30,7 @@ from runtime.cli.demo_multiprocess import run_group
 from runtime.cluster.named_handlers import load_handler
 from runtime.core.errors import ConfigError
 from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, HandlerFailed, StateRestored, StateTransformed
+from runtime.core.events import CheckpointCommitted, GroupFormed, HandlerFailed, StateRestored, StateTransformed
 from runtime.testing.grammar import parse_faults
 
 HERE = Path(__file__).parent
@@ -100,6 +102,8 @@ def test_a_transform_requested_on_state_restored_acts_in_every_process(plain: tu
     [transformed] = [e for e in events if isinstance(e, StateTransformed)]
     [restored] = [e for e in events if isinstance(e, StateRestored)]
     assert transformed.reason == "scale by 0.5 after a restore" and transformed.step >= restored.step
+    [committed] = [e for e in events if isinstance(e, CheckpointCommitted)]
+    assert committed.tier == "durable" and committed.step == transformed.step  # the same boundary
 
 
 def test_abort_ends_the_run_and_an_impossible_request_is_a_handler_failure(tmp_path: Path) -> None:
@@ -110,6 +114,7 @@ def test_abort_ends_the_run_and_an_impossible_request_is_a_handler_failure(tmp_p
     command = [sys.executable, "-m", "runtime.cli", "launch", "--nprocs", "2", "--steps", "10"]
     command += ["--run-dir", str(tmp_path / "run"), "--handlers", "handlers_train:count_on_controller"]
     command += ["--", sys.executable, str(SCRIPT), "--steps", "10", "--out", str(out), "--abort"]
+    command += ["--checkpoint-on", "GroupFormed"]
     env = os.environ | {"HANDLERS_TEST_CONTROLLER_OUT": str(tmp_path / "controller.jsonl")}
     done = subprocess.run(command, cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr[-3000:]
@@ -117,9 +122,11 @@ def test_abort_ends_the_run_and_an_impossible_request_is_a_handler_failure(tmp_p
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["ok"] is False and "generation 1 formed: giving up on purpose" in summary["reason"]
     events = read_events(tmp_path / "run" / "events.jsonl")
-    [failed] = [e for e in events if isinstance(e, HandlerFailed)]
-    assert failed.error_type == "UnsupportedInMode" and "elastic-runtime launch" in failed.message
-    assert failed.event_type == "GroupFormed"
+    failed = {e.handler.rsplit(".", 1)[-1]: e for e in events if isinstance(e, HandlerFailed)}
+    assert sorted(failed) == ["checkpoint", "try_remesh"]  # once each: sent by the lead process only
+    assert all(e.error_type == "UnsupportedInMode" and e.event_type == "GroupFormed" for e in failed.values())
+    assert "ctx.remesh is not available under `elastic-runtime launch`" in failed["try_remesh"].message
+    assert "needs a durable tier" in failed["checkpoint"].message
     lines = (tmp_path / "controller.jsonl").read_text().splitlines()
     assert [json.loads(line)["event"] for line in lines] == ["GroupFormed"]
 
