@@ -183,7 +183,10 @@ class ScriptHandlers:
         newest = self._newest(worker.generation)
         agreed = int(np.min(multihost_utils.process_allgather(np.asarray(newest, np.int32))))
         with self._lock:
-            due = [self._waiting.pop(s) for s in sorted(self._waiting) if s <= agreed]
+            mine = [
+                s for s in sorted(self._waiting) if s <= agreed and self._waiting[s].generation == worker.generation
+            ]
+            due = [self._waiting.pop(s) for s in mine]
         if not due:
             return Boundary(), 0.0
         requests = _Requests()
