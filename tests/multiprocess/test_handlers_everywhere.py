@@ -90,9 +90,11 @@ def test_a_controller_side_handler_named_in_the_config_runs_once_per_event(plain
     assert [r["step"] for r in lines if r["event"] == "StateRestored"] == restored and len(restored) == 1
 
 
-def test_a_transform_requested_on_state_restored_acts_in_every_process(plain: tuple[Path, Any], tmp_path: Path) -> None:
+def test_a_transform_and_a_checkpoint_asked_for_on_state_restored_act(plain: tuple[Path, Any], tmp_path: Path) -> None:
     _, without = plain
-    result = launched(tmp_path, "--scale", "0.5")
+    # No periodic durable checkpoint within the run (every 100 steps): the one committed is the handler's.
+    durable = {"durable_dir": str(tmp_path / "durable"), "durable_every": 100}
+    result = launched(tmp_path, "--scale", "0.5", "--checkpoint-on", "StateRestored", **durable)
     assert result.ok and result.step == STEPS
     # Every member applied it at the same step (else the replicas would disagree and ok would be False) ...
     assert len(set(result.digests.values())) == 1
