@@ -26,6 +26,7 @@ from runtime.core.errors import (
     SnapshotUnavailable,
     StepError,
     StorageError,
+    UnsupportedInMode,
 )
 from runtime.core.eventlog import read_events
 from runtime.core.events import *  # noqa: F403 - the event catalogue is part of the public API
@@ -60,6 +61,7 @@ __all__ = [
     "StepError",
     "StorageError",
     "TrainJob",
+    "UnsupportedInMode",
     "load_config",
     "read_events",
     *_event_names,

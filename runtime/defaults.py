@@ -26,6 +26,7 @@ from handlers import (
 from handlers.regroup import log_straggler, regroup_on_worker_failure
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller import Controller
+from runtime.cluster.named_handlers import subscribe_named
 from runtime.cluster.ray_backend import RayPlacement
 from runtime.cluster.worker import is_worker, run_worker
 from runtime.core.config import RuntimeConfig
@@ -86,28 +87,38 @@ class ElasticRuntime(Runtime):
         if self.checkpointer is not None:
             self.checkpointer.attach(self)
         self.maintenance = attach_maintenance(self, default_handlers=default_handlers)
+        # What is subscribed now is built in; what the script subscribes after this runs under launch too.
+        self._builtin = {id(sub) for sub in self.bus.subscriptions}
 
     def run(self, steps: int, *, resume: bool = False) -> RunResult:
         """Run to ``steps`` committed steps in a new event loop (see :meth:`Runtime.run_async`).
 
         Under ``elastic-runtime launch`` this process is one worker of a multi-process group: the job runs
         as that worker (``runtime.cluster.worker.run_worker``) and the process exits when the group is done,
-        so ``run`` does not return there; the controller keeps the run's record and handlers.
+        so ``run`` does not return there; the controller keeps the run's record. The handlers the script
+        subscribed (not the built-in ones: the controller re-forms the group) run in every worker for the
+        group's events the controller forwards (``docs/handlers.md``, *Under launch*).
         """
         if is_worker():
-            run_worker(self.job, steps)
+            mine = [sub for sub in self.bus.subscriptions if id(sub) not in self._builtin]
+            run_worker(self.job, steps, handlers=mine, handler_timeout=self.config.handler_timeout_s)
         return super().run(steps, resume=resume)
 
 
 def default_controller(config: LaunchConfig) -> Controller:
     """A multi-process controller that replaces a lost or hung worker and logs stragglers (and injects the
-    config's process faults, if any)."""
+    config's process faults, if any), with the handlers ``config.handlers`` names after the built-in ones.
+
+    Raises:
+        ConfigError: a handler ``config.handlers`` names cannot be loaded (before any worker starts).
+    """
     controller = Controller(config)
     if config.faults:
         ProcessFaults(config.faults).attach(controller.bus)
     controller.bus.subscribe(WorkerLost, regroup_on_worker_failure)
     controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
     controller.bus.subscribe(Straggler, log_straggler)
+    subscribe_named(controller.bus, config.handlers)
     return controller
 
 

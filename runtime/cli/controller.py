@@ -52,6 +52,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="LO-HI",
         help="ports for the coordination services, one per group generation (default: any free port)",
     )
+    parser.add_argument(
+        "--handlers",
+        action="append",
+        default=[],
+        metavar="PKG.MODULE:FUNCTION",
+        help="a controller-side handler, async def FUNCTION(event, ctx), for the event type its first parameter "
+        "is annotated with; once per event (repeatable; docs/handlers.md)",
+    )
     parser.set_defaults(func=controller_main)
     return parser
 
@@ -95,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         listen_port=port,
         coordinator_host=args.coordinator_host,
         coordinator_ports=args.coordinator_ports,
+        handlers=list(args.handlers),
     )
 
 

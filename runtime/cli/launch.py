@@ -96,6 +96,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="ACTION:PID@WHEN",
         help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (runtime.faults.grammar)",
     )
+    parser.add_argument(
+        "--handlers",
+        action="append",
+        default=[],
+        metavar="PKG.MODULE:FUNCTION",
+        help="a controller-side handler, async def FUNCTION(event, ctx), for the event type its first parameter "
+        "is annotated with; once per event (repeatable; docs/handlers.md)",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(func=launch_main)
     return parser
@@ -130,6 +138,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         target_steps=args.steps,
         resume=args.resume,
         faults=[fault for faults in args.fault for fault in faults],
+        handlers=list(args.handlers),
     )
 
 

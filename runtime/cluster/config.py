@@ -82,6 +82,8 @@ class LaunchConfig:
             service binds ``listen_host``); default: ``listen_host``.
         coordinator_ports: (low, high), the ports those services may take (one per generation, each kept
             until the run ends); default: any free port.
+        handlers: controller-side handlers, each ``package.module:function`` (``launch --handlers``), subscribed
+            by ``runtime.defaults.default_controller`` (``runtime/cluster/named_handlers.py``).
     """
 
     command: list[str]
@@ -117,6 +119,7 @@ class LaunchConfig:
     listen_port: int = 0
     coordinator_host: str | None = None
     coordinator_ports: tuple[int, int] | None = None
+    handlers: list[str] = field(default_factory=list)
 
     @property
     def slice_size(self) -> int:

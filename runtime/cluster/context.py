@@ -1,11 +1,16 @@
-"""The ``ctx`` a controller-side handler receives: the group, and the requests it may make."""
+"""The ``ctx`` a controller-side handler receives: the group, and the requests it may make.
+
+Requests mean what they mean on a single-process ``RuntimeContext``; those about the state (it lives in the
+workers) raise :class:`UnsupportedInMode` pointing to the script's own handlers, which run in every worker.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from runtime.cluster.config import LaunchConfig, Strategy
+from runtime.core.errors import RecoveryError, UnsupportedInMode
 from runtime.core.events import Event
 
 if TYPE_CHECKING:
@@ -48,3 +53,19 @@ class ControllerContext:
     def regroup(self, lost: Iterable[int], reason: str, strategy: Strategy | None = None) -> None:
         """Replace ``lost`` workers and re-form the group (queued; done by the controller's supervisor)."""
         self._c.request_regroup(set(lost), reason, strategy)
+
+    def abort(self, reason: str) -> None:
+        """Give up: every worker is stopped and the run ends with RecoveryError(reason)."""
+        self._c.end(RecoveryError(f"aborted by a controller-side handler: {reason}", last_committed_step=self.step))
+
+    def transform_state(self, fn: Callable[[Any], Any], reason: str = "") -> None:
+        raise UnsupportedInMode(f"ctx.transform_state is not available on the controller: {_IN_WORKERS}")
+
+    async def request_checkpoint(self, tiers: tuple[str, ...] = (), reason: str = "") -> None:
+        raise UnsupportedInMode(f"ctx.request_checkpoint is not available on the controller: {_IN_WORKERS}")
+
+
+_IN_WORKERS = (
+    "the state lives in the workers; subscribe the handler on the training script's runtime, where it runs in "
+    "every worker at the same step boundary (docs/handlers.md, Under launch)"
+)

@@ -56,12 +56,15 @@ from runtime.cluster.protocol import (
     Joined,
     Lease,
     Message,
+    Published,
+    Requested,
     Restored,
     Saved,
     Stop,
     Unreadable,
     Warm,
 )
+from runtime.cluster.relay import EventRelay
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run, save_fences
 from runtime.cluster.server import Report, WorkerServer
 from runtime.core.bus import EventBus
@@ -136,7 +139,8 @@ class Controller(GroupFormer):
     coordinates the workers that say hello with the run's secret, judges them by their heartbeats only, and
     takes a replacement in when the orchestrator brings one up.
 
-    It subscribes no handler of its own: ``runtime.defaults.default_controller`` adds the built-in ones.
+    It subscribes no handler of its own (``runtime.defaults.default_controller`` adds the built-in ones) but the
+    relay that forwards the group's events to the training script's handlers in the workers (``relay.py``).
 
     Raises:
         LaunchError: asked to listen on an address other hosts can reach, or to coordinate workers it does
@@ -163,6 +167,8 @@ class Controller(GroupFormer):
         self.event_log = EventLog(self.run_dir / "events.jsonl")
         self.context = ControllerContext(self)
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
+        self.relay = EventRelay(self)
+        self.relay.attach(self.bus)
         self.monitor = HeartbeatMonitor(timeout_s=config.heartbeat_timeout_s, hang_timeout_s=config.hang_timeout_s)
         # Never logged, never on a command line: the workers get it in their environment.
         self.secret = config.secret or auth.new_secret()
@@ -627,6 +633,10 @@ class Controller(GroupFormer):
                     self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
             case Failed(generation=gen) if gen == self.group.generation:
                 await self._failed(proc, message)
+            case Requested():
+                await self.relay.requested(message)
+            case Published():
+                await self.relay.published(message)
             case Finished(generation=gen) if gen == self.group.generation:
                 proc.finished = message
                 self.result.digests[proc.worker] = message.digest

@@ -42,6 +42,9 @@ __all__ = [
     "Joined",
     "Lease",
     "MalformedMessage",
+    "Notify",
+    "Published",
+    "Requested",
     "Restore",
     "Restored",
     "Saved",
@@ -91,6 +94,9 @@ class Hello(Message, frozen=True, kw_only=True):
     worker: int
     pid: int
     target_steps: int
+    # The event types (class names) the script's own handlers subscribe to: the controller forwards those of
+    # the group's events to this worker (``Notify``; runtime/cluster/relay.py).
+    events: tuple[str, ...] = ()
 
 
 class Heartbeat(Message, frozen=True, kw_only=True):
@@ -184,6 +190,24 @@ class Failed(Message, frozen=True, kw_only=True):
     unsupported: bool = False
 
 
+class Requested(Message, frozen=True, kw_only=True):
+    """A handler of the script asked for something only the controller can do: ``kind`` "abort" (the run ends
+    with RecoveryError(``reason``)). Every process sends it for notification ``seq``; the controller acts once."""
+
+    worker: int
+    seq: int
+    kind: str
+    reason: str = ""
+
+
+class Published(Message, frozen=True, kw_only=True):
+    """An event the lead process's handlers published (``ctx.publish``) or one they caused (``HandlerFailed``),
+    for the controller's bus and event log; ``event`` is the event's JSON (``runtime.core.eventlog``)."""
+
+    worker: int
+    event: msgspec.Raw
+
+
 # --- controller -> worker ---------------------------------------------------------------------------------
 
 
@@ -246,8 +270,18 @@ class Lease(Message, frozen=True, kw_only=True):
     seconds: float
 
 
-WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed]  # noqa: UP007 - msgspec needs a Union object
-ControllerMessage = Union[Form, Restore, Warm, Stop, Lease, Committed]  # noqa: UP007
+class Notify(Message, frozen=True, kw_only=True):
+    """One of the group's events, for the script's handlers in every member of ``generation``; ``seq`` numbers
+    the controller's notifications (the group runs those every member holds at one step boundary).
+    ``event`` is the event's JSON (``runtime.core.eventlog``), decoded by the worker with its own event types."""
+
+    seq: int
+    generation: int
+    event: msgspec.Raw
+
+
+WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published]  # noqa: UP007 - msgspec needs a Union object
+ControllerMessage = Union[Form, Restore, Warm, Stop, Lease, Committed, Notify]  # noqa: UP007
 
 
 class MalformedMessage(ValueError):

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -51,6 +51,7 @@ from runtime.cluster.protocol import (
     Lease,
     MalformedMessage,
     Message,
+    Notify,
     Restore,
     Restored,
     Saved,
@@ -62,6 +63,8 @@ from runtime.cluster.protocol import (
 )
 from runtime.cluster.settings import WorkerSettings
 from runtime.cluster.tiers import Tier
+from runtime.cluster.worker_handlers import Boundary, ScriptHandlers
+from runtime.core.bus import Subscription
 from runtime.core.cadence import EveryN
 from runtime.core.classify import classify
 from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable, StorageError
@@ -122,6 +125,8 @@ class ControllerLink:
         self.lease_until = float("inf")
         # Called (in the reader thread) with each durable step the controller committed.
         self.on_committed: Callable[[int], None] = lambda step: None
+        # Called (in the reader thread) with each of the group's events for the script's handlers.
+        self.on_notify: Callable[[Notify], None] = lambda notify: None
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="controller-reader", daemon=True).start()
 
@@ -156,6 +161,8 @@ class ControllerLink:
                     self.lease_until = time.monotonic() + message.seconds
                 elif isinstance(message, Committed):
                     self.on_committed(message.step)
+                elif isinstance(message, Notify):
+                    self.on_notify(message)
                 else:
                     self.inbox.put(message)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
@@ -166,9 +173,20 @@ class Worker:
     """One worker process's state and loop. Build it with :func:`run_worker`."""
 
     def __init__(
-        self, job: TrainJob, steps: int, *, settings: WorkerSettings, link: ControllerLink, replicas: ReplicaFiles
+        self,
+        job: TrainJob,
+        steps: int,
+        *,
+        settings: WorkerSettings,
+        link: ControllerLink,
+        replicas: ReplicaFiles,
+        script: ScriptHandlers | None = None,
     ) -> None:
         self.job = job
+        # The training script's own handlers, run at step boundaries (runtime/cluster/worker_handlers.py).
+        self.script = script
+        if script is not None:
+            link.on_notify = script.received
         self.target_steps = steps
         self.settings = settings
         self.worker = settings.worker
@@ -229,7 +247,8 @@ class Worker:
 
     def serve(self) -> int:
         """Handle controller messages until told to stop; returns the exit code."""
-        self.link.send(Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps))
+        events = self.script.events if self.script is not None else ()
+        self.link.send(Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps, events=events))
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         pending: Inbound | None = None
         while True:
@@ -621,6 +640,11 @@ class Worker:
                 heard = self._fenced()
                 if heard is not None:
                     return heard
+            if self.script is not None:
+                handled = self._await(self._pool.submit(self.script.boundary, self), what="the script's handlers")
+                if isinstance(handled, Message) or handled is None or handled[0].stop:
+                    return handled if isinstance(handled, Message) else None
+                self._apply(handled[0])
             future = self._pool.submit(self._run_step, self.state, position, self.step + 1)
             outcome = self._await(future, users_code=True)
             if isinstance(outcome, Message):
@@ -648,6 +672,20 @@ class Worker:
             return outcome
         self._finish(target, outcome[0])
         return None
+
+    def _apply(self, done: Boundary) -> None:
+        """What the script's handlers asked at this boundary: a new state, a durable checkpoint of the step."""
+        if done.state is not None:
+            self.state = done.state
+        if done.checkpoint and self.durable is not None and self.link.leased():
+            if self.step in self.durable_steps or self.ledger.last_saved("durable") == self.step:
+                # Written (or due) already: writing a committed step's files again could damage it.
+                log.info("checkpoint asked for at step %d: it is a durable step already", self.step)
+                return
+            self.ledger.taken("durable", self.step)
+            self.replicas.pin(self.step)
+            if self.process_id < self.slice_size:  # the first slice writes the group's checkpoint
+                self._save_durable(final=False)
 
     def _fenced(self) -> Inbound | None:
         """The lease ran out: no step and no replica write until the controller is heard again. Returns its
@@ -881,8 +919,13 @@ def connect(address: str, secret: str, timeout_s: float) -> ControllerLink:
             time.sleep(0.5)
 
 
-def run_worker(job: TrainJob, steps: int) -> NoReturn:
+def run_worker(
+    job: TrainJob, steps: int, *, handlers: Sequence[Subscription[Any]] = (), handler_timeout: float | None = 30.0
+) -> NoReturn:
     """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
+
+    ``handlers``: the script's own subscriptions; they run for the group's events the controller forwards, at
+    a step boundary every member agrees on (``runtime/cluster/worker_handlers.py``).
 
     ``ElasticRuntime.run`` calls it when the process was started by ``elastic-runtime launch``. It drops any
     backend the script created, then configures the CPU device count, gloo collectives and recoverability.
@@ -922,7 +965,8 @@ def run_worker(job: TrainJob, steps: int) -> NoReturn:
         if secret is None:
             raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
         link = connect(settings.controller, secret, settings.connect_s)
-        code = Worker(job, steps, settings=settings, link=link, replicas=replicas).serve()
+        script = ScriptHandlers(handlers, handler_timeout=handler_timeout) if handlers else None
+        code = Worker(job, steps, settings=settings, link=link, replicas=replicas, script=script).serve()
         replicas.wait()
     except Exception:
         log.exception("worker %d failed", worker)

@@ -104,6 +104,11 @@ class EventBus:
         self._by_type.clear()
         return sub
 
+    @property
+    def subscriptions(self) -> tuple[Subscription[Any], ...]:
+        """Every subscription, in subscription order."""
+        return tuple(self._subs)
+
     def unsubscribe(self, sub: Subscription[Any]) -> None:
         self._subs.remove(sub)
         self._by_type.clear()

@@ -16,6 +16,11 @@ class JobUnsupported(ElasticRuntimeError):
     processes, which no single process could save or restore whole). Raised before the first step."""
 
 
+class UnsupportedInMode(ElasticRuntimeError):
+    """A handler asked ``ctx`` for something the mode it runs in cannot do (under ``launch``: ``remesh``,
+    ``cordon``, a checkpoint without a durable tier); the message names the mode and why."""
+
+
 class MeshUnavailable(ElasticRuntimeError):
     """The mesh policy cannot build a mesh from the devices that are healthy now."""
 

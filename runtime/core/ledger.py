@@ -86,6 +86,10 @@ class StepLedger:
         """``tier`` saves ``step``: its next save is due by its policy from there."""
         self._last[tier] = max(self._last.get(tier, 0), step)
 
+    def last_saved(self, tier: str) -> int:
+        """The newest step ``tier`` saved (or the step the loop restarted from; 0: none)."""
+        return self._last.get(tier, 0)
+
     # --- the loop's milestones -------------------------------------------------------------------------
 
     def commit(self, step: int, *, data_position: int, mesh_shape: dict[str, int] | None = None) -> Committed:
@@ -117,7 +121,9 @@ class StepLedger:
         """Step ``step`` raised ``exc``: its failure event and, for an infrastructure failure, the
         ``RecoveryStarted`` of the recovery it starts (or joins, when one is under way). The committed step
         stays where it was; :attr:`over_budget` says whether the run survives it. ``at``: when it was seen."""
-        event = classify(exc, step=step, lost_devices=lost_devices, slices=slices, slice_size=slice_size)
+        event = classify(
+            exc, step=step, lost_devices=lost_devices, slices=slices, slice_size=slice_size, source=self.source
+        )
         if isinstance(event, StepFailed):
             return FailureNoted(event, None)
         started = self.recovery.fail(type(event).__name__, failed_step=step, last_committed_step=self.step, at=at)
