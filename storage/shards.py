@@ -104,16 +104,13 @@ def _within(index: Box, box: Box, shape: tuple[int, ...]) -> Box:
     )
 
 
-def local_copy(tree: PyTree, process: int | None = None) -> PyTree:
-    """This process's (or ``process``'s) box of every array of ``tree`` (:func:`local_box`), as numpy arrays in
-    host memory. The arrays may be on the devices or in host memory (a RAM snapshot's, ``runtime.core.snapshot``);
-    with ``process`` given it asks JAX nothing of its backend (safe in a background thread while a group
-    re-forms)."""
+def local_copy(tree: PyTree) -> PyTree:
+    """This process's box of every array of ``tree`` (:func:`local_box`), as numpy arrays in host memory."""
 
     def one(leaf: Any) -> np.ndarray:
         if not isinstance(leaf, jax.Array):
             return np.array(leaf)
-        box = local_box(leaf.shape, leaf.sharding, process)
+        box = local_box(leaf.shape, leaf.sharding)
         out = np.empty([b.stop - b.start for b in box], leaf.dtype)
         copied: set[Any] = set()
         for shard in leaf.addressable_shards:
@@ -182,13 +179,13 @@ class NeighbourShift:
         moved: list[jax.Array] = self._shift([leaves[i] for i in self.moved])
         return jax.block_until_ready(moved)
 
-    def copy(self, moved: list[Any], own: PyTree) -> PyTree:
-        """The neighbour replica: ``moved`` (from :meth:`__call__`, or its host copy) in place of the split
-        leaves of ``own`` (this process's copy of the same step, in the same form), whose other leaves are
+    def copy(self, moved: list[jax.Array], own: PyTree) -> PyTree:
+        """The neighbour replica in host memory: ``moved`` (from :meth:`__call__`) copied in place of the
+        split leaves of ``own`` (this process's :func:`local_copy` of the same step), whose other leaves are
         the neighbour's too."""
         leaves, treedef = jax.tree.flatten(own)
         for i, leaf in zip(self.moved, moved, strict=True):
-            leaves[i] = leaf
+            leaves[i] = local_copy(leaf)
         return jax.tree.unflatten(treedef, leaves)
 
 

@@ -65,10 +65,6 @@ class LaunchConfig:
             step once all have (``storage/sharded.py``); None: none (the replica files are the only copy).
         durable_every: steps between durable checkpoints.
         durable_keep: durable checkpoints kept (the newest ones).
-        snapshot_every: steps between the workers' RAM replicas (and replica files) of their shards
-            (``runtime.core.cadence``); durable steps and the last step are always copied. 1, the default:
-            every committed step, so a re-formed group loses no step; more: a failure rolls back to the
-            newest copied step.
         neighbour_replicas: every process also keeps the shards of the process before it in its slice in host
             memory (one collective permute per step), so that a lost process's shards come from its neighbour
             rather than from the durable tier. Needs slices of 2 processes or more.
@@ -109,7 +105,6 @@ class LaunchConfig:
     durable_dir: str | None = None
     durable_every: int = 10
     durable_keep: int = 3
-    snapshot_every: int = 1
     neighbour_replicas: bool = False
     faults: list[Fault] = field(default_factory=list)
     resume: bool = False
@@ -152,8 +147,6 @@ class LaunchConfig:
             raise ValueError(
                 f"durable_every and durable_keep must be >= 1, got {self.durable_every} and {self.durable_keep}"
             )
-        if self.snapshot_every < 1:
-            raise ValueError(f"snapshot_every must be >= 1, got {self.snapshot_every}")
         if self.neighbour_replicas and self.slice_size < 2:
             raise ValueError("neighbour_replicas needs slices of 2 processes or more (--slices)")
         if self.strategy not in RECOVERY_STRATEGIES:

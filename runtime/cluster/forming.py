@@ -165,7 +165,6 @@ class GroupFormer:
                     slice_size=self.config.slice_size,
                     durable_dir=self.config.durable_dir or "",
                     durable_every=self.config.durable_every,
-                    snapshot_every=self.config.snapshot_every,
                     neighbour_replicas=self.config.neighbour_replicas,
                     fences=dict(self.group.fences),
                 )

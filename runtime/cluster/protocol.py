@@ -198,7 +198,6 @@ class Form(Message, frozen=True, kw_only=True):
     slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)
     durable_dir: str = ""  # where the group's durable checkpoints go (storage/sharded.py); "": none
     durable_every: int = 0  # steps between durable checkpoints
-    snapshot_every: int = 1  # steps between RAM replicas (runtime.core.cadence); durable and last steps always
     neighbour_replicas: bool = False  # keep the previous process's shards in RAM too (storage.shards.NeighbourShift)
     # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
     # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).

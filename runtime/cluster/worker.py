@@ -6,12 +6,8 @@ the wire (which group to form, which step to restore from whom).
 
 The layout: ``data`` is the replica axis across slices of processes and ``model`` spans the devices of a
 slice's processes (:mod:`storage.shards`); with one process per slice each process holds the whole state. Every
-committed step's own shards (or every ``snapshot_every``-th step's, and always a durable step's and the last)
-are copied to host memory (the RAM replica) by the core's RAM tier (:class:`runtime.core.snapshot.RamTier`,
-``local``: one compiled copy per step in the step's thread, not a Python copy per shard) and, in the
-background, to a replica file in ``/dev/shm``; with neighbour replicas, the previous process's shards are
-copied to host memory too. A replica's host arrays become numpy boxes (``storage.shards.local_copy``) only when
-read: by the replica file's writer, a durable write or a restore, none of them in the training thread.
+committed step's own shards are copied to host memory (the RAM replica) and, in the background, to a replica
+file in ``/dev/shm``; with neighbour replicas, the previous process's shards are copied to host memory too.
 
 Re-forming in-process (measured on jax 0.10.2, CPU, gloo): when a peer is killed, a step blocked in a gloo
 collective never returns and raises nothing, even after JAX's own heartbeat timeout. The worker therefore
@@ -24,7 +20,6 @@ Because abandoned threads are blocked inside XLA, the process ends with ``os._ex
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import os
@@ -77,17 +72,16 @@ from runtime.cluster.protocol import (
     decode_from_controller,
     encode,
 )
-from runtime.core.cadence import SnapshotCadence
 from runtime.core.classify import is_infrastructure_failure
 from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.job import PyTree, TrainJob
-from runtime.core.snapshot import HostSnapshot, RamTier
+from runtime.core.snapshot import HostSnapshot
 from runtime.testing.process_faults import attach_worker_faults
 from storage.disk import DiskTier
 from storage.manifest import describe_leaves
 from storage.replicas import MAX_PINS, ReplicaFiles, replica, run_identity
 from storage.sharded import ShardedStore, writes
-from storage.shards import NeighbourShift, SliceRestore, local_copy, local_like, per_leaf, uses_axis
+from storage.shards import NeighbourShift, SliceRestore, local_copy, local_like, uses_axis
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +194,6 @@ class Worker:
         self.step = 0  # newest committed step held on the devices (or in ``ram``)
         self.step_time_s: float | None = None
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
-        # Which steps are copied to host memory, and the tiers that copy them (own and neighbour shards), per group.
-        self.cadence = SnapshotCadence(1)
-        self.tier: RamTier | None = None
-        self.neighbour_tier: RamTier | None = None
         # With neighbour replicas: the previous process's shards of the same step, and the permute that moves them.
         self.neighbour: HostSnapshot | None = None
         self.shift: NeighbourShift | None = None
@@ -314,9 +304,6 @@ class Worker:
                 self._abandoned_restore.result(timeout=_RESTORE_SETTLE_S)
             self._abandoned_restore = None
         if self.initialized:
-            for held in (self.ram, self.neighbour):  # numpy boxes now: nothing reads the old backend's arrays later
-                if held is not None:
-                    held.tree  # noqa: B018 - the first read assembles them
             _leave_group()
             jax.extend.backend.clear_backends()
             self.state = None  # it lived on the old backend
@@ -359,28 +346,12 @@ class Worker:
         if form.durable_dir and (self.durable is None or self.durable.location != form.durable_dir.rstrip("/")):
             self.durable = ShardedStore(form.durable_dir)
         self.durable_every = form.durable_every
-        self.cadence = SnapshotCadence(max(form.snapshot_every, 1))
-        for old in (self.tier, self.neighbour_tier):
-            if old is not None:
-                old.close()
-        # Boxes assembled for this group's process index, given: a replica may be read while the next group forms.
-        assemble = functools.partial(local_copy, process=form.process_id)
-        self.tier = RamTier(local=True, assemble=assemble)
-        self.neighbour_tier = RamTier(local=True, assemble=assemble)
         self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
         self.shift = NeighbourShift(self.template, self.state_shardings) if form.neighbour_replicas else None
         self.restorer = SliceRestore(self.template, self.state_shardings, neighbours=form.neighbour_replicas)
         if self.shift is None:
             self.neighbour = None
-        # The copy to host memory compiled now, not in the group's first step (a recovery's time).
-        like = jax.tree.map(
-            lambda leaf, sharding: jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype, sharding=sharding),
-            self.template,
-            per_leaf(self.state_shardings, self.template),
-        )
-        moved_like = [jax.tree.leaves(like)[i] for i in self.shift.moved] if self.shift is not None else []
-        self.tier.prepare((like, moved_like))
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
         log.info(
@@ -527,7 +498,6 @@ class Worker:
     def _restored(self, restore: Restore, done: _Restoration) -> None:
         """The group's restore finished: the worker holds its step (and the neighbour copy of it it kept)."""
         self.state, self.step, self.neighbour = done.state, restore.step, done.neighbour
-        self.cadence.restarted(restore.step)
         self.ram = replica(
             restore.step, done.position, done.boxes, self.identity | self.layout, generation=restore.generation
         )
@@ -650,33 +620,19 @@ class Worker:
                 heard = self._fenced()
                 if heard is not None:
                     return heard
-            step = self.step + 1
-            durable_due = self.durable is not None and self.durable_every > 0 and step % self.durable_every == 0
-            copy = self.cadence.due(step) or durable_due or step == target
-            future = self._pool.submit(self._run_step, self.state, position, step, copy)
+            future = self._pool.submit(self._run_step, self.state, position, self.step + 1)
             outcome = self._await(future, users_code=True)
             if isinstance(outcome, Message):
                 return outcome
             if outcome is None:  # the step raised: not committed; wait for the controller to re-form
                 return None
-            (new_state, host), seconds = outcome
+            (new_state, moved), seconds = outcome
             self.state, self.step, self.step_time_s = new_state, self.step + 1, seconds
             position += 1
-            if host is None:  # not due (or its copy failed, reported): the RAM replica stays an older step
-                self._heartbeat()
-                continue
-            self.cadence.taken(self.step)
-            assert self.tier is not None and self.neighbour_tier is not None
-            own, moved = host
-            metadata = self.identity | self.layout | {"generation": str(self.generation)}
-            self.ram = self.tier.commit(own, step=self.step, data_position=position, metadata=metadata)
+            own = local_copy(new_state)
+            self.ram = replica(self.step, position, own, self.identity | self.layout, generation=self.generation)
             if self.shift is not None:
-                self.neighbour = self.neighbour_tier.commit(
-                    self.shift.copy(moved, own),
-                    step=self.step,
-                    data_position=position,
-                    metadata={"generation": str(self.generation)},
-                )
+                self.neighbour = replica(self.step, position, self.shift.copy(moved, own), generation=self.generation)
             if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
                 self.replicas.save(self.ram)
                 if self.durable is not None and self.durable_every > 0 and self.step % self.durable_every == 0:
@@ -773,9 +729,7 @@ class Worker:
             return self._defer(self.link.inbox.get())
         return False
 
-    def _run_step(self, state: PyTree, position: int, step: int, copy: bool) -> tuple[PyTree, float]:
-        """The step, and with ``copy`` its state's (and neighbour's) shards copied to host memory: the host
-        arrays, or None when not copied (a copy that failed is reported and leaves the older replica)."""
+    def _run_step(self, state: PyTree, position: int, step: int) -> tuple[PyTree, float]:
         import jax
 
         started = time.perf_counter()
@@ -784,17 +738,11 @@ class Worker:
         jax.block_until_ready(new_state)
         for check in self.step_checks:
             check(step)
-        host, copy_s = None, 0.0
-        if copy:
-            # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is
-            # abandoned. The copy to host memory is one compiled copy within this process (RamTier, local).
-            moved = self.shift(new_state) if self.shift is not None else []
-            assert self.tier is not None
-            copied = self.tier.copy_to_host((new_state, moved), step=step)
-            host, copy_s = copied if copied is not None else (None, 0.0)
+        # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
+        moved = self.shift(new_state) if self.shift is not None else []
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return (new_state, host), time.perf_counter() - started - copy_s
+        return (new_state, moved), time.perf_counter() - started
 
     def _gather_whole(self) -> tuple[tuple[str, PyTree | None], float]:
         """The final state's digest, gathered from every slice's shards (a collective: every member finishes

@@ -18,10 +18,6 @@ The copy fused into the step writes into the buffers of a snapshot that was repl
 taking fresh host memory every step, while the committed snapshot is still held, costs a measurable share
 of a small step. A snapshot becomes spare only once nothing references it and it was never read, so no
 reader can see its buffers change.
-
-A multi-process worker snapshots only its own shards (``RamTier(local=True)``): the copy stays within each
-process (a replica axis is never split across processes), and the first read assembles the process's box of
-each leaf with the ``assemble`` it was given (``storage.shards.local_copy``), in whichever thread reads it.
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ class HostSnapshot:
         seconds: float,
         metadata: dict[str, Any],
         on_unread: Callable[[PyTree], None] | None = None,
-        assemble: Callable[[PyTree], PyTree] | None = None,
     ) -> None:
         self.step = step
         self.data_position = data_position
@@ -74,7 +69,6 @@ class HostSnapshot:
         self.metadata = metadata
         self._tree = tree
         self._lock = threading.Lock()
-        self._assemble = assemble or _to_numpy
         # Holds the host arrays until the snapshot is read; ``on_unread`` gets them if it never is.
         self._unread = [tree]
         if on_unread is not None:
@@ -84,30 +78,25 @@ class HostSnapshot:
     def tree(self) -> PyTree:
         with self._lock:
             if self._unread:  # the first read: numpy views may share the host buffers from now on
-                self._tree = self._assemble(self._unread.pop())
+                self._tree = jax.tree.map(np.asarray, self._unread.pop())
             return self._tree
 
     def __repr__(self) -> str:
         return f"HostSnapshot(step={self.step}, data_position={self.data_position}, nbytes={self.nbytes})"
 
 
-def _to_numpy(tree: PyTree) -> PyTree:
-    return jax.tree.map(np.asarray, tree)
-
-
-def host_sharding(sharding: NamedSharding, shape: tuple[int, ...], *, local: bool = False) -> NamedSharding:
+def host_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
     """Where a leaf's host copy lives: ``sharding`` in host memory, its replicas split up where they divide.
 
     Each mesh axis the leaf is replicated over is given to the first dimension it divides, so every device
     copies a distinct piece and the copy moves the state's bytes once, not once per replica. An axis that
-    divides nothing stays replicated (correct, only more bytes). With ``local``, only axes whose devices are
-    all in one process are split: every process's host copy then holds all that its devices hold.
+    divides nothing stays replicated (correct, only more bytes).
     """
     mesh = sharding.mesh
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     used = {axis for entry in spec if entry is not None for axis in ((entry,) if isinstance(entry, str) else entry)}
     for axis, size in mesh.shape.items():
-        if axis in used or size == 1 or (local and not _within_processes(mesh, axis)):
+        if axis in used or size == 1:
             continue
         for dim, entry in enumerate(spec):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
@@ -118,12 +107,6 @@ def host_sharding(sharding: NamedSharding, shape: tuple[int, ...], *, local: boo
     return NamedSharding(mesh, PartitionSpec(*spec), memory_kind=HOST_MEMORY)
 
 
-def _within_processes(mesh: Any, axis: str) -> bool:
-    """Whether every line of devices along ``axis`` belongs to one process."""
-    lines = np.moveaxis(mesh.devices, list(mesh.axis_names).index(axis), -1).reshape(-1, mesh.shape[axis])
-    return all(len({device.process_index for device in line}) == 1 for line in lines)
-
-
 def host_shardings(shardings: PyTree, shapes: PyTree) -> PyTree:
     """``host_sharding`` for every leaf: ``shardings`` and ``shapes`` (anything with ``.shape``) match."""
     return jax.tree.map(lambda s, x: host_sharding(s, tuple(np.shape(x))), shardings, shapes)
@@ -131,11 +114,7 @@ def host_shardings(shardings: PyTree, shapes: PyTree) -> PyTree:
 
 class RamTier:
     """Keeps the newest complete host copy of the state. Which steps are copied is the caller's choice
-    (the executor's and the multi-process worker's: ``runtime.core.cadence``).
-
-    With ``local`` it keeps only this process's shards (see the module's docstring): copies stay within each
-    process, ``assemble`` turns a snapshot's host arrays into what its readers get (this process's boxes),
-    and a snapshot's ``nbytes`` counts only the bytes of this process.
+    (the executor's: ``runtime.core.cadence``).
 
     ``listeners`` are called with each committed snapshot, in the thread that completed it (keep them short:
     hand the snapshot to your own thread or queue); ``failure_listeners`` with the step and error of a failed
@@ -144,9 +123,7 @@ class RamTier:
 
     name = "ram"
 
-    def __init__(self, *, local: bool = False, assemble: Callable[[PyTree], PyTree] | None = None) -> None:
-        self.local = local
-        self.assemble = assemble
+    def __init__(self) -> None:
         self.listeners: list[Callable[[HostSnapshot], None]] = []
         self.failure_listeners: list[Callable[[int, BaseException], None]] = []
         self.corruption_listeners: list[Callable[[str, int, CheckpointInvalid], None]] = []  # host memory: never
@@ -218,7 +195,7 @@ class RamTier:
 
     def _compiled_copy(self, state: PyTree) -> Any:
         leaves, treedef = jax.tree.flatten(state)
-        target = tuple(host_sharding(leaf.sharding, leaf.shape, local=self.local) for leaf in leaves)
+        target = tuple(host_sharding(leaf.sharding, leaf.shape) for leaf in leaves)
         copy = self._copies.get((treedef, target))
         if copy is None:
             out = jax.tree.unflatten(treedef, target)
@@ -236,13 +213,12 @@ class RamTier:
         metadata: dict[str, Any],
         seconds: float = 0.0,
         reuse: bool = False,
-    ) -> HostSnapshot:
+    ) -> None:
         """Make ``host`` (complete host-memory arrays of the state after ``step``) the committed snapshot.
 
         With ``reuse`` its buffers become the spare (``take_spare``) once it is replaced and dropped unread.
-        Returns the committed snapshot.
         """
-        nbytes = sum(_nbytes(leaf, local=self.local) for leaf in jax.tree.leaves(host))
+        nbytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(host))
         snapshot = HostSnapshot(
             step=step,
             data_position=data_position,
@@ -251,7 +227,6 @@ class RamTier:
             seconds=seconds,
             metadata=dict(metadata),
             on_unread=self._spares.append if reuse else None,
-            assemble=self.assemble,
         )
         with self._lock:
             replaced, self._committed = self._committed, snapshot
@@ -260,7 +235,6 @@ class RamTier:
         del replaced  # with reuse: its buffers are the spare now, unless a reader still holds it
         for listener in self.listeners:
             listener(snapshot)
-        return snapshot
 
     def take_spare(self, shardings: PyTree) -> PyTree | None:
         """Host arrays no snapshot uses any more, laid out as ``shardings`` (a spare of another layout, from
@@ -308,16 +282,6 @@ class RamTier:
         if snapshot.step != step:
             raise SnapshotUnavailable(f"the RAM tier holds step {snapshot.step}, not {step}")
         return snapshot
-
-
-def _nbytes(leaf: Any, *, local: bool) -> int:
-    """A host leaf's bytes: all of them, or (``local``) those of the distinct shards this process holds."""
-    if not local:
-        return math.prod(leaf.shape) * leaf.dtype.itemsize
-    boxes = {
-        tuple(s.indices(n) for s, n in zip(shard.index, leaf.shape, strict=True)) for shard in leaf.addressable_shards
-    }
-    return sum(math.prod(len(range(*s)) for s in box) * leaf.dtype.itemsize for box in boxes)
 
 
 def _hand_back(unread: list[PyTree], on_unread: Callable[[PyTree], None]) -> None:

@@ -198,13 +198,3 @@ def test_an_ordinary_elastic_runtime_script_runs_under_the_launcher(tmp_path: Pa
     assert result.ok and result.strategies == ["start", "reform"]
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)
-
-
-def test_snapshots_every_k_steps_roll_back_to_the_newest_copied_step(tmp_path: Path, reference: Path) -> None:
-    """With ``snapshot_every=4`` the RAM replicas hold steps 4, 8, ...: a kill at step 10 rolls the group back
-    to step 8 (two steps lost, not more), and the run still ends bitwise where the fault-free run ends."""
-    result, events = run(tmp_path, faults=[Fault("kill", 1, step=10)], snapshot_every=4)
-    assert result.ok and result.step == STEPS
-    restored = [e for e in events if isinstance(e, StateRestored)]
-    assert restored and restored[0].step == 8, restored
-    assert_same_final_state(tmp_path, reference)
