@@ -40,6 +40,7 @@ __all__ = [
     "Kill",
     "MemberFinished",
     "MemberJoined",
+    "MemberRestored",
     "Progress",
     "Publish",
     "RegroupRequested",
@@ -105,9 +106,18 @@ class RestoreFailed:
 
 @dataclass(frozen=True)
 class Progress:
-    """A member's committed step moved (its record holds it)."""
+    """A member's heartbeat: its committed step (in its record), and its recent step time."""
 
+    worker: int
     step_time_s: float | None = None
+
+
+@dataclass(frozen=True)
+class MemberRestored:
+    """A member restored ``nbytes`` from ``tier`` (``Restored``)."""
+
+    tier: str
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,17 @@ class Tick:
     """Time passed: a deadline (:attr:`Supervisor.deadline`) may be due."""
 
 
-Input = Start | RegroupRequested | WorkerChanged | MemberJoined | RestoreFailed | Progress | MemberFinished | Tick
+Input = (
+    Start
+    | RegroupRequested
+    | WorkerChanged
+    | MemberJoined
+    | RestoreFailed
+    | MemberRestored
+    | Progress
+    | MemberFinished
+    | Tick
+)
 
 
 # --- actions -----------------------------------------------------------------------------------------------
@@ -289,7 +309,12 @@ class Supervisor:
                 if not recovered_from and failed not in self._failed_restores:
                     self._failed_restores.add(failed)
                     self._unreadable = reason
-            case Progress(step_time_s=seconds):
+            case MemberRestored(tier=tier, nbytes=nbytes):
+                if nbytes:  # a member that took every shard from the others delivered nothing itself
+                    self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
+            case Progress(worker=worker, step_time_s=seconds):
+                if 0 <= self.target_steps <= self.pool[worker].step:  # done: finishing (its last writes) is no hang
+                    self.monitor.expect_progress(worker, False)
                 self._progress(out, seconds)
             case MemberFinished():
                 members = self.group.members
@@ -456,8 +481,8 @@ class Supervisor:
         if (soon or late) and enough:
             self._seat(out, survivors, chosen)  # go on smaller; the next re-forming grows the group back
         elif late:
-            ready = len(survivors) + len(chosen)
-            self._end(out, LaunchError(f"only {ready} workers ready after {self._timeout} s"))
+            count = len(survivors) + len(chosen)
+            self._end(out, LaunchError(f"only {count} workers ready after {self._timeout} s"))
 
     def _seat(self, out: list[Action], survivors: list[int], recruits: list[int]) -> None:
         members = self.group.seat(survivors, recruits)

@@ -118,7 +118,7 @@ class Run:
         for worker in self.members:
             self.pool[worker].step = step
             self.monitor.observe(worker, step, 0.1)
-        self.feed(Progress(0.1))
+            self.feed(Progress(worker, 0.1))
 
     def lose(self, worker: int, reason: str = "WorkerLost") -> None:
         self.feed(RegroupRequested(frozenset({worker}), reason))
