@@ -67,7 +67,7 @@ from runtime.cluster.protocol import (
 )
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run, save_fences
 from runtime.cluster.server import Report, WorkerServer
-from runtime.cluster.supervisor import (
+from runtime.cluster.supervision import (
     Action,
     EndRun,
     Finish,
@@ -85,12 +85,12 @@ from runtime.cluster.supervisor import (
     SendForm,
     Spawn,
     Start,
-    Supervisor,
     Tick,
     TopUpSpares,
     WarmSpares,
     WorkerChanged,
 )
+from runtime.cluster.supervisor import Supervisor
 from runtime.core.bus import EventBus
 from runtime.core.errors import (
     BusClosed,

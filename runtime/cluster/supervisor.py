@@ -12,7 +12,8 @@ controller (``runtime/cluster/controller.py``) feeds it, carries its actions out
 Forming a generation: recruit spares (started if need be) to fill the group around the survivors, seat them
 (``Membership.seat``), send every member ``Form``, wait for every ``Joined``, then send ``Restore`` with the plan
 (``Membership.plan_restore``). A member lost or a join not in time restarts the forming with every worker
-replaced (JAX's initialization would wait for the missing one).
+replaced (JAX's initialization would wait for the missing one). Its inputs and actions are in
+``supervision.py``.
 """
 
 from __future__ import annotations
@@ -20,201 +21,46 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.heartbeat import HeartbeatMonitor
 from runtime.cluster.membership import JoinReport, Membership
 from runtime.cluster.processes import ProcessPool, log_tail
-from runtime.cluster.protocol import EXIT_REPLACE, Message, Restore, Stop
+from runtime.cluster.protocol import EXIT_REPLACE, Restore, Stop
+from runtime.cluster.supervision import (
+    Action,
+    EndRun,
+    Finish,
+    Input,
+    Kill,
+    MemberFinished,
+    MemberJoined,
+    MemberRestored,
+    Progress,
+    Publish,
+    RegroupRequested,
+    RestoreFailed,
+    SaveFences,
+    Send,
+    SendForm,
+    Spawn,
+    Start,
+    Tick,
+    TopUpSpares,
+    WarmSpares,
+    WorkerChanged,
+)
 from runtime.core.errors import ElasticRuntimeError, RecoveryError
-from runtime.core.events import Event, GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
+from runtime.core.events import GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
 from runtime.core.recovery import RecoveryTracker
 
-__all__ = [
-    "Action",
-    "EndRun",
-    "Finish",
-    "Input",
-    "Kill",
-    "MemberFinished",
-    "MemberJoined",
-    "MemberRestored",
-    "Progress",
-    "Publish",
-    "RegroupRequested",
-    "RestoreFailed",
-    "SaveFences",
-    "Send",
-    "SendForm",
-    "Spawn",
-    "Start",
-    "Supervisor",
-    "Tick",
-    "TopUpSpares",
-    "WarmSpares",
-    "WorkerChanged",
-]
+__all__ = ["Phase", "Supervisor"]
 
 log = logging.getLogger(__name__)
 
 # Near-simultaneous losses (a host, a slice) are answered by one re-forming, not one each.
 SETTLE_S = 0.05
-
-
-# --- inputs ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Start:
-    """The run begins: form the first group."""
-
-
-@dataclass(frozen=True)
-class RegroupRequested:
-    """Replace ``workers`` (lost or hung) and re-form the group (``ControllerContext.regroup``)."""
-
-    workers: frozenset[int]
-    reason: str
-    strategy: Strategy | None = None
-
-
-@dataclass(frozen=True)
-class WorkerChanged:
-    """A worker's record changed: a spare said hello, or a process exited or its connection closed."""
-
-    worker: int
-
-
-@dataclass(frozen=True)
-class MemberJoined:
-    """A member of the forming generation sent ``Joined`` (its record holds it)."""
-
-    worker: int
-
-
-@dataclass(frozen=True)
-class RestoreFailed:
-    """A member could not read the step being restored (``Unreadable``)."""
-
-    generation: int
-    step: int
-    reason: str
-    recovered_from: str = ""  # the tier it read the step from instead; empty: it could not
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A member's heartbeat: its committed step (in its record), and its recent step time."""
-
-    worker: int
-    step_time_s: float | None = None
-
-
-@dataclass(frozen=True)
-class MemberRestored:
-    """A member restored ``nbytes`` from ``tier`` (``Restored``)."""
-
-    tier: str
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class MemberFinished:
-    """A member reached the run's target (its record holds its ``Finished``)."""
-
-    worker: int
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed: a deadline (:attr:`Supervisor.deadline`) may be due."""
-
-
-Input = (
-    Start
-    | RegroupRequested
-    | WorkerChanged
-    | MemberJoined
-    | RestoreFailed
-    | MemberRestored
-    | Progress
-    | MemberFinished
-    | Tick
-)
-
-
-# --- actions -----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Spawn:
-    """Start ``count`` spare processes now (they are needed for the group being formed)."""
-
-    count: int
-
-
-@dataclass(frozen=True)
-class TopUpSpares:
-    """Start spares until ``config.spares`` are alive."""
-
-
-@dataclass(frozen=True)
-class Kill:
-    """SIGKILL ``worker`` (logged as ``WorkerKilled``)."""
-
-    worker: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send ``message`` to ``worker``."""
-
-    worker: int
-    message: Message
-
-
-@dataclass(frozen=True)
-class SendForm:
-    """Host generation ``generation``'s coordination service and send each member its ``Form``; the shell
-    reports the coordinator's address back with :meth:`Supervisor.hosted`."""
-
-    generation: int
-    members: tuple[int, ...]
-    strategy: Strategy
-    at_step: int  # a planned re-forming (growing) happens after this step; -1: now
-
-
-@dataclass(frozen=True)
-class SaveFences:
-    """Write the generation and fences to the run folder (a resumed controller goes on from them)."""
-
-
-@dataclass(frozen=True)
-class WarmSpares:
-    """Idle spares compile the step now rather than when they are needed."""
-
-
-@dataclass(frozen=True)
-class Publish:
-    event: Event
-
-
-@dataclass(frozen=True)
-class EndRun:
-    """End the run with ``error``: every worker stopped."""
-
-    error: ElasticRuntimeError | LaunchError
-
-
-@dataclass(frozen=True)
-class Finish:
-    """Every member finished: the run ends well."""
-
-
-Action = Spawn | TopUpSpares | Kill | Send | SendForm | SaveFences | WarmSpares | Publish | EndRun | Finish
 
 
 class Phase(Enum):
@@ -344,25 +190,28 @@ class Supervisor:
                 out.append(TopUpSpares())
                 continue
             self._requests.add(worker)
-            if not self._count_failure(out, reason, f"{reason} at step {self.group.step + 1}", lost):
-                return
+            self._count_failure(out, reason)
+        if self._spent(out, f"{reason} at step {self.group.step + 1}", lost):
+            return
         self._reason = reason
         self._strategy = strategy or self._strategy
 
-    def _count_failure(self, out: list[Action], cause: str, where: str, lost: set[int]) -> bool:
-        """Count one failure against the budget; False (and the run ended) when that spends it. Every failure
-        is counted here: one while a group forms ends the run as surely as any."""
+    def _count_failure(self, out: list[Action], cause: str) -> None:
         step = self.group.step
         out.append(Publish(self.recovery.fail(cause, failed_step=step + 1, last_committed_step=step)))
+
+    def _spent(self, out: list[Action], last: str, lost: set[int]) -> bool:
+        """Whether the failures counted so far spend the budget (then the run ends). The one check, made where
+        failures are counted: one while a group forms ends the run as surely as any."""
         if not self.recovery.over_budget:
-            return True
+            return False
         error = RecoveryError(
             f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures} "
-            f"(the last: {where}){self._why(lost)}",
-            last_committed_step=step,
+            f"(the last: {last}){self._why(lost)}",
+            last_committed_step=self.group.step,
         )
         self._end(out, error)
-        return False
+        return True
 
     def _end(self, out: list[Action], error: ElasticRuntimeError | LaunchError) -> None:
         self.stopped = True
@@ -533,8 +382,9 @@ class Supervisor:
         generation = self.group.generation
         log.warning("generation %d did not form (%s); restarting its workers", generation, outcome)
         lost = {p.worker for p in procs if p.gone}
-        # A stall counts here; a lost member was counted when it was reported.
-        if not lost and not self._count_failure(out, outcome, f"{outcome} in generation {generation}", lost):
+        if not lost:  # a stall; a lost member was counted when it was reported
+            self._count_failure(out, outcome)
+        if self._spent(out, f"{outcome} in generation {generation}", lost):  # members dying while forming, again
             return
         self._form(out, Strategy.RESTART, self._forming_reason)
 

@@ -10,7 +10,7 @@ from runtime.cluster.heartbeat import HeartbeatMonitor, Hung
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool
 from runtime.cluster.protocol import Finished, Hello, Joined, Message, Restore, Stop
-from runtime.cluster.supervisor import (
+from runtime.cluster.supervision import (
     Action,
     EndRun,
     Finish,
@@ -26,10 +26,10 @@ from runtime.cluster.supervisor import (
     SendForm,
     Spawn,
     Start,
-    Supervisor,
     Tick,
     WorkerChanged,
 )
+from runtime.cluster.supervisor import Supervisor
 from runtime.core.errors import RecoveryError
 from runtime.core.events import Event, RecoveryCompleted, RecoveryStarted, StateRestored
 from runtime.core.recovery import RecoveryTracker
@@ -221,6 +221,10 @@ def test_a_failure_past_the_budget_ends_the_run_and_so_does_a_group_that_never_f
     assert isinstance(run.ended, RecoveryError) and run.supervisor.done
     assert "2 failures exceed max_failures=1 (the last: WorkerLost at step 13)" in str(run.ended)
     assert run.feed(Tick()) == [] and run.feed(WorkerChanged(2)) == []  # ended: nothing more is done
+
+    both = started(tmp_path / "both", max_failures=1)
+    both.feed(RegroupRequested(frozenset({0, 1}), "WorkerLost"))  # lost together: each counted, then one check
+    assert both.kinds() == ["RecoveryStarted", "RecoveryStarted"] and "2 failures exceed" in str(both.ended)
 
     stalled = started(tmp_path / "stalled", max_failures=1, form_timeout_s=30.0)
     stalled.lose(1)
