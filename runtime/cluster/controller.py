@@ -15,9 +15,10 @@ A run ends early, every worker stopped and ``summary.json`` written, on an error
 worker's ``Failed``: ``StepError``), a job this mode cannot run (``JobUnsupported``), a spent failure budget
 or a step that keeps failing (``RecoveryError``), or SIGTERM/SIGINT (drained; the run folder resumes it).
 
-This module is the async shell; the decisions live in synchronous parts tested on their own: the group
-(``membership.py``), the failure budget and recovery timing (``runtime/core/recovery.py``), the processes
-(``processes.py``) and the wire (``server.py``).
+This module is the async shell; the decisions live in synchronous parts tested on their own: when and how the
+group forms and re-forms, retries and gives up (``supervisor.py``, fed one input at a time from a memory
+stream, its actions carried out here), the group (``membership.py``), the failure budget and recovery timing
+(``runtime/core/recovery.py``), the processes (``processes.py``) and the wire (``server.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import math
 import shutil
 import signal
 import tempfile
@@ -41,8 +43,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.context import ControllerContext
+from runtime.cluster.coordination import host_service
 from runtime.cluster.durable import DurableCommits
-from runtime.cluster.forming import GroupFormer
 from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.membership import Membership
 from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
@@ -51,6 +53,7 @@ from runtime.cluster.protocol import (
     Committed,
     Failed,
     Finished,
+    Form,
     Heartbeat,
     Hello,
     Joined,
@@ -67,6 +70,30 @@ from runtime.cluster.protocol import (
 from runtime.cluster.relay import EventRelay
 from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run, save_fences
 from runtime.cluster.server import Report, WorkerServer
+from runtime.cluster.supervision import (
+    Action,
+    EndRun,
+    Finish,
+    Input,
+    Kill,
+    MemberFinished,
+    MemberJoined,
+    MemberRestored,
+    Progress,
+    Publish,
+    RegroupRequested,
+    RestoreFailed,
+    SaveFences,
+    Send,
+    SendForm,
+    Spawn,
+    Start,
+    Tick,
+    TopUpSpares,
+    WarmSpares,
+    WorkerChanged,
+)
+from runtime.cluster.supervisor import Supervisor
 from runtime.core.bus import EventBus
 from runtime.core.errors import (
     BusClosed,
@@ -74,7 +101,6 @@ from runtime.core.errors import (
     ConfigError,
     ElasticRuntimeError,
     JobUnsupported,
-    RecoveryError,
     StepError,
     StorageError,
 )
@@ -88,7 +114,6 @@ from runtime.core.events import (
     MalformedHeartbeat,
     ReplicaSkipped,
     RunFinished,
-    StepCompleted,
     StepFailed,
     WorkerExited,
     WorkerHung,
@@ -96,6 +121,7 @@ from runtime.core.events import (
     WorkerStarted,
 )
 from runtime.core.recovery import RecoveryTracker
+from runtime.faults.process import worker_faults_text
 
 __all__ = ["Controller"]
 
@@ -132,7 +158,7 @@ def _first_leaf(
     return None
 
 
-class Controller(GroupFormer):
+class Controller:
     """Starts, supervises and re-forms a group of worker processes. Single use.
 
     With an empty ``config.command`` it starts nothing (the service mode, ``elastic-runtime controller``): it
@@ -180,56 +206,6 @@ class Controller(GroupFormer):
             config.nprocs, config.slice_size, generation=self.record.generation, fences=self.record.fences
         )
         self.recovery = RecoveryTracker("controller", config.max_failures)
-        self.server = WorkerServer(
-            secret=self.secret,
-            on_hello=self._hello,
-            on_message=self._on_message,
-            on_report=self._report,
-            on_closed=self._closed,
-            auth_timeout_s=config.auth_timeout_s,
-        )
-        # The controller's, never a worker's to change: fixed by the config, else by the first worker's Hello.
-        self.target_steps = config.target_steps if config.target_steps is not None else -1
-        self.port = 0
-        self._restored = False  # the current generation got its Restore
-        self.restored_bytes: dict[str, int] = {}  # what the current generation's members restored, per tier
-        self._unreadable = ""  # a member could not read the step being restored: why
-        self._failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
-        self.durable = (
-            DurableCommits(
-                config.durable_dir,
-                writers=config.slice_size,
-                keep=config.durable_keep,
-                metadata={"run_id": self.record.run_id},
-            )
-            if config.durable_dir
-            else None
-        )
-        self._requests: set[int] = set()
-        self._request_reason = ""
-        self._request_strategy: Strategy | None = None
-        self._wake = anyio.Event()
-        self._finished = anyio.Event()
-        # Durable steps whose every part is in, committed one after another by ``_commit_durable``: a commit
-        # (manifest, then pruning, seconds in GCS) awaited where messages are read would hold back the writer's
-        # heartbeats, and the monitor would take a healthy worker for lost.
-        self._to_commit: MemoryObjectSendStream[int] | None = None  # made (and closed) by ``run``
-        self._commits_pending = 0
-        self._kill_times: dict[int, float] = {}  # worker -> when it was signalled, to time the detection
-        # Every generation's coordination service stays up until the run ends: stopping one while a live
-        # worker's client is still attached makes that client terminate its process.
-        self._services: list[Any] = []
-        self._stopping = False
-        self._spares_dead_before_hello = 0  # in a row: reset by any Hello
-        # Ending the run early: an error that ends it (a worker's StepError, JobUnsupported) or a signal
-        # (SIGTERM, SIGINT) cancels the supervision, and the run drains like any other end.
-        self._supervision: anyio.CancelScope | None = None  # made in the event loop, by run_async
-        self._error: ElasticRuntimeError | None = None
-        self._signal = ""
-        self._skipped_seen: set[str] = set()
-        # Tasks run beside the wire and the monitor, and cancelled with them before the bus closes: a scheduler
-        # backend's placement and watch loop (``runtime/cluster/ray_backend.py``).
-        self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self.result = LaunchResult(
             ok=False,
             step=0,
@@ -244,6 +220,53 @@ class Controller(GroupFormer):
             run_dir=str(self.run_dir),
             run_id=self.record.run_id,
         )
+        # The controller's target, never a worker's to change: fixed by the config, else by the first worker's
+        # Hello (see ``target_steps``).
+        target = config.target_steps if config.target_steps is not None else -1
+        self.supervisor = Supervisor(
+            config, self.pool, self.group, self.monitor, self.recovery, self.result, target_steps=target
+        )
+        # The supervisor's inputs, from the message handlers, the monitor's verdicts and the reaper, in order.
+        self._inputs_in, self._inputs = anyio.create_memory_object_stream[Input](max_buffer_size=math.inf)
+        self.server = WorkerServer(
+            secret=self.secret,
+            on_hello=self._hello,
+            on_message=self._on_message,
+            on_report=self._report,
+            on_closed=self._closed,
+            auth_timeout_s=config.auth_timeout_s,
+        )
+        self.port = 0
+        self.durable = (
+            DurableCommits(
+                config.durable_dir,
+                writers=config.slice_size,
+                keep=config.durable_keep,
+                metadata={"run_id": self.record.run_id},
+            )
+            if config.durable_dir
+            else None
+        )
+        # Durable steps whose every part is in, committed one after another by ``_commit_durable``: a commit
+        # (manifest, then pruning, seconds in GCS) awaited where messages are read would hold back the writer's
+        # heartbeats, and the monitor would take a healthy worker for lost.
+        self._to_commit: MemoryObjectSendStream[int] | None = None  # made (and closed) by ``run``
+        self._commits_pending = 0
+        self._commits_settled = anyio.Event()  # set when a commit ends
+        self._kill_times: dict[int, float] = {}  # worker -> when it was signalled, to time the detection
+        # Every generation's coordination service stays up until the run ends: stopping one while a live
+        # worker's client is still attached makes that client terminate its process.
+        self._services: list[Any] = []
+        self._spares_dead_before_hello = 0  # in a row: reset by any Hello
+        # Ending the run early: an error that ends it (a worker's StepError, JobUnsupported) or a signal
+        # (SIGTERM, SIGINT) cancels the supervision, and the run drains like any other end.
+        self._supervision: anyio.CancelScope | None = None  # made in the event loop, by run_async
+        self._error: ElasticRuntimeError | LaunchError | None = None
+        self._signal = ""
+        self._skipped_seen: set[str] = set()
+        # Tasks run beside the wire and the monitor, and cancelled with them before the bus closes: a scheduler
+        # backend's placement and watch loop (``runtime/cluster/ray_backend.py``).
+        self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
 
     @property
     def members(self) -> list[int]:
@@ -258,7 +281,16 @@ class Controller(GroupFormer):
     @property
     def stopping(self) -> bool:
         """The run is ending: nothing is replaced any more."""
-        return self._stopping
+        return self.supervisor.stopped
+
+    @property
+    def target_steps(self) -> int:
+        """The run's target step; -1 until the first of the controller's own workers says hello."""
+        return self.supervisor.target_steps
+
+    @target_steps.setter
+    def target_steps(self, steps: int) -> None:
+        self.supervisor.target_steps = steps
 
     def mark_lost(self, worker: int, reason: str, *, detected_by: str) -> bool:
         """A scheduler says ``worker`` is gone (Ray: its actor or node died). It becomes a ``WorkerLost`` with
@@ -268,10 +300,6 @@ class Controller(GroupFormer):
             return False
         self.monitor.mark_gone(worker, reason, detected_by=detected_by)
         return True
-
-    def _mesh_shape(self) -> dict[str, int]:
-        size = self.config.slice_size
-        return {"data": len(self.members) // size, "model": size * self.config.local_devices}
 
     # --- running -------------------------------------------------------------------------------------------
 
@@ -343,7 +371,7 @@ class Controller(GroupFormer):
                     reason = f"{type(exc).__name__}: {exc}"
                     raise
                 finally:
-                    self._stopping = True
+                    self.supervisor.stopped = True
                     for worker in self.monitor.workers:
                         self.monitor.forget(worker)
                     with anyio.CancelScope(shield=True):
@@ -375,6 +403,8 @@ class Controller(GroupFormer):
         finally:
             self._to_commit.close()
             commit_queue.close()
+            self._inputs_in.close()
+            self._inputs.close()
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
             self.event_log.close()
@@ -399,11 +429,11 @@ class Controller(GroupFormer):
     def _save_fences(self) -> None:
         save_fences(self.run_dir, self.record.run_id, self.group.generation, self.group.fences)
 
-    def end(self, error: ElasticRuntimeError) -> None:
+    def end(self, error: ElasticRuntimeError | LaunchError) -> None:
         """End the run with ``error`` (the first one wins): every worker is stopped, the run fails with it."""
         if self._error is None:
             self._error = error
-        self._stopping = True
+        self.supervisor.stopped = True
         if self._supervision is not None:
             self._supervision.cancel()
 
@@ -415,40 +445,101 @@ class Controller(GroupFormer):
                 name = signal.Signals(signum).name
                 log.warning("controller: %s at step %d; stopping the workers", name, self.group_step)
                 self._signal = self._signal or name
-                self._stopping = True
+                self.supervisor.stopped = True
                 if self._supervision is not None:
                     self._supervision.cancel()
 
     async def _supervise(self) -> None:
-        await self._form(reason="start", strategy=Strategy.START)
-        while not self._finished.is_set():
-            with anyio.move_on_after(0.5):
-                await self._wake.wait()
-            self._wake = anyio.Event()
-            if self._requests:
-                await anyio.sleep(0.05)  # let near-simultaneous losses arrive: one re-forming for all
-                lost, self._requests = self._requests, set()
-                await self._regroup(lost, self._request_reason, self._request_strategy)
-            elif self._unreadable:
-                reason, self._unreadable = self._unreadable, ""
-                await self._regroup(set(), reason, None)  # the same members, from another step
-            elif self._can_grow():
-                await self._form(reason="a spare is ready", strategy=Strategy.GROW)
+        """Feed the supervisor its inputs, one at a time, and carry its actions out, until the run is over. A
+        timer hands it a ``Tick`` at its deadline (a new one replaces the old: a stale tick changes nothing)."""
+        async with anyio.create_task_group() as timers:
+            timer = anyio.CancelScope()
+            armed: float | None = None
+            event: Input = Start()
+            while True:
+                await self._carry_out(self.supervisor.handle(event))
+                if self.supervisor.done:
+                    break
+                deadline = self.supervisor.deadline
+                if deadline is not None and (deadline != armed or isinstance(event, Tick)):
+                    timer.cancel()
+                    timer = anyio.CancelScope()
+                    timers.start_soon(self._tick_at, deadline, timer)
+                armed = deadline
+                event = await self._inputs.receive()
+            timers.cancel_scope.cancel()
         # The last durable step's parts came in before the members' Finished: its commit is part of the run.
         while self._commits_pending:
-            await anyio.sleep(0.05)
+            self._commits_settled = anyio.Event()
+            await self._commits_settled.wait()
 
-    def _can_grow(self) -> bool:
-        """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
-        ready = sum(p.ready_spare for p in self.pool)
-        return (
-            len(self.group.seat(self.members, [-1] * ready)) > len(self.members)  # a whole slice more
-            and len(self.members) < self.config.nprocs
-            and self.recovery.current is None
-            and self._restored
-            and not self._stopping
-            and self.group_step + 5 < self.target_steps
-        )
+    async def _tick_at(self, deadline: float, scope: anyio.CancelScope) -> None:
+        with scope:
+            await anyio.sleep(max(0.0, deadline - time.monotonic()) + 0.001)  # a timer may fire a little early
+            self._feed(Tick())
+
+    def _feed(self, event: Input) -> None:
+        try:
+            self._inputs_in.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):  # the run is over
+            log.debug("after the run, dropped %s", type(event).__name__)
+
+    async def _carry_out(self, actions: list[Action]) -> None:
+        for action in actions:
+            match action:
+                case Spawn(count=count):
+                    for _ in range(count):
+                        self._spawn()
+                case TopUpSpares():
+                    self._top_up_spares()
+                case Kill(worker=worker, reason=reason):
+                    self.kill(worker, "KILL", reason)
+                case Send(worker=worker, message=message):
+                    await self.server.send(self.pool[worker], message)
+                case SendForm():
+                    await self._send_form(action)
+                case SaveFences():
+                    self._save_fences()
+                case WarmSpares():
+                    await self._warm_spares()
+                case Publish(event=event):
+                    await self.bus.publish(event)
+                case EndRun(error=error):
+                    self.end(error)
+                case Finish():
+                    pass  # the supervisor is done: the loop ends
+
+    async def _send_form(self, form: SendForm) -> None:
+        """Host the new generation's coordination service and tell every member to join it."""
+        members, generation, strategy = form.members, form.generation, form.strategy
+        if self.durable is not None:
+            self.durable.new_generation(generation)
+        # Bound where the controller's own port is (a local address, or a wildcard), and named to the workers by
+        # the address they reach it at (a Kubernetes Service's name is not an address one can bind).
+        host = self.config.listen_host
+        port, service = host_service(host, len(members), generation, self.config.coordinator_ports)
+        self._services.append(service)
+        coordinator = f"{self.config.coordinator_host or host}:{port}"
+        self.supervisor.hosted(generation, coordinator)
+        for process_id, worker in enumerate(members):
+            message = Form(
+                generation=generation,
+                coordinator=coordinator,
+                process_id=process_id,
+                num_processes=len(members),
+                # With a state sharded over a slice, a process's shards may be nowhere else: every member lists
+                # its replica files too, so the group can roll back to a step the slice holds whole.
+                read_files=strategy != Strategy.REFORM or self.config.slice_size > 1,
+                faults=worker_faults_text(self.config.faults, process_id) if strategy == Strategy.START else "",
+                at_step=form.at_step,
+                run_id=self.result.run_id,
+                slice_size=self.config.slice_size,
+                durable_dir=self.config.durable_dir or "",
+                durable_every=self.config.durable_every,
+                neighbour_replicas=self.config.neighbour_replicas,
+                fences=dict(self.group.fences),
+            )
+            await self.server.send(self.pool[worker], message)
 
     # --- processes -----------------------------------------------------------------------------------------
 
@@ -460,6 +551,7 @@ class Controller(GroupFormer):
     def _closed(self, proc: WorkerProcess, reason: str) -> None:
         proc.closed = True
         self.monitor.mark_gone(proc.worker, reason)
+        self._feed(WorkerChanged(proc.worker))
 
     def _publish_nowait(self, event: Event) -> None:
         try:
@@ -479,10 +571,11 @@ class Controller(GroupFormer):
         while True:
             for proc, code in self.pool.newly_exited():
                 self.monitor.mark_gone(proc.worker, f"process exited with {code}")
+                self._feed(WorkerChanged(proc.worker))  # marked gone: a group forming with it forms again
                 await self.bus.publish(
                     WorkerExited(step=self.group_step, source="controller", worker=proc.worker, returncode=code)
                 )
-                if proc.spare and proc.hello is None and not self._stopping:
+                if proc.spare and proc.hello is None and not self.stopping:
                     # Never watched, so no verdict would replace it: start its successor now, not at the next
                     # failure (which would then wait for a cold start). Not forever, though: spares that keep
                     # dying before their Hello (a broken environment) are left to the next failure.
@@ -499,7 +592,7 @@ class Controller(GroupFormer):
         lease = Lease(seconds=self.config.heartbeat_timeout_s * _LEASE_SHARE)
         while True:
             for proc in self.pool:
-                if proc.stream is not None and not proc.gone and not proc.closed and not self._stopping:
+                if proc.stream is not None and not proc.gone and not proc.closed and not self.stopping:
                     await self.server.send(proc, lease)
             await anyio.sleep(self.config.heartbeat_interval_s)
 
@@ -586,29 +679,29 @@ class Controller(GroupFormer):
 
     async def _admit(self, proc: WorkerProcess, message: Hello, stream: SocketStream) -> WorkerProcess:
         proc.stream, proc.hello = stream, message
-        if self._stopping:
+        if self.stopping:
             await self.server.send(proc, Stop(reason="the run is over"))
             return proc
-        if self._restored:
+        if self.supervisor.restored:
             await self._warm_spares()
         if self.target_steps < 0:
             self.target_steps = message.target_steps  # the first of the controller's own workers to say hello
         self.monitor.register(proc.worker)
         self._spares_dead_before_hello = 0
-        self._wake.set()
+        self._feed(WorkerChanged(proc.worker))
         return proc
 
     async def _on_message(self, proc: WorkerProcess, message: Message) -> None:
         match message:
             case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds):
-                if proc.gone and proc.popen is None and not proc.told_to_stop and not self._stopping:
+                if proc.gone and proc.popen is None and not proc.told_to_stop and not self.stopping:
                     # Judged lost (a partition that healed): its place is taken; it must not wait in a group
                     # that will never call it again. (One the controller started was killed instead.)
                     proc.told_to_stop = True
                     log.warning("controller: worker %d was judged lost and is back; told to exit", worker)
                     taken = Stop(reason=f"worker {worker} was judged lost; its place is taken", exit_code=EXIT_REPLACE)
                     await self.server.send(proc, taken)
-                if proc.gone or self._stopping:
+                if proc.gone or self.stopping:
                     return
                 try:
                     self.monitor.observe(worker, step, seconds)
@@ -617,20 +710,17 @@ class Controller(GroupFormer):
                     return
                 if gen == self.group.generation and worker in self.members:
                     proc.step, proc.generation = step, gen
-                    if 0 <= self.target_steps <= step:  # done: finishing (its last writes) is not a hang
-                        self.monitor.expect_progress(worker, False)
-                    await self._progress(seconds)
+                    self._feed(Progress(worker, seconds))
             case Joined(generation=gen) if gen == self.group.generation:
                 proc.joined = message
                 await self._skipped(proc, message.skipped)
-                self._wake.set()
+                self._feed(MemberJoined(proc.worker))
             case Saved(generation=gen) if gen == self.group.generation and self.durable is not None:
                 await self._saved(proc, message)
             case Unreadable(generation=gen) if gen == self.group.generation:
                 await self._unreadable_step(message)
             case Restored(generation=gen, tier=tier, nbytes=nbytes) if gen == self.group.generation:
-                if nbytes:  # a member that took every shard from the others delivered nothing itself
-                    self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
+                self._feed(MemberRestored(tier, nbytes))
             case Failed(generation=gen) if gen == self.group.generation:
                 await self._failed(proc, message)
             case Requested():
@@ -640,10 +730,7 @@ class Controller(GroupFormer):
             case Finished(generation=gen) if gen == self.group.generation:
                 proc.finished = message
                 self.result.digests[proc.worker] = message.digest
-                if all(self.pool[w].finished is not None for w in self.members):
-                    self._stopping = True
-                    self._finished.set()
-                    self._wake.set()
+                self._feed(MemberFinished(proc.worker))
             case _:
                 log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
 
@@ -668,6 +755,7 @@ class Controller(GroupFormer):
                 await self._commit(step)
             finally:
                 self._commits_pending -= 1
+                self._commits_settled.set()
 
     async def _not_committed(self, step: int, exc: Exception) -> None:
         log.error("controller: durable checkpoint of step %d not committed: %s", step, exc)
@@ -711,13 +799,8 @@ class Controller(GroupFormer):
         )
         if message.tier == "durable" and self.durable is not None:
             await anyio.to_thread.run_sync(self.durable.withdraw, message.step)
-        # Re-form once per failed restore, however many tiers or members found it damaged; not at all when the
-        # member read the step from the next tier instead.
-        failed = (message.generation, message.step)
-        if not message.recovered_from and failed not in self._failed_restores:
-            self._failed_restores.add(failed)
-            self._unreadable = f"{message.tier} step {message.step} unreadable: {message.reason}"
-            self._wake.set()
+        why = f"{message.tier} step {message.step} unreadable: {message.reason}"
+        self._feed(RestoreFailed(message.generation, message.step, why, message.recovered_from))
 
     async def _skipped(self, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
         for entry in skipped:
@@ -749,32 +832,6 @@ class Controller(GroupFormer):
 
     # --- progress and failures -----------------------------------------------------------------------------
 
-    async def _progress(self, step_time_s: float | None) -> None:
-        if not self._restored or not self.members:
-            return
-        for step in self.group.progress([self.pool[w].step for w in self.members]):
-            shape = self._mesh_shape()
-            await self.bus.publish(
-                StepCompleted(
-                    step=step, source="controller", duration_s=step_time_s or 0.0, mesh_shape=shape, data_position=step
-                )
-            )
-            recovery = self.recovery.current
-            completed = self.recovery.committed(step, shape)
-            if recovery is not None and completed is not None:
-                self.result.recoveries.append(
-                    {
-                        "cause": recovery.cause,
-                        "strategy": recovery.strategy,
-                        "recovery_s": completed.recovery_s,
-                        "lost_steps": recovery.lost_steps,
-                        "restored_from": recovery.restored_from,
-                        "failed_step": recovery.failed_step,
-                        "bytes_by_tier": dict(self.restored_bytes),
-                    }
-                )
-                await self.bus.publish(completed)
-
     async def _on_verdict(self, verdict: Verdict) -> None:
         proc = self.pool.get(verdict.worker)
         event = verdict_event(verdict, step=self.group_step)
@@ -793,31 +850,5 @@ class Controller(GroupFormer):
 
     def request_regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
         """Replace ``lost`` workers and re-form the group; each lost member counts against the budget."""
-        if self._stopping:
-            return
-        for worker in lost:
-            self.monitor.forget(worker)
-            proc = self.pool.get(worker)
-            if proc is not None:
-                proc.gone = True
-            if worker not in self.members:
-                # A spare (or an already replaced worker): keep the pool of spares full, no re-forming.
-                self._top_up_spares()
-                continue
-            self._requests.add(worker)
-            self._publish_nowait(
-                self.recovery.fail(reason, failed_step=self.group_step + 1, last_committed_step=self.group_step)
-            )
-        if self.recovery.over_budget:
-            # Here, where every failure is counted: one while a group forms ends the run as surely as any.
-            self.end(
-                RecoveryError(
-                    f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures} "
-                    f"(the last: {reason} at step {self.group_step + 1}){self._why(lost)}",
-                    last_committed_step=self.group_step,
-                )
-            )
-            return
-        self._request_reason = reason
-        self._request_strategy = strategy or self._request_strategy
-        self._wake.set()
+        if not self.stopping:
+            self._feed(RegroupRequested(frozenset(lost), reason, strategy))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from typing import Any
 
-__all__ = ["free_port", "start_coordination_service"]
+from runtime.cluster.config import LaunchError
+
+__all__ = ["free_port", "host_service", "start_coordination_service"]
+
+log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> int:
@@ -44,3 +49,25 @@ def start_coordination_service(host: str, port: int, num_processes: int, *, hear
         shutdown_timeout=2,
         recoverable=True,
     )
+
+
+def host_service(
+    host: str, num_processes: int, generation: int, ports: tuple[int, int] | None = None
+) -> tuple[int, Any]:
+    """Generation ``generation``'s coordination service on a free port of ``host`` (in ``ports``, if given);
+    another port if the chosen one was taken meanwhile.
+
+    Raises:
+        LaunchError: no port is free, or the service did not start in a few attempts.
+    """
+    attempts = 5
+    for attempt in range(attempts):
+        try:
+            port = free_port(host, ports)
+        except OSError as exc:
+            raise LaunchError(f"cannot host generation {generation}'s coordination service: {exc}") from exc
+        try:
+            return port, start_coordination_service(host, port, num_processes)
+        except Exception as exc:  # port taken between free_port() and the bind (shared machine)
+            log.warning("coordination service on port %d failed (attempt %d): %s", port, attempt + 1, exc)
+    raise LaunchError(f"could not start a coordination service in {attempts} attempts")

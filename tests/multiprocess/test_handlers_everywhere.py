@@ -25,13 +25,13 @@ from typing import Any
 
 import pytest
 from launch_support import NPROCS, STEPS
-from runtime.testing.grammar import parse_faults
 
 from runtime.cli.demo_multiprocess import run_group
 from runtime.cluster.named_handlers import load_handler
 from runtime.core.errors import ConfigError
 from runtime.core.eventlog import read_events
 from runtime.core.events import CheckpointCommitted, GroupFormed, HandlerFailed, StateRestored, StateTransformed
+from runtime.faults.grammar import parse_faults
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "handlers_train.py"

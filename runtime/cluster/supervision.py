@@ -1,0 +1,191 @@
+"""What the controller's :class:`~runtime.cluster.supervisor.Supervisor` is told (inputs) and what it answers
+(actions): plain values, so that the supervisor's tests drive it without processes or sockets and the controller
+carries the actions out in the order given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.cluster.config import LaunchError, Strategy
+from runtime.cluster.protocol import Message
+from runtime.cluster.tiers import Tier
+from runtime.core.errors import ElasticRuntimeError
+from runtime.core.events import Event
+
+__all__ = [
+    "Action",
+    "EndRun",
+    "Finish",
+    "Input",
+    "Kill",
+    "MemberFinished",
+    "MemberJoined",
+    "MemberRestored",
+    "Progress",
+    "Publish",
+    "RegroupRequested",
+    "RestoreFailed",
+    "SaveFences",
+    "Send",
+    "SendForm",
+    "Spawn",
+    "Start",
+    "Tick",
+    "TopUpSpares",
+    "WarmSpares",
+    "WorkerChanged",
+]
+
+
+# --- inputs ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Start:
+    """The run begins: form the first group."""
+
+
+@dataclass(frozen=True)
+class RegroupRequested:
+    """Replace ``workers`` (lost or hung) and re-form the group (``ControllerContext.regroup``)."""
+
+    workers: frozenset[int]
+    reason: str
+    strategy: Strategy | None = None
+
+
+@dataclass(frozen=True)
+class WorkerChanged:
+    """A worker's record changed: a spare said hello, or a process exited or its connection closed."""
+
+    worker: int
+
+
+@dataclass(frozen=True)
+class MemberJoined:
+    """A member of the forming generation sent ``Joined`` (its record holds it)."""
+
+    worker: int
+
+
+@dataclass(frozen=True)
+class RestoreFailed:
+    """A member could not read the step being restored (``Unreadable``)."""
+
+    generation: int
+    step: int
+    reason: str
+    recovered_from: Tier | None = None  # the tier it read the step from instead; None: it could not
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A member's heartbeat: its committed step (in its record), and its recent step time."""
+
+    worker: int
+    step_time_s: float | None = None
+
+
+@dataclass(frozen=True)
+class MemberRestored:
+    """A member restored ``nbytes`` from ``tier`` (``Restored``)."""
+
+    tier: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class MemberFinished:
+    """A member reached the run's target (its record holds its ``Finished``)."""
+
+    worker: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed: a deadline (:attr:`Supervisor.deadline`) may be due."""
+
+
+Input = (
+    Start
+    | RegroupRequested
+    | WorkerChanged
+    | MemberJoined
+    | RestoreFailed
+    | MemberRestored
+    | Progress
+    | MemberFinished
+    | Tick
+)
+
+
+# --- actions -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Start ``count`` spare processes now (they are needed for the group being formed)."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class TopUpSpares:
+    """Start spares until ``config.spares`` are alive."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """SIGKILL ``worker`` (logged as ``WorkerKilled``)."""
+
+    worker: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``message`` to ``worker``."""
+
+    worker: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class SendForm:
+    """Host generation ``generation``'s coordination service and send each member its ``Form``; the shell
+    reports the coordinator's address back with :meth:`Supervisor.hosted`."""
+
+    generation: int
+    members: tuple[int, ...]
+    strategy: Strategy
+    at_step: int  # a planned re-forming (growing) happens after this step; -1: now
+
+
+@dataclass(frozen=True)
+class SaveFences:
+    """Write the generation and fences to the run folder (a resumed controller goes on from them)."""
+
+
+@dataclass(frozen=True)
+class WarmSpares:
+    """Idle spares compile the step now rather than when they are needed."""
+
+
+@dataclass(frozen=True)
+class Publish:
+    event: Event
+
+
+@dataclass(frozen=True)
+class EndRun:
+    """End the run with ``error``: every worker stopped."""
+
+    error: ElasticRuntimeError | LaunchError
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Every member finished: the run ends well."""
+
+
+Action = Spawn | TopUpSpares | Kill | Send | SendForm | SaveFences | WarmSpares | Publish | EndRun | Finish

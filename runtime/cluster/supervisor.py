@@ -1,0 +1,502 @@
+"""The controller's decisions as a synchronous state machine: inputs in, actions out.
+
+The :class:`Supervisor` is told what happened (workers failed, a spare said hello, a member joined, a restore
+failed, steps were committed, every member finished, time passed) and answers with what to do (start spares,
+kill a worker, send a message, hand a new generation its ``Form``, publish an event, end the run). It decides
+when the group re-forms, when a re-forming falls back to restarting every worker, whether a step that keeps
+failing is tried again (``config.retry``) and when the failure budget is spent, and it switches the heartbeat
+monitor's ``expect_progress`` as the group forms and trains. No processes, sockets or clocks of its own: the
+controller (``runtime/cluster/controller.py``) feeds it, carries its actions out and calls :meth:`handle` with
+:class:`Tick` at :attr:`Supervisor.deadline`; its tests drive it alone.
+
+Forming a generation: recruit spares (started if need be) to fill the group around the survivors, seat them
+(``Membership.seat``), send every member ``Form``, wait for every ``Joined``, then send ``Restore`` with the plan
+(``Membership.plan_restore``). A member lost or a join not in time restarts the forming with every worker
+replaced (JAX's initialization would wait for the missing one). Its inputs and actions are in
+``supervision.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from enum import Enum
+
+from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
+from runtime.cluster.heartbeat import HeartbeatMonitor
+from runtime.cluster.membership import JoinReport, Membership
+from runtime.cluster.processes import ProcessPool, log_tail
+from runtime.cluster.protocol import EXIT_REPLACE, Restore, Stop
+from runtime.cluster.supervision import (
+    Action,
+    EndRun,
+    Finish,
+    Input,
+    Kill,
+    MemberFinished,
+    MemberJoined,
+    MemberRestored,
+    Progress,
+    Publish,
+    RegroupRequested,
+    RestoreFailed,
+    SaveFences,
+    Send,
+    SendForm,
+    Spawn,
+    Start,
+    Tick,
+    TopUpSpares,
+    WarmSpares,
+    WorkerChanged,
+)
+from runtime.core.errors import ElasticRuntimeError, RecoveryError
+from runtime.core.events import GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
+from runtime.core.recovery import RecoveryTracker
+
+__all__ = ["Phase", "Supervisor"]
+
+log = logging.getLogger(__name__)
+
+# Near-simultaneous losses (a host, a slice) are answered by one re-forming, not one each.
+SETTLE_S = 0.05
+
+
+class Phase(Enum):
+    IDLE = "idle"  # not started, or training
+    SETTLING = "settling"  # a failure came: waiting a moment for the ones that come with it
+    BACKOFF = "backoff"  # a step failed before: waiting the retry policy's backoff
+    RECRUITING = "recruiting"  # waiting for enough spares to say hello
+    JOINING = "joining"  # Form sent: waiting for every member's Joined
+    DONE = "done"  # finished or ended
+
+
+class Supervisor:
+    """Decides how the group is formed, re-formed and ended. Single use.
+
+    Args:
+        config: the run's settings.
+        pool: the workers' records (the shell starts processes and fills them in; tests add records).
+        group: the group's membership.
+        monitor: the heartbeat monitor whose ``expect_progress`` it switches.
+        recovery: the failure budget and recovery timing.
+        result: the run's outcome, whose formation figures it fills in.
+        target_steps: the run's target; -1 until the first worker's hello says it (see :attr:`target_steps`).
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        pool: ProcessPool,
+        group: Membership,
+        monitor: HeartbeatMonitor,
+        recovery: RecoveryTracker,
+        result: LaunchResult,
+        *,
+        target_steps: int = -1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.group = group
+        self.monitor = monitor
+        self.recovery = recovery
+        self.result = result
+        self.target_steps = target_steps
+        self.clock = clock
+        self.phase = Phase.IDLE
+        self.stopped = False  # the run is ending: nothing is replaced or formed any more
+        self.restored = False  # the current generation got its Restore
+        self.restored_bytes: dict[str, int] = {}  # what the current generation's members restored, per tier
+        self.deadline: float | None = None  # when to be handed a Tick
+        self._requests: set[int] = set()  # members to replace at the next re-forming
+        self._reason = ""
+        self._strategy: Strategy | None = None
+        self._unreadable = ""  # the current generation's restore failed: why
+        self._failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
+        # The generation being formed.
+        self._forming = Strategy.START
+        self._forming_reason = ""
+        self._started = 0.0
+        self._timeout = 0.0
+        self._survivors: list[int] = []
+        self._chosen: list[int] = []
+        self._coordinator = ""
+
+    @property
+    def done(self) -> bool:
+        return self.phase == Phase.DONE
+
+    def hosted(self, generation: int, coordinator: str) -> None:
+        """The shell started generation ``generation``'s coordination service at ``coordinator``."""
+        if generation == self.group.generation:
+            self._coordinator = coordinator
+
+    def mesh_shape(self) -> dict[str, int]:
+        size = self.config.slice_size
+        return {"data": len(self.group.members) // size, "model": size * self.config.local_devices}
+
+    def handle(self, event: Input) -> list[Action]:
+        """What to do about ``event``."""
+        out: list[Action] = []
+        if self.done:
+            return out
+        match event:
+            case Start():
+                self._form(out, Strategy.START, "start")
+            case RegroupRequested(workers=workers, reason=reason, strategy=strategy):
+                self._regroup_requested(out, set(workers), reason, strategy)
+            case RestoreFailed(generation=generation, step=step, reason=reason, recovered_from=recovered_from):
+                # Once per failed restore, however many tiers or members found it damaged; not at all when
+                # the member read the step from the next tier instead.
+                failed = (generation, step)
+                if not recovered_from and failed not in self._failed_restores:
+                    self._failed_restores.add(failed)
+                    self._unreadable = reason
+            case MemberRestored(tier=tier, nbytes=nbytes):
+                if nbytes:  # a member that took every shard from the others delivered nothing itself
+                    self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
+            case Progress(worker=worker, step_time_s=seconds):
+                if 0 <= self.target_steps <= self.pool[worker].step:  # done: finishing (its last writes) is no hang
+                    self.monitor.expect_progress(worker, False)
+                self._progress(out, seconds)
+            case MemberFinished():
+                members = self.group.members
+                if members and all(self.pool[w].finished is not None for w in members):
+                    self.stopped = True
+                    self.phase, self.deadline = Phase.DONE, None
+                    out.append(Finish())
+                    return out
+            case WorkerChanged() | MemberJoined() | Tick():
+                pass
+        if not self.done:
+            self._advance(out)
+        return out
+
+    # --- failures ------------------------------------------------------------------------------------------
+
+    def _regroup_requested(self, out: list[Action], lost: set[int], reason: str, strategy: Strategy | None) -> None:
+        if self.stopped:
+            return
+        for worker in sorted(lost):
+            self.monitor.forget(worker)
+            proc = self.pool.get(worker)
+            if proc is not None:
+                proc.gone = True
+            if worker not in self.group.members:
+                # A spare (or an already replaced worker): keep the pool of spares full, no re-forming.
+                out.append(TopUpSpares())
+                continue
+            self._requests.add(worker)
+            self._count_failure(out, reason)
+        if self._spent(out, f"{reason} at step {self.group.step + 1}", lost):
+            return
+        self._reason = reason
+        self._strategy = strategy or self._strategy
+
+    def _count_failure(self, out: list[Action], cause: str) -> None:
+        step = self.group.step
+        out.append(Publish(self.recovery.fail(cause, failed_step=step + 1, last_committed_step=step)))
+
+    def _spent(self, out: list[Action], last: str, lost: set[int]) -> bool:
+        """Whether the failures counted so far spend the budget (then the run ends). The one check, made where
+        failures are counted: one while a group forms ends the run as surely as any."""
+        if not self.recovery.over_budget:
+            return False
+        error = RecoveryError(
+            f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures} "
+            f"(the last: {last}){self._why(lost)}",
+            last_committed_step=self.group.step,
+        )
+        self._end(out, error)
+        return True
+
+    def _end(self, out: list[Action], error: ElasticRuntimeError | LaunchError) -> None:
+        self.stopped = True
+        self.phase, self.deadline = Phase.DONE, None
+        out.append(EndRun(error))
+
+    def _why(self, lost: set[int]) -> str:
+        """What the lost workers' logs say (their tracebacks): the reason a step keeps failing is in there."""
+        logs = [self.pool.logs / f"worker-{w}.log" for w in sorted(lost)]
+        return "".join(f"\nworker log {path}:\n{log_tail(path)}" for path in logs)
+
+    def _quiet(self, workers: list[int]) -> None:
+        """The group is not training: a worker that commits nothing now is not hung."""
+        for worker in workers:
+            self.monitor.expect_progress(worker, False)
+
+    # --- the state machine ---------------------------------------------------------------------------------
+
+    def _advance(self, out: list[Action]) -> None:
+        """Do what the current phase allows now; called after every input."""
+        now = self.clock()
+        due = self.deadline is not None and now >= self.deadline
+        if self.phase == Phase.IDLE and self.group.generation and self.restored:
+            if self._requests:
+                self._quiet(self.group.members)  # at once: the survivors wait in a broken collective now
+                self.phase, self.deadline = Phase.SETTLING, now + SETTLE_S
+            elif self._unreadable:
+                reason, self._unreadable = self._unreadable, ""
+                self._regroup(out, set(), reason)  # the same members, from another step
+            elif self._can_grow():
+                self._form(out, Strategy.GROW, "a spare is ready")
+        elif self.phase == Phase.SETTLING and due:
+            self._regroup(out, set(self._requests), self._reason)
+        elif self.phase == Phase.BACKOFF and due:
+            self._form(out, self._strategy or self.config.strategy, self._reason)
+        elif self.phase == Phase.RECRUITING:
+            self._recruit(out, now)
+        elif self.phase == Phase.JOINING:
+            self._await_joins(out, due)
+
+    def _regroup(self, out: list[Action], lost: set[int], reason: str) -> None:
+        """Re-form after a failure. A step that failed before is tried again only after the retry policy's
+        backoff, and not at all once the policy gives up."""
+        self._reason = reason
+        if self.restored:  # the group was training: its attempt at the next step failed
+            attempt = self.recovery.attempt_failed(self.group.step + 1)
+            wait = self.config.retry(attempt)
+            if wait is None:
+                why = f"step {attempt.step} failed {attempt.attempts} times ({reason}); giving up{self._why(lost)}"
+                self._end(out, RecoveryError(why, last_committed_step=self.group.step))
+                return
+            if wait > 0:
+                log.warning("step %d failed %d times; retrying in %.2f s", attempt.step, attempt.attempts, wait)
+                self.phase, self.deadline = Phase.BACKOFF, self.clock() + wait
+                return
+        self._form(out, self._strategy or self.config.strategy, reason)
+
+    def _can_grow(self) -> bool:
+        """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
+        ready = sum(p.ready_spare for p in self.pool)
+        members = self.group.members
+        return (
+            len(self.group.seat(members, [-1] * ready)) > len(members)  # a whole slice more
+            and len(members) < self.config.nprocs
+            and self.recovery.current is None
+            and not self.stopped
+            and self.group.step + 5 < self.target_steps
+        )
+
+    def _form(self, out: list[Action], strategy: Strategy, reason: str) -> None:
+        """Start forming a new generation: survivors stay (unless restarting), spares are recruited."""
+        self._strategy = None
+        self._unreadable = ""  # the new generation plans its own restore
+        self.restored = False
+        self._forming_reason = reason
+        self._started = self.clock()
+        survivors = [w for w in self.group.members if not self.pool[w].gone and w not in self._requests]
+        self._quiet(survivors)
+        if strategy == Strategy.RESTART:
+            for worker in survivors:
+                why = "restart strategy: every worker is replaced"
+                out.append(Kill(worker, why))
+                if self.pool[worker].popen is None:  # not ours to kill: asked to exit, the cluster replaces it
+                    out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE)))
+                self.pool[worker].gone = True
+                self.monitor.forget(worker)
+            self.result.survivor_restarts += len(survivors)
+            survivors = []
+        elif strategy == Strategy.REFORM and not survivors:
+            strategy = Strategy.RESTART  # nobody left to re-form with: the state must come from the replica files
+        self._forming, self._survivors, self._chosen = strategy, survivors, []
+        self._timeout = self.config.start_timeout_s if strategy == Strategy.START else self.config.spawn_timeout_s
+        self.phase, self.deadline = Phase.RECRUITING, self._started + self._timeout
+        self._recruit(out, self._started)
+
+    def _recruit(self, out: list[Action], now: float) -> None:
+        """Enough spares (started now if needed) to fill the group around the survivors, once they said hello."""
+        survivors = [w for w in self._survivors if not self.pool[w].gone]
+        need = self.config.nprocs - len(survivors)
+        chosen = [w for w in self._chosen if self.pool[w].ready_spare]  # one chosen earlier may be gone since
+        ready = [p.worker for p in self.pool if p.ready_spare and p.worker not in chosen]
+        chosen.extend(ready[: max(0, need - len(chosen))])
+        self._chosen = chosen
+        if len(chosen) >= need:
+            self._seat(out, survivors, chosen)
+            return
+        starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
+        if self.config.starts_workers and len(starting) + len(chosen) < need:
+            out.append(Spawn(need - len(starting) - len(chosen)))
+        # Workers the controller does not start are the orchestrator's to replace: after a loss the group goes
+        # on without them at once where min_nprocs allows, and grows back when they say hello.
+        soon = not self.config.starts_workers and bool(survivors)
+        assert self.config.min_nprocs is not None
+        enough = len(self.group.seat(survivors, chosen)) >= self.config.min_nprocs  # whole slices
+        late = self.deadline is not None and now > self.deadline
+        if (soon or late) and enough:
+            self._seat(out, survivors, chosen)  # go on smaller; the next re-forming grows the group back
+        elif late:
+            count = len(survivors) + len(chosen)
+            self._end(out, LaunchError(f"only {count} workers ready after {self._timeout} s"))
+
+    def _seat(self, out: list[Action], survivors: list[int], recruits: list[int]) -> None:
+        members = self.group.seat(survivors, recruits)
+        for worker in set(survivors) | set(recruits):
+            if worker not in members:  # in a slice short of a process: it waits, as a spare, for a replacement
+                self.pool[worker].spare = True
+                self.monitor.expect_progress(worker, False)
+        self._requests.clear()
+        generation = self.group.new_generation(members)
+        out.append(SaveFences())  # a resumed controller numbers its generations after this one
+        self.restored_bytes.clear()
+        self._coordinator = ""
+        for worker in members:
+            proc = self.pool[worker]
+            proc.spare, proc.joined, proc.finished = False, None, None
+            self.monitor.expect_progress(worker, False)
+        # Growing is planned: every member re-forms after committing the same step, so no collective is cut
+        # off; after a failure the group re-forms now (in-flight steps are abandoned).
+        grow = self._forming == Strategy.GROW and survivors
+        at_step = max(self.pool[w].step for w in survivors) + 3 if grow else -1
+        out.append(SendForm(generation, tuple(members), self._forming, at_step))
+        out.append(
+            Publish(
+                GroupForming(
+                    step=self.group.step,
+                    source="controller",
+                    generation=generation,
+                    members=tuple(members),
+                    strategy=self._forming,
+                )
+            )
+        )
+        self.phase, self.deadline = Phase.JOINING, self.clock() + self.config.form_timeout_s
+
+    def _await_joins(self, out: list[Action], due: bool) -> None:
+        procs = [self.pool[w] for w in self.group.members]
+        if any(p.gone for p in procs):
+            outcome = "member lost while forming"
+        elif all(p.joined is not None for p in procs):
+            self._restore(out)
+            return
+        elif due:
+            outcome = f"not joined within {self.config.form_timeout_s} s"
+        else:
+            return
+        # A member died or stalled while the group formed. Members blocked in initialize() wait for it until
+        # JAX's initialization timeout, so they are replaced too: fall back to restarting.
+        generation = self.group.generation
+        log.warning("generation %d did not form (%s); restarting its workers", generation, outcome)
+        lost = {p.worker for p in procs if p.gone}
+        if not lost:  # a stall; a lost member was counted when it was reported
+            self._count_failure(out, outcome)
+        if self._spent(out, f"{outcome} in generation {generation}", lost):  # members dying while forming, again
+            return
+        self._form(out, Strategy.RESTART, self._forming_reason)
+
+    def _restore(self, out: list[Action]) -> None:
+        """Every member joined: tell them which step to restore, and from whom."""
+        members, strategy, group = self.group.members, self._forming, self.group
+        reports = []
+        for worker in members:
+            joined = self.pool[worker].joined
+            assert joined is not None
+            reports.append(
+                JoinReport(joined.best_step, joined.tier, joined.steps, joined.durable_only, joined.neighbour_step)
+            )
+        plan = group.plan_restore(reports)
+        log.info("generation %d restores %s from %s", group.generation, plan, reports)
+        if plan.missing:
+            why = f"cannot restore generation {group.generation}: {plan.missing}"
+            self._end(out, RecoveryError(why, last_committed_step=group.step))
+            return
+        if 0 <= self.target_steps < plan.step:
+            why = f"refusing to restore step {plan.step}: past the run's target of {self.target_steps} steps"
+            self._end(out, RecoveryError(why, last_committed_step=group.step))
+            return
+        gaps = group.restore(plan.step)
+        # The older generations' fences are on disk before this one can step (and write replicas): a controller
+        # killed now still tells the next workers what not to restore (``--resume``).
+        out.append(SaveFences())
+        if strategy == Strategy.START:
+            self.result.resumed_from = plan.step if plan.step > 0 else -1
+            gaps = []  # a resumed run: the controller before this one logged those steps
+        for gap in gaps:
+            # Committed by the member(s) restored from before the old group could report them all: the new
+            # group continues from them, so they count as the group's committed steps.
+            out.append(Publish(self._completed(gap, 0.0)))
+        for worker in members:
+            self.pool[worker].step = plan.step
+        restore = Restore(
+            generation=group.generation,
+            step=plan.step,
+            source=plan.source,
+            target_steps=self.target_steps,
+            from_neighbour=plan.from_neighbour,
+        )
+        out.extend(Send(worker, restore) for worker in members)
+        self.restored = True
+        for worker in members:
+            self.monitor.expect_progress(worker, True)
+        out.append(WarmSpares())
+        self.result.world_size_history.append(len(members))
+        self.result.strategies.append(strategy)
+        formed = GroupFormed(
+            step=plan.step,
+            source="controller",
+            generation=group.generation,
+            members=tuple(members),
+            coordinator=self._coordinator,
+            strategy=strategy,
+            seconds=self.clock() - self._started,
+            restore_step=plan.step,
+            restore_source=max(plan.source, 0),
+        )
+        out.append(Publish(formed))
+        if strategy == Strategy.START:
+            started = RunStarted(
+                step=plan.step,
+                source="controller",
+                target_steps=self.target_steps,
+                mesh_shape=self.mesh_shape(),
+                devices=tuple(range(len(members) * self.config.local_devices)),
+            )
+            out.append(Publish(started))
+        recovery = self.recovery.current
+        if recovery is not None:
+            self.recovery.restored(
+                plan.step, restored_from=plan.restored_from, lost_steps=plan.lost_steps, strategy=strategy
+            )
+            state = StateRestored(
+                step=plan.step,
+                source="controller",
+                restored_from=plan.restored_from,
+                lost_steps=plan.lost_steps,
+                seconds=self.clock() - recovery.started,
+            )
+            out.append(Publish(state))
+        # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
+        out.append(TopUpSpares())
+        self.phase, self.deadline = Phase.IDLE, None
+
+    # --- training ------------------------------------------------------------------------------------------
+
+    def _completed(self, step: int, seconds: float) -> StepCompleted:
+        shape = self.mesh_shape()
+        return StepCompleted(step=step, source="controller", duration_s=seconds, mesh_shape=shape, data_position=step)
+
+    def _progress(self, out: list[Action], step_time_s: float | None) -> None:
+        members = self.group.members
+        if not self.restored or not members:
+            return
+        for step in self.group.progress([self.pool[w].step for w in members]):
+            out.append(Publish(self._completed(step, step_time_s or 0.0)))
+            recovery = self.recovery.current
+            completed = self.recovery.committed(step, self.mesh_shape())
+            if recovery is not None and completed is not None:
+                self.result.recoveries.append(
+                    {
+                        "cause": recovery.cause,
+                        "strategy": recovery.strategy,
+                        "recovery_s": completed.recovery_s,
+                        "lost_steps": recovery.lost_steps,
+                        "restored_from": recovery.restored_from,
+                        "failed_step": recovery.failed_step,
+                        "bytes_by_tier": dict(self.restored_bytes),
+                    }
+                )
+                out.append(Publish(completed))

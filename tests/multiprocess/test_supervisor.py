@@ -1,0 +1,297 @@
+"""The controller's supervisor driven alone: worker records and a clock of the test's, no processes or sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
+from runtime.cluster.heartbeat import HeartbeatMonitor, Hung
+from runtime.cluster.membership import Membership
+from runtime.cluster.processes import ProcessPool
+from runtime.cluster.protocol import Finished, Hello, Joined, Message, Restore, Stop
+from runtime.cluster.supervision import (
+    Action,
+    EndRun,
+    Finish,
+    Input,
+    Kill,
+    MemberFinished,
+    MemberJoined,
+    Progress,
+    Publish,
+    RegroupRequested,
+    RestoreFailed,
+    Send,
+    SendForm,
+    Spawn,
+    Start,
+    Tick,
+    WorkerChanged,
+)
+from runtime.cluster.supervisor import Supervisor
+from runtime.cluster.tiers import Tier
+from runtime.core.errors import RecoveryError
+from runtime.core.events import Event, RecoveryCompleted, RecoveryStarted, StateRestored
+from runtime.core.recovery import RecoveryTracker
+
+TARGET = 100
+
+
+class Run:
+    """A supervisor and what its actions did: the records it starts, the messages and events it sends."""
+
+    def __init__(self, tmp_path: Path, **overrides: Any) -> None:
+        self.now = 0.0
+        values: dict[str, Any] = {"nprocs": 2, "spares": 1, "hang_timeout_s": 5.0, "form_timeout_s": 30.0}
+        config = LaunchConfig(command=["worker"], run_dir=str(tmp_path), **(values | overrides))
+        self.pool = ProcessPool(config, tmp_path, str(tmp_path), "secret")
+        self.monitor = HeartbeatMonitor(timeout_s=2.0, hang_timeout_s=config.hang_timeout_s, clock=self.clock)
+        self.result = LaunchResult(False, 0, TARGET, {}, [], [], [], [], 0, "", str(tmp_path))
+        self.supervisor = Supervisor(
+            config,
+            self.pool,
+            Membership(config.nprocs, config.slice_size),
+            self.monitor,
+            RecoveryTracker("controller", config.max_failures, clock=self.clock),
+            self.result,
+            target_steps=TARGET,
+            clock=self.clock,
+        )
+        self.sent: list[tuple[int, Message]] = []
+        self.forms: list[SendForm] = []
+        self.events: list[Event] = []
+        self.killed: list[int] = []
+        self.ended: BaseException | None = None
+        self.finished = False
+        self.next_worker = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    @property
+    def members(self) -> list[int]:
+        return self.supervisor.group.members
+
+    def feed(self, event: Input) -> list[Action]:
+        actions = self.supervisor.handle(event)
+        for action in actions:
+            match action:
+                case Spawn(count=count):
+                    self.spawn(count)
+                case Kill(worker=worker):
+                    self.killed.append(worker)
+                case Send(worker=worker, message=message):
+                    self.sent.append((worker, message))
+                case SendForm():
+                    self.forms.append(action)
+                    self.supervisor.hosted(action.generation, f"127.0.0.1:{1000 + action.generation}")
+                case Publish(event=published):
+                    self.events.append(published)
+                case EndRun(error=error):
+                    self.ended = error
+                case Finish():
+                    self.finished = True
+        return actions
+
+    def spawn(self, count: int) -> list[int]:
+        started = []
+        for _ in range(count):
+            self.pool.admit(self.next_worker)  # a spare starting, not said hello yet
+            started.append(self.next_worker)
+            self.next_worker += 1
+        return started
+
+    def hello(self, *workers: int) -> None:
+        for worker in workers:
+            self.pool[worker].hello = Hello(worker=worker, pid=1, target_steps=TARGET)
+            self.monitor.register(worker)
+            self.feed(WorkerChanged(worker))
+
+    def join(self, step: int = 0, tier: str = "none") -> None:
+        generation = self.supervisor.group.generation
+        for worker in list(self.members):
+            joined = Joined(worker=worker, generation=generation, best_step=step, tier=tier, join_s=0.1)
+            self.pool[worker].joined = joined
+            self.feed(MemberJoined(worker))
+
+    def commit(self, step: int) -> None:
+        for worker in self.members:
+            self.pool[worker].step = step
+            self.monitor.observe(worker, step, 0.1)
+            self.feed(Progress(worker, 0.1))
+
+    def lose(self, worker: int, reason: str = "WorkerLost") -> None:
+        self.feed(RegroupRequested(frozenset({worker}), reason))
+
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+        self.feed(Tick())
+
+    def kinds(self) -> list[str]:
+        return [type(e).__name__ for e in self.events]
+
+    def restores(self) -> list[tuple[int, Restore]]:
+        return [(w, m) for w, m in self.sent if isinstance(m, Restore)]
+
+
+def started(tmp_path: Path, **overrides: Any) -> Run:
+    """A run whose first group (workers 0 and 1; spare 2 ready, if any) trained to step 10."""
+    run = Run(tmp_path, **overrides)
+    run.spawn(run.supervisor.config.nprocs + run.supervisor.config.spares)
+    run.feed(Start())
+    run.hello(0, 1)
+    assert [f.members for f in run.forms] == [(0, 1)]
+    run.join()
+    if run.supervisor.config.spares:
+        run.hello(2)
+    run.commit(10)
+    assert run.result.strategies == [Strategy.START] and run.supervisor.group.step == 10
+    run.events.clear()
+    return run
+
+
+def test_a_lost_member_is_replaced_by_the_spare_and_the_group_reforms_from_the_survivors_step(tmp_path: Path) -> None:
+    run = started(tmp_path)
+    run.lose(1)
+    assert run.kinds() == ["RecoveryStarted"] and len(run.forms) == 1  # settling: one re-forming for all
+    run.wait(0.1)
+    form = run.forms[-1]
+    assert (form.generation, form.members, form.strategy, form.at_step) == (2, (0, 2), Strategy.REFORM, -1)
+    run.join(step=10, tier="ram")
+    assert {w: m.step for w, m in run.restores()[-2:]} == {0: 10, 2: 10}
+    run.commit(11)
+    recovery = ["RecoveryStarted", "GroupForming", "GroupFormed", "StateRestored"]
+    assert run.kinds() == [*recovery, "StepCompleted", "RecoveryCompleted"]
+    completed = run.events[-1]
+    assert isinstance(completed, RecoveryCompleted) and completed.cause == "WorkerLost"
+    assert run.result.strategies == [Strategy.START, Strategy.REFORM] and run.result.world_size_history == [2, 2]
+    assert run.ended is None and run.killed == []
+
+
+def test_a_member_lost_while_the_group_forms_restarts_every_worker_in_the_same_recovery(tmp_path: Path) -> None:
+    run = started(tmp_path)
+    run.lose(1)
+    run.wait(0.1)
+    assert run.forms[-1].members == (0, 2)
+    run.lose(2)  # the spare, seated, dies before it joined
+    assert run.killed == [0]  # survivors blocked in initialize() would wait for it: replaced too
+    assert run.result.survivor_restarts == 1
+    spawned = sorted(p.worker for p in run.pool if p.hello is None and not p.gone)
+    assert spawned == [3, 4]  # the whole group, started now
+    run.hello(3, 4)
+    form = run.forms[-1]
+    assert (form.generation, form.members, form.strategy) == (3, (3, 4), Strategy.RESTART)
+    run.join(step=10, tier="shm")
+    run.commit(11)
+    recoveries = [e for e in run.events if isinstance(e, (RecoveryStarted, RecoveryCompleted))]
+    assert [type(e).__name__ for e in recoveries] == ["RecoveryStarted", "RecoveryStarted", "RecoveryCompleted"]
+    assert run.supervisor.recovery.failures == 2 and run.result.recoveries[0]["strategy"] == Strategy.RESTART
+    assert run.result.strategies == [Strategy.START, Strategy.RESTART] and run.ended is None
+
+
+def test_a_failed_restore_reforms_the_same_members_once_and_a_step_read_from_the_next_tier_does_not(
+    tmp_path: Path,
+) -> None:
+    run = started(tmp_path)
+    run.lose(1)
+    run.wait(0.1)
+    run.join(step=10, tier="ram")
+    assert len(run.forms) == 2
+    run.feed(RestoreFailed(generation=2, step=10, reason="ram step 10 unreadable", recovered_from=Tier.DURABLE))
+    assert len(run.forms) == 2  # the member read it from the durable tier instead
+    run.feed(RestoreFailed(generation=2, step=10, reason="ram step 10 unreadable: bad checksum"))
+    run.feed(RestoreFailed(generation=2, step=10, reason="file step 10 unreadable: bad checksum"))
+    run.wait(0.5)  # the second attempt at step 11: after the retry policy's backoff
+    form = run.forms[-1]
+    assert len(run.forms) == 3 and (form.generation, form.members, form.strategy) == (3, (0, 2), Strategy.REFORM)
+    run.join(step=9, tier="shm")
+    assert [m.step for _, m in run.restores()[-2:]] == [9, 9]
+    state = [e for e in run.events if isinstance(e, StateRestored)][-1]
+    assert (state.step, state.lost_steps) == (9, 1)
+    assert run.supervisor.recovery.failures == 1 and run.ended is None  # a damaged step is not a lost worker
+
+
+def test_a_failure_past_the_budget_ends_the_run_and_so_does_a_group_that_never_forms(tmp_path: Path) -> None:
+    run = started(tmp_path, max_failures=1)
+    run.lose(1)
+    run.wait(0.1)
+    run.join(step=10, tier="ram")
+    run.commit(12)
+    run.lose(0)
+    assert isinstance(run.ended, RecoveryError) and run.supervisor.done
+    assert "2 failures exceed max_failures=1 (the last: WorkerLost at step 13)" in str(run.ended)
+    assert run.feed(Tick()) == [] and run.feed(WorkerChanged(2)) == []  # ended: nothing more is done
+
+    both = started(tmp_path / "both", max_failures=1)
+    both.feed(RegroupRequested(frozenset({0, 1}), "WorkerLost"))  # lost together: each counted, then one check
+    assert both.kinds() == ["RecoveryStarted", "RecoveryStarted"] and "2 failures exceed" in str(both.ended)
+
+    stalled = started(tmp_path / "stalled", max_failures=1, form_timeout_s=30.0)
+    stalled.lose(1)
+    stalled.wait(0.1)
+    stalled.wait(29.0)
+    assert stalled.ended is None  # not yet due
+    stalled.wait(2.0)  # the new group never joins: counted as the second failure
+    assert isinstance(stalled.ended, RecoveryError)
+    assert "2 failures exceed max_failures=1 (the last: not joined within 30.0 s in generation 2)" in str(stalled.ended)
+
+
+def test_a_step_that_keeps_failing_is_retried_after_a_backoff_then_given_up(tmp_path: Path) -> None:
+    run = started(tmp_path, spares=3, max_failures=10)
+    run.hello(3, 4)  # the other spares ready too
+    run.lose(1)
+    run.wait(0.1)
+    run.join(step=10, tier="ram")  # attempt 1 at step 11: retried at once
+    assert run.forms[-1].members == (0, 2)
+    run.lose(2)
+    run.wait(0.1)
+    assert len(run.forms) == 2  # attempt 2: after the policy's backoff of 0.5 s, no clock read but the test's
+    run.wait(0.5)
+    assert run.forms[-1].members == (0, 3)
+    run.join(step=10, tier="ram")
+    run.lose(3)
+    run.wait(0.1)
+    assert isinstance(run.ended, RecoveryError) and "step 11 failed 3 times (WorkerLost); giving up" in str(run.ended)
+
+
+def test_survivors_waiting_for_a_replacement_are_not_judged_hung(tmp_path: Path) -> None:
+    # Issue 30: no spare ready, so the re-forming waits for one to start; the survivor's committed step does not
+    # move meanwhile, and it must not be taken for hung and killed.
+    run = started(tmp_path, spares=0)
+    run.lose(1)
+    run.wait(0.1)
+    assert len(run.forms) == 1 and run.supervisor.deadline is not None  # recruiting: a replacement starting
+    for _ in range(12):
+        run.now += 1.0
+        run.monitor.observe(0, 10, 0.1)  # heartbeats, no progress
+        assert not [v for v in run.monitor.check() if isinstance(v, Hung)]
+        run.feed(Tick())
+    run.hello(2)
+    assert run.forms[-1].members == (0, 2)
+
+
+def test_spares_that_never_say_hello_end_the_run_at_the_spawn_timeout(tmp_path: Path) -> None:
+    run = started(tmp_path, spares=0, spawn_timeout_s=20.0, min_nprocs=2)
+    run.lose(1)
+    run.wait(0.1)
+    run.wait(21.0)
+    assert isinstance(run.ended, LaunchError) and "only 1 workers ready after 20.0 s" in str(run.ended)
+
+
+def test_a_restarting_worker_the_controller_did_not_start_is_told_to_exit(tmp_path: Path) -> None:
+    run = started(tmp_path, strategy="restart")
+    run.lose(1)
+    run.wait(0.1)
+    assert run.killed == [0]
+    stops = [m for w, m in run.sent if w == 0 and isinstance(m, Stop)]
+    assert stops and stops[0].exit_code != 0  # not ours to kill (a record without a process): asked to exit
+
+
+def test_the_run_finishes_once_every_member_finished(tmp_path: Path) -> None:
+    run = started(tmp_path)
+    run.commit(TARGET)
+    for worker in run.members:
+        run.pool[worker].finished = Finished(worker=worker, generation=1, step=TARGET, digest="d")
+        run.feed(MemberFinished(worker))
+    assert run.finished and run.supervisor.done and run.supervisor.stopped
