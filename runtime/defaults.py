@@ -26,8 +26,8 @@ from handlers import (
 from handlers.regroup import log_straggler, regroup_on_worker_failure
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller import Controller
-from runtime.cluster.named_handlers import subscribe_named
-from runtime.cluster.ray_backend import RayPlacement
+from runtime.cluster.controller.named_handlers import subscribe_named
+from runtime.cluster.controller.ray_backend import RayPlacement
 from runtime.cluster.worker import is_worker, run_worker
 from runtime.core.config import RuntimeConfig
 from runtime.core.events import (
@@ -127,7 +127,7 @@ def ray_controller(
 ) -> tuple[Controller, RayPlacement]:
     """A service-mode controller (``config.command`` empty) whose workers Ray places, one actor per node, each
     running ``command``; a lost one is replaced on another node (:class:`RayPlacement` says what ``env`` and
-    ``replica_dir`` do). Connect to Ray first (``runtime.cluster.ray_backend.ray_session``); after
+    ``replica_dir`` do). Connect to Ray first (``runtime.cluster.controller.ray_backend.ray_session``); after
     ``controller.run()``, ``placement.close()``."""
     controller = default_controller(config)
     placement = RayPlacement(

@@ -12,9 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.cluster.coordination import free_port, start_coordination_service
-from runtime.cluster.protocol import Form
-from runtime.cluster.worker import _join_group
+from runtime.cluster.controller.coordination import free_port, start_coordination_service
+from runtime.cluster.protocol import ENV_CONTROLLER, ENV_WORKER, Form
+from runtime.cluster.worker.group import join_group
+from runtime.cluster.worker.settings import WorkerSettings
 from runtime.compat import cloud_storage as cloud_storage_compat
 from runtime.compat import jax as jax_compat
 from runtime.compat import orbax as orbax_compat
@@ -71,7 +72,7 @@ def test_the_worker_fails_with_the_compat_error_not_an_attribute_error(monkeypat
     form = Form(generation=1, coordinator="127.0.0.1:1", process_id=0, num_processes=1)
     entry_point = "jax._src.lib._jax.get_distributed_runtime_client"
     with pytest.raises(IncompatibleVersion, match=_names("jaxlib", entry_point) + "is missing; .* supports jaxlib"):
-        _join_group(form)
+        join_group(form, WorkerSettings.from_env({ENV_CONTROLLER: "127.0.0.1:1", ENV_WORKER: "0"}))
 
 
 def test_the_controller_fails_with_the_compat_error(monkeypatch: pytest.MonkeyPatch) -> None:

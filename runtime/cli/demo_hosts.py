@@ -182,7 +182,7 @@ class _Service:
     def __init__(
         self, hosts: Any, run_dir: Path, *, steps: int, nprocs: int, faulty: bool, disk: Path | None = None
     ) -> None:
-        from runtime.cluster.coordination import free_port
+        from runtime.cluster.controller.coordination import free_port
 
         self.hosts, self.run_dir, self.steps, self.nprocs, self.faulty = hosts, run_dir, steps, nprocs, faulty
         self.disk = disk  # the workers' replica folders, one per host under it; None: each host's /dev/shm

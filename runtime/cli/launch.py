@@ -1,6 +1,6 @@
 """``elastic-runtime launch --nprocs N -- python train.py ...``: run a script as supervised worker processes.
 
-The controller (``runtime/cluster/controller.py``) starts the workers, watches them and re-forms the group
+The controller (``runtime/cluster/controller/shell.py``) starts the workers, watches them and re-forms the group
 when one is lost; see ``docs/multiprocess.md``. With ``--backend ray`` Ray places them, one actor per node
 (``runtime/cli/launch_ray.py``, ``docs/cluster.md``).
 """

@@ -1,7 +1,7 @@
 """``elastic-runtime launch --backend ray --nprocs N [--ray-address HOST:PORT] -- python train.py``.
 
 The controller runs in this process, beside the Ray driver, in service mode; Ray places the workers, one
-actor per node (``runtime/cluster/ray_backend.py``). Without ``--ray-address`` a local cluster of N + 1 nodes
+actor per node (``runtime/cluster/controller/ray_backend.py``). Without ``--ray-address`` a local cluster of N + 1 nodes
 starts on 127.0.0.1 (one node for a replacement), and stops with the run. See ``docs/cluster.md``, *Ray*.
 """
 
@@ -42,7 +42,7 @@ def ray_config(config: LaunchConfig, *, host: str, min_nprocs: int | None) -> La
 
 
 def launch_on_ray(args: argparse.Namespace, config: LaunchConfig) -> int:
-    from runtime.cluster.ray_backend import local_cluster, ray_session
+    from runtime.cluster.controller.ray_backend import local_cluster, ray_session
 
     env = {"ELASTIC_RESULT": config.result_path} if config.result_path else {}
     try:

@@ -54,7 +54,7 @@ class LaunchConfig:
         retry: when a step that failed is tried again, and when the run gives up on it
             (:mod:`runtime.core.retry`; default: 3 failures of one step, backing off 0, 0.5 s).
         run_dir: event log, worker logs and ``summary.json``; a temporary directory when unset. The run
-            folder names the run: an unfinished run in it is continued (see ``runtime/cluster/runfolder.py``).
+            folder names the run: an unfinished run in it is continued (``runtime/cluster/controller/runfolder.py``).
         replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<hash of run_dir>``,
             removed when the controller ends (it stays only when the controller itself was killed).
         resume: require an unfinished run in ``run_dir`` to continue (raise ValueError if there is none).
@@ -83,7 +83,7 @@ class LaunchConfig:
         coordinator_ports: (low, high), the ports those services may take (one per generation, each kept
             until the run ends); default: any free port.
         handlers: controller-side handlers, each ``package.module:function`` (``launch --handlers``), subscribed
-            by ``runtime.defaults.default_controller`` (``runtime/cluster/named_handlers.py``).
+            by ``runtime.defaults.default_controller`` (``runtime/cluster/controller/named_handlers.py``).
     """
 
     command: list[str]

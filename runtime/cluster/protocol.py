@@ -95,7 +95,7 @@ class Hello(Message, frozen=True, kw_only=True):
     pid: int
     target_steps: int
     # The event types (class names) the script's own handlers subscribe to: the controller forwards those of
-    # the group's events to this worker (``Notify``; runtime/cluster/relay.py).
+    # the group's events to this worker (``Notify``; runtime/cluster/controller/relay.py).
     events: tuple[str, ...] = ()
 
 

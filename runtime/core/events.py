@@ -153,7 +153,7 @@ class WorkerLost(Failure, frozen=True, kw_only=True):
     """``worker`` was killed or its host is gone: no heartbeat within the timeout, its connection or process
     ended, or the scheduler reported it dead. ``detected_by`` names the signal that came first (the only one
     acted on): ``"heartbeat"`` (the controller's own: silence, a closed connection, an exited process) or
-    ``"ray"`` (Ray reported the worker's actor or node dead; ``runtime/cluster/ray_backend.py``)."""
+    ``"ray"`` (Ray reported the worker's actor or node dead; ``runtime/cluster/controller/ray_backend.py``)."""
 
     worker: int
     silent_s: float

@@ -34,7 +34,7 @@ import numpy as np
 from attacker import run_under_attack
 
 from runtime.cli.demo_multiprocess import group_controller, run_group, worker_command
-from runtime.cluster.runfolder import default_replica_dir
+from runtime.cluster.controller.runfolder import default_replica_dir
 from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
 from runtime.core.events import RunFinished, StateRestored, StepCompleted

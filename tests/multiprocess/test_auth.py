@@ -29,8 +29,8 @@ from runtime.cli.demo_multiprocess import group_controller
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller import Controller
+from runtime.cluster.controller.server import ReportLimiter
 from runtime.cluster.protocol import Hello, Stop, encode
-from runtime.cluster.server import ReportLimiter
 from runtime.cluster.worker import ControllerLink, connect
 from runtime.core.errors import AuthenticationFailed
 from runtime.core.eventlog import read_events

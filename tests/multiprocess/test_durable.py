@@ -1,4 +1,4 @@
-"""The group's durable checkpoints (storage/sharded.py, runtime/cluster/durable.py), with real processes.
+"""The group's durable checkpoints (storage/sharded.py, runtime/cluster/controller/durable.py), with real processes.
 
 One slice of 4 processes, the state sharded over all of them, durable checkpoints every 5 steps. A process is
 killed with ``kill -9`` and its replica files are deleted (a lost host's RAM and ``/dev/shm``): the group rolls

@@ -27,7 +27,7 @@ import pytest
 from launch_support import NPROCS, STEPS
 
 from runtime.cli.demo_multiprocess import run_group
-from runtime.cluster.named_handlers import load_handler
+from runtime.cluster.controller.named_handlers import load_handler
 from runtime.core.errors import ConfigError
 from runtime.core.eventlog import read_events
 from runtime.core.events import CheckpointCommitted, GroupFormed, HandlerFailed, StateRestored, StateTransformed

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.cluster.heartbeat import HeartbeatMonitor, Hung, Lost, Straggling, UnknownWorker, verdict_event
+from runtime.cluster.controller.heartbeat import HeartbeatMonitor, Hung, Lost, Straggling, UnknownWorker, verdict_event
 from runtime.core.events import Straggler, WorkerHung, WorkerLost
 
 

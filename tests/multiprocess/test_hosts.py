@@ -31,7 +31,7 @@ from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
 from runtime.cluster.config import LaunchConfig, LaunchError
 from runtime.cluster.controller import Controller
-from runtime.cluster.coordination import free_port
+from runtime.cluster.controller.coordination import free_port
 from runtime.cluster.protocol import Form, Heartbeat, Hello, Joined, Restore, Stop
 from runtime.cluster.worker import ControllerLink
 from runtime.core.eventlog import read_events

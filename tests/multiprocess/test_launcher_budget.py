@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from runtime.cli.demo_multiprocess import run_group, worker_command
-from runtime.cluster.runfolder import default_replica_dir
+from runtime.cluster.controller.runfolder import default_replica_dir
 from runtime.core.errors import JobUnsupported, RecoveryError, StepError
 from runtime.core.eventlog import read_events
 from runtime.core.events import (

@@ -11,7 +11,7 @@ import pytest
 from test_auth import against
 
 from runtime.cluster.config import LaunchConfig
-from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run, save_fences
+from runtime.cluster.controller.runfolder import default_replica_dir, mark_finished, open_run, save_fences
 from runtime.defaults import default_controller
 
 

@@ -6,11 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
-from runtime.cluster.heartbeat import HeartbeatMonitor, Hung
-from runtime.cluster.membership import Membership
-from runtime.cluster.processes import ProcessPool
-from runtime.cluster.protocol import Finished, Hello, Joined, Message, Restore, Stop
-from runtime.cluster.supervision import (
+from runtime.cluster.controller.heartbeat import HeartbeatMonitor, Hung
+from runtime.cluster.controller.membership import Membership
+from runtime.cluster.controller.processes import ProcessPool
+from runtime.cluster.controller.supervision import (
     Action,
     EndRun,
     Finish,
@@ -29,7 +28,8 @@ from runtime.cluster.supervision import (
     Tick,
     WorkerChanged,
 )
-from runtime.cluster.supervisor import Supervisor
+from runtime.cluster.controller.supervisor import Supervisor
+from runtime.cluster.protocol import Finished, Hello, Joined, Message, Restore, Stop
 from runtime.cluster.tiers import Tier
 from runtime.core.errors import RecoveryError
 from runtime.core.events import Event, RecoveryCompleted, RecoveryStarted, StateRestored

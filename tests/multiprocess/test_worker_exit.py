@@ -30,8 +30,8 @@ from runtime.cluster.protocol import (
     decode_from_worker,
     encode,
 )
-from runtime.cluster.settings import WorkerSettings
 from runtime.cluster.worker import ControllerLink, Worker
+from runtime.cluster.worker.settings import WorkerSettings
 from runtime.core.errors import ConfigError
 from runtime.testing.demo_model import demo_job
 from storage.replicas import ReplicaFiles

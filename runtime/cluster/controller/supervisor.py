@@ -6,7 +6,7 @@ kill a worker, send a message, hand a new generation its ``Form``, publish an ev
 when the group re-forms, when a re-forming falls back to restarting every worker, whether a step that keeps
 failing is tried again (``config.retry``) and when the failure budget is spent, and it switches the heartbeat
 monitor's ``expect_progress`` as the group forms and trains. No processes, sockets or clocks of its own: the
-controller (``runtime/cluster/controller.py``) feeds it, carries its actions out and calls :meth:`handle` with
+controller (``runtime/cluster/controller/shell.py``) feeds it, carries its actions out and calls :meth:`handle` with
 :class:`Tick` at :attr:`Supervisor.deadline`; its tests drive it alone.
 
 Forming a generation: recruit spares (started if need be) to fill the group around the survivors, seat them
@@ -24,11 +24,10 @@ from collections.abc import Callable
 from enum import Enum
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
-from runtime.cluster.heartbeat import HeartbeatMonitor
-from runtime.cluster.membership import JoinReport, Membership
-from runtime.cluster.processes import ProcessPool, log_tail
-from runtime.cluster.protocol import EXIT_REPLACE, Restore, Stop
-from runtime.cluster.supervision import (
+from runtime.cluster.controller.heartbeat import HeartbeatMonitor
+from runtime.cluster.controller.membership import JoinReport, Membership
+from runtime.cluster.controller.processes import ProcessPool, log_tail
+from runtime.cluster.controller.supervision import (
     Action,
     EndRun,
     Finish,
@@ -51,6 +50,7 @@ from runtime.cluster.supervision import (
     WarmSpares,
     WorkerChanged,
 )
+from runtime.cluster.protocol import EXIT_REPLACE, Restore, Stop
 from runtime.core.errors import ElasticRuntimeError, RecoveryError
 from runtime.core.events import GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
 from runtime.core.recovery import RecoveryTracker

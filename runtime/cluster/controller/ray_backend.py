@@ -46,8 +46,8 @@ from runtime.cluster.protocol import ENV_CONTROLLER, ENV_HEARTBEAT_S, ENV_LOCAL_
 from runtime.core.events import WorkerHung, WorkerLost, WorkerStarted
 
 if TYPE_CHECKING:
-    from runtime.cluster.context import ControllerContext
     from runtime.cluster.controller import Controller
+    from runtime.cluster.controller.context import ControllerContext
 
 __all__ = ["RayPlacement", "WorkerActor", "add_node", "local_cluster", "ray_session"]
 

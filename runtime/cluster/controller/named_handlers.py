@@ -2,7 +2,7 @@
 
 The named function is an ordinary handler, ``async def function(event, ctx)``, subscribed on the controller's
 bus for the event type its first parameter is annotated with (a union subscribes it to each; no annotation:
-every event), with a :class:`~runtime.cluster.context.ControllerContext` as ``ctx``. It runs once per
+every event), with a :class:`~runtime.cluster.controller.context.ControllerContext` as ``ctx``. It runs once per
 event: the controller is the one process where the group's events exist once. The module is imported as
 ``python -m`` would (the current folder first on the path), so a handler beside the training script is found.
 """

@@ -1,6 +1,6 @@
 """Group membership as a synchronous state machine: who is in the group, in which generation, which steps
 the whole group has committed, who restores from whom, and where each superseded generation was fenced. No
-processes, sockets or clocks: the controller (``runtime/cluster/controller.py``) drives it and turns its
+processes, sockets or clocks: the controller (``runtime/cluster/controller/shell.py``) drives it and turns its
 answers into messages and events."""
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def log_tail(path: Path, limit: int = 3000) -> str:
 
 
 def dying_with_controller(command: list[str]) -> list[str]:
-    """``command`` wrapped so that it is killed when the controller dies (:mod:`runtime.cluster.deathsig`)."""
+    """``command`` wrapped so that it is killed when the controller dies (``deathsig.py`` beside this module)."""
     if sys.platform != "linux":
         return command
     return [sys.executable, "-S", str(Path(__file__).with_name("deathsig.py")), str(os.getpid()), *command]

@@ -42,35 +42,16 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
-from runtime.cluster.context import ControllerContext
-from runtime.cluster.coordination import host_service
-from runtime.cluster.durable import DurableCommits
-from runtime.cluster.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
-from runtime.cluster.membership import Membership
-from runtime.cluster.processes import ProcessPool, WorkerProcess, descends_from
-from runtime.cluster.protocol import (
-    EXIT_REPLACE,
-    Committed,
-    Failed,
-    Finished,
-    Form,
-    Heartbeat,
-    Hello,
-    Joined,
-    Lease,
-    Message,
-    Published,
-    Requested,
-    Restored,
-    Saved,
-    Stop,
-    Unreadable,
-    Warm,
-)
-from runtime.cluster.relay import EventRelay
-from runtime.cluster.runfolder import default_replica_dir, mark_finished, open_run, save_fences
-from runtime.cluster.server import Report, WorkerServer
-from runtime.cluster.supervision import (
+from runtime.cluster.controller.context import ControllerContext
+from runtime.cluster.controller.coordination import host_service
+from runtime.cluster.controller.durable import DurableCommits
+from runtime.cluster.controller.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
+from runtime.cluster.controller.membership import Membership
+from runtime.cluster.controller.processes import ProcessPool, WorkerProcess, descends_from
+from runtime.cluster.controller.relay import EventRelay
+from runtime.cluster.controller.runfolder import default_replica_dir, mark_finished, open_run, save_fences
+from runtime.cluster.controller.server import Report, WorkerServer
+from runtime.cluster.controller.supervision import (
     Action,
     EndRun,
     Finish,
@@ -93,7 +74,26 @@ from runtime.cluster.supervision import (
     WarmSpares,
     WorkerChanged,
 )
-from runtime.cluster.supervisor import Supervisor
+from runtime.cluster.controller.supervisor import Supervisor
+from runtime.cluster.protocol import (
+    EXIT_REPLACE,
+    Committed,
+    Failed,
+    Finished,
+    Form,
+    Heartbeat,
+    Hello,
+    Joined,
+    Lease,
+    Message,
+    Published,
+    Requested,
+    Restored,
+    Saved,
+    Stop,
+    Unreadable,
+    Warm,
+)
 from runtime.core.bus import EventBus
 from runtime.core.errors import (
     BusClosed,
@@ -265,7 +265,7 @@ class Controller:
         self._signal = ""
         self._skipped_seen: set[str] = set()
         # Tasks run beside the wire and the monitor, and cancelled with them before the bus closes: a scheduler
-        # backend's placement and watch loop (``runtime/cluster/ray_backend.py``).
+        # backend's placement and watch loop (``runtime/cluster/controller/ray_backend.py``).
         self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
 
     @property

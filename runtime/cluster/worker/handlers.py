@@ -1,7 +1,7 @@
 """The worker's half of the script's own handlers under ``launch``: the group's events, run at a step boundary.
 
 A training script's handlers (``runtime.on(...)``, ``runtime.subscribe``) run in every worker process. The
-controller forwards the group's events to the members (``runtime/cluster/relay.py``); each arrives here
+controller forwards the group's events to the members (``runtime/cluster/controller/relay.py``); each arrives here
 (``received``, in the link's reader thread) and waits for a step boundary. In multi-controller JAX a request
 that changes the state (``ctx.transform_state``) must be applied by every process at the same step: so
 before each step the members agree, with one small collective, on the newest notification every one of

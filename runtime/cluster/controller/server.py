@@ -24,7 +24,7 @@ from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from runtime.cluster import auth
-from runtime.cluster.processes import WorkerProcess
+from runtime.cluster.controller.processes import WorkerProcess
 from runtime.cluster.protocol import MAX_LINE, MalformedMessage, Message, decode_from_worker, encode
 from runtime.core.errors import AuthenticationFailed
 

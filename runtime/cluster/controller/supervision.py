@@ -1,4 +1,4 @@
-"""What the controller's :class:`~runtime.cluster.supervisor.Supervisor` is told (inputs) and what it answers
+"""What the controller's :class:`~runtime.cluster.controller.supervisor.Supervisor` is told (inputs) and what it answers
 (actions): plain values, so that the supervisor's tests drive it without processes or sockets and the controller
 carries the actions out in the order given."""
 

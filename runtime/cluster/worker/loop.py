@@ -24,50 +24,40 @@ import hashlib
 import logging
 import os
 import queue
-import socket
-import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
-from runtime.cluster import auth
 from runtime.cluster.protocol import (
-    ENV_CONTROLLER,
-    EXIT_REPLACE,
-    Committed,
     Failed,
     Finished,
     Form,
     Heartbeat,
     Hello,
     Joined,
-    Lease,
-    MalformedMessage,
     Message,
-    Notify,
     Restore,
     Restored,
     Saved,
     Stop,
     Unreadable,
     Warm,
-    decode_from_controller,
-    encode,
 )
-from runtime.cluster.settings import WorkerSettings
 from runtime.cluster.tiers import Tier
-from runtime.cluster.worker_handlers import Boundary, ScriptHandlers
-from runtime.core.bus import Subscription
+from runtime.cluster.worker.group import join_group, leave_group
+from runtime.cluster.worker.handlers import Boundary, ScriptHandlers
+from runtime.cluster.worker.link import ControllerLink, Inbound
+from runtime.cluster.worker.settings import WorkerSettings
 from runtime.core.cadence import EveryN
 from runtime.core.classify import classify
-from runtime.core.errors import AuthenticationFailed, CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.events import StepFailed
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.ledger import StepLedger
@@ -81,92 +71,11 @@ from storage.shards import NeighbourShift, SliceRestore, local_copy, local_like,
 
 log = logging.getLogger(__name__)
 
-Inbound = Form | Restore | Warm | Stop
 
-# Handshakes the controller may close before a worker gives up (see ``connect``).
-_HANDSHAKE_TRIES = 5
 # How long a step still running when the group re-forms may take to finish before it is abandoned.
 _ABANDON_GRACE_S = 0.2
 # How long a new group waits for an abandoned restore that may still be reading its shards.
 _RESTORE_SETTLE_S = 2.0
-
-
-def is_worker() -> bool:
-    """Whether this process was started by ``elastic-runtime launch``."""
-    return ENV_CONTROLLER in os.environ
-
-
-class ControllerLink:
-    """The connection to the controller: a lock-protected sender and a reader thread feeding ``inbox``.
-
-    Opening it proves ``secret`` to the controller and checks the controller's proof of it in turn.
-
-    Raises:
-        AuthenticationFailed: either side's proof of the secret was refused.
-        OSError: the controller cannot be reached (or did not answer within ``timeout``).
-    """
-
-    def __init__(self, address: str, secret: str, timeout: float = 30.0) -> None:
-        host, _, port = address.rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
-        self._lines = self.sock.makefile("rb")
-        try:
-            answer, expected = auth.answer(secret, self._lines.readline(auth.MAX_LINE))
-            self.sock.sendall(auth.encode(answer))
-            auth.check_welcome(expected, self._lines.readline(auth.MAX_LINE))
-        except BaseException:
-            self._lines.close()
-            self.sock.close()
-            raise
-        self.sock.settimeout(None)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.inbox: queue.Queue[Inbound] = queue.Queue()
-        # Monotonic time the controller's lease runs out; no lease until the first one (launch mode has none).
-        self.lease_until = float("inf")
-        # Called (in the reader thread) with each durable step the controller committed.
-        self.on_committed: Callable[[int], None] = lambda step: None
-        # Called (in the reader thread) with each of the group's events for the script's handlers.
-        self.on_notify: Callable[[Notify], None] = lambda notify: None
-        self._lock = threading.Lock()
-        threading.Thread(target=self._read, name="controller-reader", daemon=True).start()
-
-    def send(self, message: Message) -> None:
-        data = encode(message)
-        with self._lock:
-            try:
-                self.sock.sendall(data)
-            except OSError as exc:
-                log.error("lost the controller connection while sending: %s", exc)
-                self.inbox.put(Stop(reason=f"controller connection lost: {exc}", exit_code=EXIT_REPLACE))
-
-    def leased(self) -> bool:
-        """Whether the controller still counts on this worker (its last lease has not run out)."""
-        return time.monotonic() < self.lease_until
-
-    def close(self) -> None:
-        """Close the connection; the reader thread then puts a Stop in ``inbox``."""
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)  # ends the reader's loop, which then closes its file
-        self.sock.close()
-
-    def _read(self) -> None:
-        with self._lines, contextlib.suppress(OSError):
-            for line in self._lines:
-                try:
-                    message = decode_from_controller(line)
-                except MalformedMessage as exc:
-                    log.error("malformed message from the controller ignored: %s", exc)
-                    continue
-                if isinstance(message, Lease):
-                    self.lease_until = time.monotonic() + message.seconds
-                elif isinstance(message, Committed):
-                    self.on_committed(message.step)
-                elif isinstance(message, Notify):
-                    self.on_notify(message)
-                else:
-                    self.inbox.put(message)
-        # Without a controller there is nobody to re-form the group: stop rather than train alone.
-        self.inbox.put(Stop(reason="controller connection closed", exit_code=EXIT_REPLACE))
 
 
 class Worker:
@@ -183,7 +92,7 @@ class Worker:
         script: ScriptHandlers | None = None,
     ) -> None:
         self.job = job
-        # The training script's own handlers, run at step boundaries (runtime/cluster/worker_handlers.py).
+        # The training script's own handlers, run at step boundaries (runtime/cluster/worker/handlers.py).
         self.script = script
         if script is not None:
             link.on_notify = script.received
@@ -320,11 +229,11 @@ class Worker:
                 self._abandoned_restore.result(timeout=_RESTORE_SETTLE_S)
             self._abandoned_restore = None
         if self.initialized:
-            _leave_group()
+            leave_group()
             jax.extend.backend.clear_backends()
             self.state = None  # it lived on the old backend
         left = time.monotonic()
-        _join_group(form, self.settings)
+        join_group(form, self.settings)
         if jax.process_count() != form.num_processes:
             # Another thread asked JAX between leaving the old group and joining this one, which brought up a
             # backend outside any group: drop it, so the next call brings up the group's.
@@ -841,137 +750,7 @@ def _log_failure(future: Future[None]) -> None:
         log.error("durable checkpoint write failed: %s: %s", type(exc).__name__, exc)
 
 
-def _join_group(form: Form, settings: WorkerSettings) -> None:
-    """Connect this process to the group's coordination service, which the controller hosts.
-
-    ``jax.distributed.initialize`` would start the service inside process 0; measured here, when process 0
-    is then killed every survivor's coordination client polls an error and terminates its process (and a
-    Python error callback cannot stand in: jaxlib 0.10.2 aborts casting its status). With the service in
-    the never-restarted controller, any worker, process 0 included, can die without taking the others down.
-    This uses the same private entry points ``initialize`` uses, through :mod:`runtime.compat.jax`.
-    """
-    from runtime.compat import jax as jax_compat
-
-    state = jax_compat.distributed_state()
-    if state.client is not None:
-        raise RuntimeError("jax.distributed is already initialized in this process")
-    client = jax_compat.distributed_runtime_client(
-        form.coordinator,
-        form.process_id,
-        init_timeout=settings.jax_init_s,
-        use_compression=True,
-        heartbeat_timeout=settings.jax_heartbeat_s,
-        shutdown_timeout=settings.jax_shutdown_s,
-    )
-    client.connect()
-    state.client = client
-    state.coordinator_address = form.coordinator
-    state.process_id = form.process_id
-    state.num_processes = form.num_processes
-
-
-def _leave_group() -> None:
-    """Disconnect from the old group's service (still up in the controller, so this returns at once)."""
-    from runtime.compat import jax as jax_compat
-
-    state = jax_compat.distributed_state()
-    client, state.client = state.client, None
-    if client is not None:
-        try:
-            client.shutdown()
-        except Exception as exc:  # the old group is broken by design here; its shutdown may complain
-            log.warning("leaving the old group: %s: %s", type(exc).__name__, exc)
-
-
 def _leaves(tree: PyTree) -> list[Any]:
     import jax
 
     return list(jax.tree.leaves(tree))
-
-
-def connect(address: str, secret: str, timeout_s: float) -> ControllerLink:
-    """Open the link to the controller, trying again for ``timeout_s`` while nothing listens there yet: a
-    cluster starts the workers and the controller in any order (a worker ``launch`` starts finds it up).
-
-    A handshake the controller closes is tried again a few times: under a flood of connections the controller
-    closes the oldest waiting handshakes to make room, which may be ours. With a wrong secret every try ends
-    the same way, and the last one's error is raised.
-
-    Raises:
-        AuthenticationFailed: a proof was refused (after the retries above), or the controller's was wrong.
-        OSError: the controller could not be reached within ``timeout_s``.
-    """
-    deadline = time.monotonic() + timeout_s
-    closed = 0
-    while True:
-        try:
-            return ControllerLink(address, secret)
-        except auth.ClosedDuringHandshake as exc:
-            closed += 1
-            if closed >= _HANDSHAKE_TRIES or time.monotonic() > deadline:
-                raise
-            log.info("controller %s closed our handshake (%s); trying again", address, exc)
-            time.sleep(0.2 * closed)
-        except OSError as exc:  # not AuthenticationFailed: a refused proof is final
-            if time.monotonic() > deadline:
-                raise
-            log.info("controller %s not reachable yet (%s); trying again", address, exc)
-            time.sleep(0.5)
-
-
-def run_worker(
-    job: TrainJob, steps: int, *, handlers: Sequence[Subscription[Any]] = (), handler_timeout: float | None = 30.0
-) -> NoReturn:
-    """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
-
-    ``handlers``: the script's own subscriptions; they run for the group's events the controller forwards, at
-    a step boundary every member agrees on (``runtime/cluster/worker_handlers.py``).
-
-    ``ElasticRuntime.run`` calls it when the process was started by ``elastic-runtime launch``. It drops any
-    backend the script created, then configures the CPU device count, gloo collectives and recoverability.
-    Exits the process (``os._exit``) when the controller says stop.
-
-    Raises:
-        RuntimeError: not started by ``elastic-runtime launch`` (no controller address in the environment).
-    """
-    if not is_worker():
-        raise RuntimeError(f"run_worker needs {ENV_CONTROLLER}: start the script with `elastic-runtime launch`")
-    import jax
-    import jax.extend.backend
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
-    # The script may have touched a device already (a default mesh policy does): that local backend must go
-    # before the device count is set and the process joins a group.
-    jax.extend.backend.clear_backends()
-    settings = WorkerSettings.from_env()
-    jax.config.update("jax_num_cpu_devices", settings.local_devices)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # Without it the coordination service ends every survivor when one process dies.
-    jax.config.update("jax_enable_recoverability", True)
-    cache = settings.compile_cache
-    if cache:
-        # Every generation compiles the same step for the same layout again (new backend); with a persistent
-        # cache the survivors and the replacement load it instead of running XLA.
-        jax.config.update("jax_compilation_cache_dir", cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    worker = settings.worker
-    code = 1
-    replicas = ReplicaFiles(settings.replica_folder(os.getppid()), f"worker-{worker}")
-    # Read once and dropped from the environment, so that what the script starts does not inherit it.
-    secret = auth.load_secret()
-    os.environ.pop(auth.ENV_TOKEN, None)
-    try:
-        if secret is None:
-            raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
-        link = connect(settings.controller, secret, settings.connect_s)
-        script = ScriptHandlers(handlers, handler_timeout=handler_timeout) if handlers else None
-        code = Worker(job, steps, settings=settings, link=link, replicas=replicas, script=script).serve()
-        replicas.wait()
-    except Exception:
-        log.exception("worker %d failed", worker)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Abandoned step threads are blocked inside XLA; a normal exit would run destructors under them.
-        os._exit(code)

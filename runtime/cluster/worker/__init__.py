@@ -1,0 +1,12 @@
+"""The worker side of a multi-process run: what each process of ``elastic-runtime launch`` runs.
+
+``boot`` starts a worker process, ``link`` is its connection to the controller, ``group`` joins and leaves a
+generation's ``jax.distributed`` group, ``loop`` is the worker's loop (forming, restoring, stepping,
+finishing), ``handlers`` runs the script's handlers at step boundaries, ``settings`` is its environment.
+"""
+
+from runtime.cluster.worker.boot import is_worker, run_worker
+from runtime.cluster.worker.link import ControllerLink, connect
+from runtime.cluster.worker.loop import Worker
+
+__all__ = ["ControllerLink", "Worker", "connect", "is_worker", "run_worker"]

@@ -1,0 +1,85 @@
+"""A worker process's start: JAX configured for a group, the secret read once, the link opened, the loop run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from runtime.cluster import auth
+from runtime.cluster.protocol import ENV_CONTROLLER
+from runtime.cluster.worker.handlers import ScriptHandlers
+from runtime.cluster.worker.link import connect
+from runtime.cluster.worker.loop import Worker
+from runtime.cluster.worker.settings import WorkerSettings
+from runtime.core.bus import Subscription
+from runtime.core.errors import AuthenticationFailed
+from runtime.core.job import TrainJob
+from storage.replicas import ReplicaFiles
+
+log = logging.getLogger(__name__)
+
+
+def is_worker() -> bool:
+    """Whether this process was started by ``elastic-runtime launch``."""
+    return ENV_CONTROLLER in os.environ
+
+
+def run_worker(
+    job: TrainJob, steps: int, *, handlers: Sequence[Subscription[Any]] = (), handler_timeout: float | None = 30.0
+) -> NoReturn:
+    """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
+
+    ``handlers``: the script's own subscriptions; they run for the group's events the controller forwards, at
+    a step boundary every member agrees on (``runtime/cluster/worker/handlers.py``).
+
+    ``ElasticRuntime.run`` calls it when the process was started by ``elastic-runtime launch``. It drops any
+    backend the script created, then configures the CPU device count, gloo collectives and recoverability.
+    Exits the process (``os._exit``) when the controller says stop.
+
+    Raises:
+        RuntimeError: not started by ``elastic-runtime launch`` (no controller address in the environment).
+    """
+    if not is_worker():
+        raise RuntimeError(f"run_worker needs {ENV_CONTROLLER}: start the script with `elastic-runtime launch`")
+    import jax
+    import jax.extend.backend
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    # The script may have touched a device already (a default mesh policy does): that local backend must go
+    # before the device count is set and the process joins a group.
+    jax.extend.backend.clear_backends()
+    settings = WorkerSettings.from_env()
+    jax.config.update("jax_num_cpu_devices", settings.local_devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Without it the coordination service ends every survivor when one process dies.
+    jax.config.update("jax_enable_recoverability", True)
+    cache = settings.compile_cache
+    if cache:
+        # Every generation compiles the same step for the same layout again (new backend); with a persistent
+        # cache the survivors and the replacement load it instead of running XLA.
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    worker = settings.worker
+    code = 1
+    replicas = ReplicaFiles(settings.replica_folder(os.getppid()), f"worker-{worker}")
+    # Read once and dropped from the environment, so that what the script starts does not inherit it.
+    secret = auth.load_secret()
+    os.environ.pop(auth.ENV_TOKEN, None)
+    try:
+        if secret is None:
+            raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
+        link = connect(settings.controller, secret, settings.connect_s)
+        script = ScriptHandlers(handlers, handler_timeout=handler_timeout) if handlers else None
+        code = Worker(job, steps, settings=settings, link=link, replicas=replicas, script=script).serve()
+        replicas.wait()
+    except Exception:
+        log.exception("worker %d failed", worker)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Abandoned step threads are blocked inside XLA; a normal exit would run destructors under them.
+        os._exit(code)
