@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from runtime.core.events import Straggler, WorkerHung, WorkerLost
 
 if TYPE_CHECKING:
-    from runtime.cluster.context import ControllerContext
+    from runtime.cluster.controller.context import ControllerContext
 
 log = logging.getLogger(__name__)
 
