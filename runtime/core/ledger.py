@@ -86,10 +86,6 @@ class StepLedger:
         """``tier`` saves ``step``: its next save is due by its policy from there."""
         self._last[tier] = max(self._last.get(tier, 0), step)
 
-    def last_saved(self, tier: str) -> int:
-        """The newest step ``tier`` saved (or the step the loop restarted from; 0: none)."""
-        return self._last.get(tier, 0)
-
     # --- the loop's milestones -------------------------------------------------------------------------
 
     def commit(self, step: int, *, data_position: int, mesh_shape: dict[str, int] | None = None) -> Committed:

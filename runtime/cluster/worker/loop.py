@@ -587,7 +587,10 @@ class Worker:
         if done.state is not None:
             self.state = done.state
         if done.checkpoint and self.durable is not None and self.link.leased():
-            if self.step in self.durable_steps or self.ledger.last_saved("durable") == self.step:
+            cadence = self.ledger.policies.get("durable")
+            if self.step in self.durable_steps or (
+                cadence is not None and cadence.should_save(self.step, self.step - 1)
+            ):
                 # Written (or due) already: writing a committed step's files again could damage it.
                 log.info("checkpoint asked for at step %d: it is a durable step already", self.step)
                 return
