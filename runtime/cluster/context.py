@@ -22,6 +22,7 @@ class ControllerContext:
 
     @property
     def config(self) -> LaunchConfig:
+        """The launch's configuration."""
         return self._c.config
 
     @property
@@ -35,6 +36,7 @@ class ControllerContext:
         return tuple(self._c.members)
 
     async def publish(self, event: Event) -> None:
+        """Put ``event`` on the controller's bus: logged and delivered to the controller's handlers."""
         await self._c.bus.publish(event)
 
     def kill(self, worker: int, reason: str) -> None:
