@@ -1,4 +1,5 @@
-"""MkDocs hooks for the docs site: the CLI reference from the parser itself, and a docstring check.
+"""MkDocs hooks for the docs site: the CLI reference from the parser itself, a docstring check, and a Griffe
+extension that shows the docstrings' Sphinx roles as code.
 
 ``docs/api/cli.md`` holds a ``<!-- cli-help -->`` marker; the build replaces it with the ``--help`` of the
 command and of every subcommand, so the page cannot go stale. The build also fails (in any mode, not only
@@ -12,8 +13,10 @@ import argparse
 import importlib
 import inspect
 import os
+import re
 from typing import Any
 
+import griffe
 from mkdocs.exceptions import PluginError
 
 MARKER = "<!-- cli-help -->"
@@ -86,3 +89,23 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if MARKER in markdown:
         return markdown.replace(MARKER, cli_help())
     return markdown
+
+
+class SphinxRoles(griffe.Extension):
+    """Griffe extension: the docstrings' Sphinx roles (``:class:`Event```, ``:meth:`~Runtime.run```) as code.
+
+    The source's docstrings are read in editors and by ``help()`` too, where the roles are the convention;
+    on the site they would show as raw text. ``~`` (show only the last name) is honoured.
+    """
+
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        if obj.docstring is not None:
+            obj.docstring.value = ROLE.sub(_as_code, obj.docstring.value)
+
+
+ROLE = re.compile(r":(?:class|meth|func|mod|attr|data|exc|obj):`(~?)([^`]+)`")
+
+
+def _as_code(match: re.Match[str]) -> str:
+    name = match.group(2)
+    return f"`{name.rsplit('.', 1)[-1] if match.group(1) else name}`"

@@ -1,8 +1,9 @@
 """The ``elastic-runtime`` command: what ``--help`` says to a user (``DESCRIPTION``) and the subcommands.
 
-Each subcommand lives in its own module. A subcommand module exposes ``add_parser(subparsers) -> argparse.ArgumentParser`` and sets ``func`` (taking
-the parsed arguments, returning an exit code) on the parser it adds. Modules import JAX lazily, so that
-``--help`` is instant and the demo can set the number of CPU devices before JAX starts its backend.
+Each subcommand lives in its own module, which exposes ``add_parser(subparsers) -> argparse.ArgumentParser``
+and sets ``func`` (taking the parsed arguments, returning an exit code) on the parser it adds. Modules import
+JAX lazily, so that ``--help`` is instant and the demo can set the number of CPU devices before JAX starts
+its backend.
 """
 
 from __future__ import annotations
