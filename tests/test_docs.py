@@ -110,6 +110,15 @@ def test_architecture_names_only_modules_that_exist() -> None:
     assert sorted(p for p in paths if not (ROOT / p).exists()) == []
 
 
+@pytest.mark.parametrize(
+    "page", sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks-history.md")
+)
+def test_every_page_names_only_paths_that_exist(page: str) -> None:
+    """The history page names modules as they were on the day of each run; every other page, as they are."""
+    paths = named_paths((ROOT / "docs" / page).read_text())
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []
+
+
 def test_the_readme_layout_names_only_paths_that_exist() -> None:
     readme = (ROOT / "README.md").read_text()
     layout = readme[readme.index("## Layout") :].split("\n## ")[0]
