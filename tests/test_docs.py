@@ -7,6 +7,7 @@ Regenerate the catalogue after changing an event: ``.venv/bin/python tests/test_
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -131,6 +132,29 @@ def test_named_paths_finds_a_module_that_does_not_exist() -> None:
     text = "| `storage/` | `tier.py`, `peer.py` (replicas) |\nsee `runtime/cluster/events.py`."
     missing = {p for p in named_paths(text) if not (ROOT / p).exists()}
     assert missing == {"storage/peer.py", "runtime/cluster/events.py"}
+
+
+def load_hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
+
+
+def test_every_public_name_of_the_api_reference_has_a_docstring() -> None:
+    assert load_hooks().undocumented() == []
+
+
+def test_the_docstring_check_finds_a_name_without_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "undocumented_mod.py").write_text(
+        '__all__ = ["Documented", "bare"]\n\n\nclass Documented:\n    """Has one."""\n\n'
+        "    def method(self) -> None:\n        pass\n\n\ndef bare() -> None:\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hooks = load_hooks()
+    monkeypatch.setattr(hooks, "PUBLIC", {"undocumented_mod": None})
+    assert hooks.undocumented() == ["undocumented_mod.Documented.method", "undocumented_mod.bare"]
 
 
 @pytest.mark.timeout(600)
