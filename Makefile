@@ -9,7 +9,7 @@ LATEST_PYTHON_VERSION ?= 3.13.0
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-latest lint bench clean chaos chaos-ray
+.PHONY: demo test test-latest lint bench clean chaos chaos-ray docs docs-serve
 
 $(STAMP): pyproject.toml constraints/default.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,5 +54,13 @@ chaos: $(STAMP)
 chaos-ray: $(STAMP)
 	$(BIN)/python tests/benchmarks/bench_ray.py --only elastic --repeats $(or $(ROUNDS),5)
 
+# The docs site (mkdocs.yml), built strictly: a broken link, a page missing from the nav or a public name
+# without a docstring fails the build.
+docs: $(STAMP)
+	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict --dev-addr 127.0.0.1:8000
+
 clean:
-	rm -rf $(VENV) $(LATEST) runs .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) $(LATEST) site runs .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -290,6 +290,7 @@ class TieredCheckpointer:
             lane.wait(None if end is None else max(end - time.monotonic(), 0.0))
 
     def close(self) -> None:
+        """Stop the tiers' background writers, after the writes already started or queued have finished."""
         for lane in (self._shm_lane, self._disk_lane, self._gcs_lane):
             lane.close()
 

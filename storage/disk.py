@@ -124,6 +124,7 @@ class DiskTier:
         self.before_commit: list[Callable[[int], None]] = []
 
     def path_of(self, step: int) -> Path:
+        """The folder that holds (or will hold) the checkpoint of ``step``."""
         return self.root / mf.step_dirname(step)
 
     # --- writing -------------------------------------------------------------------------------------
@@ -222,6 +223,7 @@ class DiskTier:
     # --- reading -------------------------------------------------------------------------------------
 
     def steps(self, *, timeout: float) -> list[int]:
+        """The committed steps, newest first."""
         return [info.step for info in self.list(timeout=timeout)]
 
     def list(self, *, timeout: float) -> list[CheckpointInfo]:

@@ -186,6 +186,7 @@ class GcsTier:
 
     @property
     def client(self) -> storage.Client:
+        """The google-cloud-storage client, made on first use with the default credentials."""
         if self._client is None:
             self._client = make_client()
         return self._client
@@ -198,6 +199,7 @@ class GcsTier:
         return "/".join(parts)
 
     def location(self, step: int) -> str:
+        """The ``gs://`` address of the checkpoint of ``step``."""
         return f"gs://{self.bucket_name}/{self._key(step)}"
 
     def _timeout(self, deadline: float) -> tuple[float, float]:
@@ -512,9 +514,16 @@ class GcsTier:
         return mf.decode(data, where=where)
 
     def manifest(self, step: int, *, timeout: float = 60.0) -> Manifest:
+        """The manifest of ``step``.
+
+        Raises:
+            SnapshotUnavailable: ``step`` is not committed in this bucket.
+            StorageError: the bucket cannot be read.
+        """
         return self._read_manifest(step, time.monotonic() + timeout)
 
     def steps(self, *, timeout: float) -> list[int]:
+        """The committed steps, newest first."""
         return [info.step for info in self.list(timeout=timeout)]
 
     def list(self, *, timeout: float) -> list[CheckpointInfo]:

@@ -1,14 +1,22 @@
-"""The docs say what the code has: docs/events.md is exactly the catalogue generated from the event classes.
+"""The docs say what the code has: docs/events.md is exactly the catalogue generated from the event classes,
+every module path that docs/architecture.md and the README's layout name exists, and the docs site builds
+in strict mode (a broken link, a page missing from the nav, a public name without a docstring fail it).
 
-Regenerate it after changing an event: ``.venv/bin/python tests/test_docs.py > docs/events.md``.
+Regenerate the catalogue after changing an event: ``.venv/bin/python tests/test_docs.py > docs/events.md``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import msgspec
+import pytest
 
 import runtime
 import runtime.core.events as ev
@@ -82,6 +90,90 @@ def test_the_catalogue_is_up_to_date() -> None:
     assert (ROOT / "docs" / "events.md").read_text() == render_catalogue(), (
         "docs/events.md is stale: .venv/bin/python tests/test_docs.py > docs/events.md"
     )
+
+
+# A path in the docs: under one of the top-level folders, e.g. `runtime/core/events.py` or `storage/`.
+PATH = re.compile(r"(?<![\w./-])((?:runtime|handlers|storage|tests|examples|docs)/(?:[\w./-]*\w/?)?)")
+
+
+def named_paths(text: str) -> set[str]:
+    """Every path the text names, with the bare file names of a ``| `folder/` | `a.py`, ... |`` table row
+    joined to their folder (the way docs/architecture.md's "Where things live" lists them)."""
+    found = set(PATH.findall(text))
+    for row in re.finditer(r"^\| `([\w/]+/)` \|(.*)\|$", text, flags=re.M):
+        found |= {row.group(1) + name for name in re.findall(r"`(\w+\.py)`", row.group(2))}
+    return found
+
+
+def test_architecture_names_only_modules_that_exist() -> None:
+    paths = named_paths((ROOT / "docs" / "architecture.md").read_text())
+    assert len(paths) > 40  # the table was read: not an empty check
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []
+
+
+@pytest.mark.parametrize(
+    "page", sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks-history.md")
+)
+def test_every_page_names_only_paths_that_exist(page: str) -> None:
+    """The history page names modules as they were on the day of each run; every other page, as they are."""
+    paths = named_paths((ROOT / "docs" / page).read_text())
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []
+
+
+def test_the_readme_layout_names_only_paths_that_exist() -> None:
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :].split("\n## ")[0]
+    paths = named_paths(layout)
+    assert {"runtime/core/", "runtime/defaults.py", "handlers/", "storage/"} <= paths
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []
+
+
+def test_named_paths_finds_a_module_that_does_not_exist() -> None:
+    text = "| `storage/` | `tier.py`, `peer.py` (replicas) |\nsee `runtime/cluster/events.py`."
+    missing = {p for p in named_paths(text) if not (ROOT / p).exists()}
+    assert missing == {"storage/peer.py", "runtime/cluster/events.py"}
+
+
+def load_hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
+
+
+def test_every_public_name_of_the_api_reference_has_a_docstring() -> None:
+    assert load_hooks().undocumented() == []
+
+
+def test_the_docstring_check_finds_a_name_without_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "undocumented_mod.py").write_text(
+        '__all__ = ["Documented", "bare"]\n\n\nclass Documented:\n    """Has one."""\n\n'
+        "    def method(self) -> None:\n        pass\n\n\ndef bare() -> None:\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hooks = load_hooks()
+    monkeypatch.setattr(hooks, "PUBLIC", {"undocumented_mod": None})
+    assert hooks.undocumented() == ["undocumented_mod.Documented.method", "undocumented_mod.bare"]
+
+
+@pytest.mark.timeout(600)
+def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=570,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    page = (tmp_path / "site" / "api" / "runtime" / "index.html").read_text()
+    assert "runtime.TrainJob" in page or 'id="runtime.TrainJob"' in page
+    cli = (tmp_path / "site" / "api" / "cli" / "index.html").read_text()
+    assert "elastic-runtime launch" in cli and "--nprocs" in cli
 
 
 if __name__ == "__main__":

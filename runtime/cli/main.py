@@ -1,8 +1,9 @@
-"""The ``elastic-runtime`` command. Each subcommand lives in its own module with ``add_parser``.
+"""The ``elastic-runtime`` command: what ``--help`` says to a user (``DESCRIPTION``) and the subcommands.
 
-A subcommand module exposes ``add_parser(subparsers) -> argparse.ArgumentParser`` and sets ``func`` (taking
-the parsed arguments, returning an exit code) on the parser it adds. Modules import JAX lazily, so that
-``--help`` is instant and the demo can set the number of CPU devices before JAX starts its backend.
+Each subcommand lives in its own module, which exposes ``add_parser(subparsers) -> argparse.ArgumentParser``
+and sets ``func`` (taking the parsed arguments, returning an exit code) on the parser it adds. Modules import
+JAX lazily, so that ``--help`` is instant and the demo can set the number of CPU devices before JAX starts
+its backend.
 """
 
 from __future__ import annotations
@@ -23,8 +24,24 @@ SUBCOMMAND_MODULES = (
 )
 
 
+DESCRIPTION = """\
+Elastic training for JAX. A lost device or slice, a killed worker, a lost host or a Google Cloud
+maintenance notice becomes an event; the runtime re-meshes onto the healthy devices, restores the state
+from the fastest checkpoint tier that holds it, and goes on from the last committed step.
+
+Try it:
+  elastic-runtime demo                                   lose a slice of 8 CPU devices, recover in-process
+  elastic-runtime demo --processes 4 --kill-worker-at 40 kill -9 one of 4 worker processes
+  elastic-runtime launch --nprocs 4 -- python train.py   run your own script as supervised workers
+  elastic-runtime report RUN_DIR                         where a run's time went
+
+`elastic-runtime COMMAND --help` describes each command."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="elastic-runtime", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="elastic-runtime", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:

@@ -33,18 +33,22 @@ class RuntimeContext:
 
     @property
     def config(self) -> RuntimeConfig:
+        """The run's configuration."""
         return self._runtime.config
 
     @property
     def policy(self) -> MeshPolicy:
+        """The mesh policy: the target shape and how it shrinks onto fewer devices."""
         return self._runtime.policy
 
     @property
     def mesh(self) -> Mesh | None:
+        """The mesh the steps run on now (``None`` before the first one is built)."""
         return self._runtime.executor.mesh
 
     @property
     def mesh_devices(self) -> tuple[int, ...]:
+        """The ids of the devices in the current mesh (empty before the first mesh)."""
         mesh = self.mesh
         return () if mesh is None else device_ids(mesh)
 
@@ -55,9 +59,11 @@ class RuntimeContext:
 
     @property
     def recovering(self) -> bool:
+        """True from a failure's ``RecoveryStarted`` until the next committed step (``RecoveryCompleted``)."""
         return self._runtime.executor.recovering
 
     async def publish(self, event: Event) -> None:
+        """Put ``event`` on the bus: it is logged and delivered to its subscribers, after this handler returns."""
         await self._runtime.bus.publish(event)
 
     def subscribe(
@@ -67,6 +73,7 @@ class RuntimeContext:
         return self._runtime.bus.subscribe(event_type, handler, priority=priority, timeout=timeout)
 
     def unsubscribe(self, subscription: Subscription[Any]) -> None:
+        """End a subscription that :meth:`subscribe` returned."""
         self._runtime.bus.unsubscribe(subscription)
 
     async def healthy_devices(self) -> list[Any]:
@@ -82,9 +89,12 @@ class RuntimeContext:
         self._runtime.health.uncordon(devices)
 
     def pause(self, reason: str = "") -> None:
+        """Stop running steps at the next boundary until :meth:`resume` (e.g. while a drain moves devices)."""
         self._runtime.executor.send(Pause(reason))
 
     def resume(self, reason: str = "") -> None:
+        """Run steps again after :meth:`pause` or a recovery; the run fails with ``RecoveryError`` if no state
+        is held to resume from."""
         self._runtime.executor.send(Resume(reason))
 
     def remesh(self, mesh: Mesh, reason: str = "") -> None:

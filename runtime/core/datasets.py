@@ -51,5 +51,6 @@ class IndexedBatches:
         return [(start + k) % self.size for k in range(self.global_batch)]
 
     def batch(self, position: int) -> PyTree:
+        """Global batch ``position``: the records of :meth:`indices`, each leaf stacked along a new first axis."""
         records: Sequence[Any] = [self.dataset[i] for i in self.indices(position)]
         return jax.tree.map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *records)

@@ -70,14 +70,17 @@ class MeshPolicy:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
+        """The mesh axes, in the order the target shape gives them."""
         return tuple(name for name, _ in self._target)
 
     @property
     def target_shape(self) -> dict[str, int]:
+        """The shape asked for with every device healthy, e.g. ``{"data": 4, "model": 2}``."""
         return dict(self._target)
 
     @property
     def target_size(self) -> int:
+        """The number of devices the target shape uses."""
         return math.prod(size for _, size in self._target)
 
     def shape_for(self, available: int) -> dict[str, int] | None:

@@ -50,7 +50,9 @@ class Component(Protocol):
     run, while the bus still delivers, so that it can complete its work (the checkpointer commits the final
     step there)."""
 
-    async def run(self, ctx: RuntimeContext) -> None: ...
+    async def run(self, ctx: RuntimeContext) -> None:
+        """Do the component's work until cancelled; an exception it raises ends the run."""
+        ...
 
 
 class Runtime:
@@ -105,6 +107,9 @@ class Runtime:
         priority: int = 0,
         timeout: float | str | None = "default",
     ) -> Subscription[E]:
+        """Call ``handler`` for every event of ``event_type`` (and its subclasses); returns the subscription,
+        which :meth:`RuntimeContext.unsubscribe` ends. ``priority``: higher runs first; ``timeout``: seconds a
+        call may take before it counts as failed (``"default"``: the config's handler timeout)."""
         return self.bus.subscribe(event_type, handler, priority=priority, timeout=timeout)
 
     def add_component(self, component: Component) -> Component:

@@ -1,10 +1,12 @@
-"""Run every benchmark of the project and write docs/benchmarks.md (``make bench``).
+"""Run every benchmark of the project and write docs/benchmarks-latest.md (``make bench``).
 
 Each benchmark is a script in this folder that prints one JSON object with ``--json``. This runner runs them
 one after another (never in parallel: they would measure each other), and writes each figure next to what
 it was compared with in the same run, with the command and the machine.
 
-    .venv/bin/python tests/benchmarks/run_all.py [--only NAME ...] [--out docs/benchmarks.md]
+    .venv/bin/python tests/benchmarks/run_all.py [--only NAME ...] [--out docs/benchmarks-latest.md]
+
+The page's text above its marker is kept; docs/benchmarks.md, written by hand, takes its current figures.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ MARKER = "<!-- Everything below is written by `make bench` (tests/benchmarks/run
 
 
 def split_document(path: Path) -> tuple[list[str], dict[str, list[str]]]:
-    """The hand-written part of docs/benchmarks.md, and the body of each generated ``### title`` section."""
+    """The hand-written part of docs/benchmarks-latest.md, and the body of each generated ``### title`` section."""
     text = path.read_text().splitlines() if path.exists() else []
     if MARKER not in text:
         return text, {}
@@ -159,7 +161,7 @@ def run(bench: Benchmark) -> tuple[dict[str, Any] | None, str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", nargs="*", help="run only these (by name)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks-latest.md"))
     args = parser.parse_args()
     chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only]
     out = Path(args.out)

@@ -27,6 +27,7 @@ class ControllerContext:
 
     @property
     def config(self) -> LaunchConfig:
+        """The launch's configuration."""
         return self._c.config
 
     @property
@@ -40,6 +41,7 @@ class ControllerContext:
         return tuple(self._c.members)
 
     async def publish(self, event: Event) -> None:
+        """Put ``event`` on the controller's bus: logged and delivered to the controller's handlers."""
         await self._c.bus.publish(event)
 
     def kill(self, worker: int, reason: str) -> None:
@@ -59,9 +61,19 @@ class ControllerContext:
         self._c.end(RecoveryError(f"aborted by a controller-side handler: {reason}", last_committed_step=self.step))
 
     def transform_state(self, fn: Callable[[Any], Any], reason: str = "") -> None:
+        """Not on the controller, which holds no state: the training script's own handlers can.
+
+        Raises:
+            UnsupportedInMode: always.
+        """
         raise UnsupportedInMode(f"ctx.transform_state is not available on the controller: {_IN_WORKERS}")
 
     async def request_checkpoint(self, tiers: tuple[str, ...] = (), reason: str = "") -> None:
+        """Not on the controller: the training script's own handlers ask for a durable checkpoint.
+
+        Raises:
+            UnsupportedInMode: always.
+        """
         raise UnsupportedInMode(f"ctx.request_checkpoint is not available on the controller: {_IN_WORKERS}")
 
 

@@ -560,6 +560,7 @@ class Controller:
             log.debug("after the bus closed, dropped %s", type(event).__name__)
 
     def kill(self, worker: int, sig: str, reason: str) -> None:
+        """Send ``SIG<sig>`` to ``worker``'s process and log it as ``WorkerKilled`` (nothing if it has exited)."""
         if self.pool.signal(worker, sig):
             self._kill_times[worker] = time.monotonic()
             self._publish_nowait(
