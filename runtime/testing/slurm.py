@@ -73,9 +73,12 @@ class SlurmCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        """What a SLURM client needs: this cluster's configuration (and the tools' folder on PATH)."""
-        path = os.pathsep.join([os.environ.get("PATH", ""), *_SBIN])
-        return {"SLURM_CONF": str(self.conf), "PATH": path}
+        """What a SLURM client needs: this cluster's configuration (and the daemons' folder on PATH)."""
+        return self.env_for(os.environ)
+
+    def env_for(self, env: Mapping[str, str]) -> dict[str, str]:
+        """``env`` with this cluster's configuration, its PATH ending with the daemons' folders."""
+        return {**env, "SLURM_CONF": str(self.conf), "PATH": os.pathsep.join([env.get("PATH", ""), *_SBIN])}
 
     def __enter__(self) -> SlurmCluster:
         self.folder = Path(tempfile.mkdtemp(prefix="er-slurm-"))
@@ -87,7 +90,7 @@ class SlurmCluster:
             self._start(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld.out")
             for k, node in enumerate(self.nodes):
                 slurmd = [self.tools["slurmd"], "-D", "-N", node, "-f", str(self.conf)]
-                self.hosts.start(k, slurmd, os.environ | self.env, self.folder / f"slurmd-{node}.out")
+                self.hosts.start(k, slurmd, self.env, self.folder / f"slurmd-{node}.out")
             self._wait_idle()
         except BaseException:
             self.close()
@@ -103,7 +106,7 @@ class SlurmCluster:
         with open(self.folder / log, "ab") as out:
             proc = subprocess.Popen(
                 [self.tools[command[0]], *command[1:]],
-                env=os.environ | self.env,
+                env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -188,7 +191,7 @@ class SlurmCluster:
     def run(self, tool: str, *args: str, check: bool = True) -> str:
         """A SLURM client command against this cluster; its standard output."""
         done = subprocess.run(
-            [self.tools[tool], *args], env=os.environ | self.env, capture_output=True, text=True, timeout=_TIMEOUT_S
+            [self.tools[tool], *args], env=self.env, capture_output=True, text=True, timeout=_TIMEOUT_S
         )
         if check and done.returncode != 0:
             raise RuntimeError(f"{tool} {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
@@ -198,7 +201,7 @@ class SlurmCluster:
         """Submit a batch job with ``env`` as its whole environment (with this cluster's added); its id."""
         done = subprocess.run(
             [self.tools["sbatch"], "--parsable", *args],
-            env={**env, **self.env},
+            env=self.env_for(env),
             cwd=cwd,
             capture_output=True,
             text=True,
