@@ -29,11 +29,10 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 
-from runtime.cluster.coordination import free_port
 from runtime.testing.hosts import SimulatedHosts
 
 __all__ = ["SlurmCluster", "SlurmMissing"]
@@ -42,6 +41,12 @@ _SBIN = ("/usr/sbin", "/sbin")
 _TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
 _TIMEOUT_S = 30.0  # any one client command
 _UP_S = 60.0  # the nodes idle after start
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 class SlurmMissing(RuntimeError):
@@ -133,12 +138,12 @@ class SlurmCluster:
         for name in ("state", "spool", "log", *(f"spool/{node}" for node in self.nodes)):
             (self.folder / name).mkdir()
         hosts, f = self.hosts, self.folder
-        controller_port = free_port(hosts.controller_address)
+        controller_port = _free_port(hosts.controller_address)
         lines = [
             "ClusterName=elastic",
             f"SlurmctldHost={socket.gethostname().split('.')[0]}({hosts.controller_address})",
             f"SlurmctldPort={controller_port}",
-            f"SlurmdPort={free_port(hosts.controller_address)}",  # in each host's namespace: free there too
+            f"SlurmdPort={_free_port(hosts.controller_address)}",  # in each host's namespace: free there too
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
@@ -159,6 +164,7 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none",
             "ReturnToService=2",
             f"SlurmdTimeout={self._slurmd_timeout_s}",
+            "MessageTimeout=4",  # also how long a ping to a dead node waits: the default 10 s doubles the detection
             "InactiveLimit=0",
             "KillWait=5",
             "MinJobAge=30",
@@ -170,14 +176,15 @@ class SlurmCluster:
         ]
         self.conf.write_text("\n".join(lines) + "\n")
 
-    def _wait(self, what: str, condition: object, timeout_s: float = _UP_S) -> None:
+    def _wait(self, what: str, condition: Callable[[], bool], timeout_s: float = _UP_S) -> None:
         deadline = time.monotonic() + timeout_s
-        while not callable(condition) or not condition():
+        where = f"the daemons' logs: {self.logs}" if self.logs else "pass logs= to keep the daemons' logs"
+        while not condition():
             for proc in self._daemons:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}) before {what}: see {self.folder}")
+                    raise RuntimeError(f"{proc.args!r} exited ({proc.returncode}) before {what} ({where})")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no {what} within {timeout_s:.0f} s: see {self.folder}")
+                raise RuntimeError(f"no {what} within {timeout_s:.0f} s ({where})")
             time.sleep(0.2)
 
     def _wait_idle(self) -> None:
@@ -225,7 +232,7 @@ class SlurmCluster:
         found = {}
         for line in out.splitlines():
             step, name, node = line.split()
-            job_id, _, step_id = step.partition(".")
+            step_id = step.partition(".")[2]
             if step_id.isdigit():
                 found[int(step_id)] = (name, node)
         return found
