@@ -10,13 +10,14 @@ The daemons are Debian's ``slurm-wlm`` and ``munge`` (``.ci/install-slurm``), ru
 of their own: a fresh munge key and socket, state and spool folders and logs in a new folder in the temporary
 directory (not under a test's ``tmp_path``: munged wants every folder above its socket open to all), ``slurmctld``
 in this (the root) namespace on a free port of the bridge's address, each ``slurmd`` in its host's namespace
-(where it names its node after the host), no accounting, no cgroups (``proctrack/linuxproc``, ``task/none``).
-``SlurmdTimeout`` is short (``slurmd_timeout_s``) so that a lost node is reported down within a test.
+(where it names its node after the host), no accounting, no cgroup-based tracking (``proctrack/linuxproc``,
+``task/none``; slurmd still reads the machine's ``/sys/fs/cgroup``, which is why the hosts keep its ``/sys``).
+``SlurmdTimeout`` (``slurmd_timeout_s``) and ``MessageTimeout`` are short, so that a node whose slurmd died is
+reported down within a test (~13 s), not after the default 300 s.
 
 Everything started is stopped on exit, the namespaces removed and the folder deleted (its logs copied to
-``logs`` first, when given). If a tool is missing
-:class:`SlurmMissing` is raised; if a daemon does not start or the nodes never come up, ``RuntimeError``
-(both before anything is left running).
+``logs`` first, when given). If a tool is missing :class:`SlurmMissing` is raised; if a daemon does not start
+or the nodes never come up, ``RuntimeError`` (both after everything started is stopped).
 """
 
 from __future__ import annotations
