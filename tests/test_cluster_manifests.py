@@ -328,7 +328,9 @@ def test_the_sbatch_script_replaces_a_failed_worker_with_a_new_id(tmp_path: Path
         "POLL_S": "0.1",
         "FAKE_LOG": str(log),
         "FAKE_HELLOS": "6",  # 4 workers and 2 replacements
-        "FAKE_FAIL": f"1:{protocol.EXIT_REPLACE} 2:137",  # 1: its place was taken; 2: killed with its node,
+        # 1: its place was taken; 2: its node failed, and srun then exits 0 (as a real SLURM's does: the step's
+        # task never said how it ended),
+        "FAKE_FAIL": f"1:{protocol.EXIT_REPLACE} 2:0",
         "FAKE_DOWN": "n2",  # which SLURM reports down
     }
     done = subprocess.run(["bash", str(SBATCH)], env=values, capture_output=True, text=True, timeout=60)

@@ -14,8 +14,8 @@ Addresses come from 198.18.0.0/15, the range reserved for network tests (RFC 254
 range: 198.18.N.1 is the bridge (where the controller listens), 198.18.N.(10+K) host K, with N picked so that
 no other bridge on the machine has the same subnet. Each host's processes run in a mount namespace of their
 own with a fresh tmpfs on ``/dev/shm`` (what a host's RAM replica files live in) and an ``/etc/hosts`` in
-which the host's name resolves to its own address, as on a real cluster: gloo (JAX's CPU collectives)
-advertises the address the host's name resolves to.
+which every host's name (``hostK``) resolves to its address, as on a real cluster: gloo (JAX's CPU
+collectives) advertises the address the host's own name resolves to.
 
 Everything made is removed on exit, each command bounded in time. Needs root and ``ip``; if the namespaces
 cannot be made, :class:`SimulatedHosts` raises (the tests fail, they do not skip).
@@ -140,8 +140,10 @@ class SimulatedHosts:
                 _ip("-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", f"{link}p")
                 _ip("-n", ns, "link", "set", f"{link}p", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
-                # The host's name resolves to its own address (gloo advertises that address to its peers).
-                (self._folder / f"hosts-{k}").write_text(f"127.0.0.1 localhost\n{self.address(k)} host{k}\n")
+            # Every host's name resolves to its address on every host, as on a real cluster (a SLURM job names
+            # its nodes); so the host's own name to its own address (gloo advertises that address to its peers).
+            names = "".join(f"{self.address(k)} host{k}\n" for k in range(self.count))
+            (self._folder / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
         except BaseException:
             self.close()
             raise
@@ -156,9 +158,11 @@ class SimulatedHosts:
         """Start ``command`` on host ``k``: its namespace, hostname ``hostK``, its own ``/dev/shm``."""
         setup = 'mount -t tmpfs tmpfs /dev/shm && mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"'
         wrapped = [
-            *("ip", "netns", "exec", self.namespaces[k]),
+            # nsenter, not `ip netns exec`: that mounts a fresh /sys, without the cgroup filesystems (slurmd's
+            # cgroup plugin needs them); the network is the namespace's all the same.
+            *("nsenter", f"--net=/run/netns/{self.namespaces[k]}"),
             *("unshare", "--mount", "--uts", "--propagation", "private"),
-            *("sh", "-c", setup, str(self._folder / f"hosts-{k}"), f"host{k}", *command),
+            *("sh", "-c", setup, str(self._folder / "hosts"), f"host{k}", *command),
         ]
         with open(log, "ab") as out:
             proc = subprocess.Popen(wrapped, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
