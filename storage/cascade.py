@@ -96,6 +96,7 @@ class TieredCheckpointer:
         self.shm = shm
         self.disk = disk
         self.gcs = gcs
+        self.disk_every, self.gcs_every = disk_every, gcs_every
         # The same policies as the RAM snapshots' and the multi-process durable checkpoints' (runtime.core.cadence).
         self.disk_policy: SavePolicy = EveryN(disk_every)
         self.gcs_policy: SavePolicy = EveryN(gcs_every)

@@ -69,6 +69,8 @@ def wait_for(what: str, condition: Callable[[], bool], cluster: SlurmCluster, jo
     deadline = time.monotonic() + _WAIT_S
     while not condition():
         state = cluster.job_state(job)
+        if state in _ENDED and condition():  # it came between the two looks (the job's end itself, say)
+            return
         assert state not in _ENDED, f"job {state or 'gone'} before {what}:\n{read(out)}"
         assert time.monotonic() < deadline, f"no {what} within {_WAIT_S} s:\n{read(out)}"
         time.sleep(0.2)

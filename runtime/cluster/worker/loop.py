@@ -562,18 +562,22 @@ class Worker:
                 return None
             (new_state, moved), seconds = outcome
             self.state, self.step_time_s = new_state, seconds
-            position += 1
-            due = self.ledger.commit(self.step + 1, data_position=position).due
+            step, position = self.step + 1, position + 1
             own = local_copy(new_state)
-            self.ram = replica(self.step, position, own, self.identity | self.layout, generation=self.generation)
+            self.ram = replica(step, position, own, self.identity | self.layout, generation=self.generation)
             if self.shift is not None:
-                self.neighbour = replica(self.step, position, self.shift.copy(moved, own), generation=self.generation)
-            if self.link.leased():  # cut off, this worker may have been replaced: its files must not compete
-                self.replicas.save(self.ram)
-                if self.durable is not None and "durable" in due:
-                    self.replicas.pin(self.step)
-                    if self.process_id < self.slice_size:  # the first slice writes the group's checkpoint
-                        self._save_durable(final=self.step == target)
+                self.neighbour = replica(step, position, self.shift.copy(moved, own), generation=self.generation)
+            leased = self.link.leased()  # cut off, this worker may have been replaced: its files must not compete
+            if leased:
+                self.replicas.save(self.ram)  # after the previous step's file is written
+            # Committed, and so named in the heartbeats, only now: a group that counts this step committed then
+            # finds the step before it in every member's files. (Counted before the wait, a member killed there
+            # left files two steps behind its peers', which keep two: no step was whole in the slice any more.)
+            due = self.ledger.commit(step, data_position=position).due
+            if leased and self.durable is not None and "durable" in due:
+                self.replicas.pin(self.step)
+                if self.process_id < self.slice_size:  # the first slice writes the group's checkpoint
+                    self._save_durable(final=self.step == target)
             self._heartbeat()
         # The gather is a collective: a peer lost now must not leave this worker deaf to the next Form.
         outcome = self._await(self._pool.submit(self._gather_whole), what="the final gather")
