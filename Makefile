@@ -9,7 +9,7 @@ LATEST_PYTHON_VERSION ?= 3.13.0
 LATEST := .venv-latest
 LATEST_STAMP := $(LATEST)/.installed
 
-.PHONY: demo test test-latest lint slurm bench clean chaos chaos-ray docs docs-serve
+.PHONY: demo test test-latest test-slurm lint slurm bench clean chaos chaos-ray docs docs-serve
 
 $(STAMP): pyproject.toml constraints/default.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,11 +41,15 @@ lint: $(STAMP)
 slurm:
 	@.ci/install-slurm || echo "make: slurm-wlm not installed; tests/multiprocess/test_slurm.py will skip"
 
-test: lint slurm
+test: lint
 	$(BIN)/pytest
 
+# The real SLURM cluster's tests (minutes: a multi-node SLURM on simulated hosts), apart from `make test`.
+test-slurm: $(STAMP) slurm
+	$(BIN)/pytest -m slurm tests/multiprocess/test_slurm.py
+
 # Lint and mypy run once, in `make test`; this runs the suite only.
-test-latest: $(LATEST_STAMP) slurm
+test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/pytest
 
 bench: $(STAMP)
