@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from runtime.cli.launch import add_handlers_argument
 from runtime.cluster import auth
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
 from runtime.core.errors import AuthenticationFailed, ElasticRuntimeError
@@ -52,14 +53,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="LO-HI",
         help="ports for the coordination services, one per group generation (default: any free port)",
     )
-    parser.add_argument(
-        "--handlers",
-        action="append",
-        default=[],
-        metavar="PKG.MODULE:FUNCTION",
-        help="a controller-side handler, async def FUNCTION(event, ctx), for the event type its first parameter "
-        "is annotated with; once per event (repeatable; docs/handlers.md)",
-    )
+    add_handlers_argument(parser)
     parser.set_defaults(func=controller_main)
     return parser
 

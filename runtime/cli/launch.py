@@ -96,6 +96,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="ACTION:PID@WHEN",
         help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (runtime.faults.grammar)",
     )
+    add_handlers_argument(parser)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
+    parser.set_defaults(func=launch_main)
+    return parser
+
+
+def add_handlers_argument(parser: argparse.ArgumentParser) -> None:
+    """``--handlers``, as ``launch`` and ``controller`` take it."""
     parser.add_argument(
         "--handlers",
         action="append",
@@ -104,9 +112,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a controller-side handler, async def FUNCTION(event, ctx), for the event type its first parameter "
         "is annotated with; once per event (repeatable; docs/handlers.md)",
     )
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
-    parser.set_defaults(func=launch_main)
-    return parser
 
 
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
