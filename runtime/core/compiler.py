@@ -141,7 +141,9 @@ class StepCompiler:
         state_sharding = self.state_shardings(mesh)
         inputs = (state_sharding, self.batch_shardings(mesh))
         return jax.jit(
-            self.job.step, in_shardings=inputs, out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec()))
+            self.job.step_on(mesh),
+            in_shardings=inputs,
+            out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
         )
 
     def _compile_on(self, mesh: Mesh) -> Any:
@@ -153,7 +155,7 @@ class StepCompiler:
             jitted = self._plain(mesh)
         else:
             host = self.host_shardings(mesh)
-            step = _with_host_copy(self.job.step, state_sharding)
+            step = _with_host_copy(self.job.step_on(mesh), state_sharding)
             # keep_unused: jit would otherwise drop the unread buffers argument, and its donation with it.
             jitted = jax.jit(
                 step,

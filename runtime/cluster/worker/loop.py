@@ -57,9 +57,10 @@ from runtime.cluster.worker.link import ControllerLink, Inbound
 from runtime.cluster.worker.settings import WorkerSettings
 from runtime.core.cadence import EveryN
 from runtime.core.classify import classify
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.errors import CheckpointInvalid, MeshUnavailable, SnapshotUnavailable, StorageError
 from runtime.core.events import StepFailed
 from runtime.core.job import PyTree, TrainJob
+from runtime.core.keys import with_key_data
 from runtime.core.ledger import StepLedger
 from runtime.core.snapshot import HostSnapshot
 from runtime.faults.process import attach_worker_faults
@@ -91,7 +92,8 @@ class Worker:
         replicas: ReplicaFiles,
         script: ScriptHandlers | None = None,
     ) -> None:
-        self.job = job
+        # The job as it runs: typed PRNG keys in its state held as key data (runtime.core.keys).
+        self.job, self.keys = with_key_data(job)
         # The training script's own handlers, run at step boundaries (runtime/cluster/worker/handlers.py).
         self.script = script
         if script is not None:
@@ -131,7 +133,7 @@ class Worker:
         self._writes: list[bool] = []  # per leaf: whether this process writes its shards there
         self._durable_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable")
         self._durable_write: Future[None] | None = None
-        self.template: PyTree = job.init()
+        self.template: PyTree = self.job.init()
         # Written into every replica, and required of any replica restored: another run's (or job's) files in
         # the same folder are never taken for ours.
         self.identity = run_identity(settings.run_id, self.template, steps) if settings.run_id else {}
@@ -243,21 +245,29 @@ class Worker:
         self.initialized = True
         self.generation, self.process_id, self.num_processes = form.generation, form.process_id, form.num_processes
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        # One row of the mesh per slice: "data" is the replica axis across slices, "model" spans the devices of
-        # every process of a slice (with one process per slice, the devices of that process).
+        # The replica axis spans the slices; the other axes span the devices of every process of a slice (with
+        # one process per slice, the devices of that process).
         slices = form.num_processes // form.slice_size
-        self.mesh = jax.sharding.Mesh(np.array(devices).reshape(slices, -1), ("data", "model"))
+        process_mesh = self.job.process_mesh
+        try:
+            self.mesh = process_mesh.build(devices, slices)
+        except MeshUnavailable as exc:
+            self._report_failure("JobUnsupported", str(exc), "", step=self.step, unsupported=True)
+            return
         compiler = StepCompiler(self.job, self.template, self.job.data.batch(0))
         self.state_shardings = compiler.state_shardings(self.mesh)
         self.batch_shardings = compiler.batch_shardings(self.mesh)
-        over_data = uses_axis(self.state_shardings, self.template, "data")
-        if over_data:
+        replica = process_mesh.replica_axis
+        over_replica = uses_axis(self.state_shardings, self.template, replica)
+        if over_replica:
             # The replica axis shrinks when a slice is lost: a state split over it would lose shards with it.
-            names = ", ".join(over_data[:3]) + (f" and {len(over_data) - 3} more" if len(over_data) > 3 else "")
+            names = ", ".join(over_replica[:3]) + (
+                f" and {len(over_replica) - 3} more" if len(over_replica) > 3 else ""
+            )
             message = (
-                f"the state is sharded across processes over the 'data' axis: {names}; 'data' is the replica axis "
-                "across slices, which shrinks when one is lost: shard the state over 'model', which spans the "
-                "processes of a slice (launch --slices)"
+                f"the state is sharded across processes over the {replica!r} axis: {names}; {replica!r} is the "
+                "replica axis across slices, which shrinks when one is lost: shard the state over the axes inside "
+                f"a slice ({', '.join(process_mesh.slice_axes)}), which span its processes (launch --slices)"
             )
             self._report_failure("JobUnsupported", message, "", step=self.step, unsupported=True)
             return
@@ -274,8 +284,9 @@ class Worker:
         self.ledger.policies = {"durable": EveryN(form.durable_every)} if form.durable_every > 0 else {}
         self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
-        self.shift = NeighbourShift(self.template, self.state_shardings) if form.neighbour_replicas else None
-        self.restorer = SliceRestore(self.template, self.state_shardings, neighbours=form.neighbour_replicas)
+        shift = form.neighbour_replicas
+        self.shift = NeighbourShift(self.template, self.state_shardings, replica=replica) if shift else None
+        self.restorer = SliceRestore(self.template, self.state_shardings, neighbours=shift, replica=replica)
         if self.shift is None:
             self.neighbour = None
         compiled = time.monotonic()
@@ -317,8 +328,7 @@ class Worker:
 
         started = time.monotonic()
         try:
-            devices = jax.local_devices()
-            mesh = jax.sharding.Mesh(np.array(devices).reshape(1, -1), ("data", "model"))
+            mesh = self.job.process_mesh.build(jax.local_devices(), 1)
             StepCompiler(self.job, self.template, self.job.data.batch(0)).get(mesh)
         except Exception as exc:  # only an optimization: a spare that cannot warm up joins cold
             log.warning("warm-up failed: %s: %s", type(exc).__name__, exc)
