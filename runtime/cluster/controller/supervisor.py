@@ -116,6 +116,7 @@ class Supervisor:
         self._strategy: Strategy | None = None
         self._unreadable = ""  # the current generation's restore failed: why
         self._failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
+        self._slowest_join = 0.0  # the longest a member of a formed group took to join (its compile included)
         # The generation being formed.
         self._forming = Strategy.START
         self._forming_reason = ""
@@ -364,17 +365,28 @@ class Supervisor:
                 )
             )
         )
-        self.phase, self.deadline = Phase.JOINING, self.clock() + self.config.form_timeout_s
+        self.phase, self.deadline = Phase.JOINING, self.clock() + self._join_timeout()
+
+    def _join_timeout(self) -> float:
+        """How long the members may take to join: the first group, its start-up (imports, the first compile);
+        a later one the configured time, or twice the slowest join seen, when a real model compiles longer."""
+        if self._forming == Strategy.START:
+            return max(self.config.start_timeout_s, self.config.form_timeout_s)
+        return max(self.config.form_timeout_s, 2 * self._slowest_join)
 
     def _await_joins(self, out: list[Action], due: bool) -> None:
         procs = [self.pool[w] for w in self.group.members]
         if any(p.gone for p in procs):
             outcome = "member lost while forming"
         elif all(p.joined is not None for p in procs):
+            self._slowest_join = max(self._slowest_join, *(p.joined.join_s for p in procs if p.joined is not None))
             self._restore(out)
             return
         elif due:
-            outcome = f"not joined within {self.config.form_timeout_s} s"
+            outcome = (
+                f"not joined within {self._join_timeout():.1f} s (the slowest join so far took "
+                f"{self._slowest_join:.1f} s; raise --form-timeout or --start-timeout if joining compiles longer)"
+            )
         else:
             return
         # A member died or stalled while the group formed. Members blocked in initialize() wait for it until

@@ -22,6 +22,19 @@ from storage.replicas import ReplicaFiles
 log = logging.getLogger(__name__)
 
 
+def _log_to_stderr() -> None:
+    """The runtime's own log lines (joins, compile and restore times) to stderr, the worker's log file, at INFO,
+    whatever the script did with the root logger: a program that configures logging first (MaxText does) made
+    ``basicConfig`` a no-op, and its WARNING level hid them."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s worker %(name)s: %(message)s"))
+    for name in ("runtime", "storage", "handlers"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def is_worker() -> bool:
     """Whether this process was started by ``elastic-runtime launch``."""
     return ENV_CONTROLLER in os.environ
@@ -47,7 +60,7 @@ def run_worker(
     import jax
     import jax.extend.backend
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    _log_to_stderr()
     # The script may have touched a device already (a default mesh policy does): that local backend must go
     # before the device count is set and the process joins a group.
     jax.extend.backend.clear_backends()
