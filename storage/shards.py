@@ -27,6 +27,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime.core.errors import SnapshotUnavailable
+from runtime.core.mesh import mesh_key
+from runtime.core.programs import ProgramStore
 
 __all__ = [
     "NeighbourShift",
@@ -160,7 +162,9 @@ class NeighbourShift:
     copy is the process's own. Compiled when built (a group's forming), never in a step or a restore.
     """
 
-    def __init__(self, template: PyTree, shardings: PyTree, *, replica: str = "data") -> None:
+    def __init__(
+        self, template: PyTree, shardings: PyTree, *, replica: str = "data", programs: ProgramStore | None = None
+    ) -> None:
         leaf_shardings: list[Any] = jax.tree.leaves(per_leaf(shardings, template))
         self.moved = [i for i, sharding in enumerate(leaf_shardings) if over_slice(sharding, replica)]
         if not self.moved:
@@ -180,7 +184,7 @@ class NeighbourShift:
         shapes = [
             jax.ShapeDtypeStruct(np.shape(leaves[i]), _dtype(leaves[i]), sharding=leaf_shardings[i]) for i in self.moved
         ]
-        self._shift = jax.jit(mapped).lower(shapes).compile()
+        self._shift = _build(programs, "neighbour shift", mesh, lambda: jax.jit(mapped).lower(shapes))
 
     def __call__(self, state: PyTree) -> list[jax.Array]:
         """The neighbour's shards of the leaves split inside a slice, on this process's devices. A collective:
@@ -199,6 +203,14 @@ class NeighbourShift:
         for i, leaf in zip(self.moved, moved, strict=True):
             leaves[i] = local_copy(leaf)
         return jax.tree.unflatten(treedef, leaves)
+
+
+def _build(programs: ProgramStore | None, name: str, mesh: Any, lower: Any) -> Any:
+    """``lower()`` compiled, or loaded from ``programs`` (``runtime.core.programs``) when kept there for this
+    layout: a re-formed group on the layout of an earlier one does not trace or compile it again."""
+    if programs is None:
+        return lower().compile()
+    return programs.compiled(name, (mesh_key(mesh), jax.process_index()), lower)
 
 
 def _devices_per_process(mesh: Any) -> int:
@@ -223,7 +235,15 @@ class SliceRestore:
     a group's forming: a restore never compiles.
     """
 
-    def __init__(self, template: PyTree, shardings: PyTree, *, neighbours: bool, replica: str = "data") -> None:
+    def __init__(
+        self,
+        template: PyTree,
+        shardings: PyTree,
+        *,
+        neighbours: bool,
+        replica: str = "data",
+        programs: ProgramStore | None = None,
+    ) -> None:
         leaves, self._treedef = jax.tree.flatten(template)
         self._leaf_shardings: list[Any] = jax.tree.leaves(per_leaf(shardings, template))  # NamedShardings: leaves
         mesh = self._mesh = self._leaf_shardings[0].mesh
@@ -239,6 +259,7 @@ class SliceRestore:
         self._grid_shape = (mesh.shape[replica], _slice_devices(mesh, self._inside))
         # Asked now, at forming: a restore abandoned when the group re-forms must not ask JAX (a new backend).
         self._process = jax.process_index()
+        self._kept = programs
         self._programs = {with_copies: self._compile(with_copies) for with_copies in {False, neighbours}}
 
     def _compile(self, with_copies: bool) -> Any:
@@ -287,7 +308,8 @@ class SliceRestore:
             jax.ShapeDtypeStruct((), np.int32, sharding=replicated),
         )
         outputs = [*self._leaf_shardings, replicated]
-        return jax.jit(select, out_shardings=outputs).lower(*arguments).compile()
+        lower = jax.jit(select, out_shardings=outputs).lower
+        return _build(self._kept, f"restore (neighbours: {with_copies})", mesh, lambda: lower(*arguments))
 
     def __call__(
         self,

@@ -123,6 +123,10 @@ class Joined(Message, frozen=True, kw_only=True):
     neighbour_step: int = 0  # the step of the neighbour replica it holds in RAM (storage/shards.py); 0: none
     join_s: float  # shutdown + re-initialize of jax.distributed, as the worker measured it
     skipped: tuple[str, ...] = ()  # replica files it would not restore, each "PATH: why" (another run's)
+    # Where the join's time went, in seconds: leave, connect, trace, compile, load (compiled programs kept from an
+    # earlier generation, runtime/core/programs.py), read (listing what it can restore).
+    phases: dict[str, float] = {}
+    traced: tuple[str, ...] = ()  # the programs it traced and compiled (none: every one was loaded)
 
 
 class Saved(Message, frozen=True, kw_only=True):
@@ -229,6 +233,9 @@ class Form(Message, frozen=True, kw_only=True):
     # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
     # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).
     fences: dict[int, int] = {}
+    # The folder (a name, in the run's replica folder) where this controller's workers keep their compiled
+    # programs for each other (runtime/core/programs.py); new for every controller, so never another run's.
+    programs: str = ""
 
 
 class Restore(Message, frozen=True, kw_only=True):

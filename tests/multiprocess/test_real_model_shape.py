@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
+from runtime.core.eventlog import read_events
+from runtime.core.events import GroupFormed
 from runtime.faults.grammar import Fault
 from runtime.testing.compare import compare_states
 from storage.disk import DiskTier
@@ -54,6 +57,11 @@ def test_keys_and_own_axes_under_launch_with_two_slices(tmp_path: Path) -> None:
     (recovery,) = result.recoveries
     assert recovery["lost_steps"] == 0 and result.survivor_restarts == 0
     assert traces and all(t["own_mesh"] for t in traces), traces
+    # The re-formed group loaded every compiled program kept from the first one (the survivors from memory, the
+    # replacement from the file its predecessor wrote): no process traced the user's step a second time.
+    formed = [e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, GroupFormed)]
+    assert [f.traced for f in formed][1:] == [0], formed
+    assert max(Counter(t["pid"] for t in traces).values()) == 1, traces
     # The group's mesh (2 slices of 2 processes x 2 devices), and a warm spare's local one (its warm-up).
     group, local = (("data", 2), ("fsdp", 4), ("tensor", 1)), (("data", 1), ("fsdp", 2), ("tensor", 1))
     assert group in {tuple(t["shape"].items()) for t in traces} <= {group, local}

@@ -27,6 +27,7 @@ import ipaddress
 import json
 import logging
 import math
+import secrets
 import shutil
 import signal
 import tempfile
@@ -120,6 +121,7 @@ from runtime.core.events import (
     WorkerKilled,
     WorkerStarted,
 )
+from runtime.core.programs import PROGRAMS_PREFIX
 from runtime.core.recovery import RecoveryTracker
 from runtime.faults.process import worker_faults_text
 
@@ -190,6 +192,9 @@ class Controller:
         (self.run_dir / "workers").mkdir(exist_ok=True)
         self.record = open_run(self.run_dir, resume=config.resume)
         self.replica_dir = config.replica_dir or default_replica_dir(self.run_dir)
+        # This controller's folder of the workers' compiled programs (Form.programs): a new one each time, so a
+        # resumed run (the script maybe edited) never loads an earlier controller's.
+        self._programs = f"{PROGRAMS_PREFIX}{secrets.token_hex(8)}"
         self.event_log = EventLog(self.run_dir / "events.jsonl")
         self.context = ControllerContext(self)
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
@@ -538,6 +543,7 @@ class Controller:
                 durable_every=self.config.durable_every,
                 neighbour_replicas=self.config.neighbour_replicas,
                 fences=dict(self.group.fences),
+                programs=self._programs,
             )
             await self.server.send(self.pool[worker], message)
 

@@ -50,7 +50,7 @@ from runtime.cluster.controller.supervision import (
     WarmSpares,
     WorkerChanged,
 )
-from runtime.cluster.protocol import EXIT_REPLACE, Restore, Stop
+from runtime.cluster.protocol import EXIT_REPLACE, Joined, Restore, Stop
 from runtime.core.errors import ElasticRuntimeError, RecoveryError
 from runtime.core.events import GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
 from runtime.core.recovery import RecoveryTracker
@@ -457,6 +457,8 @@ class Supervisor:
             seconds=self.clock() - self._started,
             restore_step=plan.step,
             restore_source=max(plan.source, 0),
+            phases=_slowest_phases([self.pool[w].joined for w in members]),
+            traced=sum(len(j.traced) for w in members if (j := self.pool[w].joined) is not None),
         )
         out.append(Publish(formed))
         if strategy == Strategy.START:
@@ -512,3 +514,12 @@ class Supervisor:
                     }
                 )
                 out.append(Publish(completed))
+
+
+def _slowest_phases(joins: list[Joined | None]) -> dict[str, float]:
+    """Each phase of a join (``Joined.phases``) at its longest among the members: the one the group waited for."""
+    slowest: dict[str, float] = {}
+    for joined in joins:
+        for phase, seconds in (joined.phases if joined is not None else {}).items():
+            slowest[phase] = max(slowest.get(phase, 0.0), round(seconds, 4))
+    return slowest

@@ -17,6 +17,7 @@ from runtime.cluster.worker.settings import WorkerSettings
 from runtime.core.bus import Subscription
 from runtime.core.errors import AuthenticationFailed
 from runtime.core.job import TrainJob
+from runtime.core.programs import ProgramStore
 from storage.replicas import ReplicaFiles
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,11 @@ def run_worker(
             raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
         link = connect(settings.controller, secret, settings.connect_s)
         script = ScriptHandlers(handlers, handler_timeout=handler_timeout) if handlers else None
-        code = Worker(job, steps, settings=settings, link=link, replicas=replicas, script=script).serve()
+        programs = ProgramStore(secret)  # files of compiled programs are signed with the run's secret
+        worker_loop = Worker(
+            job, steps, settings=settings, link=link, replicas=replicas, script=script, programs=programs
+        )
+        code = worker_loop.serve()
         replicas.wait()
     except Exception:
         log.exception("worker %d failed", worker)

@@ -62,6 +62,7 @@ from runtime.core.events import StepFailed
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.keys import with_key_data
 from runtime.core.ledger import StepLedger
+from runtime.core.programs import ProgramStore
 from runtime.core.snapshot import HostSnapshot
 from runtime.faults.process import attach_worker_faults
 from storage.disk import DiskTier
@@ -91,6 +92,7 @@ class Worker:
         link: ControllerLink,
         replicas: ReplicaFiles,
         script: ScriptHandlers | None = None,
+        programs: ProgramStore | None = None,
     ) -> None:
         # The job as it runs: typed PRNG keys in its state held as key data (runtime.core.keys).
         self.job, self.keys = with_key_data(job)
@@ -145,6 +147,9 @@ class Worker:
         self.batch_shardings: Any = None
         self.state: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        # The compiled step, snapshot and restore programs of every layout this process was in, kept to be
+        # loaded, not traced, when a later group has the same layout (runtime/core/programs.py).
+        self.programs = programs or ProgramStore()
         self._deferred: Form | None = None  # a planned re-forming, due after its ``at_step``
         # A restore left running when the group re-formed: it may still be reading, and must not build arrays on
         # the next group's backend (see ``_form``).
@@ -242,6 +247,7 @@ class Worker:
             log.warning("worker %d: a backend outside the group was up; cleared", self.worker)
             jax.extend.backend.clear_backends()
         connected = time.monotonic()
+        self.programs.reset(self.replicas.directory / form.programs if form.programs else None)
         self.initialized = True
         self.generation, self.process_id, self.num_processes = form.generation, form.process_id, form.num_processes
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -254,7 +260,8 @@ class Worker:
         except MeshUnavailable as exc:
             self._report_failure("JobUnsupported", str(exc), "", step=self.step, unsupported=True)
             return
-        compiler = StepCompiler(self.job, self.template, self.job.data.batch(0))
+        place = (form.process_id, form.num_processes)
+        compiler = StepCompiler(self.job, self.template, self.job.data.batch(0), programs=self.programs, place=place)
         self.state_shardings = compiler.state_shardings(self.mesh)
         self.batch_shardings = compiler.batch_shardings(self.mesh)
         replica = process_mesh.replica_axis
@@ -285,21 +292,29 @@ class Worker:
         self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
         shift = form.neighbour_replicas
-        self.shift = NeighbourShift(self.template, self.state_shardings, replica=replica) if shift else None
-        self.restorer = SliceRestore(self.template, self.state_shardings, neighbours=shift, replica=replica)
+        kept = self.programs
+        self.shift = (
+            NeighbourShift(self.template, self.state_shardings, replica=replica, programs=kept) if shift else None
+        )
+        self.restorer = SliceRestore(
+            self.template, self.state_shardings, neighbours=shift, replica=replica, programs=kept
+        )
         if self.shift is None:
             self.neighbour = None
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
+        kept = self.programs
+        phases = {"leave": left - started, "connect": connected - left, **kept.seconds}
+        phases["read"] = time.monotonic() - compiled
         log.info(
-            "joined generation %d as process %d/%d: leave %.3f s, connect %.3f s, compile %.3f s, read %.3f s",
+            "joined generation %d as process %d/%d in %.3f s: %s; traced %s, loaded %s",
             form.generation,
             form.process_id,
             form.num_processes,
-            left - started,
-            connected - left,
-            compiled - connected,
-            time.monotonic() - compiled,
+            time.monotonic() - started,
+            ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in phases.items()),
+            ", ".join(kept.traced) or "nothing",
+            ", ".join(kept.loaded) or "nothing",
         )
         self.link.send(
             Joined(
@@ -312,6 +327,8 @@ class Worker:
                 neighbour_step=self.neighbour.step if self.neighbour is not None else 0,
                 join_s=time.monotonic() - started,
                 skipped=self._skipped,
+                phases=phases,
+                traced=tuple(kept.traced),
             )
         )
 
