@@ -23,7 +23,6 @@ from runtime.core.events import (
     Event,
     GroupFormed,
     GroupForming,
-    WorkerLost,
     MeshChanged,
     RecoveryCompleted,
     RecoveryStarted,
@@ -32,6 +31,7 @@ from runtime.core.events import (
     SliceLost,
     StateRestored,
     StepCompleted,
+    WorkerLost,
 )
 
 SHAPE8 = {"data": 4, "model": 2}
