@@ -37,7 +37,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Checkpoints", ev, ["CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped", "ReplicaSkipped"]),
     ("Recovery", ev, [
         "RecoveryStarted", "MeshChanged", "StateRestored", "RecoveryCompleted", "ScaleUpAvailable", "StateTransformed",
-        "MeshReady",
+        "MeshReady", "LikelyMeshesReady",
     ]),
     ("Requests", ev, ["SaveCheckpoint", "Drain"]),
     ("Multi-process groups (logged by the controller)", ev, [

@@ -28,6 +28,7 @@ __all__ = [
     "GroupForming",
     "HandlerFailed",
     "HostError",
+    "LikelyMeshesReady",
     "MaintenanceCompleted",
     "MaintenanceScheduled",
     "MaintenanceStarted",
@@ -371,6 +372,15 @@ class MeshReady(Event, frozen=True, kw_only=True):
 
     mesh_shape: dict[str, int]
     devices: tuple[int, ...]
+    seconds: float
+
+
+class LikelyMeshesReady(Event, frozen=True, kw_only=True):
+    """Every mesh a next failure on ``mesh_shape`` would lead to (``meshes`` of them, one lost slice each) is
+    compiled, ``seconds`` after the mesh was taken into use: from now on no single failure waits for a compile."""
+
+    mesh_shape: dict[str, int]
+    meshes: int
     seconds: float
 
 
