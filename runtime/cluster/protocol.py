@@ -25,6 +25,7 @@ __all__ = [
     "ENV_JAX_HEARTBEAT_S",
     "ENV_JAX_INIT_S",
     "ENV_JAX_SHUTDOWN_S",
+    "ENV_KEEP_PROGRAMS",
     "ENV_LOCAL_DEVICES",
     "ENV_REPLICA_DIR",
     "ENV_RESULT",
@@ -71,6 +72,8 @@ ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
 ENV_COMPILE_CACHE = "ELASTIC_COMPILE_CACHE"  # persistent XLA cache directory shared by the workers
 ENV_CONNECT_S = "ELASTIC_CONNECT_TIMEOUT_S"  # how long a worker tries to reach the controller (default 120)
 ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room to kill mid-run)
+# "0": trace and compile every program again at each re-forming (runtime/core/programs.py; for comparisons)
+ENV_KEEP_PROGRAMS = "ELASTIC_KEEP_PROGRAMS"
 
 # The exit code of a worker that stops before the run is over: its place was taken (judged lost, or every worker
 # replaced by the restart strategy) or its controller is gone. A cluster scheduler (a Kubernetes Job, the SLURM

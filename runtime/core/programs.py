@@ -48,11 +48,13 @@ class ProgramStore:
 
     Args:
         secret: signs and checks the files; without one the store keeps programs in memory only.
+        keep: False: keep nothing, compile every time (only counting the time; for comparisons).
     """
 
-    def __init__(self, secret: str = "") -> None:
+    def __init__(self, secret: str = "", *, keep: bool = True) -> None:
         self.folder: Path | None = None  # where to write programs for other processes, and to look for theirs
         self._secret = secret.encode()
+        self._keep = keep
         self._kept: dict[str, bytes] = {}
         self.seconds: dict[str, float] = {"trace": 0.0, "compile": 0.0, "load": 0.0}
         self.loaded: list[str] = []  # names of the programs loaded, not traced, since the last reset
@@ -90,6 +92,8 @@ class ProgramStore:
         self.seconds["trace"] += traced - started
         self.seconds["compile"] += time.perf_counter() - traced
         self.traced.append(name)
+        if not self._keep:
+            return program
         try:
             payload = pickle.dumps(serialize_executable.serialize(program))
         except Exception as exc:  # some programs cannot be serialized (closed-over constants): traced each time

@@ -88,7 +88,8 @@ def run_worker(
             raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
         link = connect(settings.controller, secret, settings.connect_s)
         script = ScriptHandlers(handlers, handler_timeout=handler_timeout) if handlers else None
-        programs = ProgramStore(secret)  # files of compiled programs are signed with the run's secret
+        # Files of compiled programs are signed with the run's secret; kept=False: traced at every re-forming.
+        programs = ProgramStore(secret) if settings.keep_programs else None
         worker_loop = Worker(
             job, steps, settings=settings, link=link, replicas=replicas, script=script, programs=programs
         )

@@ -149,7 +149,7 @@ class Worker:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         # The compiled step, snapshot and restore programs of every layout this process was in, kept to be
         # loaded, not traced, when a later group has the same layout (runtime/core/programs.py).
-        self.programs = programs or ProgramStore()
+        self.programs = programs if programs is not None else ProgramStore(keep=False)
         self._deferred: Form | None = None  # a planned re-forming, due after its ``at_step``
         # A restore left running when the group re-formed: it may still be reading, and must not build arrays on
         # the next group's backend (see ``_form``).

@@ -21,6 +21,7 @@ from runtime.cluster.protocol import (
     ENV_JAX_HEARTBEAT_S,
     ENV_JAX_INIT_S,
     ENV_JAX_SHUTDOWN_S,
+    ENV_KEEP_PROGRAMS,
     ENV_LOCAL_DEVICES,
     ENV_REPLICA_DIR,
     ENV_RESULT,
@@ -50,6 +51,7 @@ _VARIABLES = {
     "compile_cache": ENV_COMPILE_CACHE,
     "connect_s": ENV_CONNECT_S,
     "step_delay_s": ENV_STEP_DELAY_S,
+    "keep_programs": ENV_KEEP_PROGRAMS,
 }
 
 
@@ -71,6 +73,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     compile_cache: str = ""  # the persistent XLA cache the workers share; "": none
     connect_s: _Positive = 120.0  # how long to try to reach the controller
     step_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # extra sleep per step (tests: room to kill mid-run)
+    keep_programs: bool = True  # load compiled programs kept from earlier generations (runtime/core/programs.py)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:
