@@ -534,16 +534,21 @@ class Controller:
     async def _send_form(self, form: SendForm) -> None:
         """Host the new generation's coordination service and tell every member to join it."""
         members, generation, strategy = form.members, form.generation, form.strategy
-        if self.durable is not None:
-            self.durable.new_generation(generation)
-        # Bound where the controller's own port is (a local address, or a wildcard), and named to the workers by
-        # the address they reach it at (a Kubernetes Service's name is not an address one can bind).
-        host = self.config.listen_host
-        port, service = host_service(host, len(members), generation, self.config.coordinator_ports)
-        self._services.append(service)
-        coordinator = f"{self.config.coordinator_host or host}:{port}"
-        self.supervisor.hosted(generation, coordinator)
+        if form.seats:  # spares take lost members' seats in this generation: its service is up
+            coordinator = self.supervisor.coordinator
+        else:
+            if self.durable is not None:
+                self.durable.new_generation(generation)
+            # Bound where the controller's own port is (a local address, or a wildcard), and named to the workers
+            # by the address they reach it at (a Kubernetes Service's name is not an address one can bind).
+            host = self.config.listen_host
+            port, service = host_service(host, len(members), generation, self.config.coordinator_ports)
+            self._services.append(service)
+            coordinator = f"{self.config.coordinator_host or host}:{port}"
+            self.supervisor.hosted(generation, coordinator)
         for process_id, worker in enumerate(members):
+            if form.seats and worker not in form.seats:
+                continue
             message = Form(
                 generation=generation,
                 coordinator=coordinator,
