@@ -55,6 +55,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--durable-every", type=int, default=10, help="steps between durable checkpoints")
     parser.add_argument("--durable-keep", type=int, default=3, help="durable checkpoints kept (the newest)")
     parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=25.0,
+        help="on SIGTERM/SIGINT with --durable: seconds to commit a durable checkpoint of the newest step (default 25)",
+    )
+    parser.add_argument(
         "--neighbour-replicas",
         action="store_true",
         help="each process also keeps the previous process's shards in RAM: a lost process's shards come from there",
@@ -156,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         durable_dir=args.durable,
         durable_every=args.durable_every,
         durable_keep=args.durable_keep,
+        grace_s=args.grace_s,
         strategy=args.strategy,
         heartbeat_timeout_s=args.heartbeat_timeout,
         hang_timeout_s=args.hang_timeout,

@@ -59,6 +59,9 @@ class LaunchConfig:
             removed when the controller ends (it stays only when the controller itself was killed).
         resume: require an unfinished run in ``run_dir`` to continue (raise ValueError if there is none).
         drain_timeout_s: on SIGTERM/SIGINT or at the end, how long workers get to stop before SIGKILL.
+        grace_s: on SIGTERM/SIGINT with a durable tier, how long after the signal the group may take to hold
+            and commit a durable checkpoint of its newest step (``controller/drain.py``); within a scheduler's
+            grace period (Kubernetes: 30 s by default).
         result_path: a folder where process 0 commits the final state, in the disk tier's format.
         durable_dir: where the group keeps durable checkpoints (a disk every host reaches): the first slice's
             processes each write their own shards every ``durable_every`` steps and the controller commits the
@@ -111,6 +114,7 @@ class LaunchConfig:
     faults: list[Fault] = field(default_factory=list)
     resume: bool = False
     drain_timeout_s: float = 10.0
+    grace_s: float = 25.0
     extra_env: dict[str, str] = field(default_factory=dict)
     target_steps: int | None = None
     secret: str | None = field(default=None, repr=False)
@@ -182,3 +186,5 @@ class LaunchResult:
     reason: str = ""
     run_id: str = ""
     resumed_from: int = -1  # the step a resumed run continued from; -1 when it did not resume
+    drain_s: float | None = None  # stopped by a signal: from the signal until every worker was gone
+    drain_checkpoint: int = -1  # stopped by a signal: the durable step committed for --resume; -1: none

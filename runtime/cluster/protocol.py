@@ -110,6 +110,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     step: int
     step_time_s: float | None = None
     sent_at: float  # the worker's wall clock; the controller times silence with its own monotonic clock
+    held: bool = False  # it stopped stepping when told (``Stop.hold``): ``step`` is its last
 
 
 class Joined(Message, frozen=True, kw_only=True):
@@ -263,6 +264,13 @@ class Stop(Message, frozen=True, kw_only=True):
 
     reason: str
     exit_code: int = 0
+    # The run folder says the run finished: nothing will restore this worker's replica files (it removes them).
+    finished: bool = False
+    # Not an exit yet: stop stepping, say the last committed step (``Heartbeat.held``), wait for the next Stop.
+    hold: bool = False
+    # The first slice writes its part of a durable checkpoint of this step (its last, or the one before, from
+    # its replica file) before exiting; -1: none.
+    durable_step: int = -1
 
 
 class Committed(Message, frozen=True, kw_only=True):

@@ -153,12 +153,15 @@ class Send:
 @dataclass(frozen=True)
 class SendForm:
     """Host generation ``generation``'s coordination service and send each member its ``Form``; the shell
-    reports the coordinator's address back with :meth:`Supervisor.hosted`."""
+    reports the coordinator's address back with :meth:`Supervisor.hosted`. With ``seats``, send only those
+    members' Forms, for the service already up."""
 
     generation: int
     members: tuple[int, ...]
     strategy: Strategy
     at_step: int  # a planned re-forming (growing) happens after this step; -1: now
+    # Only these members' Forms: spares taking lost members' seats in this generation, whose service is up.
+    seats: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,12 @@ controller (``runtime/cluster/controller/shell.py``) feeds it, carries its actio
 
 Forming a generation: recruit spares (started if need be) to fill the group around the survivors, seat them
 (``Membership.seat``), send every member ``Form``, wait for every ``Joined``, then send ``Restore`` with the plan
-(``Membership.plan_restore``). A member lost or a join not in time restarts the forming with every worker
-replaced (JAX's initialization would wait for the missing one). Its inputs and actions are in
-``supervision.py``.
+(``Membership.plan_restore``). A member lost while the group forms drops out of that forming, and nobody else
+is replaced: once a member is in the generation (it joined, or its heartbeat names the generation) every member
+got past JAX's start, so the rest re-form at once as after any loss; before that the others wait in JAX's start
+for the lost one's seat, so a spare takes that seat in the same generation (started if none is ready). Only a
+group that does not form in time (``form_timeout_s``) restarts with every worker replaced. Its inputs and
+actions are in ``supervision.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from enum import Enum
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor
 from runtime.cluster.controller.membership import JoinReport, Membership
-from runtime.cluster.controller.processes import ProcessPool, log_tail
+from runtime.cluster.controller.processes import ProcessPool, WorkerProcess, log_tail
 from runtime.cluster.controller.supervision import (
     Action,
     EndRun,
@@ -134,6 +137,11 @@ class Supervisor:
         """The shell started generation ``generation``'s coordination service at ``coordinator``."""
         if generation == self.group.generation:
             self._coordinator = coordinator
+
+    @property
+    def coordinator(self) -> str:
+        """The address of the current generation's coordination service ("" before it is hosted)."""
+        return self._coordinator
 
     def mesh_shape(self) -> dict[str, int]:
         size = self.config.slice_size
@@ -376,7 +384,17 @@ class Supervisor:
 
     def _await_joins(self, out: list[Action], due: bool) -> None:
         procs = [self.pool[w] for w in self.group.members]
-        if any(p.gone for p in procs):
+        lost = [p.worker for p in procs if p.gone]
+        if lost and not due and self._started_jax(procs):
+            # Every member got past JAX's start (one is in the generation): nobody waits for the lost ones there.
+            # They drop out of this forming and the rest re-form now, as after any loss (counted when reported).
+            log.warning("generation %d: %s lost while forming; re-forming without", self.group.generation, lost)
+            self._form(out, self.config.strategy, self._forming_reason)
+            return
+        if lost and not due:
+            self._substitute(out, lost)  # the others wait in JAX's start for those seats: spares take them
+            return
+        if lost:
             outcome = "member lost while forming"
         elif all(p.joined is not None for p in procs):
             self._slowest_join = max(self._slowest_join, *(p.joined.join_s for p in procs if p.joined is not None))
@@ -389,16 +407,45 @@ class Supervisor:
             )
         else:
             return
-        # A member died or stalled while the group formed. Members blocked in initialize() wait for it until
-        # JAX's initialization timeout, so they are replaced too: fall back to restarting.
+        # The group did not form in time (a member stalled, or no spare came for a lost one's seat). Members
+        # blocked in initialize() wait until JAX's initialization timeout, so they are replaced too: restart.
         generation = self.group.generation
         log.warning("generation %d did not form (%s); restarting its workers", generation, outcome)
-        lost = {p.worker for p in procs if p.gone}
         if not lost:  # a stall; a lost member was counted when it was reported
             self._count_failure(out, outcome)
-        if self._spent(out, f"{outcome} in generation {generation}", lost):  # members dying while forming, again
+        if self._spent(out, f"{outcome} in generation {generation}", set(lost)):  # members dying while forming, again
             return
         self._form(out, Strategy.RESTART, self._forming_reason)
+
+    def _started_jax(self, procs: list[WorkerProcess]) -> bool:
+        """Whether a member is in the generation being formed (joined, or named it in a heartbeat): JAX's start
+        waits for every seat, so then every member got past it."""
+        generation = self.group.generation
+        return any(p.joined is not None or (p.generation == generation and not p.gone) for p in procs)
+
+    def _substitute(self, out: list[Action], lost: list[int]) -> None:
+        """Seat a ready spare in each lost member's seat of the generation being formed (its Form names the
+        seat's process id, the same coordinator); start spares for the seats none is ready for."""
+        ready = [p.worker for p in self.pool if p.ready_spare]
+        members, generation = self.group.members, self.group.generation
+        seated = []
+        for worker in lost:
+            if not ready:
+                break
+            spare, seat = ready.pop(0), members.index(worker)
+            members[seat] = spare
+            self._requests.discard(worker)  # replaced in this forming: no re-forming for it after
+            proc = self.pool[spare]
+            proc.spare, proc.joined, proc.finished = False, None, None
+            self.monitor.expect_progress(spare, False)
+            seated.append(spare)
+            log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
+        if seated:
+            out.append(SendForm(generation, tuple(members), self._forming, -1, seats=tuple(seated)))
+        missing = len(lost) - len(seated)
+        starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
+        if self.config.starts_workers and len(starting) < missing:
+            out.append(Spawn(missing - len(starting)))
 
     def _restore(self, out: list[Action]) -> None:
         """Every member joined: tell them which step to restore, and from whom."""

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from runtime.cluster import auth
+from runtime.cluster import auth, leftovers
 from runtime.cluster.protocol import ENV_CONTROLLER
 from runtime.cluster.worker.handlers import ScriptHandlers
 from runtime.cluster.worker.link import connect
@@ -79,7 +79,14 @@ def run_worker(
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     worker = settings.worker
     code = 1
-    replicas = ReplicaFiles(settings.replica_folder(os.getppid()), f"worker-{worker}")
+    folder = settings.replica_folder(os.getppid())
+    in_memory = folder.startswith("/dev/shm/")
+    if in_memory:
+        # Folders of runs that finished or whose processes are gone hold host memory nobody will read.
+        leftovers.sweep(keep=folder)
+        if not settings.replica_dir:  # named after the parent: useless once it is gone
+            leftovers.claim(folder, pid=os.getppid())
+    replicas = ReplicaFiles(folder, f"worker-{worker}")
     # Read once and dropped from the environment, so that what the script starts does not inherit it.
     secret = auth.load_secret()
     os.environ.pop(auth.ENV_TOKEN, None)
@@ -90,11 +97,11 @@ def run_worker(
         script = ScriptHandlers(handlers, handler_timeout=handler_timeout) if handlers else None
         # Files of compiled programs are signed with the run's secret; kept=False: traced at every re-forming.
         programs = ProgramStore(secret) if settings.keep_programs else None
-        worker_loop = Worker(
-            job, steps, settings=settings, link=link, replicas=replicas, script=script, programs=programs
-        )
-        code = worker_loop.serve()
+        loop = Worker(job, steps, settings=settings, link=link, replicas=replicas, script=script, programs=programs)
+        code = loop.serve()
         replicas.wait()
+        if in_memory and loop.stopped_by is not None and loop.stopped_by.finished:
+            leftovers.remove(folder, f"worker-{worker}")  # the run finished: no resume will read them
     except Exception:
         log.exception("worker %d failed", worker)
     finally:

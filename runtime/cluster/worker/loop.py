@@ -154,6 +154,9 @@ class Worker:
         # A restore left running when the group re-formed: it may still be reading, and must not build arrays on
         # the next group's backend (see ``_form``).
         self._abandoned_restore: Future[Any] | None = None
+        self._durable_last = -1  # the step of the newest durable write started
+        self.held = False  # told to stop stepping (``Stop.hold``): the run is draining
+        self.stopped_by: Stop | None = None  # the Stop it exits on
 
     @property
     def step(self) -> int:
@@ -193,8 +196,15 @@ class Worker:
                     self._warm()
                 case Warm():
                     pass
+                case Stop(hold=True):
+                    log.info("worker %d holds at step %d: %s", self.worker, self.step, message.reason)
+                    self.held = True
+                    self._heartbeat()  # says the step it holds at
                 case Stop(reason=reason, exit_code=code):
                     log.info("worker %d stops (exit code %d): %s", self.worker, code, reason)
+                    self.stopped_by = message
+                    if message.durable_step >= 0:
+                        self._final_durable(message.durable_step)
                     return code
 
     def _beat(self) -> None:
@@ -210,6 +220,7 @@ class Worker:
                 step=self.step,
                 step_time_s=self.step_time_s,
                 sent_at=time.time(),
+                held=self.held,
             )
         )
 
@@ -515,16 +526,17 @@ class Worker:
         snapshot.nbytes = nbytes
         return snapshot
 
-    def _save_durable(self, *, final: bool) -> None:
-        """Write this process's part of the durable checkpoint of the step just committed, in the background;
-        a step whose predecessor's write is still running is not written (the next due one is), except the
-        ``final`` one, which waits for it."""
+    def _save_durable(self, *, final: bool, snapshot: HostSnapshot | None = None) -> None:
+        """Write this process's part of the durable checkpoint of the step just committed (or of ``snapshot``),
+        in the background; a step whose predecessor's write is still running is not written (the next due one
+        is), except the ``final`` one, which waits for it."""
         assert self.ram is not None and self.durable is not None
         if self._durable_write is not None and not self._durable_write.done() and not final:
             log.info("durable checkpoint of step %d skipped: the previous write is still running", self.step)
             return
         # Captured here: the write runs on while a re-forming group may be without a backend (see write_part).
-        snapshot, generation, process, lead = self.ram, self.generation, self.process_id, self.process_id == 0
+        snapshot, generation, process = snapshot or self.ram, self.generation, self.process_id
+        lead, self._durable_last = self.process_id == 0, snapshot.step
         owned, shardings, store = self._writes, self.state_shardings, self.durable
 
         def write() -> None:
@@ -546,6 +558,31 @@ class Worker:
 
         self._durable_write = self._durable_pool.submit(write)
         self._durable_write.add_done_callback(_log_failure)
+
+    def _final_durable(self, step: int) -> None:
+        """The drain's durable checkpoint (``Stop.durable_step``): this process's part of ``step``, its newest
+        committed step or, when a peer held one step behind, the one before from its replica file; written (and
+        its ``Saved`` sent) before the process exits."""
+        if self.durable is None or self.ram is None or self.process_id >= self.slice_size:
+            return  # not a writer of the group's checkpoints
+        if self._durable_write is not None:
+            with contextlib.suppress(Exception):  # a failure was logged by _log_failure
+                self._durable_write.result()
+            if self._durable_last == step:
+                return  # written already: its Saved is out
+        snapshot: HostSnapshot | None = self.ram
+        if self.ram.step != step:
+            self.replicas.wait()
+            try:
+                snapshot = self.replicas.read(step, [self.replicas.tier], self.local_like)
+            except CheckpointInvalid as exc:
+                log.error("worker %d: no replica of step %d for the final checkpoint: %s", self.worker, step, exc)
+                return
+        log.info("worker %d writes its part of the final durable checkpoint of step %d", self.worker, step)
+        self._save_durable(final=True, snapshot=snapshot)
+        assert self._durable_write is not None
+        with contextlib.suppress(Exception):
+            self._durable_write.result()
 
     def _place(self, tree: PyTree, shardings: PyTree) -> PyTree:
         import jax
