@@ -1,5 +1,6 @@
-"""The real controller (service mode) against simulated workers (``simworkers.py``): workers lost together
-are one re-forming, and every survivor is told to form the new group."""
+"""Workers lost together are one re-forming, and every survivor is told to form the new group: the supervisor
+alone with a clock of the test's, then the real controller (service mode) against simulated workers
+(``simworkers.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,37 @@ import subprocess
 from pathlib import Path
 
 from simworkers import Fleet, Loss, start_controller
+from test_supervisor import Run
 
+from runtime.cluster.controller.supervision import RegroupRequested, Start
 from runtime.core.eventlog import read_events
 from runtime.core.events import GroupForming, WorkerLost
+
+
+def test_the_supervisor_settles_until_the_workers_that_went_silent_together_are_all_found(tmp_path: Path) -> None:
+    run = Run(tmp_path, nprocs=4, spares=0, min_nprocs=2, heartbeat_interval_s=0.5)
+    run.supervisor.config.command = []  # the service mode: workers it does not start, found lost by silence
+    run.spawn(4)
+    run.feed(Start())
+    run.hello(0, 1, 2, 3)
+    run.join()
+    run.commit(10)  # every heartbeat at t=0
+    run.now = 0.3
+    for worker in (0, 1, 2):  # worker 3's host is gone; worker 2's goes in the next 0.3 s
+        run.monitor.observe(worker, 10)
+    run.now = 2.0
+    for worker in (0, 1):
+        run.monitor.observe(worker, 10)
+    run.feed(RegroupRequested(frozenset({3}), "WorkerLost"))  # 3 silent for 2 s: lost
+    run.wait(0.1)
+    assert len(run.forms) == 1  # worker 2, silent for 1.8 s, may be lost too: not yet
+    run.now = 2.3
+    run.feed(RegroupRequested(frozenset({2}), "WorkerLost"))
+    for worker in (0, 1):
+        run.monitor.observe(worker, 10)
+    run.wait(0.05)
+    assert [f.members for f in run.forms] == [(0, 1, 2, 3), (0, 1)]  # one re-forming for both
+
 
 N = 32
 # Workers 0, 10 and 20 send their heartbeats 0.1 s apart in each 0.5 s interval (simworkers spreads them by id):

@@ -120,6 +120,7 @@ class HeartbeatMonitor:
         self._by_seen: OrderedDict[int, None] = OrderedDict()
         self._by_progress: OrderedDict[int, None] = OrderedDict()
         self._gone: dict[int, None] = {}
+        self._lost: set[int] = set()  # found lost, not forgotten (nor registered) since
         self._stragglers_due = -math.inf
 
     @property
@@ -133,6 +134,7 @@ class HeartbeatMonitor:
         self._by_seen.move_to_end(worker)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
+        self._lost.discard(worker)
 
     def forget(self, worker: int) -> None:
         """Stop watching ``worker`` (it was replaced or finished). Unknown ids are ignored."""
@@ -140,6 +142,7 @@ class HeartbeatMonitor:
         self._by_seen.pop(worker, None)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
+        self._lost.discard(worker)
 
     def expect_progress(self, worker: int, expected: bool = True) -> None:
         """Whether ``worker`` should be committing steps now (not while its group re-forms or after it ends)."""
@@ -177,6 +180,14 @@ class HeartbeatMonitor:
             entry.gone, entry.gone_by = reason, detected_by
             self._gone[worker] = None
 
+    def losing(self, silent_s: float) -> bool:
+        """Whether more losses may be on their way: a worker found lost is not forgotten yet (its verdict is
+        still on its way to the supervisor), or a watched one has sent nothing for ``silent_s`` or more. O(1)."""
+        if self._lost:
+            return True
+        oldest = next(iter(self._by_seen), None)
+        return oldest is not None and self.clock() - self._workers[oldest].last_seen >= silent_s
+
     def check(self) -> list[Verdict]:
         """Verdicts that became true since the last check, at most one lost-or-hung per worker.
 
@@ -188,6 +199,7 @@ class HeartbeatMonitor:
         verdicts: list[Verdict] = []
         for worker in list(self._gone):
             entry = self._report(worker)
+            self._lost.add(worker)
             verdicts.append(Lost(worker, now - entry.last_seen, entry.gone, entry.gone_by))
         while self._by_seen:
             worker = next(iter(self._by_seen))
@@ -195,6 +207,7 @@ class HeartbeatMonitor:
             if silent < self.timeout_s:
                 break
             self._report(worker)
+            self._lost.add(worker)
             verdicts.append(Lost(worker, silent, f"no heartbeat for {silent:.2f} s"))
         while self._by_progress:
             worker = next(iter(self._by_progress))

@@ -62,7 +62,9 @@ log = logging.getLogger(__name__)
 # Near-simultaneous losses (a host, a slice) are answered by one re-forming, not one each.
 SETTLE_S = 0.05
 # Workers on other hosts are found lost by their silence, each one timeout after its own last heartbeat: those
-# lost together are found within one heartbeat interval (and a monitor check) of each other.
+# lost together are found within one heartbeat interval (and a monitor check) of each other. Settling waits for
+# them while any worker has been silent for half the timeout (a healthy one never is) or a loss found is still on
+# its way here (``HeartbeatMonitor.losing``), at most this much longer than an interval.
 _SILENCE_SPREAD_S = 0.1
 
 
@@ -127,7 +129,7 @@ class Supervisor:
         self._survivors: list[int] = []
         self._chosen: list[int] = []
         self._coordinator = ""
-        self._settle_s = SETTLE_S if config.starts_workers else config.heartbeat_interval_s + _SILENCE_SPREAD_S
+        self._settle_until = 0.0
         self._unjoined: set[int] = set()  # members of the forming generation not joined yet
         self._growable: bool | None = None  # whether a ready spare would grow the group; None: look again
 
@@ -248,14 +250,20 @@ class Supervisor:
         if self.phase == Phase.IDLE and self.group.generation and self.restored:
             if self._requests:
                 self._quiet(self.group.members)  # at once: the survivors wait in a broken collective now
-                self.phase, self.deadline = Phase.SETTLING, now + self._settle_s
+                self.phase, self.deadline = Phase.SETTLING, now + SETTLE_S
+                # Workers the controller started are found lost by their exit, all at once; others by silence.
+                spread = 0.0 if self.config.starts_workers else self.config.heartbeat_interval_s + _SILENCE_SPREAD_S
+                self._settle_until = now + max(SETTLE_S, spread)
             elif self._unreadable:
                 reason, self._unreadable = self._unreadable, ""
                 self._regroup(out, set(), reason)  # the same members, from another step
             elif self._can_grow():
                 self._form(out, Strategy.GROW, "a spare is ready")
         elif self.phase == Phase.SETTLING and due:
-            self._regroup(out, set(self._requests), self._reason)
+            if now < self._settle_until and self.monitor.losing(self.monitor.timeout_s / 2):
+                self.deadline = min(self._settle_until, now + SETTLE_S)  # more of them may be found soon
+            else:
+                self._regroup(out, set(self._requests), self._reason)
         elif self.phase == Phase.BACKOFF and due:
             self._form(out, self._strategy or self.config.strategy, self._reason)
         elif self.phase == Phase.RECRUITING and not frequent:
