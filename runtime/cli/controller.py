@@ -31,6 +31,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--local-devices", type=int, default=2, help="devices per worker (default 2)")
     parser.add_argument("--steps", type=int, default=None, help="the run's target (default: the first worker's)")
     parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=0.2, help="seconds between lease renewals (the workers' interval)"
+    )
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
     parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
@@ -86,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         local_devices=args.local_devices,
         target_steps=args.steps,
         strategy=args.strategy,
+        heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         hang_timeout_s=args.hang_timeout,
         start_timeout_s=args.start_timeout,

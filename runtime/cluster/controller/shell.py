@@ -246,6 +246,7 @@ class Controller:
             on_report=self._report,
             on_closed=self._closed,
             auth_timeout_s=config.auth_timeout_s,
+            max_pending=max(32, config.nprocs + config.spares),  # all of them may connect at once
         )
         self.port = 0
         self.durable = (
@@ -744,7 +745,7 @@ class Controller:
                 except UnknownWorker:
                     log.warning("controller: heartbeat from worker %d, which is not watched; ignored", worker)
                     return
-                if gen == self.group.generation and worker in self.members:
+                if gen == self.group.generation and self.group.has(worker):
                     proc.step, proc.generation = step, gen
                     self._feed(Progress(worker, seconds))
             case Joined(generation=gen) if gen == self.group.generation:

@@ -64,6 +64,11 @@ log = logging.getLogger(__name__)
 
 # Near-simultaneous losses (a host, a slice) are answered by one re-forming, not one each.
 SETTLE_S = 0.05
+# Workers on other hosts are found lost by their silence, each one timeout after its own last heartbeat: those
+# lost together are found within one heartbeat interval (and a monitor check) of each other. Settling waits for
+# them while any worker has been silent for half the timeout (a healthy one never is) or a loss found is still on
+# its way here (``HeartbeatMonitor.losing``), at most this much longer than an interval.
+_SILENCE_SPREAD_S = 0.1
 
 
 class Phase(Enum):
@@ -128,6 +133,9 @@ class Supervisor:
         self._survivors: list[int] = []
         self._chosen: list[int] = []
         self._coordinator = ""
+        self._settle_until = 0.0
+        self._unjoined: set[int] = set()  # members of the forming generation not joined yet
+        self._growable: bool | None = None  # whether a ready spare would grow the group; None: look again
 
     @property
     def done(self) -> bool:
@@ -152,6 +160,11 @@ class Supervisor:
         out: list[Action] = []
         if self.done:
             return out
+        # A heartbeat's progress, a join or a restore changes no worker's record that recruiting reads: only the
+        # other inputs make the supervisor look at every worker again (a heartbeat must cost O(1)).
+        frequent = isinstance(event, Progress | MemberJoined | MemberRestored)
+        if not frequent:
+            self._growable = None
         match event:
             case Start():
                 self._form(out, Strategy.START, "start")
@@ -170,7 +183,7 @@ class Supervisor:
             case Progress(worker=worker, step_time_s=seconds):
                 if 0 <= self.target_steps <= self.pool[worker].step:  # done: finishing (its last writes) is no hang
                     self.monitor.expect_progress(worker, False)
-                self._progress(out, seconds)
+                self._progress(out, worker, seconds)
             case MemberFinished():
                 members = self.group.members
                 if members and all(self.pool[w].finished is not None for w in members):
@@ -181,7 +194,7 @@ class Supervisor:
             case WorkerChanged() | MemberJoined() | Tick():
                 pass
         if not self.done:
-            self._advance(out)
+            self._advance(out, event, frequent)
         return out
 
     # --- failures ------------------------------------------------------------------------------------------
@@ -239,7 +252,7 @@ class Supervisor:
 
     # --- the state machine ---------------------------------------------------------------------------------
 
-    def _advance(self, out: list[Action]) -> None:
+    def _advance(self, out: list[Action], event: Input, frequent: bool) -> None:
         """Do what the current phase allows now; called after every input."""
         now = self.clock()
         due = self.deadline is not None and now >= self.deadline
@@ -247,19 +260,25 @@ class Supervisor:
             if self._requests:
                 self._quiet(self.group.members)  # at once: the survivors wait in a broken collective now
                 self.phase, self.deadline = Phase.SETTLING, now + SETTLE_S
+                # Workers the controller started are found lost by their exit, all at once; others by silence.
+                spread = 0.0 if self.config.starts_workers else self.config.heartbeat_interval_s + _SILENCE_SPREAD_S
+                self._settle_until = now + max(SETTLE_S, spread)
             elif self._unreadable:
                 reason, self._unreadable = self._unreadable, ""
                 self._regroup(out, set(), reason)  # the same members, from another step
             elif self._can_grow():
                 self._form(out, Strategy.GROW, "a spare is ready")
         elif self.phase == Phase.SETTLING and due:
-            self._regroup(out, set(self._requests), self._reason)
+            if now < self._settle_until and self.monitor.losing(self.monitor.timeout_s / 2):
+                self.deadline = min(self._settle_until, now + SETTLE_S)  # more of them may be found soon
+            else:
+                self._regroup(out, set(self._requests), self._reason)
         elif self.phase == Phase.BACKOFF and due:
             self._form(out, self._strategy or self.config.strategy, self._reason)
-        elif self.phase == Phase.RECRUITING:
-            self._recruit(out, now)
-        elif self.phase == Phase.JOINING:
-            self._await_joins(out, due)
+        elif self.phase == Phase.RECRUITING and not frequent:
+            self._recruit(out, now, event.worker if isinstance(event, WorkerChanged) else None)
+        elif self.phase == Phase.JOINING and (due or not frequent or isinstance(event, MemberJoined)):
+            self._await_joins(out, due, event)
 
     def _regroup(self, out: list[Action], lost: set[int], reason: str) -> None:
         """Re-form after a failure. A step that failed before is tried again only after the retry policy's
@@ -280,19 +299,23 @@ class Supervisor:
 
     def _can_grow(self) -> bool:
         """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
-        ready = sum(p.ready_spare for p in self.pool)
         members = self.group.members
-        return (
-            len(self.group.seat(members, [-1] * ready)) > len(members)  # a whole slice more
-            and len(members) < self.config.nprocs
+        if not (
+            len(members) < self.config.nprocs
             and self.recovery.current is None
             and not self.stopped
             and self.group.step + 5 < self.target_steps
-        )
+        ):
+            return False
+        if self._growable is None:  # counted again only after an input that may change it
+            ready = sum(p.ready_spare for p in self.pool)
+            self._growable = len(self.group.seat(members, [-1] * ready)) > len(members)  # a whole slice more
+        return self._growable
 
     def _form(self, out: list[Action], strategy: Strategy, reason: str) -> None:
         """Start forming a new generation: survivors stay (unless restarting), spares are recruited."""
         self._strategy = None
+        self._growable = None
         self._unreadable = ""  # the new generation plans its own restore
         self.restored = False
         self._forming_reason = reason
@@ -314,38 +337,53 @@ class Supervisor:
         self._forming, self._survivors, self._chosen = strategy, survivors, []
         self._timeout = self.config.start_timeout_s if strategy == Strategy.START else self.config.spawn_timeout_s
         self.phase, self.deadline = Phase.RECRUITING, self._started + self._timeout
-        self._recruit(out, self._started)
+        self._recruit(out, self._started, None)
 
-    def _recruit(self, out: list[Action], now: float) -> None:
-        """Enough spares (started now if needed) to fill the group around the survivors, once they said hello."""
+    def _recruit(self, out: list[Action], now: float, changed: int | None) -> None:
+        """Enough spares (started now if needed) to fill the group around the survivors, once they said hello.
+        ``changed``: the one worker whose record changed (a hello, a close), if that is all that happened: only
+        it is looked at, so N workers saying hello cost O(N), not O(N**2)."""
         survivors = [w for w in self._survivors if not self.pool[w].gone]
         need = self.config.nprocs - len(survivors)
-        chosen = [w for w in self._chosen if self.pool[w].ready_spare]  # one chosen earlier may be gone since
-        ready = [p.worker for p in self.pool if p.ready_spare and p.worker not in chosen]
-        chosen.extend(ready[: max(0, need - len(chosen))])
-        self._chosen = chosen
+        chosen = dict.fromkeys(self._chosen)
+        if changed is None:
+            chosen = {w: None for w in chosen if self.pool[w].ready_spare}  # one chosen earlier may be gone since
+            ready = (p.worker for p in self.pool if p.ready_spare and p.worker not in chosen)
+        else:
+            proc = self.pool.get(changed)
+            if proc is None or not proc.ready_spare:
+                chosen.pop(changed, None)
+            ready = (w for w in [changed] if proc is not None and proc.ready_spare and w not in chosen)
+        for worker in ready:
+            if len(chosen) >= need:
+                break
+            chosen[worker] = None
+        self._chosen = list(chosen)
         if len(chosen) >= need:
-            self._seat(out, survivors, chosen)
+            self._seat(out, survivors, self._chosen)
             return
-        starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
+        starting = (
+            [p for p in self.pool if p.spare and not p.gone and p.hello is None] if self.config.starts_workers else []
+        )
         if self.config.starts_workers and len(starting) + len(chosen) < need:
             out.append(Spawn(need - len(starting) - len(chosen)))
         # Workers the controller does not start are the orchestrator's to replace: after a loss the group goes
         # on without them at once where min_nprocs allows, and grows back when they say hello.
         soon = not self.config.starts_workers and bool(survivors)
         assert self.config.min_nprocs is not None
-        enough = len(self.group.seat(survivors, chosen)) >= self.config.min_nprocs  # whole slices
         late = self.deadline is not None and now > self.deadline
+        enough = (soon or late) and len(self.group.seat(survivors, self._chosen)) >= self.config.min_nprocs  # slices
         if (soon or late) and enough:
-            self._seat(out, survivors, chosen)  # go on smaller; the next re-forming grows the group back
+            self._seat(out, survivors, self._chosen)  # go on smaller; the next re-forming grows the group back
         elif late:
             count = len(survivors) + len(chosen)
             self._end(out, LaunchError(f"only {count} workers ready after {self._timeout} s"))
 
     def _seat(self, out: list[Action], survivors: list[int], recruits: list[int]) -> None:
         members = self.group.seat(survivors, recruits)
+        seated = set(members)
         for worker in set(survivors) | set(recruits):
-            if worker not in members:  # in a slice short of a process: it waits, as a spare, for a replacement
+            if worker not in seated:  # in a slice short of a process: it waits, as a spare, for a replacement
                 self.pool[worker].spare = True
                 self.monitor.expect_progress(worker, False)
         self._requests.clear()
@@ -373,6 +411,7 @@ class Supervisor:
                 )
             )
         )
+        self._unjoined = set(members)
         self.phase, self.deadline = Phase.JOINING, self.clock() + self._join_timeout()
 
     def _join_timeout(self) -> float:
@@ -382,7 +421,11 @@ class Supervisor:
             return max(self.config.start_timeout_s, self.config.form_timeout_s)
         return max(self.config.form_timeout_s, 2 * self._slowest_join)
 
-    def _await_joins(self, out: list[Action], due: bool) -> None:
+    def _await_joins(self, out: list[Action], due: bool, event: Input) -> None:
+        if isinstance(event, MemberJoined) and not due:
+            self._unjoined.discard(event.worker)
+            if self._unjoined:
+                return  # O(1) a join: every member is looked at once all have joined
         procs = [self.pool[w] for w in self.group.members]
         lost = [p.worker for p in procs if p.gone]
         if lost and not due and self._started_jax(procs):
@@ -434,6 +477,8 @@ class Supervisor:
                 break
             spare, seat = ready.pop(0), members.index(worker)
             members[seat] = spare
+            self._unjoined.discard(worker)  # the seat waits for the spare's join now
+            self._unjoined.add(spare)
             self._requests.discard(worker)  # replaced in this forming: no re-forming for it after
             proc = self.pool[spare]
             proc.spare, proc.joined, proc.finished = False, None, None
@@ -540,11 +585,11 @@ class Supervisor:
         shape = self.mesh_shape()
         return StepCompleted(step=step, source="controller", duration_s=seconds, mesh_shape=shape, data_position=step)
 
-    def _progress(self, out: list[Action], step_time_s: float | None) -> None:
+    def _progress(self, out: list[Action], worker: int, step_time_s: float | None) -> None:
         members = self.group.members
         if not self.restored or not members:
             return
-        for step in self.group.progress([self.pool[w].step for w in members]):
+        for step in self.group.report(worker, self.pool[worker].step):
             out.append(Publish(self._completed(step, step_time_s or 0.0)))
             recovery = self.recovery.current
             completed = self.recovery.committed(step, self.mesh_shape())
