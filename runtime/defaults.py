@@ -23,6 +23,7 @@ from handlers import (
     restore_after_remesh,
     scale_up,
 )
+from handlers.drain_host import HostDrains
 from handlers.regroup import log_straggler, regroup_on_worker_failure
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller import Controller
@@ -48,6 +49,7 @@ from runtime.core.runtime import Runtime
 from runtime.faults.process import ProcessFaults
 from runtime.maintenance.intake import NoticeIntake
 from runtime.maintenance.metadata import MetadataWatcher
+from runtime.maintenance.source import BusContext
 from storage.cascade import TieredCheckpointer
 
 if TYPE_CHECKING:
@@ -118,8 +120,26 @@ def default_controller(config: LaunchConfig) -> Controller:
     controller.bus.subscribe(WorkerLost, regroup_on_worker_failure)
     controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
     controller.bus.subscribe(Straggler, log_straggler)
+    attach_controller_maintenance(controller)
     subscribe_named(controller.bus, config.handlers)
     return controller
+
+
+def attach_controller_maintenance(controller: Controller) -> HostDrains:
+    """The controller's notice source (``config.maintenance_subscription``) and the drain handlers
+    (``handlers/drain_host.py``), which map a notice to the workers on its instance."""
+    config = controller.config
+    if config.maintenance_subscription:
+        from runtime.maintenance.pubsub import PubSubListener  # google-cloud-pubsub only when a subscription is named
+
+        project = config.maintenance_subscription.split("/")[1]
+        intake = NoticeIntake(project=project, report_ignored=True)
+        listener = PubSubListener(config.maintenance_subscription, intake)
+        controller.companions.append(lambda: listener.run(BusContext(controller.bus)))
+    drains = HostDrains()
+    drains.attach(controller.bus)
+    controller.companions.append(lambda: drains.run(controller.context))
+    return drains
 
 
 def ray_controller(

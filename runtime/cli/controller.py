@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from runtime.cli.launch import add_handlers_argument
+from runtime.cli.launch import add_handlers_argument, add_maintenance_arguments
 from runtime.cluster import auth
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
 from runtime.core.errors import AuthenticationFailed, ElasticRuntimeError
@@ -54,6 +54,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="ports for the coordination services, one per group generation (default: any free port)",
     )
     add_handlers_argument(parser)
+    add_maintenance_arguments(parser)
     parser.set_defaults(func=controller_main)
     return parser
 
@@ -98,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         coordinator_host=args.coordinator_host,
         coordinator_ports=args.coordinator_ports,
         handlers=list(args.handlers),
+        maintenance_subscription=args.maintenance_subscription,
+        drain_lead_s=args.drain_lead,
     )
 
 

@@ -97,6 +97,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (runtime.faults.grammar)",
     )
     add_handlers_argument(parser)
+    add_maintenance_arguments(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(func=launch_main)
     return parser
@@ -111,6 +112,24 @@ def add_handlers_argument(parser: argparse.ArgumentParser) -> None:
         metavar="PKG.MODULE:FUNCTION",
         help="a controller-side handler, async def FUNCTION(event, ctx), for the event type its first parameter "
         "is annotated with; once per event (repeatable; docs/handlers.md)",
+    )
+
+
+def add_maintenance_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--maintenance-subscription`` and ``--drain-lead``, as ``launch`` and ``controller`` take them."""
+    parser.add_argument(
+        "--maintenance-subscription",
+        default=None,
+        metavar="projects/P/subscriptions/S",
+        help="Google Cloud maintenance notices (Pub/Sub): a host's workers are drained before its window "
+        "(docs/gcp-setup.md)",
+    )
+    parser.add_argument(
+        "--drain-lead",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="drain a host this long before its maintenance window starts (default 60)",
     )
 
 
@@ -144,6 +163,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         resume=args.resume,
         faults=[fault for faults in args.fault for fault in faults],
         handlers=list(args.handlers),
+        maintenance_subscription=args.maintenance_subscription,
+        drain_lead_s=args.drain_lead,
     )
 
 

@@ -22,10 +22,12 @@ __all__ = [
     "ENV_CONNECT_S",
     "ENV_CONTROLLER",
     "ENV_HEARTBEAT_S",
+    "ENV_INSTANCE",
     "ENV_JAX_HEARTBEAT_S",
     "ENV_JAX_INIT_S",
     "ENV_JAX_SHUTDOWN_S",
     "ENV_LOCAL_DEVICES",
+    "ENV_METADATA_HOST",
     "ENV_REPLICA_DIR",
     "ENV_RESULT",
     "ENV_RUN_ID",
@@ -65,6 +67,8 @@ ENV_LOCAL_DEVICES = "ELASTIC_LOCAL_DEVICES"  # CPU devices per process
 ENV_RESULT = "ELASTIC_RESULT"  # a folder where process 0 commits the final state (disk tier format), if set
 ENV_RUN_ID = "ELASTIC_RUN_ID"  # the run's id: written into every replica, and only its replicas are restored
 ENV_HEARTBEAT_S = "ELASTIC_HEARTBEAT_S"
+ENV_INSTANCE = "ELASTIC_INSTANCE"  # the instance (host) this worker runs on, as maintenance notices name it
+ENV_METADATA_HOST = "ELASTIC_METADATA_HOST"  # a metadata server to ask for the instance name (host:port)
 ENV_JAX_HEARTBEAT_S = "ELASTIC_JAX_HEARTBEAT_S"
 ENV_JAX_SHUTDOWN_S = "ELASTIC_JAX_SHUTDOWN_S"
 ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
@@ -97,6 +101,9 @@ class Hello(Message, frozen=True, kw_only=True):
     # The event types (class names) the script's own handlers subscribe to: the controller forwards those of
     # the group's events to this worker (``Notify``; runtime/cluster/controller/relay.py).
     events: tuple[str, ...] = ()
+    # Where it runs: its GCE instance or TPU VM worker, its node (runtime/cluster/worker/instance.py); maintenance
+    # notices name hosts by it. "": unknown.
+    instance: str = ""
 
 
 class Heartbeat(Message, frozen=True, kw_only=True):
@@ -253,6 +260,7 @@ class Stop(Message, frozen=True, kw_only=True):
 
     reason: str
     exit_code: int = 0
+    at_step: int = -1  # stop after committing this step (a planned drain: the group re-forms there); -1: now
 
 
 class Committed(Message, frozen=True, kw_only=True):

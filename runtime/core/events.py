@@ -248,6 +248,15 @@ class MalformedNotice(Failure, frozen=True, kw_only=True):
     reason: str
 
 
+class NoticeIgnored(Failure, frozen=True, kw_only=True):
+    """A well-formed notice that concerns none of this run's hosts (another project's instance, or an instance
+    none of the workers runs on); it changed nothing."""
+
+    instance: str
+    message_id: str = ""
+    reason: str
+
+
 # --- maintenance notices ------------------------------------------------------------------------------
 
 
@@ -431,6 +440,7 @@ class GroupFormed(Event, frozen=True, kw_only=True):
     seconds: float
     restore_step: int
     restore_source: int
+    instances: tuple[str, ...] = ()  # where each member runs (its instance or host), as its Hello said
 
 
 # --- requests -----------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from runtime.cluster.controller.runfolder import default_replica_dir, mark_finis
 from runtime.cluster.controller.server import Report, WorkerServer
 from runtime.cluster.controller.supervision import (
     Action,
+    DrainRequested,
     EndRun,
     Finish,
     Input,
@@ -62,6 +63,7 @@ from runtime.cluster.controller.supervision import (
     MemberRestored,
     Progress,
     Publish,
+    Readmitted,
     RegroupRequested,
     RestoreFailed,
     SaveFences,
@@ -848,6 +850,15 @@ class Controller:
         if killed is not None:
             self.result.detected_after_s.append(event.mono_time - killed)
         await self.bus.publish(event)
+
+    def request_drain(self, instance: str, reason: str) -> None:
+        """Take ``instance``'s workers out of the group at a planned step; seat none of it until readmitted."""
+        if not self.stopping:
+            self._feed(DrainRequested(instance, reason))
+
+    def readmit(self, instance: str) -> None:
+        """Workers on ``instance`` may be seated again."""
+        self._feed(Readmitted(instance))
 
     def request_regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
         """Replace ``lost`` workers and re-form the group; each lost member counts against the budget."""
