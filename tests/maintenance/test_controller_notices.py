@@ -1,0 +1,58 @@
+"""The controller's notice source on the real Pub/Sub emulator, without workers: malformed notices, another
+project's instance and a host no worker runs on change nothing, and each is counted as an event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from notices import upcoming
+from pubsub_support import Topic
+
+from runtime.cluster.config import LaunchConfig, LaunchError
+from runtime.core.events import Event, MalformedNotice, NoticeIgnored
+from runtime.defaults import default_controller
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_malformed_foreign_and_unknown_host_notices_change_nothing_and_are_counted(
+    tmp_path: Path, topic: Topic
+) -> None:
+    config = LaunchConfig(
+        command=[], nprocs=2, secret="s" * 64, run_dir=str(tmp_path), maintenance_subscription=topic.subscription
+    )
+    controller = default_controller(config)
+    seen: list[Event] = []
+
+    async def record(event: Event, ctx: Any) -> None:
+        seen.append(event)
+
+    controller.bus.subscribe(MalformedNotice, record)
+    controller.bus.subscribe(NoticeIgnored, record)
+    topic.publish(b"{not json")
+    foreign = upcoming(name="host2", start=2e9, end=2e9 + 60).replace(b"elastic-test", b"someone-else")
+    topic.publish(foreign)
+    topic.publish(upcoming(name="nowhere", start=2e9, end=2e9 + 60))
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                with pytest.raises(LaunchError, match="test over"):
+                    await controller.run_async()
+
+            tg.start_soon(run)
+            with anyio.fail_after(90):
+                while len(seen) < 3:
+                    await anyio.sleep(0.05)
+            controller.end(LaunchError("test over"))
+
+    anyio.run(main)
+    assert sorted(type(e).__name__ for e in seen) == ["MalformedNotice", "NoticeIgnored", "NoticeIgnored"]
+    reasons = sorted(e.reason for e in seen if isinstance(e, NoticeIgnored))
+    assert "of project someone-else, not elastic-test" in reasons[0]
+    assert "no worker of this run runs on nowhere" in reasons[1]
+    assert controller.supervisor.cordoned == set() and controller.recovery.failures == 0
