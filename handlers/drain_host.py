@@ -4,10 +4,12 @@ The multi-process counterpart of ``handlers/maintenance.py``, written with the c
 (``runtime/cluster/controller/context.py``); ``runtime.defaults.default_controller`` subscribes it. Workers say
 which instance (host) they run on in their ``Hello`` (``ctx.instances``), so a notice maps to workers:
 
-- ``MaintenanceScheduled`` -> :meth:`HostDrains.plan`: ``drain_lead_s`` before the window starts (at once if
-  that is past), ``ctx.drain(instance)``: the members on it leave the group at a planned step boundary, the
-  others re-form there from their own memory (0 steps lost, no failure counted), and no worker of the host is
-  seated again until its maintenance is over.
+- ``MaintenanceScheduled`` -> :meth:`HostDrains.plan`: with a durable tier (``launch --durable``), a
+  ``SaveCheckpoint`` now, which the workers answer with a durable checkpoint (:func:`save_when_asked`, run in
+  every worker); then, ``drain_lead_s`` before the window starts (at once if that is past),
+  ``ctx.drain(instance)``: the members on it leave the group at a planned step boundary, the others re-form
+  there from their own memory (0 steps lost, no failure counted), and no worker of the host is seated again
+  until its maintenance is over.
 - A notice whose window is already open (a ``MaintenanceScheduled`` that came late, ``MaintenanceStarted``,
   ``Preempted``) -> :meth:`HostDrains.lose`: too late to plan; the members on the host are handled as lost
   now (``ctx.regroup``: a failure, counted), and the log and the recovery's cause say the notice was late.
@@ -25,11 +27,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from runtime.core.bus import EventBus
+from runtime.core.errors import UnsupportedInMode
 from runtime.core.events import (
     MaintenanceCompleted,
     MaintenanceScheduled,
@@ -37,12 +40,13 @@ from runtime.core.events import (
     Notice,
     NoticeIgnored,
     Preempted,
+    SaveCheckpoint,
 )
 
 if TYPE_CHECKING:
     from runtime.cluster.controller.context import ControllerContext
 
-__all__ = ["HostDrains"]
+__all__ = ["HostDrains", "save_when_asked"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,9 @@ class HostDrains:
             await self.lose(event, ctx)
             return
         why = f"maintenance of {event.instance} ({event.kind or 'unspecified'}) from {_when(event.window_start)}"
+        if ctx.config.durable_dir:
+            # Before the drain is asked for: the workers hear of it (relayed) before the group re-forms.
+            await ctx.publish(SaveCheckpoint(step=ctx.step, source="controller", tiers=("durable",), reason=why))
         deadline = now if event.window_start is None else event.window_start - ctx.config.drain_lead_s
         if deadline <= now:
             self.pending.pop(event.instance, None)
@@ -138,3 +145,13 @@ class HostDrains:
             wait = min((d for d, _ in self.pending.values()), default=math.inf) - self.clock()
             with anyio.move_on_after(max(wait, 0)):
                 await self._wake.wait()
+
+
+async def save_when_asked(event: SaveCheckpoint, ctx: Any) -> None:
+    """In every worker of a group (``ElasticRuntime`` subscribes it under ``launch``): the controller's
+    ``SaveCheckpoint`` (a host is about to be drained) becomes a durable checkpoint of the step the group's
+    handlers run at. Without a durable tier there is nothing to write."""
+    try:
+        await ctx.request_checkpoint(event.tiers, reason=event.reason)
+    except UnsupportedInMode as exc:
+        log.info("checkpoint asked for (%s) not written: %s", event.reason, exc)

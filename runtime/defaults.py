@@ -23,7 +23,7 @@ from handlers import (
     restore_after_remesh,
     scale_up,
 )
-from handlers.drain_host import HostDrains
+from handlers.drain_host import HostDrains, save_when_asked
 from handlers.regroup import log_straggler, regroup_on_worker_failure
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller import Controller
@@ -37,6 +37,7 @@ from runtime.core.events import (
     MaintenanceStarted,
     MeshChanged,
     Preempted,
+    SaveCheckpoint,
     ScaleUpAvailable,
     Straggler,
     WorkerHung,
@@ -91,6 +92,8 @@ class ElasticRuntime(Runtime):
         self.maintenance = attach_maintenance(self, default_handlers=default_handlers)
         # What is subscribed now is built in; what the script subscribes after this runs under launch too.
         self._builtin = {id(sub) for sub in self.bus.subscriptions}
+        if default_handlers and is_worker():  # the controller's request before it drains a host, in every worker
+            self.subscribe(SaveCheckpoint, save_when_asked)
 
     def run(self, steps: int, *, resume: bool = False) -> RunResult:
         """Run to ``steps`` committed steps in a new event loop (see :meth:`Runtime.run_async`).

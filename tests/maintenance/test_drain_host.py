@@ -10,16 +10,18 @@ import anyio
 import pytest
 from notices import upcoming
 
-from handlers.drain_host import HostDrains
+from handlers.drain_host import HostDrains, save_when_asked
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.worker.instance import instance_name
 from runtime.cluster.worker.settings import WorkerSettings
+from runtime.core.errors import UnsupportedInMode
 from runtime.core.events import (
     Event,
     MaintenanceCompleted,
     MaintenanceScheduled,
     MaintenanceStarted,
     NoticeIgnored,
+    SaveCheckpoint,
 )
 from runtime.maintenance.formats import parse_message
 from runtime.maintenance.intake import NoticeIntake
@@ -148,3 +150,29 @@ def test_a_worker_asks_the_metadata_server_for_its_instance_name_when_one_is_con
         "t1v-n-abc-w-5"
     )
     assert instance_name(settings, {"NODE_NAME": "n"}, ask_metadata=lambda host: "") == "n"  # not answering
+
+
+def test_with_a_durable_tier_the_workers_are_asked_for_a_checkpoint_before_the_drain() -> None:
+    drains, ctx = HostDrains(clock=lambda: NOW), four_hosts()
+    ctx.config = LaunchConfig(command=[], nprocs=4, durable_dir="/durable")
+    run(drains.plan(scheduled("host2", NOW + 10), ctx))  # type: ignore[arg-type]
+    [save] = ctx.published
+    assert isinstance(save, SaveCheckpoint) and save.tiers == ("durable",) and ctx.drains == ["host2"]
+    without, ctx = HostDrains(clock=lambda: NOW), four_hosts()
+    ctx.config = LaunchConfig(command=[], nprocs=4)  # no durable tier; the lead of 60 s is past: drained now
+    run(without.plan(scheduled("host2", NOW + 10), ctx))  # type: ignore[arg-type]
+    assert ctx.published == [] and ctx.drains == ["host2"]
+
+    class WorkerCtx:
+        def __init__(self, durable: bool) -> None:
+            self.durable, self.asked = durable, [] if durable else None
+
+        async def request_checkpoint(self, tiers: tuple[str, ...] = (), reason: str = "") -> None:
+            if self.asked is None:
+                raise UnsupportedInMode("needs a durable tier")
+            self.asked.append(tiers)
+
+    worker = WorkerCtx(durable=True)
+    run(save_when_asked(save, worker))
+    assert worker.asked == [("durable",)]
+    run(save_when_asked(save, WorkerCtx(durable=False)))  # nothing to write to: not an error
