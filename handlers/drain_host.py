@@ -14,7 +14,9 @@ which instance (host) they run on in their ``Hello`` (``ctx.instances``), so a n
   ``Preempted``) -> :meth:`HostDrains.lose`: too late to plan; the members on the host are handled as lost
   now (``ctx.regroup``: a failure, counted), and the log and the recovery's cause say the notice was late.
 - ``MaintenanceCompleted`` (or cancelled) -> :meth:`HostDrains.readmit`: ``ctx.readmit(instance)``; the group
-  grows back once a worker is ready (a replacement, on that host or any other, grows it back sooner).
+  grows back once a worker is ready (a replacement, on that host or any other, grows it back sooner). With no
+  ``Completed`` (a metadata server's notice, whose worker left with its host), the host is readmitted when
+  its announced window has ended.
 - A notice about an instance none of the workers runs on changes nothing and is counted: ``NoticeIgnored``.
 
 Timed work (the drain at its deadline) lives in :meth:`HostDrains.run`, a companion task of the controller: a
@@ -65,6 +67,7 @@ class HostDrains:
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self.pending: dict[str, tuple[float, str]] = {}  # instance -> (when to drain it, why)
+        self.windows: dict[str, float] = {}  # instance -> when its announced window ends (then it is readmitted)
         self._wake = anyio.Event()
 
     def attach(self, bus: EventBus) -> None:
@@ -79,6 +82,9 @@ class HostDrains:
         if not await self._ours(event, ctx):
             return
         now = self.clock()
+        if event.window_end is not None:
+            self.windows[event.instance] = event.window_end
+            self._wake.set()
         if event.window_start is not None and event.window_start <= now:
             await self.lose(event, ctx)
             return
@@ -111,6 +117,7 @@ class HostDrains:
     async def readmit(self, event: MaintenanceCompleted, ctx: ControllerContext) -> None:
         """On MaintenanceCompleted: forget a pending drain; the host's workers may be seated again."""
         self.pending.pop(event.instance, None)
+        self.windows.pop(event.instance, None)
         if event.instance in ctx.cordoned:
             log.info("maintenance of %s is over: its workers may join again", event.instance)
             ctx.readmit(event.instance)
@@ -142,7 +149,14 @@ class HostDrains:
                 if deadline <= now:
                     del self.pending[instance]
                     ctx.drain(instance, why)
-            wait = min((d for d, _ in self.pending.values()), default=math.inf) - self.clock()
+            for instance, end in list(self.windows.items()):
+                if end <= now and instance not in self.pending:
+                    del self.windows[instance]
+                    if instance in ctx.cordoned:
+                        log.info("the maintenance window of %s has ended: its workers may join again", instance)
+                        ctx.readmit(instance)
+            times = [d for d, _ in self.pending.values()] + list(self.windows.values())
+            wait = min(times, default=math.inf) - self.clock()
             with anyio.move_on_after(max(wait, 0)):
                 await self._wake.wait()
 

@@ -10,8 +10,12 @@ To replace a link, pass ``default_handlers=False`` and subscribe your own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
 
 from handlers import (
     DrainScheduler,
@@ -30,12 +34,15 @@ from runtime.cluster.controller import Controller
 from runtime.cluster.controller.named_handlers import subscribe_named
 from runtime.cluster.controller.ray_backend import RayPlacement
 from runtime.cluster.worker import is_worker, run_worker
+from runtime.core.bus import EventBus
 from runtime.core.config import RuntimeConfig
+from runtime.core.eventlog import encode_event
 from runtime.core.events import (
     DeviceLost,
     MaintenanceScheduled,
     MaintenanceStarted,
     MeshChanged,
+    Notice,
     Preempted,
     SaveCheckpoint,
     ScaleUpAvailable,
@@ -56,7 +63,15 @@ from storage.cascade import TieredCheckpointer
 if TYPE_CHECKING:
     from runtime.maintenance.pubsub import PubSubListener
 
-__all__ = ["ElasticRuntime", "Maintenance", "default_controller", "intake_from_config", "ray_controller"]
+__all__ = [
+    "ElasticRuntime",
+    "Maintenance",
+    "attach_controller_maintenance",
+    "default_controller",
+    "intake_from_config",
+    "ray_controller",
+    "watch_own_host",
+]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +121,8 @@ class ElasticRuntime(Runtime):
         """
         if is_worker():
             mine = [sub for sub in self.bus.subscriptions if id(sub) not in self._builtin]
-            run_worker(self.job, steps, handlers=mine, handler_timeout=self.config.handler_timeout_s)
+            timeout = self.config.handler_timeout_s
+            run_worker(self.job, steps, handlers=mine, handler_timeout=timeout, watch_notices=watch_own_host)
         return super().run(steps, resume=resume)
 
 
@@ -214,3 +230,23 @@ def attach_maintenance(runtime: Runtime, *, default_handlers: bool = True) -> Ma
         parts.scheduler.attach(runtime.context)
         runtime.add_component(parts.scheduler)
     return parts
+
+
+def watch_own_host(metadata_host: str, forward: Callable[[bytes], None]) -> None:
+    """A worker's watch of its own host's notices (``runtime.cluster.worker.run_worker``'s ``watch_notices``):
+    the metadata server at ``metadata_host`` long-polled by a :class:`MetadataWatcher` in an event loop of its
+    own, each notice's JSON handed to ``forward`` (which sends it to the controller). Blocks until the process
+    ends."""
+    watcher = MetadataWatcher(metadata_host, NoticeIntake())
+
+    async def send(event: Notice, ctx: Any) -> None:
+        await anyio.to_thread.run_sync(forward, encode_event(event))
+
+    async def main() -> None:
+        bus = EventBus(handler_timeout=None)
+        bus.subscribe(Notice, send)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bus.run)
+            await watcher.run(BusContext(bus))
+
+    anyio.run(main)

@@ -44,6 +44,7 @@ __all__ = [
     "Joined",
     "Lease",
     "MalformedMessage",
+    "Noticed",
     "Notify",
     "Published",
     "Requested",
@@ -215,6 +216,15 @@ class Published(Message, frozen=True, kw_only=True):
     event: msgspec.Raw
 
 
+class Noticed(Message, frozen=True, kw_only=True):
+    """A maintenance or preemption notice about this worker's own host, from the host's metadata server
+    (``ELASTIC_METADATA_HOST``); ``event`` is the notice's JSON (``runtime.core.eventlog``). The controller takes
+    it only about the instance the worker's ``Hello`` named."""
+
+    worker: int
+    event: msgspec.Raw
+
+
 # --- controller -> worker ---------------------------------------------------------------------------------
 
 
@@ -288,7 +298,9 @@ class Notify(Message, frozen=True, kw_only=True):
     event: msgspec.Raw
 
 
-WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published]  # noqa: UP007 - msgspec needs a Union object
+WorkerMessage = Union[  # noqa: UP007 - msgspec needs a Union object
+    Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published, Noticed
+]
 ControllerMessage = Union[Form, Restore, Warm, Stop, Lease, Committed, Notify]  # noqa: UP007
 
 
