@@ -7,12 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 from notices import upcoming
 from pubsub_support import Topic
 
 from runtime.cluster.config import LaunchConfig, LaunchError
-from runtime.core.events import Event, MalformedNotice, NoticeIgnored
+from runtime.cluster.protocol import Hello, Noticed
+from runtime.core.eventlog import encode_event
+from runtime.core.events import Event, MaintenanceScheduled, MalformedNotice, NoticeIgnored
 from runtime.defaults import default_controller
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,3 +63,39 @@ def test_malformed_foreign_and_unknown_host_notices_change_nothing_and_are_count
     assert "of project someone-else, not elastic-test" in reasons[0]
     assert "no worker of this run runs on nowhere" in reasons[1]
     assert controller.supervisor.cordoned == set() and controller.recovery.failures == 0
+
+
+def test_a_worker_forwards_notices_about_its_own_host_only(tmp_path: Path) -> None:
+    controller = default_controller(LaunchConfig(command=[], nprocs=2, secret="s" * 64, run_dir=str(tmp_path)))
+    proc = controller.pool.admit(0)
+    proc.hello = Hello(worker=0, pid=1, target_steps=10, instance="host2")
+    seen: list[Event] = []
+
+    async def record(event: Event, ctx: Any) -> None:
+        seen.append(event)
+
+    controller.bus.subscribe(MaintenanceScheduled, record)
+    controller.bus.subscribe(NoticeIgnored, record)
+
+    def noticed(instance: str) -> Noticed:
+        event = MaintenanceScheduled(source="metadata", instance=instance, window_start=2e9, window_end=2e9 + 60)
+        return Noticed(worker=0, event=msgspec.Raw(encode_event(event)))
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(controller.bus.run)
+            await controller._noticed(proc, noticed("host2"))
+            await controller._noticed(proc, noticed("host3"))  # another host's: not this worker's to say
+            await controller.bus.close()
+
+    try:
+        anyio.run(main)
+    finally:  # a controller that never ran: what run_async would close
+        controller._inputs_in.close()
+        controller._inputs.close()
+        controller.event_log.close()
+    assert [(type(e).__name__, e.source) for e in seen] == [
+        ("MaintenanceScheduled", "metadata@worker-0"),
+        ("NoticeIgnored", "worker-0"),
+    ]
+    assert "about 'host3' from worker 0, which runs on 'host2'" in seen[1].reason  # type: ignore[attr-defined]
