@@ -28,7 +28,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Failures (all derive from `Failure`)", ev, [
         "Failure", "StepFailed", "DeviceLost", "SliceLost", "ProcessLost", "WorkerLost", "WorkerHung",
         "MalformedHeartbeat", "ConnectionRefused", "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt",
-        "MalformedNotice", "RecoveryFailed", "DataMismatch",
+        "MalformedNotice", "NoticeIgnored", "RecoveryFailed", "DataMismatch",
     ]),
     ("Conditions", ev, ["Straggler", "MeshReduced"]),
     ("Maintenance notices (all derive from `Notice`)", ev, [

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from runtime.cli.launch import add_handlers_argument, add_timeout_arguments
+from runtime.cli.launch import add_handlers_argument, add_maintenance_arguments, add_timeout_arguments
 from runtime.cluster import auth
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
 from runtime.core.errors import AuthenticationFailed, ElasticRuntimeError
@@ -57,6 +57,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_timeout_arguments(parser, start=300.0)
     add_handlers_argument(parser)
+    add_maintenance_arguments(parser)
     parser.set_defaults(func=controller_main)
     return parser
 
@@ -104,6 +105,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         coordinator_host=args.coordinator_host,
         coordinator_ports=args.coordinator_ports,
         handlers=list(args.handlers),
+        maintenance_subscription=args.maintenance_subscription,
+        drain_lead_s=args.drain_lead,
     )
 
 

@@ -104,6 +104,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_timeout_arguments(parser)
     add_handlers_argument(parser)
+    add_maintenance_arguments(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(func=launch_main)
     return parser
@@ -143,6 +144,24 @@ def add_handlers_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_maintenance_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--maintenance-subscription`` and ``--drain-lead``, as ``launch`` and ``controller`` take them."""
+    parser.add_argument(
+        "--maintenance-subscription",
+        default=None,
+        metavar="projects/P/subscriptions/S",
+        help="Google Cloud maintenance notices (Pub/Sub): a host's workers are drained before its window "
+        "(docs/gcp-setup.md)",
+    )
+    parser.add_argument(
+        "--drain-lead",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="drain a host this long before its maintenance window starts (default 60)",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     command = list(args.command)
     if command and command[0] == "--":
@@ -177,6 +196,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         resume=args.resume,
         faults=[fault for faults in args.fault for fault in faults],
         handlers=list(args.handlers),
+        maintenance_subscription=args.maintenance_subscription,
+        drain_lead_s=args.drain_lead,
     )
 
 

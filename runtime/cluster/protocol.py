@@ -22,11 +22,13 @@ __all__ = [
     "ENV_CONNECT_S",
     "ENV_CONTROLLER",
     "ENV_HEARTBEAT_S",
+    "ENV_INSTANCE",
     "ENV_JAX_HEARTBEAT_S",
     "ENV_JAX_INIT_S",
     "ENV_JAX_SHUTDOWN_S",
     "ENV_KEEP_PROGRAMS",
     "ENV_LOCAL_DEVICES",
+    "ENV_METADATA_HOST",
     "ENV_REPLICA_DIR",
     "ENV_RESULT",
     "ENV_RUN_ID",
@@ -43,6 +45,7 @@ __all__ = [
     "Joined",
     "Lease",
     "MalformedMessage",
+    "Noticed",
     "Notify",
     "Published",
     "Requested",
@@ -66,6 +69,8 @@ ENV_LOCAL_DEVICES = "ELASTIC_LOCAL_DEVICES"  # CPU devices per process
 ENV_RESULT = "ELASTIC_RESULT"  # a folder where process 0 commits the final state (disk tier format), if set
 ENV_RUN_ID = "ELASTIC_RUN_ID"  # the run's id: written into every replica, and only its replicas are restored
 ENV_HEARTBEAT_S = "ELASTIC_HEARTBEAT_S"
+ENV_INSTANCE = "ELASTIC_INSTANCE"  # the instance (host) this worker runs on, as maintenance notices name it
+ENV_METADATA_HOST = "ELASTIC_METADATA_HOST"  # a metadata server to ask for the instance name (host:port)
 ENV_JAX_HEARTBEAT_S = "ELASTIC_JAX_HEARTBEAT_S"
 ENV_JAX_SHUTDOWN_S = "ELASTIC_JAX_SHUTDOWN_S"
 ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
@@ -100,6 +105,9 @@ class Hello(Message, frozen=True, kw_only=True):
     # The event types (class names) the script's own handlers subscribe to: the controller forwards those of
     # the group's events to this worker (``Notify``; runtime/cluster/controller/relay.py).
     events: tuple[str, ...] = ()
+    # Where it runs: its GCE instance or TPU VM worker, its node (runtime/cluster/worker/instance.py); maintenance
+    # notices name hosts by it. "": unknown.
+    instance: str = ""
 
 
 class Heartbeat(Message, frozen=True, kw_only=True):
@@ -216,6 +224,15 @@ class Published(Message, frozen=True, kw_only=True):
     event: msgspec.Raw
 
 
+class Noticed(Message, frozen=True, kw_only=True):
+    """A maintenance or preemption notice about this worker's own host, from the host's metadata server
+    (``ELASTIC_METADATA_HOST``); ``event`` is the notice's JSON (``runtime.core.eventlog``). The controller takes
+    it only about the instance the worker's ``Hello`` named."""
+
+    worker: int
+    event: msgspec.Raw
+
+
 # --- controller -> worker ---------------------------------------------------------------------------------
 
 
@@ -271,6 +288,7 @@ class Stop(Message, frozen=True, kw_only=True):
     # The first slice writes its part of a durable checkpoint of this step (its last, or the one before, from
     # its replica file) before exiting; -1: none.
     durable_step: int = -1
+    at_step: int = -1  # stop after committing this step (a planned drain: the group re-forms there); -1: now
 
 
 class Committed(Message, frozen=True, kw_only=True):
@@ -298,7 +316,9 @@ class Notify(Message, frozen=True, kw_only=True):
     event: msgspec.Raw
 
 
-WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published]  # noqa: UP007 - msgspec needs a Union object
+WorkerMessage = Union[  # noqa: UP007 - msgspec needs a Union object
+    Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published, Noticed
+]
 ControllerMessage = Union[Form, Restore, Warm, Stop, Lease, Committed, Notify]  # noqa: UP007
 
 

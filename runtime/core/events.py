@@ -249,6 +249,15 @@ class MalformedNotice(Failure, frozen=True, kw_only=True):
     reason: str
 
 
+class NoticeIgnored(Failure, frozen=True, kw_only=True):
+    """A well-formed notice that concerns none of this run's hosts (another project's instance, or an instance
+    none of the workers runs on); it changed nothing."""
+
+    instance: str
+    message_id: str = ""
+    reason: str
+
+
 # --- maintenance notices ------------------------------------------------------------------------------
 
 
@@ -445,6 +454,7 @@ class GroupFormed(Event, frozen=True, kw_only=True):
     # programs the members traced and compiled (0: every one was loaded, kept from an earlier generation).
     phases: dict[str, float] = {}
     traced: int = 0
+    instances: tuple[str, ...] = ()  # where each member runs (its instance or host), as its Hello said
 
 
 # --- requests -----------------------------------------------------------------------------------------

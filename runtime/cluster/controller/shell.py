@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.abc import SocketStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -55,6 +56,7 @@ from runtime.cluster.controller.runfolder import default_replica_dir, mark_finis
 from runtime.cluster.controller.server import Report, WorkerServer
 from runtime.cluster.controller.supervision import (
     Action,
+    DrainRequested,
     EndRun,
     Finish,
     Input,
@@ -64,6 +66,7 @@ from runtime.cluster.controller.supervision import (
     MemberRestored,
     Progress,
     Publish,
+    Readmitted,
     RegroupRequested,
     RestoreFailed,
     SaveFences,
@@ -88,6 +91,7 @@ from runtime.cluster.protocol import (
     Joined,
     Lease,
     Message,
+    Noticed,
     Published,
     Requested,
     Restored,
@@ -106,7 +110,7 @@ from runtime.core.errors import (
     StepError,
     StorageError,
 )
-from runtime.core.eventlog import EventLog
+from runtime.core.eventlog import EventLog, decode_event
 from runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
@@ -114,6 +118,8 @@ from runtime.core.events import (
     ConnectionRefused,
     Event,
     MalformedHeartbeat,
+    Notice,
+    NoticeIgnored,
     ReplicaSkipped,
     RunFinished,
     StepFailed,
@@ -764,12 +770,32 @@ class Controller:
                 await self.relay.requested(message)
             case Published():
                 await self.relay.published(message)
+            case Noticed():
+                await self._noticed(proc, message)
             case Finished(generation=gen) if gen == self.group.generation:
                 proc.finished = message
                 self.result.digests[proc.worker] = message.digest
                 self._feed(MemberFinished(proc.worker))
             case _:
                 log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
+
+    async def _noticed(self, proc: WorkerProcess, message: Noticed) -> None:
+        """A notice from a worker's own metadata server: taken only about the host its Hello named (a worker
+        cannot speak for another host)."""
+        where = proc.hello.instance if proc.hello is not None else ""
+        try:
+            event = decode_event(bytes(message.event))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("controller: unreadable notice from worker %d: %s", proc.worker, exc)
+            return
+        if not isinstance(event, Notice) or not where or event.instance != where:
+            about = getattr(event, "instance", "")
+            why = f"{type(event).__name__} about {about!r} from worker {proc.worker}, which runs on {where!r}"
+            log.warning("controller: %s; ignored", why)
+            ignored = NoticeIgnored(step=self.group_step, source=f"worker-{proc.worker}", instance=about, reason=why)
+            await self.bus.publish(ignored)
+            return
+        await self.bus.publish(msgspec.structs.replace(event, source=f"metadata@worker-{proc.worker}"))
 
     async def _saved(self, proc: WorkerProcess, saved: Saved) -> None:
         """A writer's part of a durable checkpoint; the step is committed once every writer's part is in."""
@@ -885,6 +911,15 @@ class Controller:
         if killed is not None:
             self.result.detected_after_s.append(event.mono_time - killed)
         await self.bus.publish(event)
+
+    def request_drain(self, instance: str, reason: str) -> None:
+        """Take ``instance``'s workers out of the group at a planned step; seat none of it until readmitted."""
+        if not self.stopping:
+            self._feed(DrainRequested(instance, reason))
+
+    def readmit(self, instance: str) -> None:
+        """Workers on ``instance`` may be seated again."""
+        self._feed(Readmitted(instance))
 
     def request_regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
         """Replace ``lost`` workers and re-form the group; each lost member counts against the budget."""

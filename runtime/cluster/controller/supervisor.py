@@ -32,6 +32,7 @@ from runtime.cluster.controller.membership import JoinReport, Membership
 from runtime.cluster.controller.processes import ProcessPool, WorkerProcess, log_tail
 from runtime.cluster.controller.supervision import (
     Action,
+    DrainRequested,
     EndRun,
     Finish,
     Input,
@@ -41,6 +42,7 @@ from runtime.cluster.controller.supervision import (
     MemberRestored,
     Progress,
     Publish,
+    Readmitted,
     RegroupRequested,
     RestoreFailed,
     SaveFences,
@@ -62,6 +64,8 @@ __all__ = ["Phase", "Supervisor"]
 
 log = logging.getLogger(__name__)
 
+# A planned re-forming (growing, draining) happens this many steps after the newest step a member committed.
+PLANNED_AHEAD = 3
 # Near-simultaneous losses (a host, a slice) are answered by one re-forming, not one each.
 SETTLE_S = 0.05
 # Workers on other hosts are found lost by their silence, each one timeout after its own last heartbeat: those
@@ -136,6 +140,11 @@ class Supervisor:
         self._settle_until = 0.0
         self._unjoined: set[int] = set()  # members of the forming generation not joined yet
         self._growable: bool | None = None  # whether a ready spare would grow the group; None: look again
+        # Instances (hosts) under maintenance: their workers are taken out of the group and not seated again
+        # until re-admitted (``DrainRequested``, ``Readmitted``).
+        self.cordoned: set[str] = set()
+        self._drains: dict[str, str] = {}  # instance -> why, drains not yet started
+        self._leaving: list[int] = []  # members the generation being formed drains
 
     @property
     def done(self) -> bool:
@@ -191,6 +200,12 @@ class Supervisor:
                     self.phase, self.deadline = Phase.DONE, None
                     out.append(Finish())
                     return out
+            case DrainRequested(instance=instance, reason=reason):
+                self.cordoned.add(instance)
+                self._drains[instance] = reason
+            case Readmitted(instance=instance):
+                self.cordoned.discard(instance)
+                self._drains.pop(instance, None)
             case WorkerChanged() | MemberJoined() | Tick():
                 pass
         if not self.done:
@@ -266,6 +281,8 @@ class Supervisor:
             elif self._unreadable:
                 reason, self._unreadable = self._unreadable, ""
                 self._regroup(out, set(), reason)  # the same members, from another step
+            elif self._drains:
+                self._drain(out)
             elif self._can_grow():
                 self._form(out, Strategy.GROW, "a spare is ready")
         elif self.phase == Phase.SETTLING and due:
@@ -297,6 +314,36 @@ class Supervisor:
                 return
         self._form(out, self._strategy or self.config.strategy, reason)
 
+    def _seatable(self, proc: WorkerProcess) -> bool:
+        """A spare ready to be seated, on a host that is not under maintenance."""
+        return proc.ready_spare and not self._cordoned(proc)
+
+    def _cordoned(self, proc: WorkerProcess) -> bool:
+        return proc.hello is not None and proc.hello.instance in self.cordoned
+
+    def _drain(self, out: list[Action]) -> None:
+        """Take the members on cordoned hosts out at a planned step: the rest (and ready spares) re-form there,
+        every member's state in memory, nothing lost or counted. Not when the run ends first, nor when the
+        group would be smaller than ``min_nprocs``: then the host's loss is a failure like any other."""
+        reason = "; ".join(self._drains.values())
+        self._drains.clear()
+        members = self.group.members
+        leaving = [w for w in members if self._cordoned(self.pool[w])]
+        if not leaving:
+            return
+        staying = [w for w in members if w not in leaving]
+        ready = [p.worker for p in self.pool if self._seatable(p)]
+        ahead = max(self.pool[w].step for w in members) + PLANNED_AHEAD
+        if 0 <= self.target_steps <= ahead + 1:
+            log.warning("not draining workers %s (%s): the run ends first", leaving, reason)
+            return
+        assert self.config.min_nprocs is not None
+        if len(self.group.seat(staying, ready)) < self.config.min_nprocs:
+            log.warning("cannot drain workers %s (%s): fewer than min_nprocs would be left", leaving, reason)
+            return
+        self._leaving = leaving
+        self._form(out, Strategy.DRAIN, f"drain: {reason}")
+
     def _can_grow(self) -> bool:
         """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
         members = self.group.members
@@ -308,7 +355,7 @@ class Supervisor:
         ):
             return False
         if self._growable is None:  # counted again only after an input that may change it
-            ready = sum(p.ready_spare for p in self.pool)
+            ready = sum(self._seatable(p) for p in self.pool)
             self._growable = len(self.group.seat(members, [-1] * ready)) > len(members)  # a whole slice more
         return self._growable
 
@@ -320,7 +367,10 @@ class Supervisor:
         self.restored = False
         self._forming_reason = reason
         self._started = self.clock()
-        survivors = [w for w in self.group.members if not self.pool[w].gone and w not in self._requests]
+        leaving = self._leaving if strategy == Strategy.DRAIN else []
+        survivors = [
+            w for w in self.group.members if not self.pool[w].gone and w not in self._requests and w not in leaving
+        ]
         self._quiet(survivors)
         if strategy == Strategy.RESTART:
             for worker in survivors:
@@ -347,13 +397,13 @@ class Supervisor:
         need = self.config.nprocs - len(survivors)
         chosen = dict.fromkeys(self._chosen)
         if changed is None:
-            chosen = {w: None for w in chosen if self.pool[w].ready_spare}  # one chosen earlier may be gone since
-            ready = (p.worker for p in self.pool if p.ready_spare and p.worker not in chosen)
+            chosen = {w: None for w in chosen if self._seatable(self.pool[w])}  # one chosen earlier may be gone since
+            ready = (p.worker for p in self.pool if self._seatable(p) and p.worker not in chosen)
         else:
             proc = self.pool.get(changed)
-            if proc is None or not proc.ready_spare:
+            if proc is None or not self._seatable(proc):
                 chosen.pop(changed, None)
-            ready = (w for w in [changed] if proc is not None and proc.ready_spare and w not in chosen)
+            ready = (w for w in [changed] if proc is not None and self._seatable(proc) and w not in chosen)
         for worker in ready:
             if len(chosen) >= need:
                 break
@@ -369,7 +419,7 @@ class Supervisor:
             out.append(Spawn(need - len(starting) - len(chosen)))
         # Workers the controller does not start are the orchestrator's to replace: after a loss the group goes
         # on without them at once where min_nprocs allows, and grows back when they say hello.
-        soon = not self.config.starts_workers and bool(survivors)
+        soon = (not self.config.starts_workers or self._forming == Strategy.DRAIN) and bool(survivors)
         assert self.config.min_nprocs is not None
         late = self.deadline is not None and now > self.deadline
         enough = (soon or late) and len(self.group.seat(survivors, self._chosen)) >= self.config.min_nprocs  # slices
@@ -397,9 +447,19 @@ class Supervisor:
             self.monitor.expect_progress(worker, False)
         # Growing is planned: every member re-forms after committing the same step, so no collective is cut
         # off; after a failure the group re-forms now (in-flight steps are abandoned).
-        grow = self._forming == Strategy.GROW and survivors
-        at_step = max(self.pool[w].step for w in survivors) + 3 if grow else -1
+        planned = self._forming in (Strategy.GROW, Strategy.DRAIN) and survivors
+        leaving = self._leaving if self._forming == Strategy.DRAIN else []
+        self._leaving = []
+        at_step = max(self.pool[w].step for w in [*survivors, *leaving]) + PLANNED_AHEAD if planned else -1
         out.append(SendForm(generation, tuple(members), self._forming, at_step))
+        for worker in leaving:
+            # It steps with the old group up to ``at_step``, then exits: a replacement may take its place once
+            # its host is back (``Readmitted``). Not watched from now: its leaving is no failure.
+            proc = self.pool[worker]
+            proc.gone = proc.told_to_stop = True
+            self.monitor.forget(worker)
+            why = f"drained at step {at_step}: {self._forming_reason}"
+            out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE, at_step=at_step)))
         out.append(
             Publish(
                 GroupForming(
@@ -469,7 +529,7 @@ class Supervisor:
     def _substitute(self, out: list[Action], lost: list[int]) -> None:
         """Seat a ready spare in each lost member's seat of the generation being formed (its Form names the
         seat's process id, the same coordinator); start spares for the seats none is ready for."""
-        ready = [p.worker for p in self.pool if p.ready_spare]
+        ready = [p.worker for p in self.pool if self._seatable(p)]
         members, generation = self.group.members, self.group.generation
         seated = []
         for worker in lost:
@@ -551,6 +611,7 @@ class Supervisor:
             restore_source=max(plan.source, 0),
             phases=_slowest_phases([self.pool[w].joined for w in members]),
             traced=sum(len(j.traced) for w in members if (j := self.pool[w].joined) is not None),
+            instances=tuple(self._instance(w) for w in members),
         )
         out.append(Publish(formed))
         if strategy == Strategy.START:
@@ -578,6 +639,10 @@ class Supervisor:
         # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
         out.append(TopUpSpares())
         self.phase, self.deadline = Phase.IDLE, None
+
+    def _instance(self, worker: int) -> str:
+        hello = self.pool[worker].hello
+        return hello.instance if hello is not None else ""
 
     # --- training ------------------------------------------------------------------------------------------
 

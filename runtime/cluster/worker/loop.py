@@ -53,6 +53,7 @@ from runtime.cluster.protocol import (
 from runtime.cluster.tiers import Tier
 from runtime.cluster.worker.group import join_group, leave_group
 from runtime.cluster.worker.handlers import Boundary, ScriptHandlers
+from runtime.cluster.worker.instance import instance_name
 from runtime.cluster.worker.link import ControllerLink, Inbound
 from runtime.cluster.worker.settings import WorkerSettings
 from runtime.core.cadence import EveryN
@@ -150,7 +151,7 @@ class Worker:
         # The compiled step, snapshot and restore programs of every layout this process was in, kept to be
         # loaded, not traced, when a later group has the same layout (runtime/core/programs.py).
         self.programs = programs if programs is not None else ProgramStore(keep=False)
-        self._deferred: Form | None = None  # a planned re-forming, due after its ``at_step``
+        self._deferred: Form | Stop | None = None  # a planned re-forming (or drain), due after its ``at_step``
         # A restore left running when the group re-formed: it may still be reading, and must not build arrays on
         # the next group's backend (see ``_form``).
         self._abandoned_restore: Future[Any] | None = None
@@ -167,7 +168,10 @@ class Worker:
     def serve(self) -> int:
         """Handle controller messages until told to stop; returns the exit code."""
         events = self.script.events if self.script is not None else ()
-        self.link.send(Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps, events=events))
+        where = instance_name(self.settings)
+        self.link.send(
+            Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps, events=events, instance=where)
+        )
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         pending: Inbound | None = None
         while True:
@@ -739,7 +743,7 @@ class Worker:
 
     def _defer(self, message: Inbound) -> bool:
         """Keep a planned Form (``at_step`` ahead) for its step boundary; True if ``message`` was kept."""
-        if isinstance(message, Form) and message.at_step > self.step:
+        if isinstance(message, Form | Stop) and message.at_step > self.step:
             self._deferred = message
             return True
         return False
@@ -748,7 +752,7 @@ class Worker:
         """While a step runs: take a planned Form off the inbox (the step must finish); True if one was."""
         with self.link.inbox.mutex:
             head = self.link.inbox.queue[0] if self.link.inbox.queue else None
-        if isinstance(head, Form) and head.at_step > self.step:
+        if isinstance(head, Form | Stop) and head.at_step > self.step:
             return self._defer(self.link.inbox.get())
         return False
 
