@@ -45,7 +45,7 @@ def command(model: str, steps: int) -> list[str]:
     return [sys.executable, str(ROOT / script), "--steps", str(steps), "--lose-slice-at", "0", "--no-reference"]
 
 
-def one(model: str, mode: str, *, steps: int, kill_at: int) -> dict[str, Any]:
+def one(model: str, mode: str, *, steps: int, kill_at: int, hang_timeout_s: float) -> dict[str, Any]:
     strategy, env = MODES[mode]
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-real-{model}-{mode}-"))
     controller = group_controller(
@@ -60,6 +60,7 @@ def one(model: str, mode: str, *, steps: int, kill_at: int) -> dict[str, Any]:
         extra_env=env,
         start_timeout_s=600.0,
         form_timeout_s=300.0,
+        hang_timeout_s=hang_timeout_s,
     )
     result = controller.run()
     events = read_events(run_dir / "events.jsonl")
@@ -86,13 +87,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill-at", type=int, default=12)
+    parser.add_argument(
+        "--hang-timeout", type=float, default=60.0, help="a real model's first step on a loaded CPU takes seconds"
+    )
     parser.add_argument("--json", action="store_true", help="only the JSON line")
     args = parser.parse_args()
     runs = []
     for _ in range(args.repeats):  # interleaved: the machine's load shifts between repeats, not between modes
         for model in args.models:
             for mode in args.modes:
-                run = one(model, mode, steps=args.steps, kill_at=args.kill_at)
+                run = one(model, mode, steps=args.steps, kill_at=args.kill_at, hang_timeout_s=args.hang_timeout)
                 runs.append(run)
                 if not args.json:
                     print(json.dumps(run), flush=True)
