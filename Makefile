@@ -55,7 +55,7 @@ test-slurm: $(STAMP) slurm
 # decisions, notices, docs) is plain Python that `make test` covers once. LATEST_TESTS=tests runs everything.
 LATEST_TESTS ?= tests/test_compat.py tests/test_compiler.py tests/test_compile_cache.py tests/test_real_model_shape.py \
 	tests/test_ram.py tests/test_recovery.py tests/test_flax_lm.py tests/checkpoints \
-	tests/multiprocess/test_real_model_shape.py tests/multiprocess/test_slices.py \
+	tests/multiprocess/test_real_model_launch.py tests/multiprocess/test_slices.py \
 	tests/multiprocess/test_launcher_recovery.py tests/multiprocess/test_durable.py
 test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/pytest $(LATEST_TESTS)

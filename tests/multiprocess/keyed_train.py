@@ -1,4 +1,4 @@
-"""The keyed model (``runtime.testing.keyed_model``) as a training script, for ``test_real_model_shape.py``.
+"""The keyed model (``runtime.testing.keyed_model``) as a training script, for ``test_real_model_launch.py``.
 Not collected.
 
     python tests/multiprocess/keyed_train.py --steps 30 [--trace-log FILE]
