@@ -7,8 +7,9 @@ reaches it (a peer device's thread descheduled for long), and so does a worker's
 with a dead peer while the group re-forms without it. So the runtime raises the limit to 5 minutes, unless the
 user set the flag. Not further: XLA's CPU collectives can also deadlock for good (seen once with a MaxText step,
 six device threads in an all-reduce and two in an all-gather of the same program), and in one process nothing
-else would end that hang; under ``launch`` the controller's ``--hang-timeout`` replaces such a worker first. XLA reads ``XLA_FLAGS`` once, when the
-first backend starts: importing this module (``runtime`` does, first) sets it, before any device is touched.
+else would end that hang; under ``launch`` the controller's ``--hang-timeout`` replaces such a worker first.
+XLA reads ``XLA_FLAGS`` once, when the first backend starts: importing this module (``runtime`` does, first)
+sets it, before any device is touched.
 """
 
 from __future__ import annotations
