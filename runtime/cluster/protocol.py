@@ -139,6 +139,7 @@ class Joined(Message, frozen=True, kw_only=True):
     # earlier generation, runtime/core/programs.py), read (listing what it can restore).
     phases: dict[str, float] = {}
     traced: tuple[str, ...] = ()  # the programs it traced and compiled (none: every one was loaded)
+    mesh_shape: dict[str, int] = {}  # the group's mesh, as the job's ProcessMesh laid it out
 
 
 class Saved(Message, frozen=True, kw_only=True):

@@ -17,7 +17,7 @@ import pytest
 
 from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
 from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed
+from runtime.core.events import GroupFormed, StepCompleted
 from runtime.faults.grammar import Fault
 from runtime.testing.compare import compare_states
 from storage.disk import DiskTier
@@ -59,7 +59,10 @@ def test_keys_and_own_axes_under_launch_with_two_slices(tmp_path: Path) -> None:
     assert traces and all(t["own_mesh"] for t in traces), traces
     # The re-formed group loaded every compiled program kept from the first one (the survivors from memory, the
     # replacement from the file its predecessor wrote): no process traced the user's step a second time.
-    formed = [e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, GroupFormed)]
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    formed = [e for e in events if isinstance(e, GroupFormed)]
+    # The controller's events name the job's own axes, as the workers laid the mesh out.
+    assert {e.mesh_shape["fsdp"] for e in events if isinstance(e, StepCompleted)} == {4}
     assert [f.traced for f in formed][1:] == [0], formed
     assert max(Counter(t["pid"] for t in traces).values()) == 1, traces
     # The group's mesh (2 slices of 2 processes x 2 devices), and a warm spare's local one (its warm-up).

@@ -161,6 +161,10 @@ class Supervisor:
         return self._coordinator
 
     def mesh_shape(self) -> dict[str, int]:
+        """The group's mesh: as its first member laid it out (the job's own axes), else the default layout."""
+        first = self.pool[self.group.members[0]].joined if self.group.members else None
+        if first is not None and first.mesh_shape:
+            return dict(first.mesh_shape)
         size = self.config.slice_size
         return {"data": len(self.group.members) // size, "model": size * self.config.local_devices}
 

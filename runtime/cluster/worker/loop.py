@@ -344,6 +344,7 @@ class Worker:
                 skipped=self._skipped,
                 phases=phases,
                 traced=tuple(kept.traced),
+                mesh_shape={str(name): int(size) for name, size in self.mesh.shape.items()},
             )
         )
 
