@@ -37,6 +37,7 @@ __all__ = [
     "MeshReady",
     "MeshReduced",
     "Notice",
+    "NoticeIgnored",
     "Preempted",
     "ProcessLost",
     "RecoveryCompleted",
