@@ -144,9 +144,10 @@ def default_controller(config: LaunchConfig) -> Controller:
     return controller
 
 
-def attach_controller_maintenance(controller: Controller) -> HostDrains:
+def attach_controller_maintenance(controller: Controller, *, default_handlers: bool = True) -> HostDrains | None:
     """The controller's notice source (``config.maintenance_subscription``) and the drain handlers
-    (``handlers/drain_host.py``), which map a notice to the workers on its instance."""
+    (``handlers/drain_host.py``), which map a notice to the workers on its instance. ``default_handlers=False``
+    leaves the handlers out, for your own on ``controller.bus`` (with ``ctx.drain``, ``ctx.readmit``)."""
     config = controller.config
     if config.maintenance_subscription:
         from runtime.maintenance.pubsub import PubSubListener  # google-cloud-pubsub only when a subscription is named
@@ -155,6 +156,8 @@ def attach_controller_maintenance(controller: Controller) -> HostDrains:
         intake = NoticeIntake(project=project, report_ignored=True)
         listener = PubSubListener(config.maintenance_subscription, intake)
         controller.companions.append(lambda: listener.run(BusContext(controller.bus)))
+    if not default_handlers:
+        return None
     drains = HostDrains()
     drains.attach(controller.bus)
     controller.companions.append(lambda: drains.run(controller.context))

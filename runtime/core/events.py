@@ -38,6 +38,7 @@ __all__ = [
     "MeshReady",
     "MeshReduced",
     "Notice",
+    "NoticeIgnored",
     "Preempted",
     "ProcessLost",
     "RecoveryCompleted",

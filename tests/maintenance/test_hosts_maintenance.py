@@ -219,3 +219,31 @@ def test_the_same_notice_through_the_hosts_metadata_server_drains_it_too(tmp_pat
     notices = [e for e in history if isinstance(e, MaintenanceScheduled)]
     assert {e.source for e in notices} == {"metadata@worker-2"}
     assert [e for e in history if isinstance(e, GroupFormed)][2].wall_time > window + 10  # after the window ended
+
+
+def test_a_notice_whose_window_is_already_open_is_handled_as_a_loss_and_said_to_be_late(
+    tmp_path: Path, topic: Topic, reference: Path
+) -> None:
+    with SimulatedHosts(HOSTS) as hosts:
+        run = HostsRun(hosts, tmp_path, ["--maintenance-subscription", topic.subscription])
+        try:
+            for k in range(HOSTS):
+                run.start(k, k)
+            run.wait_for("step 3", step_3)
+            opened = time.time() - 5.0
+            topic.publish(upcoming(name="host2", start=opened, end=opened + 30))
+            run.wait_for("the group without host 2", formed(HOSTS - 1))
+            topic.publish(upcoming(name="host2", start=opened, end=opened + 30, status="COMPLETED"))
+            run.wait_for("the Completed notice", lambda seen: any(isinstance(e, MaintenanceCompleted) for e in seen))
+            run.start(2, HOSTS)
+            result, history = run.finish()
+        finally:
+            run.close()
+    assert result["ok"] and result["step"] == STEPS
+    assert result["strategies"] == ["start", "reform", "grow"]  # a loss, not a planned drain
+    [recovery] = result["recoveries"]  # counted against the failure budget
+    assert "too late for a planned drain" in recovery["cause"], recovery
+    [started] = [e for e in history if isinstance(e, RecoveryStarted)]
+    assert "MaintenanceScheduled for host2" in started.cause
+    match = compare_states(final_state(tmp_path / "final"), final_state(reference), bitwise=False)
+    assert match["match"], match
