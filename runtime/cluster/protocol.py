@@ -275,6 +275,10 @@ class Restore(Message, frozen=True, kw_only=True):
 class Warm(Message, frozen=True, kw_only=True):
     """A spare with nothing to do: compile the step once on a local backend, so that joining later is quick."""
 
+    # The run's kept programs (Form.programs): where they are on the spare's host already, joining will load
+    # them, and a warm-up that compiled the step for minutes would only keep the spare deaf to a Form.
+    programs: str = ""
+
 
 class Stop(Message, frozen=True, kw_only=True):
     """Exit now with ``exit_code``; ``reason`` is logged. The code is 0 when the run is over and

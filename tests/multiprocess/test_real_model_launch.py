@@ -64,10 +64,11 @@ def test_keys_and_own_axes_under_launch_with_two_slices(tmp_path: Path) -> None:
     # The controller's events name the job's own axes, as the workers laid the mesh out.
     assert {e.mesh_shape["fsdp"] for e in events if isinstance(e, StepCompleted)} == {4}
     assert [f.traced for f in formed][1:] == [0], formed
-    assert max(Counter(t["pid"] for t in traces).values()) == 1, traces
-    # The group's mesh (2 slices of 2 processes x 2 devices), and a warm spare's local one (its warm-up).
-    group, local = (("data", 2), ("fsdp", 4), ("tensor", 1)), (("data", 1), ("fsdp", 2), ("tensor", 1))
-    assert group in {tuple(t["shape"].items()) for t in traces} <= {group, local}
+    # One trace in each of the first group's 4 processes; none in the spare: its warm-up found the kept programs
+    # on this host and only brought its backend up, and as the replacement it loaded them.
+    assert sorted(Counter(t["pid"] for t in traces).values()) == [1, 1, 1, 1], traces
+    # The group's mesh: 2 slices of 2 processes x 2 devices.
+    assert {tuple(t["shape"].items()) for t in traces} == {(("data", 2), ("fsdp", 4), ("tensor", 1))}
     reference, _ = run(tmp_path, "reference", slices=2, kill=None)
     assert reference.ok
     assert compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=True)["match"]

@@ -661,7 +661,7 @@ class Controller:
         for proc in self.pool:
             if proc.ready_spare and not proc.warmed:
                 proc.warmed = True
-                await self.server.send(proc, Warm())
+                await self.server.send(proc, Warm(programs=self._programs))
 
     # --- messages from workers -----------------------------------------------------------------------------
 

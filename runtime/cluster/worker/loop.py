@@ -196,8 +196,8 @@ class Worker:
                         pending = self._train(message.target_steps)
                 case Restore():
                     log.info("stale restore for generation %d ignored", message.generation)
-                case Warm() if not self.initialized:
-                    self._warm()
+                case Warm(programs=programs) if not self.initialized:
+                    self._warm(programs)
                 case Warm():
                     pass
                 case Stop(hold=True):
@@ -348,11 +348,14 @@ class Worker:
             )
         )
 
-    def _warm(self) -> None:
+    def _warm(self, programs: str) -> None:
         """Trace and compile the step once on a local, non-distributed backend, then drop that backend.
 
         The first compile in a process pays for loading and initializing XLA's compiler and JAX's tracing
-        machinery (seconds here); a spare that paid it while idle joins a re-forming group sooner.
+        machinery (seconds here); a spare that paid it while idle joins a re-forming group sooner. Where the
+        run's kept ``programs`` are on this host already, joining loads them: only the backend is brought up
+        (a fraction of a second), since a real model's warm-up compile (minutes on CPU) keeps the spare deaf
+        to the Form of a group that needs it.
         """
         import jax
         import jax.extend.backend
@@ -360,7 +363,12 @@ class Worker:
         from runtime.core.compiler import StepCompiler
 
         started = time.monotonic()
+        kept = self.replicas.directory / programs if programs else None
         try:
+            if kept is not None and kept.is_dir() and any(kept.iterdir()):
+                jax.block_until_ready(jax.jit(lambda x: x + 1)(np.float32(0)))
+                log.info("the run's programs are kept on this host: only the backend warmed up")
+                return
             mesh = self.job.process_mesh.build(jax.local_devices(), 1)
             StepCompiler(self.job, self.template, self.job.data.batch(0)).get(mesh)
         except Exception as exc:  # only an optimization: a spare that cannot warm up joins cold
