@@ -119,6 +119,7 @@ def controller_round(case: str, step: int, run_dir: Path, reference: Path) -> li
             return [f"RecoveryError without {w!r}: {exc}" for w in wanted if w not in str(exc)]
         return ["a crash repeating at every attempt did not end the run"]
     durable = ("--durable", str(run_dir.with_name(f"{run_dir.name}-durable")), "--durable-every", "1000")
+    durable += ("--grace-s", "120")  # a hang guard: a loaded machine may take a while
     flags = durable if case == "sigterm-durable" else ()
     controller = launched.launch(run_dir, worker_command(STEPS), *flags, nprocs=NPROCS, step_delay_s=0.1)
     launched.wait_for_step(run_dir, controller, step)

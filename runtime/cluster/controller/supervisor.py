@@ -430,6 +430,7 @@ class Supervisor:
             log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
         if seated:
             out.append(SendForm(generation, tuple(members), self._forming, -1, seats=tuple(seated)))
+            self.deadline = self.clock() + self.config.form_timeout_s  # the newcomer's time to join, from now
         missing = len(lost) - len(seated)
         starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
         if self.config.starts_workers and len(starting) < missing:
