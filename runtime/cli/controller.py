@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from runtime.cli.launch import add_handlers_argument
+from runtime.cli.launch import add_handlers_argument, add_maintenance_arguments, add_timeout_arguments
 from runtime.cluster import auth
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
 from runtime.core.errors import AuthenticationFailed, ElasticRuntimeError
@@ -31,9 +31,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--local-devices", type=int, default=2, help="devices per worker (default 2)")
     parser.add_argument("--steps", type=int, default=None, help="the run's target (default: the first worker's)")
     parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=0.2, help="seconds between lease renewals (the workers' interval)"
+    )
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
-    parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the first group")
     parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
     parser.add_argument("--run-dir", default=None, help="event log and summary.json (default: a new temp dir)")
     parser.add_argument(
@@ -53,7 +55,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="LO-HI",
         help="ports for the coordination services, one per group generation (default: any free port)",
     )
+    add_timeout_arguments(parser, start=300.0)
     add_handlers_argument(parser)
+    add_maintenance_arguments(parser)
     parser.set_defaults(func=controller_main)
     return parser
 
@@ -86,9 +90,12 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         local_devices=args.local_devices,
         target_steps=args.steps,
         strategy=args.strategy,
+        heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
         hang_timeout_s=args.hang_timeout,
         start_timeout_s=args.start_timeout,
+        form_timeout_s=args.form_timeout,
+        spawn_timeout_s=args.spawn_timeout,
         max_failures=args.max_failures,
         run_dir=args.run_dir,
         resume=args.resume,
@@ -98,6 +105,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         coordinator_host=args.coordinator_host,
         coordinator_ports=args.coordinator_ports,
         handlers=list(args.handlers),
+        maintenance_subscription=args.maintenance_subscription,
+        drain_lead_s=args.drain_lead,
     )
 
 

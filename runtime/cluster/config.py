@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from runtime.core.config import check_subscription
 from runtime.core.retry import Backoff, RetryPolicy
 from runtime.faults.grammar import Fault
 
@@ -17,6 +18,7 @@ class Strategy(StrEnum):
 
     START = "start"  # the first group
     GROW = "grow"  # a spare joins a smaller group at a planned step
+    DRAIN = "drain"  # members on a host about to go down leave the group at a planned step
     REFORM = "reform"  # survivors re-initialize jax.distributed in-process; replacements take state from peers
     RESTART = "restart"  # every worker process replaced, state from the replica files in /dev/shm
 
@@ -87,6 +89,10 @@ class LaunchConfig:
             until the run ends); default: any free port.
         handlers: controller-side handlers, each ``package.module:function`` (``launch --handlers``), subscribed
             by ``runtime.defaults.default_controller`` (``runtime/cluster/controller/named_handlers.py``).
+        maintenance_subscription: ``projects/P/subscriptions/S``: the controller listens there for Google Cloud
+            maintenance notices and drains a host's workers before its window (``handlers/drain_host.py``);
+            notices about another project's instances (not P) are ignored. None: no notices.
+        drain_lead_s: drain a host's workers this long before its maintenance window starts.
     """
 
     command: list[str]
@@ -124,6 +130,8 @@ class LaunchConfig:
     coordinator_host: str | None = None
     coordinator_ports: tuple[int, int] | None = None
     handlers: list[str] = field(default_factory=list)
+    maintenance_subscription: str | None = None
+    drain_lead_s: float = 60.0
 
     @property
     def slice_size(self) -> int:
@@ -164,6 +172,8 @@ class LaunchConfig:
             low, high = self.coordinator_ports
             if not 0 < low <= high < 65536:
                 raise ValueError(f"coordinator ports must be a range LO-HI within 1-65535, got {low}-{high}")
+        if self.maintenance_subscription:
+            check_subscription(self.maintenance_subscription, field="maintenance_subscription")
         if not self.starts_workers:
             self.spares = 0  # nothing to start: a replacement is the orchestrator's to bring up
 

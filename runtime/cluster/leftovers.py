@@ -22,6 +22,8 @@ import os
 import shutil
 from pathlib import Path
 
+from runtime.core.programs import PROGRAMS_PREFIX
+
 __all__ = ["OWNER_FILE", "claim", "remove", "sweep", "unneeded"]
 
 log = logging.getLogger(__name__)
@@ -83,11 +85,11 @@ def sweep(root: str | os.PathLike[str] = "/dev/shm", *, keep: str | os.PathLike[
 
 def remove(folder: str | os.PathLike[str], name: str) -> None:
     """Remove this process's replica folder ``name`` in ``folder``, and ``folder`` once nothing but its owner
-    record (or its compile cache) is left in it."""
+    record, its compile cache or the workers' kept programs (``runtime/core/programs.py``) is left in it."""
     base = Path(folder)
     shutil.rmtree(base / name, ignore_errors=True)
     with contextlib.suppress(OSError):
-        left = {p.name for p in base.iterdir()}
+        left = {p.name for p in base.iterdir() if not p.name.startswith(PROGRAMS_PREFIX)}
         if left <= {OWNER_FILE, "xla-cache"}:  # the last process of the run on this host
             shutil.rmtree(base, ignore_errors=True)
     log.info("removed the replica folder %s", base / name)

@@ -153,3 +153,19 @@ def test_verdicts_become_events() -> None:
     assert isinstance(hung, WorkerHung) and hung.stalled_s == 3.0 and "step 6" in hung.message
     slow = verdict_event(Straggling(3, 0.5, 0.1), step=7)
     assert isinstance(slow, Straggler) and slow.group_median_s == 0.1
+
+
+def test_more_losses_may_come_while_one_is_long_silent_or_a_lost_one_is_not_forgotten(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=2.0)
+    clock.advance(1.0)
+    m.observe(0, 1)
+    m.observe(1, 1)
+    assert m.losing(1.0) and not m.losing(1.1)  # worker 2, silent since it was registered
+    m.observe(2, 1)
+    assert not m.losing(0.1)
+    clock.advance(2.5)
+    assert len(m.check()) == 3
+    assert m.losing(10.0)  # found lost; the supervisor has not taken them out yet
+    for worker in (0, 1, 2):
+        m.forget(worker)
+    assert not m.losing(0.1)

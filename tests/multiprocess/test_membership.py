@@ -127,3 +127,15 @@ def test_a_restore_fences_every_earlier_generation_at_the_step_the_group_went_on
     assert resumed.new_generation([0, 1, 2]) == 5
     resumed.restore(12)
     assert resumed.fences == {1: 6, 2: 9, 3: 9, 4: 12}
+
+
+def test_a_report_moves_the_group_step_once_the_last_member_at_it_moves_on() -> None:
+    group = Membership(3)
+    group.new_generation([0, 1, 2])
+    group.restore(5)
+    assert group.report(0, 7) == [] and group.report(1, 6) == []
+    assert group.report(2, 8) == [6]
+    assert group.report(1, 9) == [7] and group.step == 7
+    assert group.report(0, 6) == []  # older than what it said: changes nothing
+    assert group.report(3, 20) == []  # not a member
+    assert group.has(2) and not group.has(3)

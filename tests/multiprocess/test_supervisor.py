@@ -108,10 +108,10 @@ class Run:
             self.monitor.register(worker)
             self.feed(WorkerChanged(worker))
 
-    def join(self, step: int = 0, tier: str = "none") -> None:
+    def join(self, step: int = 0, tier: str = "none", join_s: float = 0.1) -> None:
         generation = self.supervisor.group.generation
         for worker in list(self.members):
-            joined = Joined(worker=worker, generation=generation, best_step=step, tier=tier, join_s=0.1)
+            joined = Joined(worker=worker, generation=generation, best_step=step, tier=tier, join_s=join_s)
             self.pool[worker].joined = joined
             self.feed(MemberJoined(worker))
 
@@ -288,7 +288,11 @@ def test_a_failure_past_the_budget_ends_the_run_and_so_does_a_group_that_never_f
     assert stalled.ended is None  # not yet due
     stalled.wait(2.0)  # the new group never joins: counted as the second failure
     assert isinstance(stalled.ended, RecoveryError)
-    assert "2 failures exceed max_failures=1 (the last: not joined within 30.0 s in generation 2)" in str(stalled.ended)
+    why = (
+        "2 failures exceed max_failures=1 (the last: not joined within 30.0 s (the slowest join so far took 0.1 s; "
+        "raise --form-timeout or --start-timeout if joining compiles longer) in generation 2)"
+    )
+    assert why in str(stalled.ended), stalled.ended
 
 
 def test_a_step_that_keeps_failing_is_retried_after_a_backoff_then_given_up(tmp_path: Path) -> None:
@@ -349,3 +353,23 @@ def test_the_run_finishes_once_every_member_finished(tmp_path: Path) -> None:
         run.pool[worker].finished = Finished(worker=worker, generation=1, step=TARGET, digest="d")
         run.feed(MemberFinished(worker))
     assert run.finished and run.supervisor.done and run.supervisor.stopped
+
+
+def test_joining_may_take_as_long_as_a_real_compile_and_a_stall_says_how_long_joins_took(tmp_path: Path) -> None:
+    run = Run(tmp_path, start_timeout_s=300.0, form_timeout_s=20.0, max_failures=1)
+    run.spawn(3)
+    run.feed(Start())
+    run.hello(0, 1)
+    run.wait(200.0)  # the first group compiles for minutes (a real model): within the start-up time
+    assert run.ended is None and len(run.forms) == 1
+    run.join(join_s=200.0)
+    run.hello(2)
+    run.commit(10)
+    run.lose(1)
+    run.wait(0.1)
+    assert run.forms[-1].members == (0, 2)
+    run.wait(300.0)  # a re-formed group gets twice the slowest join seen: 400 s, not 20
+    assert run.ended is None
+    run.wait(101.0)  # then it is a stall, which names the times (with no budget left, it ends the run)
+    assert isinstance(run.ended, RecoveryError)
+    assert "not joined within 400.0 s (the slowest join so far took 200.0 s" in str(run.ended), run.ended

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 from typing import Any
 
 from runtime.cluster.config import LaunchError
 
-__all__ = ["free_port", "host_service", "start_coordination_service"]
+__all__ = ["ENV_SIMULATED", "free_port", "host_service", "start_coordination_service"]
 
 log = logging.getLogger(__name__)
+
+# Set to "1" only for groups of simulated workers (``tests/multiprocess/simworkers.py``), which run no JAX: the
+# controller then hosts no coordination service for them. Nothing on the real path sets it.
+ENV_SIMULATED = "ELASTIC_SIMULATED_WORKERS"
+
+
+class _NoService:
+    """What stands for a coordination service in a simulated group."""
+
+    def shutdown(self) -> None:
+        pass
 
 
 def free_port(host: str = "127.0.0.1", ports: tuple[int, int] | None = None) -> int:
@@ -60,6 +72,8 @@ def host_service(
     Raises:
         LaunchError: no port is free, or the service did not start in a few attempts.
     """
+    if os.environ.get(ENV_SIMULATED) == "1":
+        return 0, _NoService()
     attempts = 5
     for attempt in range(attempts):
         try:

@@ -17,9 +17,10 @@ resets it.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,10 @@ from runtime.core.events import Event, Straggler, WorkerHung, WorkerLost
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+
+# How often the group's step times are compared (stragglers): a median over every worker is O(N), not for
+# every check.
+_STRAGGLER_CHECK_S = 1.0
 
 
 class UnknownWorker(KeyError):
@@ -110,6 +115,13 @@ class HeartbeatMonitor:
         self.straggler_every_s = straggler_every_s
         self.clock = clock
         self._workers: dict[int, _Worker] = {}
+        # Watched workers (no verdict yet) by their last heartbeat, oldest first; those expected to progress by
+        # their last progress; those the controller knows are gone.
+        self._by_seen: OrderedDict[int, None] = OrderedDict()
+        self._by_progress: OrderedDict[int, None] = OrderedDict()
+        self._gone: dict[int, None] = {}
+        self._lost: set[int] = set()  # found lost, not forgotten (nor registered) since
+        self._stragglers_due = -math.inf
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -118,10 +130,19 @@ class HeartbeatMonitor:
     def register(self, worker: int) -> None:
         """Start watching ``worker`` (its silence is timed from now)."""
         self._workers[worker] = _Worker(last_seen=self.clock())
+        self._by_seen[worker] = None
+        self._by_seen.move_to_end(worker)
+        self._by_progress.pop(worker, None)
+        self._gone.pop(worker, None)
+        self._lost.discard(worker)
 
     def forget(self, worker: int) -> None:
         """Stop watching ``worker`` (it was replaced or finished). Unknown ids are ignored."""
         self._workers.pop(worker, None)
+        self._by_seen.pop(worker, None)
+        self._by_progress.pop(worker, None)
+        self._gone.pop(worker, None)
+        self._lost.discard(worker)
 
     def expect_progress(self, worker: int, expected: bool = True) -> None:
         """Whether ``worker`` should be committing steps now (not while its group re-forms or after it ends)."""
@@ -129,6 +150,9 @@ class HeartbeatMonitor:
         if entry is not None:
             entry.expect_progress = expected
             entry.progress_at = self.clock()
+            self._by_progress.pop(worker, None)
+            if expected and not entry.reported:
+                self._by_progress[worker] = None  # the newest progress_at: last in order
 
     def observe(self, worker: int, step: int, step_time_s: float | None = None) -> None:
         """Record a heartbeat. Raises UnknownWorker for an id that is not registered."""
@@ -137,9 +161,13 @@ class HeartbeatMonitor:
             raise UnknownWorker(worker)
         now = self.clock()
         entry.last_seen = now
+        if worker in self._by_seen:
+            self._by_seen.move_to_end(worker)
         if step != entry.step:
             entry.step = step
             entry.progress_at = now
+            if worker in self._by_progress:
+                self._by_progress.move_to_end(worker)
             if step_time_s is not None and step_time_s >= 0:
                 entry.step_times.append(step_time_s)
 
@@ -150,26 +178,57 @@ class HeartbeatMonitor:
         entry = self._workers.get(worker)
         if entry is not None and not entry.gone and not entry.reported:
             entry.gone, entry.gone_by = reason, detected_by
+            self._gone[worker] = None
+
+    def losing(self, silent_s: float) -> bool:
+        """Whether more losses may be on their way: a worker found lost is not forgotten yet (its verdict is
+        still on its way to the supervisor), or a watched one has sent nothing for ``silent_s`` or more. O(1)."""
+        if self._lost:
+            return True
+        oldest = next(iter(self._by_seen), None)
+        return oldest is not None and self.clock() - self._workers[oldest].last_seen >= silent_s
 
     def check(self) -> list[Verdict]:
-        """Verdicts that became true since the last check, at most one lost-or-hung per worker."""
+        """Verdicts that became true since the last check, at most one lost-or-hung per worker.
+
+        It looks only at the workers with a verdict due: the watched ones are kept in the order of their last
+        heartbeat (and of their last progress), so the check stops at the first one still in time. Its cost
+        does not grow with the group; each heartbeat's is O(1).
+        """
         now = self.clock()
         verdicts: list[Verdict] = []
-        for worker, entry in self._workers.items():
-            if entry.reported:
-                continue
-            silent = now - entry.last_seen
-            if entry.gone or silent >= self.timeout_s:
-                entry.reported = True
-                if entry.gone:
-                    verdicts.append(Lost(worker, silent, entry.gone, entry.gone_by))
-                else:
-                    verdicts.append(Lost(worker, silent, f"no heartbeat for {silent:.2f} s"))
-            elif entry.expect_progress and now - entry.progress_at >= self.hang_timeout_s:
-                entry.reported = True
-                verdicts.append(Hung(worker, now - entry.progress_at, entry.step))
-        verdicts.extend(self._stragglers(now))
+        for worker in list(self._gone):
+            entry = self._report(worker)
+            self._lost.add(worker)
+            verdicts.append(Lost(worker, now - entry.last_seen, entry.gone, entry.gone_by))
+        while self._by_seen:
+            worker = next(iter(self._by_seen))
+            silent = now - self._workers[worker].last_seen
+            if silent < self.timeout_s:
+                break
+            self._report(worker)
+            self._lost.add(worker)
+            verdicts.append(Lost(worker, silent, f"no heartbeat for {silent:.2f} s"))
+        while self._by_progress:
+            worker = next(iter(self._by_progress))
+            entry = self._workers[worker]
+            if now - entry.progress_at < self.hang_timeout_s:
+                break
+            self._report(worker)
+            verdicts.append(Hung(worker, now - entry.progress_at, entry.step))
+        if now >= self._stragglers_due:
+            self._stragglers_due = now + _STRAGGLER_CHECK_S
+            verdicts.extend(self._stragglers(now))
         return verdicts
+
+    def _report(self, worker: int) -> _Worker:
+        """``worker`` gets its verdict: it is watched no more for loss or hang."""
+        entry = self._workers[worker]
+        entry.reported = True
+        self._by_seen.pop(worker, None)
+        self._by_progress.pop(worker, None)
+        self._gone.pop(worker, None)
+        return entry
 
     def _stragglers(self, now: float) -> list[Straggling]:
         means = {w: statistics.fmean(e.step_times) for w, e in self._workers.items() if len(e.step_times) >= 3}

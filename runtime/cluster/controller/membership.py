@@ -5,6 +5,7 @@ answers into messages and events."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,15 @@ class Membership:
         self.fences: dict[int, int] = dict(fences or {})
         self.step = 0  # the newest step every member has committed
         self.high_water = 0  # the newest step the group ever committed (it moves back on a restore)
+        self._member_set: set[int] = set()
+        # Each member's newest committed step since the restore, and how many members are at each step: the
+        # group's step is the smallest, found without looking at every member on every report (``report``).
+        self._steps: dict[int, int] = {}
+        self._at: Counter[int] = Counter()
+
+    def has(self, worker: int) -> bool:
+        """Whether ``worker`` is a member of the current generation."""
+        return worker in self._member_set
 
     def seat(self, survivors: Sequence[int], recruits: Sequence[int]) -> list[int]:
         """The next group in process-id order: survivors keep their process ids, recruits take the free ones,
@@ -77,12 +87,13 @@ class Membership:
         Stable ids mean the same device layout as before on every survivor, so each loads its step from the
         persistent compilation cache instead of compiling it again, and the numerics do not change.
         """
-        seats: list[int | None] = [w if w in survivors else None for w in self.members]
+        alive = set(survivors)
+        seats: list[int | None] = [w if w in alive else None for w in self.members]
         seats.extend([None] * max(0, self.size - len(seats)))
-        queue = list(recruits)
+        queue = iter(recruits)
         for i, worker in enumerate(seats):
-            if worker is None and queue:
-                seats[i] = queue.pop(0)
+            if worker is None:
+                seats[i] = next(queue, None)
         seated: list[int | None] = [*seats, *queue]
         if self.slice_size == 1:
             seated = [w for w in seated if w is not None]
@@ -93,6 +104,9 @@ class Membership:
     def new_generation(self, members: Sequence[int]) -> int:
         """Make ``members`` the group of a new generation; returns its number."""
         self.members = list(members)
+        self._member_set = set(members)
+        self._steps.clear()
+        self._at.clear()
         self.generation += 1
         return self.generation
 
@@ -175,13 +189,31 @@ class Membership:
         gap = list(range(self.step + 1, step + 1))
         self.step = step
         self.high_water = max(self.high_water, step)
+        self._steps = dict.fromkeys(self.members, step)
+        self._at = Counter({step: len(self.members)}) if self.members else Counter()
         return gap
+
+    def report(self, worker: int, step: int) -> list[int]:
+        """Member ``worker`` committed ``step`` (after :meth:`restore`). Returns the steps the whole group newly
+        committed. O(1) a report: the group's step moves only when the last member at it moves on."""
+        old = self._steps.get(worker)
+        if old is None or step <= old:
+            return []
+        self._steps[worker] = step
+        self._at[step] += 1
+        self._at[old] -= 1
+        if self._at[old]:
+            return []
+        del self._at[old]
+        return self._advance(min(self._at))
 
     def progress(self, member_steps: Sequence[int]) -> list[int]:
         """Members report their committed steps. Returns the steps the whole group newly committed."""
         if not member_steps:
             return []
-        newest = min(member_steps)
+        return self._advance(min(member_steps))
+
+    def _advance(self, newest: int) -> list[int]:
         done = list(range(self.step + 1, newest + 1))
         if done:
             self.step = newest

@@ -27,6 +27,7 @@ import ipaddress
 import json
 import logging
 import math
+import secrets
 import shutil
 import signal
 import tempfile
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.abc import SocketStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -54,6 +56,7 @@ from runtime.cluster.controller.runfolder import default_replica_dir, mark_finis
 from runtime.cluster.controller.server import Report, WorkerServer
 from runtime.cluster.controller.supervision import (
     Action,
+    DrainRequested,
     EndRun,
     Finish,
     Input,
@@ -63,6 +66,7 @@ from runtime.cluster.controller.supervision import (
     MemberRestored,
     Progress,
     Publish,
+    Readmitted,
     RegroupRequested,
     RestoreFailed,
     SaveFences,
@@ -87,6 +91,7 @@ from runtime.cluster.protocol import (
     Joined,
     Lease,
     Message,
+    Noticed,
     Published,
     Requested,
     Restored,
@@ -105,7 +110,7 @@ from runtime.core.errors import (
     StepError,
     StorageError,
 )
-from runtime.core.eventlog import EventLog
+from runtime.core.eventlog import EventLog, decode_event
 from runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
@@ -113,6 +118,8 @@ from runtime.core.events import (
     ConnectionRefused,
     Event,
     MalformedHeartbeat,
+    Notice,
+    NoticeIgnored,
     ReplicaSkipped,
     RunFinished,
     StepFailed,
@@ -121,6 +128,7 @@ from runtime.core.events import (
     WorkerKilled,
     WorkerStarted,
 )
+from runtime.core.programs import PROGRAMS_PREFIX
 from runtime.core.recovery import RecoveryTracker
 from runtime.faults.process import worker_faults_text
 
@@ -191,6 +199,9 @@ class Controller:
         (self.run_dir / "workers").mkdir(exist_ok=True)
         self.record = open_run(self.run_dir, resume=config.resume)
         self.replica_dir = config.replica_dir or default_replica_dir(self.run_dir)
+        # This controller's folder of the workers' compiled programs (Form.programs): a new one each time, so a
+        # resumed run (the script maybe edited) never loads an earlier controller's.
+        self._programs = f"{PROGRAMS_PREFIX}{secrets.token_hex(8)}"
         self.event_log = EventLog(self.run_dir / "events.jsonl")
         self.context = ControllerContext(self)
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
@@ -241,6 +252,7 @@ class Controller:
             on_report=self._report,
             on_closed=self._closed,
             auth_timeout_s=config.auth_timeout_s,
+            max_pending=max(32, config.nprocs + config.spares),  # all of them may connect at once
         )
         self.port = 0
         self.durable = (
@@ -565,6 +577,7 @@ class Controller:
                 durable_every=self.config.durable_every,
                 neighbour_replicas=self.config.neighbour_replicas,
                 fences=dict(self.group.fences),
+                programs=self._programs,
             )
             await self.server.send(self.pool[worker], message)
 
@@ -738,7 +751,7 @@ class Controller:
                 except UnknownWorker:
                     log.warning("controller: heartbeat from worker %d, which is not watched; ignored", worker)
                     return
-                if gen == self.group.generation and worker in self.members:
+                if gen == self.group.generation and self.group.has(worker):
                     proc.step, proc.generation = step, gen
                     self._feed(Progress(worker, seconds))
             case Joined(generation=gen) if gen == self.group.generation:
@@ -757,12 +770,32 @@ class Controller:
                 await self.relay.requested(message)
             case Published():
                 await self.relay.published(message)
+            case Noticed():
+                await self._noticed(proc, message)
             case Finished(generation=gen) if gen == self.group.generation:
                 proc.finished = message
                 self.result.digests[proc.worker] = message.digest
                 self._feed(MemberFinished(proc.worker))
             case _:
                 log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
+
+    async def _noticed(self, proc: WorkerProcess, message: Noticed) -> None:
+        """A notice from a worker's own metadata server: taken only about the host its Hello named (a worker
+        cannot speak for another host)."""
+        where = proc.hello.instance if proc.hello is not None else ""
+        try:
+            event = decode_event(bytes(message.event))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("controller: unreadable notice from worker %d: %s", proc.worker, exc)
+            return
+        if not isinstance(event, Notice) or not where or event.instance != where:
+            about = getattr(event, "instance", "")
+            why = f"{type(event).__name__} about {about!r} from worker {proc.worker}, which runs on {where!r}"
+            log.warning("controller: %s; ignored", why)
+            ignored = NoticeIgnored(step=self.group_step, source=f"worker-{proc.worker}", instance=about, reason=why)
+            await self.bus.publish(ignored)
+            return
+        await self.bus.publish(msgspec.structs.replace(event, source=f"metadata@worker-{proc.worker}"))
 
     async def _saved(self, proc: WorkerProcess, saved: Saved) -> None:
         """A writer's part of a durable checkpoint; the step is committed once every writer's part is in."""
@@ -878,6 +911,15 @@ class Controller:
         if killed is not None:
             self.result.detected_after_s.append(event.mono_time - killed)
         await self.bus.publish(event)
+
+    def request_drain(self, instance: str, reason: str) -> None:
+        """Take ``instance``'s workers out of the group at a planned step; seat none of it until readmitted."""
+        if not self.stopping:
+            self._feed(DrainRequested(instance, reason))
+
+    def readmit(self, instance: str) -> None:
+        """Workers on ``instance`` may be seated again."""
+        self._feed(Readmitted(instance))
 
     def request_regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
         """Replace ``lost`` workers and re-form the group; each lost member counts against the budget."""

@@ -14,6 +14,7 @@ from runtime.core.events import Event
 
 __all__ = [
     "Action",
+    "DrainRequested",
     "EndRun",
     "Finish",
     "Input",
@@ -23,6 +24,7 @@ __all__ = [
     "MemberRestored",
     "Progress",
     "Publish",
+    "Readmitted",
     "RegroupRequested",
     "RestoreFailed",
     "SaveFences",
@@ -102,6 +104,22 @@ class MemberFinished:
 
 
 @dataclass(frozen=True)
+class DrainRequested:
+    """Take the members on ``instance`` out of the group at a planned step, and seat no worker of it until
+    :class:`Readmitted` (``ControllerContext.drain``): its host is about to go down for maintenance."""
+
+    instance: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Readmitted:
+    """Workers on ``instance`` may be seated again (its maintenance is over; ``ControllerContext.readmit``)."""
+
+    instance: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed: a deadline (:attr:`Supervisor.deadline`) may be due."""
 
@@ -116,6 +134,8 @@ Input = (
     | Progress
     | MemberFinished
     | Tick
+    | DrainRequested
+    | Readmitted
 )
 
 

@@ -32,6 +32,7 @@ from runtime.cluster.controller.membership import JoinReport, Membership
 from runtime.cluster.controller.processes import ProcessPool, WorkerProcess, log_tail
 from runtime.cluster.controller.supervision import (
     Action,
+    DrainRequested,
     EndRun,
     Finish,
     Input,
@@ -41,6 +42,7 @@ from runtime.cluster.controller.supervision import (
     MemberRestored,
     Progress,
     Publish,
+    Readmitted,
     RegroupRequested,
     RestoreFailed,
     SaveFences,
@@ -53,7 +55,7 @@ from runtime.cluster.controller.supervision import (
     WarmSpares,
     WorkerChanged,
 )
-from runtime.cluster.protocol import EXIT_REPLACE, Restore, Stop
+from runtime.cluster.protocol import EXIT_REPLACE, Joined, Restore, Stop
 from runtime.core.errors import ElasticRuntimeError, RecoveryError
 from runtime.core.events import GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
 from runtime.core.recovery import RecoveryTracker
@@ -62,8 +64,15 @@ __all__ = ["Phase", "Supervisor"]
 
 log = logging.getLogger(__name__)
 
+# A planned re-forming (growing, draining) happens this many steps after the newest step a member committed.
+PLANNED_AHEAD = 3
 # Near-simultaneous losses (a host, a slice) are answered by one re-forming, not one each.
 SETTLE_S = 0.05
+# Workers on other hosts are found lost by their silence, each one timeout after its own last heartbeat: those
+# lost together are found within one heartbeat interval (and a monitor check) of each other. Settling waits for
+# them while any worker has been silent for half the timeout (a healthy one never is) or a loss found is still on
+# its way here (``HeartbeatMonitor.losing``), at most this much longer than an interval.
+_SILENCE_SPREAD_S = 0.1
 
 
 class Phase(Enum):
@@ -119,6 +128,7 @@ class Supervisor:
         self._strategy: Strategy | None = None
         self._unreadable = ""  # the current generation's restore failed: why
         self._failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
+        self._slowest_join = 0.0  # the longest a member of a formed group took to join (its compile included)
         # The generation being formed.
         self._forming = Strategy.START
         self._forming_reason = ""
@@ -127,6 +137,14 @@ class Supervisor:
         self._survivors: list[int] = []
         self._chosen: list[int] = []
         self._coordinator = ""
+        self._settle_until = 0.0
+        self._unjoined: set[int] = set()  # members of the forming generation not joined yet
+        self._growable: bool | None = None  # whether a ready spare would grow the group; None: look again
+        # Instances (hosts) under maintenance: their workers are taken out of the group and not seated again
+        # until re-admitted (``DrainRequested``, ``Readmitted``).
+        self.cordoned: set[str] = set()
+        self._drains: dict[str, str] = {}  # instance -> why, drains not yet started
+        self._leaving: list[int] = []  # members the generation being formed drains
 
     @property
     def done(self) -> bool:
@@ -151,6 +169,11 @@ class Supervisor:
         out: list[Action] = []
         if self.done:
             return out
+        # A heartbeat's progress, a join or a restore changes no worker's record that recruiting reads: only the
+        # other inputs make the supervisor look at every worker again (a heartbeat must cost O(1)).
+        frequent = isinstance(event, Progress | MemberJoined | MemberRestored)
+        if not frequent:
+            self._growable = None
         match event:
             case Start():
                 self._form(out, Strategy.START, "start")
@@ -169,7 +192,7 @@ class Supervisor:
             case Progress(worker=worker, step_time_s=seconds):
                 if 0 <= self.target_steps <= self.pool[worker].step:  # done: finishing (its last writes) is no hang
                     self.monitor.expect_progress(worker, False)
-                self._progress(out, seconds)
+                self._progress(out, worker, seconds)
             case MemberFinished():
                 members = self.group.members
                 if members and all(self.pool[w].finished is not None for w in members):
@@ -177,10 +200,16 @@ class Supervisor:
                     self.phase, self.deadline = Phase.DONE, None
                     out.append(Finish())
                     return out
+            case DrainRequested(instance=instance, reason=reason):
+                self.cordoned.add(instance)
+                self._drains[instance] = reason
+            case Readmitted(instance=instance):
+                self.cordoned.discard(instance)
+                self._drains.pop(instance, None)
             case WorkerChanged() | MemberJoined() | Tick():
                 pass
         if not self.done:
-            self._advance(out)
+            self._advance(out, event, frequent)
         return out
 
     # --- failures ------------------------------------------------------------------------------------------
@@ -238,7 +267,7 @@ class Supervisor:
 
     # --- the state machine ---------------------------------------------------------------------------------
 
-    def _advance(self, out: list[Action]) -> None:
+    def _advance(self, out: list[Action], event: Input, frequent: bool) -> None:
         """Do what the current phase allows now; called after every input."""
         now = self.clock()
         due = self.deadline is not None and now >= self.deadline
@@ -246,19 +275,27 @@ class Supervisor:
             if self._requests:
                 self._quiet(self.group.members)  # at once: the survivors wait in a broken collective now
                 self.phase, self.deadline = Phase.SETTLING, now + SETTLE_S
+                # Workers the controller started are found lost by their exit, all at once; others by silence.
+                spread = 0.0 if self.config.starts_workers else self.config.heartbeat_interval_s + _SILENCE_SPREAD_S
+                self._settle_until = now + max(SETTLE_S, spread)
             elif self._unreadable:
                 reason, self._unreadable = self._unreadable, ""
                 self._regroup(out, set(), reason)  # the same members, from another step
+            elif self._drains:
+                self._drain(out)
             elif self._can_grow():
                 self._form(out, Strategy.GROW, "a spare is ready")
         elif self.phase == Phase.SETTLING and due:
-            self._regroup(out, set(self._requests), self._reason)
+            if now < self._settle_until and self.monitor.losing(self.monitor.timeout_s / 2):
+                self.deadline = min(self._settle_until, now + SETTLE_S)  # more of them may be found soon
+            else:
+                self._regroup(out, set(self._requests), self._reason)
         elif self.phase == Phase.BACKOFF and due:
             self._form(out, self._strategy or self.config.strategy, self._reason)
-        elif self.phase == Phase.RECRUITING:
-            self._recruit(out, now)
-        elif self.phase == Phase.JOINING:
-            self._await_joins(out, due)
+        elif self.phase == Phase.RECRUITING and not frequent:
+            self._recruit(out, now, event.worker if isinstance(event, WorkerChanged) else None)
+        elif self.phase == Phase.JOINING and (due or not frequent or isinstance(event, MemberJoined)):
+            self._await_joins(out, due, event)
 
     def _regroup(self, out: list[Action], lost: set[int], reason: str) -> None:
         """Re-form after a failure. A step that failed before is tried again only after the retry policy's
@@ -277,26 +314,63 @@ class Supervisor:
                 return
         self._form(out, self._strategy or self.config.strategy, reason)
 
+    def _seatable(self, proc: WorkerProcess) -> bool:
+        """A spare ready to be seated, on a host that is not under maintenance."""
+        return proc.ready_spare and not self._cordoned(proc)
+
+    def _cordoned(self, proc: WorkerProcess) -> bool:
+        return proc.hello is not None and proc.hello.instance in self.cordoned
+
+    def _drain(self, out: list[Action]) -> None:
+        """Take the members on cordoned hosts out at a planned step: the rest (and ready spares) re-form there,
+        every member's state in memory, nothing lost or counted. Not when the run ends first, nor when the
+        group would be smaller than ``min_nprocs``: then the host's loss is a failure like any other."""
+        reason = "; ".join(self._drains.values())
+        self._drains.clear()
+        members = self.group.members
+        leaving = [w for w in members if self._cordoned(self.pool[w])]
+        if not leaving:
+            return
+        staying = [w for w in members if w not in leaving]
+        ready = [p.worker for p in self.pool if self._seatable(p)]
+        ahead = max(self.pool[w].step for w in members) + PLANNED_AHEAD
+        if 0 <= self.target_steps <= ahead + 1:
+            log.warning("not draining workers %s (%s): the run ends first", leaving, reason)
+            return
+        assert self.config.min_nprocs is not None
+        if len(self.group.seat(staying, ready)) < self.config.min_nprocs:
+            log.warning("cannot drain workers %s (%s): fewer than min_nprocs would be left", leaving, reason)
+            return
+        self._leaving = leaving
+        self._form(out, Strategy.DRAIN, f"drain: {reason}")
+
     def _can_grow(self) -> bool:
         """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
-        ready = sum(p.ready_spare for p in self.pool)
         members = self.group.members
-        return (
-            len(self.group.seat(members, [-1] * ready)) > len(members)  # a whole slice more
-            and len(members) < self.config.nprocs
+        if not (
+            len(members) < self.config.nprocs
             and self.recovery.current is None
             and not self.stopped
             and self.group.step + 5 < self.target_steps
-        )
+        ):
+            return False
+        if self._growable is None:  # counted again only after an input that may change it
+            ready = sum(self._seatable(p) for p in self.pool)
+            self._growable = len(self.group.seat(members, [-1] * ready)) > len(members)  # a whole slice more
+        return self._growable
 
     def _form(self, out: list[Action], strategy: Strategy, reason: str) -> None:
         """Start forming a new generation: survivors stay (unless restarting), spares are recruited."""
         self._strategy = None
+        self._growable = None
         self._unreadable = ""  # the new generation plans its own restore
         self.restored = False
         self._forming_reason = reason
         self._started = self.clock()
-        survivors = [w for w in self.group.members if not self.pool[w].gone and w not in self._requests]
+        leaving = self._leaving if strategy == Strategy.DRAIN else []
+        survivors = [
+            w for w in self.group.members if not self.pool[w].gone and w not in self._requests and w not in leaving
+        ]
         self._quiet(survivors)
         if strategy == Strategy.RESTART:
             for worker in survivors:
@@ -313,38 +387,53 @@ class Supervisor:
         self._forming, self._survivors, self._chosen = strategy, survivors, []
         self._timeout = self.config.start_timeout_s if strategy == Strategy.START else self.config.spawn_timeout_s
         self.phase, self.deadline = Phase.RECRUITING, self._started + self._timeout
-        self._recruit(out, self._started)
+        self._recruit(out, self._started, None)
 
-    def _recruit(self, out: list[Action], now: float) -> None:
-        """Enough spares (started now if needed) to fill the group around the survivors, once they said hello."""
+    def _recruit(self, out: list[Action], now: float, changed: int | None) -> None:
+        """Enough spares (started now if needed) to fill the group around the survivors, once they said hello.
+        ``changed``: the one worker whose record changed (a hello, a close), if that is all that happened: only
+        it is looked at, so N workers saying hello cost O(N), not O(N**2)."""
         survivors = [w for w in self._survivors if not self.pool[w].gone]
         need = self.config.nprocs - len(survivors)
-        chosen = [w for w in self._chosen if self.pool[w].ready_spare]  # one chosen earlier may be gone since
-        ready = [p.worker for p in self.pool if p.ready_spare and p.worker not in chosen]
-        chosen.extend(ready[: max(0, need - len(chosen))])
-        self._chosen = chosen
+        chosen = dict.fromkeys(self._chosen)
+        if changed is None:
+            chosen = {w: None for w in chosen if self._seatable(self.pool[w])}  # one chosen earlier may be gone since
+            ready = (p.worker for p in self.pool if self._seatable(p) and p.worker not in chosen)
+        else:
+            proc = self.pool.get(changed)
+            if proc is None or not self._seatable(proc):
+                chosen.pop(changed, None)
+            ready = (w for w in [changed] if proc is not None and self._seatable(proc) and w not in chosen)
+        for worker in ready:
+            if len(chosen) >= need:
+                break
+            chosen[worker] = None
+        self._chosen = list(chosen)
         if len(chosen) >= need:
-            self._seat(out, survivors, chosen)
+            self._seat(out, survivors, self._chosen)
             return
-        starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
+        starting = (
+            [p for p in self.pool if p.spare and not p.gone and p.hello is None] if self.config.starts_workers else []
+        )
         if self.config.starts_workers and len(starting) + len(chosen) < need:
             out.append(Spawn(need - len(starting) - len(chosen)))
         # Workers the controller does not start are the orchestrator's to replace: after a loss the group goes
         # on without them at once where min_nprocs allows, and grows back when they say hello.
-        soon = not self.config.starts_workers and bool(survivors)
+        soon = (not self.config.starts_workers or self._forming == Strategy.DRAIN) and bool(survivors)
         assert self.config.min_nprocs is not None
-        enough = len(self.group.seat(survivors, chosen)) >= self.config.min_nprocs  # whole slices
         late = self.deadline is not None and now > self.deadline
+        enough = (soon or late) and len(self.group.seat(survivors, self._chosen)) >= self.config.min_nprocs  # slices
         if (soon or late) and enough:
-            self._seat(out, survivors, chosen)  # go on smaller; the next re-forming grows the group back
+            self._seat(out, survivors, self._chosen)  # go on smaller; the next re-forming grows the group back
         elif late:
             count = len(survivors) + len(chosen)
             self._end(out, LaunchError(f"only {count} workers ready after {self._timeout} s"))
 
     def _seat(self, out: list[Action], survivors: list[int], recruits: list[int]) -> None:
         members = self.group.seat(survivors, recruits)
+        seated = set(members)
         for worker in set(survivors) | set(recruits):
-            if worker not in members:  # in a slice short of a process: it waits, as a spare, for a replacement
+            if worker not in seated:  # in a slice short of a process: it waits, as a spare, for a replacement
                 self.pool[worker].spare = True
                 self.monitor.expect_progress(worker, False)
         self._requests.clear()
@@ -358,9 +447,19 @@ class Supervisor:
             self.monitor.expect_progress(worker, False)
         # Growing is planned: every member re-forms after committing the same step, so no collective is cut
         # off; after a failure the group re-forms now (in-flight steps are abandoned).
-        grow = self._forming == Strategy.GROW and survivors
-        at_step = max(self.pool[w].step for w in survivors) + 3 if grow else -1
+        planned = self._forming in (Strategy.GROW, Strategy.DRAIN) and survivors
+        leaving = self._leaving if self._forming == Strategy.DRAIN else []
+        self._leaving = []
+        at_step = max(self.pool[w].step for w in [*survivors, *leaving]) + PLANNED_AHEAD if planned else -1
         out.append(SendForm(generation, tuple(members), self._forming, at_step))
+        for worker in leaving:
+            # It steps with the old group up to ``at_step``, then exits: a replacement may take its place once
+            # its host is back (``Readmitted``). Not watched from now: its leaving is no failure.
+            proc = self.pool[worker]
+            proc.gone = proc.told_to_stop = True
+            self.monitor.forget(worker)
+            why = f"drained at step {at_step}: {self._forming_reason}"
+            out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE, at_step=at_step)))
         out.append(
             Publish(
                 GroupForming(
@@ -372,9 +471,21 @@ class Supervisor:
                 )
             )
         )
-        self.phase, self.deadline = Phase.JOINING, self.clock() + self.config.form_timeout_s
+        self._unjoined = set(members)
+        self.phase, self.deadline = Phase.JOINING, self.clock() + self._join_timeout()
 
-    def _await_joins(self, out: list[Action], due: bool) -> None:
+    def _join_timeout(self) -> float:
+        """How long the members may take to join: the first group, its start-up (imports, the first compile);
+        a later one the configured time, or twice the slowest join seen, when a real model compiles longer."""
+        if self._forming == Strategy.START:
+            return max(self.config.start_timeout_s, self.config.form_timeout_s)
+        return max(self.config.form_timeout_s, 2 * self._slowest_join)
+
+    def _await_joins(self, out: list[Action], due: bool, event: Input) -> None:
+        if isinstance(event, MemberJoined) and not due:
+            self._unjoined.discard(event.worker)
+            if self._unjoined:
+                return  # O(1) a join: every member is looked at once all have joined
         procs = [self.pool[w] for w in self.group.members]
         lost = [p.worker for p in procs if p.gone]
         if lost and not due and self._started_jax(procs):
@@ -389,10 +500,14 @@ class Supervisor:
         if lost:
             outcome = "member lost while forming"
         elif all(p.joined is not None for p in procs):
+            self._slowest_join = max(self._slowest_join, *(p.joined.join_s for p in procs if p.joined is not None))
             self._restore(out)
             return
         elif due:
-            outcome = f"not joined within {self.config.form_timeout_s} s"
+            outcome = (
+                f"not joined within {self._join_timeout():.1f} s (the slowest join so far took "
+                f"{self._slowest_join:.1f} s; raise --form-timeout or --start-timeout if joining compiles longer)"
+            )
         else:
             return
         # The group did not form in time (a member stalled, or no spare came for a lost one's seat). Members
@@ -414,7 +529,7 @@ class Supervisor:
     def _substitute(self, out: list[Action], lost: list[int]) -> None:
         """Seat a ready spare in each lost member's seat of the generation being formed (its Form names the
         seat's process id, the same coordinator); start spares for the seats none is ready for."""
-        ready = [p.worker for p in self.pool if p.ready_spare]
+        ready = [p.worker for p in self.pool if self._seatable(p)]
         members, generation = self.group.members, self.group.generation
         seated = []
         for worker in lost:
@@ -422,6 +537,8 @@ class Supervisor:
                 break
             spare, seat = ready.pop(0), members.index(worker)
             members[seat] = spare
+            self._unjoined.discard(worker)  # the seat waits for the spare's join now
+            self._unjoined.add(spare)
             self._requests.discard(worker)  # replaced in this forming: no re-forming for it after
             proc = self.pool[spare]
             proc.spare, proc.joined, proc.finished = False, None, None
@@ -493,6 +610,9 @@ class Supervisor:
             seconds=self.clock() - self._started,
             restore_step=plan.step,
             restore_source=max(plan.source, 0),
+            phases=_slowest_phases([self.pool[w].joined for w in members]),
+            traced=sum(len(j.traced) for w in members if (j := self.pool[w].joined) is not None),
+            instances=tuple(self._instance(w) for w in members),
         )
         out.append(Publish(formed))
         if strategy == Strategy.START:
@@ -521,17 +641,21 @@ class Supervisor:
         out.append(TopUpSpares())
         self.phase, self.deadline = Phase.IDLE, None
 
+    def _instance(self, worker: int) -> str:
+        hello = self.pool[worker].hello
+        return hello.instance if hello is not None else ""
+
     # --- training ------------------------------------------------------------------------------------------
 
     def _completed(self, step: int, seconds: float) -> StepCompleted:
         shape = self.mesh_shape()
         return StepCompleted(step=step, source="controller", duration_s=seconds, mesh_shape=shape, data_position=step)
 
-    def _progress(self, out: list[Action], step_time_s: float | None) -> None:
+    def _progress(self, out: list[Action], worker: int, step_time_s: float | None) -> None:
         members = self.group.members
         if not self.restored or not members:
             return
-        for step in self.group.progress([self.pool[w].step for w in members]):
+        for step in self.group.report(worker, self.pool[worker].step):
             out.append(Publish(self._completed(step, step_time_s or 0.0)))
             recovery = self.recovery.current
             completed = self.recovery.committed(step, self.mesh_shape())
@@ -548,3 +672,12 @@ class Supervisor:
                     }
                 )
                 out.append(Publish(completed))
+
+
+def _slowest_phases(joins: list[Joined | None]) -> dict[str, float]:
+    """Each phase of a join (``Joined.phases``) at its longest among the members: the one the group waited for."""
+    slowest: dict[str, float] = {}
+    for joined in joins:
+        for phase, seconds in (joined.phases if joined is not None else {}).items():
+            slowest[phase] = max(slowest.get(phase, 0.0), round(seconds, 4))
+    return slowest
