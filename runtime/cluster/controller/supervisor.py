@@ -535,8 +535,8 @@ class Supervisor:
         for worker in lost:
             if not ready:
                 break
-            spare, seat = ready.pop(0), members.index(worker)
-            members[seat] = spare
+            spare = ready.pop(0)
+            seat = self.group.take_seat(worker, spare)
             self._unjoined.discard(worker)  # the seat waits for the spare's join now
             self._unjoined.add(spare)
             self._requests.discard(worker)  # replaced in this forming: no re-forming for it after
