@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from runtime.cli.demo_multiprocess import run_group
-from runtime.cluster.protocol import ENV_STEP_DELAY_S
+from runtime.cluster.protocol import ENV_JAX_INIT_S, ENV_STEP_DELAY_S
 from runtime.core.eventlog import read_events
 from runtime.core.events import GroupFormed, RecoveryStarted, WorkerHung, WorkerKilled
 from runtime.faults.grammar import parse_faults
@@ -49,7 +49,10 @@ def test_two_workers_lost_together_re_form_once_and_no_survivor_is_killed(
         faults=parse_faults(faults),
         spares=1,
         max_failures=2,  # the two real losses, nothing more
-        extra_env={ENV_STEP_DELAY_S: "0.1"},
+        # Hang guards only: a cold spare under load may take long to start, and the survivors wait for it in
+        # JAX's start meanwhile; a group that does not form in time would be restarted (not what is tested).
+        form_timeout_s=120.0,
+        extra_env={ENV_STEP_DELAY_S: "0.1", ENV_JAX_INIT_S: "300"},
     )
     assert result.ok and result.step == STEPS, result.reason
     events = read_events(tmp_path / "events.jsonl")

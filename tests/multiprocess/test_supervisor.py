@@ -178,9 +178,13 @@ def test_a_spare_takes_the_seat_of_a_member_lost_before_the_others_got_past_jaxs
     assert run.killed == [] and run.result.survivor_restarts == 0  # nobody else is replaced
     spawned = sorted(p.worker for p in run.pool if p.hello is None and not p.gone)
     assert spawned == [3]  # one spare for the one seat
+    run.now += 25.0  # a slow cold start
     run.hello(3)
     form = run.forms[-1]
     assert (form.generation, form.members, form.strategy, form.seats) == (2, (0, 3), Strategy.REFORM, (3,))
+    assert run.supervisor.group.has(3) and not run.supervisor.group.has(2)  # its heartbeats count (the shell asks)
+    run.wait(10.0)  # past form_timeout_s from the first Form, not from the substitute's
+    assert run.killed == []
     run.join(step=10, tier="ram")
     assert {w: m.step for w, m in run.restores()[-2:]} == {0: 10, 3: 10}
     run.commit(11)

@@ -539,8 +539,8 @@ class Supervisor:
         for worker in lost:
             if not ready:
                 break
-            spare, seat = ready.pop(0), members.index(worker)
-            members[seat] = spare
+            spare = ready.pop(0)
+            seat = self.group.take_seat(worker, spare)
             self._unjoined.discard(worker)  # the seat waits for the spare's join now
             self._unjoined.add(spare)
             self._requests.discard(worker)  # replaced in this forming: no re-forming for it after
@@ -551,6 +551,7 @@ class Supervisor:
             log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
         if seated:
             out.append(SendForm(generation, tuple(members), self._forming, -1, seats=tuple(seated)))
+            self.deadline = self.clock() + self.config.form_timeout_s  # the newcomer's time to join, from now
         missing = len(lost) - len(seated)
         starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
         if self.config.starts_workers and len(starting) < missing:
