@@ -72,9 +72,10 @@ test-latest: $(LATEST_STAMP)
 # A short check of examples/maxtext_lm.py in one process: 12 steps, slice 3 lost at step 6, 0 steps lost and the
 # state within 1e-5 of a fault-free run (--check exits 1 otherwise). Background compiles of the degraded meshes
 # are off (each MaxText compile takes 40-90 s on 2 cores; there would be four more): the recovery waits for one.
+# `timeout`: a step of this example has hung for good in an XLA CPU collective (docs/maxtext.md, Known issue).
 maxtext: $(MAXTEXT_STAMP)
-	$(MAXTEXT)/bin/python examples/maxtext_lm.py --steps 12 --lose-slice-at 6 --no-precompile --check --json \
-		--run-dir runs/maxtext-check
+	timeout 1200 $(MAXTEXT)/bin/python examples/maxtext_lm.py --steps 12 --lose-slice-at 6 --no-precompile --check \
+		--json --run-dir runs/maxtext-check
 
 bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/run_all.py

@@ -40,11 +40,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-# XLA's CPU client runs every device's collectives on one pool of max(cores, devices) threads, each blocking
-# in its rendezvous: MaxText's step (fsdp all-gathers beside a data all-reduce) deadlocked it with 8 threads
-# for 8 devices (6 threads in the all-reduce, 2 in all-gathers, the rest of both unscheduled). More threads.
-os.environ.setdefault("PJRT_NPROC", "32")
-
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts its backend (a launched worker sets its own)
@@ -352,7 +347,7 @@ def main() -> None:
         np.savez(args.save_state, *jax.tree.leaves(comparable(result.state)))
     if not args.no_reference and not args.compare_state:
         # The fault-free run of the same length, in a process of its own: a second runtime in this process
-        # after a lost slice has hung in an XLA CPU collective (6 of 8 device threads in an all-reduce).
+        # hung twice in an XLA CPU collective (docs/maxtext.md, "Known issue").
         reference_dir = os.path.join(run_dir, "reference")
         os.makedirs(reference_dir, exist_ok=True)
         args.compare_state = os.path.join(reference_dir, "state.npz")
