@@ -133,11 +133,13 @@ async def replace(fleet: Fleet, count: int) -> tuple[list[int], float]:
 async def scenario(n: int, address: str, secret: str, pid: int, window_s: float) -> dict[str, Any]:
     fleet = Fleet(address, secret, interval_s=INTERVAL_S, step_s=0.1)
     out: dict[str, Any] = {}
+    cpu_start = cpu_seconds(pid)
     t0 = time.monotonic()
     members = await fleet.start(n)
     out["connect_all_s"] = max(fleet.workers[w].record.welcomed_at for w in members) - t0
     await fleet.until(lambda: fleet.told(1, members, restore=True), 600, "the first group formed")
     out["form_all_s"] = max(fleet.workers[w].record.restores[0].at for w in members) - t0
+    out["form_all_cpu_s"] = cpu_seconds(pid) - cpu_start  # the controller's CPU time, not the machine's load
 
     await asyncio.sleep(2.0)  # past the first steps
     cpu0, mine0, w0 = cpu_seconds(pid), time.process_time(), time.monotonic()
@@ -149,7 +151,11 @@ async def scenario(n: int, address: str, secret: str, pid: int, window_s: float)
 
     phases: dict[str, dict[str, Any]] = {}
     one = [members[n // 2]]
+    cpu_before, started = cpu_seconds(pid), time.monotonic()
     phases["one"] = await lose_and_recover(fleet, members, one, "one loss")
+    # The re-forming's own CPU time: beyond the steady state's over the same span (the timeout, mostly).
+    spent = cpu_seconds(pid) - cpu_before
+    out["reform_cpu_s"] = max(0.0, spent - out["controller_cpu"] * (time.monotonic() - started))
     members = phases["one"]["survivors"]
     new, phases["one"]["replace_s"] = await replace(fleet, 1)
     members = members + new
