@@ -246,11 +246,11 @@ COSTS = (
     "controller_cpu",
     "controller_rss_mb",
     "form_all_s",
+    "form_all_cpu_s",
     "detect_one_p99_s",
     "form_after_loss_s",
     "form_after_rack_s",
-    "restore_after_form_s",
-    "partition_full_s",
+    "reform_cpu_s",
     "plan_s",
 )
 
@@ -290,7 +290,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.add_argument("--plot", default=None, help="write a PNG of every cost against N here")
     parser.add_argument("--keep", action="store_true", help="keep each size's run folder (event log, controller.log)")
+    parser.add_argument(
+        "--replot", nargs="+", metavar="JSON", help="plot (--plot) the results earlier runs printed; run nothing"
+    )
     args = parser.parse_args()
+    if args.replot:
+        loaded = [json.loads(Path(p).read_text().strip().splitlines()[-1]) for p in args.replot]
+        done = sorted((r for x in loaded for r in x.get("results", [x])), key=lambda r: r["workers"])
+        plot(done, args.plot)
+        return
     results = []
     for n in args.workers or SIZES:
         result = run_size(n, args.window, args.keep)
