@@ -570,6 +570,8 @@ class Controller:
 
     async def _reap(self) -> None:
         """Notice exited processes at once: a local kill -9 needs no heartbeat timeout to be seen."""
+        if not self.config.starts_workers:
+            return  # none started here: a look at every worker 50 times a second for nothing (O(N) each)
         while True:
             for proc, code in self.pool.newly_exited():
                 self.monitor.mark_gone(proc.worker, f"process exited with {code}")
