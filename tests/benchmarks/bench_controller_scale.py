@@ -261,10 +261,12 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [r["workers"] for r in results]
     fig, axes = plt.subplots(3, 3, figsize=(13, 10))
     for ax, key in zip(axes.flat, COSTS, strict=True):
-        values = [r[key] for r in results]
+        measured = [(r["workers"], r[key]) for r in results if r.get(key, 0) > 0]
+        if not measured:
+            continue
+        sizes, values = [n for n, _ in measured], [v for _, v in measured]
         ax.plot(sizes, values, "o-", label="measured")
         ref = values[0] * sizes[-1] / sizes[0] if values[0] > 0 else None
         if ref is not None and len(sizes) > 1:
