@@ -11,6 +11,8 @@ so that ``import storage`` or ``import handlers`` works as the first import of a
 
 from typing import TYPE_CHECKING, Any
 
+# First: its import raises XLA's CPU collective timeout before any backend starts (the module says why).
+import runtime.compat.xla  # noqa: F401
 from runtime.core.config import RuntimeConfig, load_config
 from runtime.core.context import RuntimeContext
 from runtime.core.datasets import IndexedBatches
@@ -33,7 +35,7 @@ from runtime.core.events import *  # noqa: F403 - the event catalogue is part of
 from runtime.core.events import __all__ as _event_names
 from runtime.core.executor import RunResult
 from runtime.core.job import DataSource, TrainJob
-from runtime.core.mesh import MeshPolicy
+from runtime.core.mesh import MeshPolicy, ProcessMesh
 from runtime.core.runtime import Component, Runtime
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ __all__ = [
     "IndexedBatches",
     "JobUnsupported",
     "MeshPolicy",
+    "ProcessMesh",
     "MeshUnavailable",
     "RecoveryError",
     "RunResult",

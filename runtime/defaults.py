@@ -10,8 +10,12 @@ To replace a link, pass ``default_handlers=False`` and subscribe your own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
 
 from handlers import (
     DrainScheduler,
@@ -23,19 +27,24 @@ from handlers import (
     restore_after_remesh,
     scale_up,
 )
+from handlers.drain_host import HostDrains, save_when_asked
 from handlers.regroup import log_straggler, regroup_on_worker_failure
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller import Controller
 from runtime.cluster.controller.named_handlers import subscribe_named
 from runtime.cluster.controller.ray_backend import RayPlacement
 from runtime.cluster.worker import is_worker, run_worker
+from runtime.core.bus import EventBus
 from runtime.core.config import RuntimeConfig
+from runtime.core.eventlog import encode_event
 from runtime.core.events import (
     DeviceLost,
     MaintenanceScheduled,
     MaintenanceStarted,
     MeshChanged,
+    Notice,
     Preempted,
+    SaveCheckpoint,
     ScaleUpAvailable,
     Straggler,
     WorkerHung,
@@ -48,12 +57,21 @@ from runtime.core.runtime import Runtime
 from runtime.faults.process import ProcessFaults
 from runtime.maintenance.intake import NoticeIntake
 from runtime.maintenance.metadata import MetadataWatcher
+from runtime.maintenance.source import BusContext
 from storage.cascade import TieredCheckpointer
 
 if TYPE_CHECKING:
     from runtime.maintenance.pubsub import PubSubListener
 
-__all__ = ["ElasticRuntime", "Maintenance", "default_controller", "intake_from_config", "ray_controller"]
+__all__ = [
+    "ElasticRuntime",
+    "Maintenance",
+    "attach_controller_maintenance",
+    "default_controller",
+    "intake_from_config",
+    "ray_controller",
+    "watch_own_host",
+]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +107,8 @@ class ElasticRuntime(Runtime):
         self.maintenance = attach_maintenance(self, default_handlers=default_handlers)
         # What is subscribed now is built in; what the script subscribes after this runs under launch too.
         self._builtin = {id(sub) for sub in self.bus.subscriptions}
+        if default_handlers and is_worker():  # the controller's request before it drains a host, in every worker
+            self.subscribe(SaveCheckpoint, save_when_asked)
 
     def run(self, steps: int, *, resume: bool = False) -> RunResult:
         """Run to ``steps`` committed steps in a new event loop (see :meth:`Runtime.run_async`).
@@ -101,7 +121,8 @@ class ElasticRuntime(Runtime):
         """
         if is_worker():
             mine = [sub for sub in self.bus.subscriptions if id(sub) not in self._builtin]
-            run_worker(self.job, steps, handlers=mine, handler_timeout=self.config.handler_timeout_s)
+            timeout = self.config.handler_timeout_s
+            run_worker(self.job, steps, handlers=mine, handler_timeout=timeout, watch_notices=watch_own_host)
         return super().run(steps, resume=resume)
 
 
@@ -118,8 +139,29 @@ def default_controller(config: LaunchConfig) -> Controller:
     controller.bus.subscribe(WorkerLost, regroup_on_worker_failure)
     controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
     controller.bus.subscribe(Straggler, log_straggler)
+    attach_controller_maintenance(controller)
     subscribe_named(controller.bus, config.handlers)
     return controller
+
+
+def attach_controller_maintenance(controller: Controller, *, default_handlers: bool = True) -> HostDrains | None:
+    """The controller's notice source (``config.maintenance_subscription``) and the drain handlers
+    (``handlers/drain_host.py``), which map a notice to the workers on its instance. ``default_handlers=False``
+    leaves the handlers out, for your own on ``controller.bus`` (with ``ctx.drain``, ``ctx.readmit``)."""
+    config = controller.config
+    if config.maintenance_subscription:
+        from runtime.maintenance.pubsub import PubSubListener  # google-cloud-pubsub only when a subscription is named
+
+        project = config.maintenance_subscription.split("/")[1]
+        intake = NoticeIntake(project=project, report_ignored=True)
+        listener = PubSubListener(config.maintenance_subscription, intake)
+        controller.companions.append(lambda: listener.run(BusContext(controller.bus)))
+    if not default_handlers:
+        return None
+    drains = HostDrains()
+    drains.attach(controller.bus)
+    controller.companions.append(lambda: drains.run(controller.context))
+    return drains
 
 
 def ray_controller(
@@ -191,3 +233,23 @@ def attach_maintenance(runtime: Runtime, *, default_handlers: bool = True) -> Ma
         parts.scheduler.attach(runtime.context)
         runtime.add_component(parts.scheduler)
     return parts
+
+
+def watch_own_host(metadata_host: str, forward: Callable[[bytes], None]) -> None:
+    """A worker's watch of its own host's notices (``runtime.cluster.worker.run_worker``'s ``watch_notices``):
+    the metadata server at ``metadata_host`` long-polled by a :class:`MetadataWatcher` in an event loop of its
+    own, each notice's JSON handed to ``forward`` (which sends it to the controller). Blocks until the process
+    ends."""
+    watcher = MetadataWatcher(metadata_host, NoticeIntake())
+
+    async def send(event: Notice, ctx: Any) -> None:
+        await anyio.to_thread.run_sync(forward, encode_event(event))
+
+    async def main() -> None:
+        bus = EventBus(handler_timeout=None)
+        bus.subscribe(Notice, send)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bus.run)
+            await watcher.run(BusContext(bus))
+
+    anyio.run(main)

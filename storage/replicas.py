@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.programs import PROGRAMS_PREFIX
 from runtime.core.snapshot import HostSnapshot
 from storage.disk import DiskTier
 
@@ -200,7 +201,12 @@ class ReplicaFiles:
         ``max_step``, ``fences``, as :meth:`newest`), newest first, each with the folders holding it; only the
         manifests are read (:meth:`read` reads and verifies the data). A replica that failed :meth:`read`
         before is left out. What was skipped, and why, is then in :attr:`skipped`."""
-        folders = sorted(p for p in self.directory.iterdir() if p.is_dir()) if self.directory.is_dir() else []
+        # Beside the processes' replica folders: the workers' compiled programs (runtime/core/programs.py).
+        folders = (
+            sorted(p for p in self.directory.iterdir() if p.is_dir() and not p.name.startswith(PROGRAMS_PREFIX))
+            if self.directory.is_dir()
+            else []
+        )
         identity = dict(identity or {})
         layout = identity.pop("layout", None)
         candidates: dict[int, list[DiskTier]] = {}

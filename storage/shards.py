@@ -1,9 +1,10 @@
 """A process's own shards of a state sharded over slices of processes, and a restore that moves only shards.
 
-The multi-process mesh is ``("data", "model")``: ``data`` is the replica axis across slices (each slice a
-fixed group of processes holding one full copy of the state) and ``model`` spans the devices of every
-process of a slice, so a state sharded over ``model`` is sharded across the processes of a slice. With one
-process per slice (the default) every process holds the whole state.
+The multi-process mesh has one replica axis across slices (``data`` by default; each slice a fixed group of
+processes holding one full copy of the state) and its other axes (``model`` by default, or a model's own:
+``fsdp``, ``tensor``, ...) span the devices of every process of a slice, so a state sharded over them is
+sharded across the processes of a slice (:class:`~runtime.core.mesh.ProcessMesh`). With one process per slice
+(the default) every process holds the whole state.
 
 Each process copies to host memory only what it holds: for every array the smallest box of global indices
 that covers its shards (:func:`local_box`, :func:`local_copy`). Processes at the same position of different
@@ -12,7 +13,7 @@ slices hold the same boxes, so a slice is its neighbours' replica, shard for sha
 A re-formed group restores from one *source slice* (:class:`SliceRestore`): every process puts its box
 (or zeros, when it holds nothing of that step) into a stacked array with one entry per slice, and one jitted
 selection of the source's entry moves each shard from the source slice's process at the same position
-(XLA's collectives over the ``data`` axis). No process ever holds more than its own shards.
+(XLA's collectives over the replica axis). No process ever holds more than its own shards.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime.core.errors import SnapshotUnavailable
+from runtime.core.mesh import mesh_key
+from runtime.core.programs import ProgramStore
 
 __all__ = [
     "NeighbourShift",
@@ -33,7 +36,7 @@ __all__ = [
     "local_box",
     "local_copy",
     "local_like",
-    "over_model",
+    "over_slice",
     "per_leaf",
     "uses_axis",
 ]
@@ -57,6 +60,11 @@ def uses_axis(shardings: PyTree, tree: PyTree, axis: str) -> list[str]:
                 found.append(jax.tree_util.keystr(path) or "the state")
                 break
     return found
+
+
+def _dtype(leaf: Any) -> np.dtype[Any]:
+    """A leaf's dtype: an array's, a ShapeDtypeStruct's, or a Python number's as NumPy takes it."""
+    return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
 
 
 def _key(index: Box) -> tuple[tuple[int | None, int | None], ...]:
@@ -128,14 +136,20 @@ def local_like(template: PyTree, shardings: PyTree) -> PyTree:
 
     def one(leaf: Any, sharding: Any) -> jax.ShapeDtypeStruct:
         box = local_box(np.shape(leaf), sharding)
-        return jax.ShapeDtypeStruct(tuple(b.stop - b.start for b in box), np.asarray(leaf).dtype)
+        return jax.ShapeDtypeStruct(tuple(b.stop - b.start for b in box), _dtype(leaf))
 
     return jax.tree.map(one, template, per_leaf(shardings, template))
 
 
-def over_model(sharding: Any) -> bool:
-    """Whether ``sharding`` splits an array over the ``model`` axis (across the processes of a slice)."""
-    return any("model" in (entry if isinstance(entry, tuple) else (entry,)) for entry in sharding.spec)
+def slice_axes(mesh: Any, replica: str) -> tuple[str, ...]:
+    """The axes of ``mesh`` inside a slice: every one but the replica axis, in mesh order."""
+    return tuple(name for name in mesh.axis_names if name != replica)
+
+
+def over_slice(sharding: Any, replica: str) -> bool:
+    """Whether ``sharding`` splits an array over an axis inside a slice (across the processes of a slice)."""
+    inside = set(slice_axes(sharding.mesh, replica))
+    return any(inside & set(entry if isinstance(entry, tuple) else (entry,)) for entry in sharding.spec if entry)
 
 
 class NeighbourShift:
@@ -143,35 +157,37 @@ class NeighbourShift:
     its slice (position ``p - 1``, wrapping around), so a lost process's shards usually survive in its
     neighbour (Orbax emergency checkpointing's peer replica, Gemini's in-memory checkpoints).
 
-    One collective permute over ``model`` per step moves each process's shards of every leaf split over
-    ``model`` to the next process; a leaf that is not split is held whole by every process, so its neighbour
+    One collective permute over the axes inside a slice per step moves each process's shards of every leaf
+    split over them to the next process; a leaf that is not split is held whole by every process, so its neighbour
     copy is the process's own. Compiled when built (a group's forming), never in a step or a restore.
     """
 
-    def __init__(self, template: PyTree, shardings: PyTree) -> None:
+    def __init__(
+        self, template: PyTree, shardings: PyTree, *, replica: str = "data", programs: ProgramStore | None = None
+    ) -> None:
         leaf_shardings: list[Any] = jax.tree.leaves(per_leaf(shardings, template))
-        self.moved = [i for i, sharding in enumerate(leaf_shardings) if over_model(sharding)]
+        self.moved = [i for i, sharding in enumerate(leaf_shardings) if over_slice(sharding, replica)]
         if not self.moved:
             self._shift = None
             return
         mesh = leaf_shardings[0].mesh
-        size, per_process = mesh.shape["model"], _devices_per_process(mesh)
+        inside = slice_axes(mesh, replica)
+        size, per_process = _slice_devices(mesh, inside), _devices_per_process(mesh)
         forward = [(j, (j + per_process) % size) for j in range(size)]
         specs = [leaf_shardings[i].spec for i in self.moved]
 
         def shift(leaves: list[jax.Array]) -> list[jax.Array]:
-            return [jax.lax.ppermute(leaf, "model", forward) for leaf in leaves]
+            return [jax.lax.ppermute(leaf, inside, forward) for leaf in leaves]
 
         mapped = jax.shard_map(shift, mesh=mesh, in_specs=(specs,), out_specs=specs, check_vma=False)
         leaves = jax.tree.leaves(template)
         shapes = [
-            jax.ShapeDtypeStruct(np.shape(leaves[i]), np.asarray(leaves[i]).dtype, sharding=leaf_shardings[i])
-            for i in self.moved
+            jax.ShapeDtypeStruct(np.shape(leaves[i]), _dtype(leaves[i]), sharding=leaf_shardings[i]) for i in self.moved
         ]
-        self._shift = jax.jit(mapped).lower(shapes).compile()
+        self._shift = _build(programs, "neighbour shift", mesh, lambda: jax.jit(mapped).lower(shapes))
 
     def __call__(self, state: PyTree) -> list[jax.Array]:
-        """The neighbour's shards of the leaves split over ``model``, on this process's devices. A collective:
+        """The neighbour's shards of the leaves split inside a slice, on this process's devices. A collective:
         every process of the group calls it with the same step's state."""
         if self._shift is None:
             return []
@@ -189,9 +205,21 @@ class NeighbourShift:
         return jax.tree.unflatten(treedef, leaves)
 
 
+def _build(programs: ProgramStore | None, name: str, mesh: Any, lower: Any) -> Any:
+    """``lower()`` compiled, or loaded from ``programs`` (``runtime.core.programs``) when kept there for this
+    layout: a re-formed group on the layout of an earlier one does not trace or compile it again."""
+    if programs is None:
+        return lower().compile()
+    return programs.compiled(name, (mesh_key(mesh), jax.process_index()), lower)
+
+
 def _devices_per_process(mesh: Any) -> int:
-    row = list(mesh.devices[0])
-    return sum(d.process_index == row[0].process_index for d in row)
+    devices = list(mesh.devices.flat)
+    return sum(d.process_index == devices[0].process_index for d in devices)
+
+
+def _slice_devices(mesh: Any, inside: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[name] for name in inside)
 
 
 class SliceRestore:
@@ -201,30 +229,42 @@ class SliceRestore:
     :func:`local_copy` of the step (or None when it holds nothing of it, or is outside the source slice); only
     the source slice's boxes are read, and each process receives only its own shards. With neighbour replicas
     (:class:`NeighbourShift`), a process of the source slice whose shards are missing takes them from the next
-    process's neighbour copy: one collective permute back over ``model``, then the source's selection.
+    process's neighbour copy: one collective permute back over the axes inside a slice, then the source's selection.
 
     The programs (with and without neighbour copies, the source an argument) are compiled when it is built, at
     a group's forming: a restore never compiles.
     """
 
-    def __init__(self, template: PyTree, shardings: PyTree, *, neighbours: bool) -> None:
+    def __init__(
+        self,
+        template: PyTree,
+        shardings: PyTree,
+        *,
+        neighbours: bool,
+        replica: str = "data",
+        programs: ProgramStore | None = None,
+    ) -> None:
         leaves, self._treedef = jax.tree.flatten(template)
         self._leaf_shardings: list[Any] = jax.tree.leaves(per_leaf(shardings, template))  # NamedShardings: leaves
         mesh = self._mesh = self._leaf_shardings[0].mesh
+        self._replica, self._inside = replica, slice_axes(mesh, replica)
         self._shapes = [np.shape(leaf) for leaf in leaves]
-        self._dtypes = [np.asarray(leaf).dtype for leaf in leaves]
+        self._dtypes = [_dtype(leaf) for leaf in leaves]
         self._specs = [
-            PartitionSpec("data", *tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec)))
+            PartitionSpec(replica, *tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec)))
             for sharding, shape in zip(self._leaf_shardings, self._shapes, strict=True)
         ]
-        self._grid = NamedSharding(mesh, PartitionSpec("data", "model"))
+        # One entry per (slice, device of the slice): the group's devices as a grid.
+        self._grid = NamedSharding(mesh, PartitionSpec(replica, self._inside))
+        self._grid_shape = (mesh.shape[replica], _slice_devices(mesh, self._inside))
         # Asked now, at forming: a restore abandoned when the group re-forms must not ask JAX (a new backend).
         self._process = jax.process_index()
+        self._kept = programs
         self._programs = {with_copies: self._compile(with_copies) for with_copies in {False, neighbours}}
 
     def _compile(self, with_copies: bool) -> Any:
         mesh, specs, dtypes = self._mesh, self._specs, self._dtypes
-        size, per_process = mesh.shape["model"], _devices_per_process(mesh)
+        size, per_process = self._grid_shape[1], _devices_per_process(mesh)
         backward = [(j, (j - per_process) % size) for j in range(size)]
 
         def take_back(flags: jax.Array, pairs: list[jax.Array]) -> list[jax.Array]:
@@ -232,7 +272,7 @@ class SliceRestore:
             return [
                 jax.lax.select(
                     jnp.broadcast_to(flags.reshape((1,) * own.ndim), own.shape),
-                    jax.lax.ppermute(copy, "model", backward),
+                    jax.lax.ppermute(copy, self._inside, backward),
                     own,
                 )
                 for own, copy in zip(pairs[0::2], pairs[1::2], strict=True)
@@ -244,21 +284,22 @@ class SliceRestore:
                 stacked = jax.shard_map(
                     take_back, mesh=mesh, in_specs=(self._grid.spec, paired), out_specs=specs, check_vma=False
                 )(flags, stacked)
-            # XLA may select by summing masked entries (a reduction over "data"): in floats -0.0 + 0.0 is +0.0.
-            # The entries travel as their bits, where adding zeros changes nothing, and become floats again here.
+            # XLA may select by summing masked entries (a reduction over the replica axis): in floats -0.0 + 0.0
+            # is +0.0. The entries travel as their bits, where adding zeros changes nothing, and become floats
+            # again here.
             chosen = [
                 jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(a, source, keepdims=False), dtype)
                 for a, dtype in zip(stacked, dtypes, strict=True)
             ]
             return [*chosen, jnp.max(jax.lax.dynamic_index_in_dim(where, source, keepdims=False))]
 
-        slices = mesh.shape["data"]
+        slices = mesh.shape[self._replica]
         stacked = [
             jax.ShapeDtypeStruct((slices, *shape), _bits(dtype), sharding=NamedSharding(mesh, spec))
             for shape, dtype, spec in zip(self._shapes, dtypes, specs, strict=True)
             for _ in range(2 if with_copies else 1)
         ]
-        grid = (slices, mesh.shape["model"])
+        grid = self._grid_shape
         replicated = NamedSharding(mesh, PartitionSpec())
         arguments = (
             jax.ShapeDtypeStruct(grid, np.bool_, sharding=self._grid),
@@ -267,7 +308,8 @@ class SliceRestore:
             jax.ShapeDtypeStruct((), np.int32, sharding=replicated),
         )
         outputs = [*self._leaf_shardings, replicated]
-        return jax.jit(select, out_shardings=outputs).lower(*arguments).compile()
+        lower = jax.jit(select, out_shardings=outputs).lower
+        return _build(self._kept, f"restore (neighbours: {with_copies})", mesh, lambda: lower(*arguments))
 
     def __call__(
         self,
@@ -289,11 +331,11 @@ class SliceRestore:
             self._shapes, self._dtypes, self._leaf_shardings, self._specs, held, spares, strict=True
         ):
             box = local_box(shape, sharding, self._process)
-            stack, stacked_sharding = (mesh.shape["data"], *shape), NamedSharding(mesh, spec)
+            stack, stacked_sharding = (mesh.shape[self._replica], *shape), NamedSharding(mesh, spec)
             stacks.append(jax.make_array_from_callback(stack, stacked_sharding, _reader(mine, box, shape, dtype)))
             if from_neighbour:
                 stacks.append(jax.make_array_from_callback(stack, stacked_sharding, _reader(spare, box, shape, dtype)))
-        grid = (mesh.shape["data"], mesh.shape["model"])
+        grid = self._grid_shape
         # The data position: every device says its process's (-1: none); the source slice's largest is its own.
         mine_position = position if boxes is not None else neighbour_position if from_neighbour else -1
         positions = jax.make_array_from_callback(grid, self._grid, lambda _: np.full((1, 1), mine_position, np.int32))

@@ -139,3 +139,20 @@ def test_a_missing_storage_session_is_named_with_the_version(monkeypatch: pytest
     entry_point = "google.cloud.storage.Client._http"
     with pytest.raises(IncompatibleVersion, match=_names("google-cloud-storage", entry_point) + "is missing"):
         cloud_storage_compat.authorized_session(_client())
+
+
+def test_xla_cpu_collective_timeout_is_raised_unless_the_user_set_it() -> None:
+    from runtime.compat.xla import FLAG, SECONDS, raise_cpu_collective_timeout
+
+    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    assert raise_cpu_collective_timeout(environ)
+    assert environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {FLAG}={SECONDS}"
+    mine = {"XLA_FLAGS": f"{FLAG}=5"}
+    assert not raise_cpu_collective_timeout(mine) and mine["XLA_FLAGS"] == f"{FLAG}=5"
+    # In a new process, importing the package is enough (XLA reads the flags when its first backend starts).
+    import subprocess
+    import sys
+
+    code = "import os, runtime, jax; jax.devices(); print(os.environ['XLA_FLAGS'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={})
+    assert f"{FLAG}={SECONDS}" in out.stdout

@@ -28,7 +28,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Failures (all derive from `Failure`)", ev, [
         "Failure", "StepFailed", "DeviceLost", "SliceLost", "ProcessLost", "WorkerLost", "WorkerHung",
         "MalformedHeartbeat", "ConnectionRefused", "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt",
-        "MalformedNotice", "RecoveryFailed", "DataMismatch",
+        "MalformedNotice", "NoticeIgnored", "RecoveryFailed", "DataMismatch",
     ]),
     ("Conditions", ev, ["Straggler", "MeshReduced"]),
     ("Maintenance notices (all derive from `Notice`)", ev, [
@@ -37,7 +37,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Checkpoints", ev, ["CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped", "ReplicaSkipped"]),
     ("Recovery", ev, [
         "RecoveryStarted", "MeshChanged", "StateRestored", "RecoveryCompleted", "ScaleUpAvailable", "StateTransformed",
-        "MeshReady",
+        "MeshReady", "LikelyMeshesReady",
     ]),
     ("Requests", ev, ["SaveCheckpoint", "Drain"]),
     ("Multi-process groups (logged by the controller)", ev, [

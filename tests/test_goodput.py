@@ -21,6 +21,8 @@ from runtime.core.events import (
     CheckpointCommitted,
     CheckpointStarted,
     Event,
+    GroupFormed,
+    GroupForming,
     MeshChanged,
     RecoveryCompleted,
     RecoveryStarted,
@@ -29,6 +31,7 @@ from runtime.core.events import (
     SliceLost,
     StateRestored,
     StepCompleted,
+    WorkerLost,
 )
 
 SHAPE8 = {"data": 4, "model": 2}
@@ -140,6 +143,60 @@ def test_a_run_with_two_failures_and_overlapping_checkpoints() -> None:
     assert (second.step, second.lost_steps, second.restored_from) == (8, 0, "disk")
     assert second.wasted_s == pytest.approx(0.2)
     assert report.checkpoints == {"disk": 2}
+
+
+def group(generation: int, forming: float, formed: float, phases: dict[str, float]) -> list[Event]:
+    members = (0, 1, 2)
+    return [
+        GroupForming(step=0, mono_time=forming, generation=generation, members=members, strategy="x"),
+        GroupFormed(
+            step=0, mono_time=formed, generation=generation, members=members, coordinator="c", strategy="x",
+            seconds=formed - forming, restore_step=0, restore_source=0, phases=phases,
+        ),
+    ]  # fmt: skip
+
+
+def test_under_launch_the_first_forming_is_start_up_and_a_reforming_is_split_by_phase() -> None:
+    """A 10.3 s launched run, worked out by hand: the first group forms from t=0 to 5 (its compile included),
+    steps every 0.5 s from t=6; worker 1 lost at t=7.8 (step 5's attempt since 7.5 wasted); the new group is
+    asked to form at 8.0, formed at 9.0 (its slowest member: leave 0.1, connect 0.3, trace 0.2, compile 0.3,
+    read 0.05), step 5 commits at 9.8: recovery 2.0 s, of which 0.3 s restore after the forming."""
+    joined = {"leave": 0.1, "connect": 0.3, "trace": 0.2, "compile": 0.3, "load": 0.0, "read": 0.05}
+    events = [
+        *group(1, 0.0, 5.0, {"trace": 1.0, "compile": 3.0}),
+        RunStarted(step=0, mono_time=5.1, target_steps=6, mesh_shape=SHAPE8, devices=tuple(range(8))),
+        *(commit(step, 6.0 + 0.5 * (step - 1)) for step in range(1, 5)),
+        WorkerLost(step=5, mono_time=7.8, worker=1, silent_s=0.2),
+        *group(2, 8.0, 9.0, joined),
+        StateRestored(step=4, mono_time=9.0, restored_from="ram", lost_steps=0, seconds=1.2),
+        commit(5, 9.8),
+        RecoveryCompleted(
+            step=5, mono_time=9.8, cause="WorkerLost", failed_step=5, recovery_s=2.0, lost_steps=0,
+            restored_from="ram", mesh_shape=SHAPE8,
+        ),
+        commit(6, 10.3),
+        RunFinished(step=6, mono_time=10.3, ok=True),
+    ]  # fmt: skip
+    report = goodput(events)
+    assert report.wall_s == pytest.approx(10.3)
+    badput = report.badput_s
+    # Start-up: until step 1's own work (6.0 - 0.5), and the re-formed group's trace and compile.
+    assert badput["PROGRAM_STARTUP"] == pytest.approx(5.5 + 0.5)
+    assert badput["UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME"] == pytest.approx(0.3)  # not the 1.2 s of forming
+    assert badput[INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION] == pytest.approx(2.0 - 0.3 - 0.5 - 0.5)
+    assert report.productive_s + sum(badput.values()) == pytest.approx(report.wall_s)
+    (failure,) = report.failures
+    assert failure.compile_wait_s == pytest.approx(0.5)
+    assert failure.phases == pytest.approx(
+        {
+            "recruit": 0.2,
+            **{k: v for k, v in joined.items() if v},
+            "join_other": 0.05,
+            "first_step": 0.5,
+            "restore": 0.3,
+        }
+    )
+    assert sum(failure.phases.values()) == pytest.approx(failure.recovery_s)
 
 
 def test_a_failure_never_recovered_is_reported_as_such() -> None:

@@ -22,6 +22,7 @@ from runtime import (
     DeviceLost,
     ElasticRuntime,
     HandlerFailed,
+    LikelyMeshesReady,
     MeshChanged,
     MeshPolicy,
     MeshReady,
@@ -420,3 +421,31 @@ def test_preparing_a_mesh_already_compiled_compiles_nothing_and_says_so(tmp_path
     mesh = runtime.executor.mesh
     assert mesh is not None
     assert runtime.executor.prepare(mesh) == 0.0  # 0: nothing compiled, so no MeshReady is announced again
+
+
+def test_every_likely_mesh_ready_is_an_event_and_after_it_no_failure_waits_for_a_compile(tmp_path: Path) -> None:
+    injector = FaultInjector().lose_slice(8, slice_index=1, slice_size=2)
+    runtime = injector.attach(
+        ElasticRuntime(small_job(), config=config(tmp_path, precompile=True), mesh_policy=LAYOUTS["data4-model2"])
+    )
+    all_ready = anyio.Event()
+
+    @runtime.on(LikelyMeshesReady)
+    async def note(event: LikelyMeshesReady, ctx: Any) -> None:
+        all_ready.set()
+
+    async def before_the_fault(step: int) -> None:
+        if step == 8:
+            with anyio.fail_after(120):  # a hang guard only
+                await all_ready.wait()
+
+    runtime.at_step_boundary(before_the_fault)
+    runtime.run(STEPS)
+    events = read_events(tmp_path / "events.jsonl")
+    ready = next(e for e in events if isinstance(e, LikelyMeshesReady))
+    # One mesh per slice that could be lost; each announced (MeshReady) before the event that says all are.
+    assert ready.meshes == 4 and ready.mesh_shape == {"data": 4, "model": 2}
+    before = {tuple(sorted(e.devices)) for e in events if isinstance(e, MeshReady) and e.mono_time <= ready.mono_time}
+    assert len(before - {tuple(range(8))}) == 4
+    (done,) = [e for e in events if isinstance(e, RecoveryCompleted)]
+    assert done.compile_wait_s == 0.0

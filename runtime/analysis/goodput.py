@@ -1,6 +1,7 @@
 """Goodput and badput from an event log, in the categories of Google's ml-goodput-measurement.
 
-The wall time of a run (RunStarted to RunFinished) is split into productive time (the computation of every
+The wall time of a run (its first event to RunFinished: under ``launch`` the first group's formation, imports
+and compiles included, is ``PROGRAM_STARTUP``) is split into productive time (the computation of every
 step that counts: the last commit of each step number) and badput categories named as in
 ``ml_goodput_measurement``'s ``BadputType``. Whatever no event accounts for (event handling, compiles after
 a re-mesh, the scheduler) is ``OTHER``, so the parts always add up to the wall time.
@@ -22,6 +23,8 @@ from runtime.core.events import (
     DeviceLost,
     Event,
     Failure,
+    GroupFormed,
+    GroupForming,
     MeshChanged,
     ProcessLost,
     RecoveryCompleted,
@@ -67,7 +70,11 @@ class FailureRecord:
     lost_steps: int
     wasted_s: float  # computation thrown away: the failed attempt and committed steps run again
     restored_from: str
-    compile_wait_s: float = 0.0  # of the recovery, waiting for the new mesh's programs to compile
+    compile_wait_s: float = 0.0  # of the recovery, waiting for the new mesh's programs to trace and compile
+    # Under launch, the recovery by phase, adding up to ``recovery_s``: recruit (until the new group was asked
+    # to form), the slowest member's join (leave, connect, trace, compile, load, read, and ``join_other``), and
+    # the restore and first step after the group formed.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -196,7 +203,8 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
         raise ValueError("no RunStarted event: this is not the event log of a run")
     finished = next((e for e in reversed(events) if isinstance(e, RunFinished)), None)
     end = finished.mono_time if finished else events[-1].mono_time
-    wall = end - started.mono_time
+    begin = min(events[0].mono_time, started.mono_time)  # a group's forming comes before its RunStarted
+    wall = end - begin
 
     history: list[StepCompleted] = []  # every commit, including those a rollback made run again
     badput = dict.fromkeys(BADPUT_TYPES, 0.0)
@@ -207,9 +215,10 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
     for event in events:
         if isinstance(event, StepCompleted) and event.step is not None:
             if not history:
-                # Everything before the first step's own work was start-up: compiling, placing the state.
+                # Everything before the first step's own work was start-up: starting the processes, forming
+                # the group, compiling, placing the state.
                 first_work = event.duration_s + event.data_s + event.snapshot_wait_s
-                badput[PROGRAM_STARTUP] += max(event.mono_time - started.mono_time - first_work, 0.0)
+                badput[PROGRAM_STARTUP] += max(event.mono_time - begin - first_work, 0.0)
             history.append(event)
             badput[DATA_LOADING_SYNC] += event.data_s
             badput[UNPRODUCTIVE_CHECKPOINT_SAVE_TIME] += event.snapshot_wait_s
@@ -217,7 +226,7 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
             # The failed attempt ran from the last commit until the failure surfaced.
             since = history[-1].mono_time if history else started.mono_time
             open_failure = (event, max(event.mono_time - since, 0.0))
-        elif isinstance(event, StateRestored):
+        elif isinstance(event, StateRestored) and open_failure is None:  # a restore that no failure led to
             badput[UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME] += event.seconds
         elif isinstance(event, MeshChanged) and not event.needs_restore:
             badput[ELASTIC_SCALE_UP] += event.seconds
@@ -233,16 +242,23 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
     failures = [_record(failure, attempt_s, done, history) for failure, attempt_s, done in disruptions]
     productive = sum(c.duration_s for c in final.values())
     badput[WASTED_PROGRESS_FROM_DISRUPTION] = sum(f.wasted_s for f in failures)
-    # Recovery time, less what other categories hold: the restore, and the re-run step (productive).
-    for failure, _, done in disruptions:
+    # Recovery time, less what other categories hold: the restore, the re-run step (productive), and tracing,
+    # compiling or loading programs for the new mesh or group (start-up work again: PROGRAM_STARTUP).
+    for record, (failure, _, done) in zip(failures, disruptions, strict=True):
         if done is not None and done.step is not None:
             rerun = final[done.step].duration_s if done.step in final else 0.0
-            restore = sum(
-                e.seconds
-                for e in events
-                if isinstance(e, StateRestored) and failure.mono_time <= e.mono_time <= done.mono_time
-            )
-            badput[INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION] += max(done.recovery_s - restore - rerun, 0.0)
+            window = [e for e in events if failure.mono_time <= e.mono_time <= done.mono_time]
+            record.phases = _reform_phases(failure, done, window, rerun)
+            if record.phases:  # a re-formed group: its forming is the restore event's time; split it
+                programs = sum(record.phases.get(k, 0.0) for k in ("trace", "compile", "load"))
+                record.compile_wait_s = record.phases.get("trace", 0.0) + record.phases.get("compile", 0.0)
+                restore = record.phases["restore"]
+            else:
+                programs = done.compile_wait_s
+                restore = sum(e.seconds for e in window if isinstance(e, StateRestored))
+            badput[PROGRAM_STARTUP] += programs
+            badput[UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME] += restore
+            badput[INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION] += max(done.recovery_s - restore - rerun - programs, 0.0)
     accounted = productive + sum(v for k, v in badput.items() if k != OTHER)
     badput[OTHER] = max(wall - accounted, 0.0)
     return GoodputReport(
@@ -253,6 +269,25 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
         failures=failures,
         checkpoints=checkpoints,
     )
+
+
+def _reform_phases(failure: Failure, done: RecoveryCompleted, window: list[Event], rerun: float) -> dict[str, float]:
+    """A multi-process recovery by phase (see :attr:`FailureRecord.phases`), or {} when no group re-formed in
+    ``window`` (one process: the restore and compile wait are in the events as they are)."""
+    forming = next((e for e in reversed(window) if isinstance(e, GroupForming)), None)
+    formed = next((e for e in reversed(window) if isinstance(e, GroupFormed)), None)
+    if forming is None or formed is None or formed.mono_time < forming.mono_time:
+        return {}
+    phases = {"recruit": forming.mono_time - failure.mono_time}
+    joined = formed.mono_time - forming.mono_time
+    member = {k: v for k, v in formed.phases.items() if v > 0}
+    scale = min(1.0, joined / sum(member.values())) if member else 1.0  # the slowest member, clipped to the wait
+    phases |= {k: v * scale for k, v in member.items()}
+    phases["join_other"] = max(joined - sum(member.values()) * scale, 0.0)
+    after = done.mono_time - formed.mono_time
+    phases["first_step"] = min(rerun, after)
+    phases["restore"] = after - phases["first_step"]
+    return {k: round(v, 4) for k, v in phases.items()}
 
 
 def _record(

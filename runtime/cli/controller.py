@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from runtime.cli.launch import add_handlers_argument
+from runtime.cli.launch import add_handlers_argument, add_maintenance_arguments, add_timeout_arguments
 from runtime.cluster import auth
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
 from runtime.core.errors import AuthenticationFailed, ElasticRuntimeError
@@ -36,7 +36,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
-    parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for the first group")
     parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
     parser.add_argument("--run-dir", default=None, help="event log and summary.json (default: a new temp dir)")
     parser.add_argument(
@@ -56,7 +55,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="LO-HI",
         help="ports for the coordination services, one per group generation (default: any free port)",
     )
+    add_timeout_arguments(parser, start=300.0)
     add_handlers_argument(parser)
+    add_maintenance_arguments(parser)
     parser.set_defaults(func=controller_main)
     return parser
 
@@ -93,6 +94,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         heartbeat_timeout_s=args.heartbeat_timeout,
         hang_timeout_s=args.hang_timeout,
         start_timeout_s=args.start_timeout,
+        form_timeout_s=args.form_timeout,
+        spawn_timeout_s=args.spawn_timeout,
         max_failures=args.max_failures,
         run_dir=args.run_dir,
         resume=args.resume,
@@ -102,6 +105,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         coordinator_host=args.coordinator_host,
         coordinator_ports=args.coordinator_ports,
         handlers=list(args.handlers),
+        maintenance_subscription=args.maintenance_subscription,
+        drain_lead_s=args.drain_lead,
     )
 
 

@@ -229,6 +229,7 @@ def _first(values: list[Any]) -> Any:
 def worker_main(argv: list[str] | None = None) -> None:
     """The workers' script."""
     from runtime.cluster.worker import run_worker
+    from runtime.defaults import watch_own_host
     from runtime.testing.demo_model import demo_job
 
     parser = argparse.ArgumentParser(prog="python -m runtime.cli.demo_multiprocess")
@@ -237,7 +238,8 @@ def worker_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--features", type=int, default=FEATURES)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     args = parser.parse_args(argv)
-    run_worker(demo_job(global_batch=GLOBAL_BATCH, features=args.features, hidden=args.hidden), steps=args.steps)
+    job = demo_job(global_batch=GLOBAL_BATCH, features=args.features, hidden=args.hidden)
+    run_worker(job, steps=args.steps, watch_notices=watch_own_host)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--durable-every", type=int, default=10, help="steps between durable checkpoints")
     parser.add_argument("--durable-keep", type=int, default=3, help="durable checkpoints kept (the newest)")
     parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=25.0,
+        help="on SIGTERM/SIGINT with --durable: seconds to commit a durable checkpoint of the newest step (default 25)",
+    )
+    parser.add_argument(
         "--neighbour-replicas",
         action="store_true",
         help="each process also keeps the previous process's shards in RAM: a lost process's shards come from there",
@@ -96,10 +102,34 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="ACTION:PID@WHEN",
         help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (runtime.faults.grammar)",
     )
+    add_timeout_arguments(parser)
     add_handlers_argument(parser)
+    add_maintenance_arguments(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(func=launch_main)
     return parser
+
+
+def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = LaunchConfig.start_timeout_s) -> None:
+    """How long forming may take, as ``launch`` and ``controller`` take it. Joining a group compiles the step (a
+    real model: a minute or more on CPU): the first group gets ``--start-timeout``, a re-formed one
+    ``--form-timeout`` or twice the slowest join seen so far, whichever is longer."""
+    parser.add_argument(
+        "--start-timeout", type=float, default=start, help=f"seconds for the first group to form (default {start:g})"
+    )
+    parser.add_argument(
+        "--form-timeout",
+        type=float,
+        default=LaunchConfig.form_timeout_s,
+        help="seconds for a re-formed group to join, at least twice the slowest join seen "
+        f"(default {LaunchConfig.form_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--spawn-timeout",
+        type=float,
+        default=LaunchConfig.spawn_timeout_s,
+        help=f"seconds a re-forming waits for replacements (default {LaunchConfig.spawn_timeout_s:g})",
+    )
 
 
 def add_handlers_argument(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +141,24 @@ def add_handlers_argument(parser: argparse.ArgumentParser) -> None:
         metavar="PKG.MODULE:FUNCTION",
         help="a controller-side handler, async def FUNCTION(event, ctx), for the event type its first parameter "
         "is annotated with; once per event (repeatable; docs/handlers.md)",
+    )
+
+
+def add_maintenance_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--maintenance-subscription`` and ``--drain-lead``, as ``launch`` and ``controller`` take them."""
+    parser.add_argument(
+        "--maintenance-subscription",
+        default=None,
+        metavar="projects/P/subscriptions/S",
+        help="Google Cloud maintenance notices (Pub/Sub): a host's workers are drained before its window "
+        "(docs/gcp-setup.md)",
+    )
+    parser.add_argument(
+        "--drain-lead",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="drain a host this long before its maintenance window starts (default 60)",
     )
 
 
@@ -133,9 +181,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         durable_dir=args.durable,
         durable_every=args.durable_every,
         durable_keep=args.durable_keep,
+        grace_s=args.grace_s,
         strategy=args.strategy,
         heartbeat_timeout_s=args.heartbeat_timeout,
         hang_timeout_s=args.hang_timeout,
+        start_timeout_s=args.start_timeout,
+        form_timeout_s=args.form_timeout,
+        spawn_timeout_s=args.spawn_timeout,
         run_dir=args.run_dir,
         result_path=args.result,
         replica_dir=args.replica_dir,
@@ -144,6 +196,8 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         resume=args.resume,
         faults=[fault for faults in args.fault for fault in faults],
         handlers=list(args.handlers),
+        maintenance_subscription=args.maintenance_subscription,
+        drain_lead_s=args.drain_lead,
     )
 
 

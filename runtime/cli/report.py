@@ -89,6 +89,8 @@ def render(report: GoodputReport, path: Path) -> str:
                 f"  {f.kind:14s} {f.step:6d} {f.detection_s:9.3f} {recovered:>10s} {f.compile_wait_s:10.3f} "
                 f"{f.lost_steps:5d} {f.wasted_s:9.3f}  {f.restored_from or '-'}"
             )
+            if f.phases:  # a re-formed group: where the recovery's time went, adding up to it
+                lines.append("      " + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in f.phases.items()))
     if report.checkpoints:
         tiers = ", ".join(f"{tier} {count}" for tier, count in sorted(report.checkpoints.items()))
         lines += ["", f"  checkpoints committed: {tiers}"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from runtime.core.config import check_subscription
 from runtime.core.retry import Backoff, RetryPolicy
 from runtime.faults.grammar import Fault
 
@@ -17,6 +18,7 @@ class Strategy(StrEnum):
 
     START = "start"  # the first group
     GROW = "grow"  # a spare joins a smaller group at a planned step
+    DRAIN = "drain"  # members on a host about to go down leave the group at a planned step
     REFORM = "reform"  # survivors re-initialize jax.distributed in-process; replacements take state from peers
     RESTART = "restart"  # every worker process replaced, state from the replica files in /dev/shm
 
@@ -59,6 +61,9 @@ class LaunchConfig:
             removed when the controller ends (it stays only when the controller itself was killed).
         resume: require an unfinished run in ``run_dir`` to continue (raise ValueError if there is none).
         drain_timeout_s: on SIGTERM/SIGINT or at the end, how long workers get to stop before SIGKILL.
+        grace_s: on SIGTERM/SIGINT with a durable tier, how long after the signal the group may take to hold
+            and commit a durable checkpoint of its newest step (``controller/drain.py``); within a scheduler's
+            grace period (Kubernetes: 30 s by default).
         result_path: a folder where process 0 commits the final state, in the disk tier's format.
         durable_dir: where the group keeps durable checkpoints (a disk every host reaches): the first slice's
             processes each write their own shards every ``durable_every`` steps and the controller commits the
@@ -84,6 +89,10 @@ class LaunchConfig:
             until the run ends); default: any free port.
         handlers: controller-side handlers, each ``package.module:function`` (``launch --handlers``), subscribed
             by ``runtime.defaults.default_controller`` (``runtime/cluster/controller/named_handlers.py``).
+        maintenance_subscription: ``projects/P/subscriptions/S``: the controller listens there for Google Cloud
+            maintenance notices and drains a host's workers before its window (``handlers/drain_host.py``);
+            notices about another project's instances (not P) are ignored. None: no notices.
+        drain_lead_s: drain a host's workers this long before its maintenance window starts.
     """
 
     command: list[str]
@@ -111,6 +120,7 @@ class LaunchConfig:
     faults: list[Fault] = field(default_factory=list)
     resume: bool = False
     drain_timeout_s: float = 10.0
+    grace_s: float = 25.0
     extra_env: dict[str, str] = field(default_factory=dict)
     target_steps: int | None = None
     secret: str | None = field(default=None, repr=False)
@@ -120,6 +130,8 @@ class LaunchConfig:
     coordinator_host: str | None = None
     coordinator_ports: tuple[int, int] | None = None
     handlers: list[str] = field(default_factory=list)
+    maintenance_subscription: str | None = None
+    drain_lead_s: float = 60.0
 
     @property
     def slice_size(self) -> int:
@@ -160,6 +172,8 @@ class LaunchConfig:
             low, high = self.coordinator_ports
             if not 0 < low <= high < 65536:
                 raise ValueError(f"coordinator ports must be a range LO-HI within 1-65535, got {low}-{high}")
+        if self.maintenance_subscription:
+            check_subscription(self.maintenance_subscription, field="maintenance_subscription")
         if not self.starts_workers:
             self.spares = 0  # nothing to start: a replacement is the orchestrator's to bring up
 
@@ -182,3 +196,5 @@ class LaunchResult:
     reason: str = ""
     run_id: str = ""
     resumed_from: int = -1  # the step a resumed run continued from; -1 when it did not resume
+    drain_s: float | None = None  # stopped by a signal: from the signal until every worker was gone
+    drain_checkpoint: int = -1  # stopped by a signal: the durable step committed for --resume; -1: none

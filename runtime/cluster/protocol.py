@@ -22,10 +22,13 @@ __all__ = [
     "ENV_CONNECT_S",
     "ENV_CONTROLLER",
     "ENV_HEARTBEAT_S",
+    "ENV_INSTANCE",
     "ENV_JAX_HEARTBEAT_S",
     "ENV_JAX_INIT_S",
     "ENV_JAX_SHUTDOWN_S",
+    "ENV_KEEP_PROGRAMS",
     "ENV_LOCAL_DEVICES",
+    "ENV_METADATA_HOST",
     "ENV_REPLICA_DIR",
     "ENV_RESULT",
     "ENV_RUN_ID",
@@ -42,6 +45,7 @@ __all__ = [
     "Joined",
     "Lease",
     "MalformedMessage",
+    "Noticed",
     "Notify",
     "Published",
     "Requested",
@@ -65,12 +69,16 @@ ENV_LOCAL_DEVICES = "ELASTIC_LOCAL_DEVICES"  # CPU devices per process
 ENV_RESULT = "ELASTIC_RESULT"  # a folder where process 0 commits the final state (disk tier format), if set
 ENV_RUN_ID = "ELASTIC_RUN_ID"  # the run's id: written into every replica, and only its replicas are restored
 ENV_HEARTBEAT_S = "ELASTIC_HEARTBEAT_S"
+ENV_INSTANCE = "ELASTIC_INSTANCE"  # the instance (host) this worker runs on, as maintenance notices name it
+ENV_METADATA_HOST = "ELASTIC_METADATA_HOST"  # a metadata server to ask for the instance name (host:port)
 ENV_JAX_HEARTBEAT_S = "ELASTIC_JAX_HEARTBEAT_S"
 ENV_JAX_SHUTDOWN_S = "ELASTIC_JAX_SHUTDOWN_S"
 ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
 ENV_COMPILE_CACHE = "ELASTIC_COMPILE_CACHE"  # persistent XLA cache directory shared by the workers
 ENV_CONNECT_S = "ELASTIC_CONNECT_TIMEOUT_S"  # how long a worker tries to reach the controller (default 120)
 ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room to kill mid-run)
+# "0": trace and compile every program again at each re-forming (runtime/core/programs.py; for comparisons)
+ENV_KEEP_PROGRAMS = "ELASTIC_KEEP_PROGRAMS"
 
 # The exit code of a worker that stops before the run is over: its place was taken (judged lost, or every worker
 # replaced by the restart strategy) or its controller is gone. A cluster scheduler (a Kubernetes Job, the SLURM
@@ -97,6 +105,9 @@ class Hello(Message, frozen=True, kw_only=True):
     # The event types (class names) the script's own handlers subscribe to: the controller forwards those of
     # the group's events to this worker (``Notify``; runtime/cluster/controller/relay.py).
     events: tuple[str, ...] = ()
+    # Where it runs: its GCE instance or TPU VM worker, its node (runtime/cluster/worker/instance.py); maintenance
+    # notices name hosts by it. "": unknown.
+    instance: str = ""
 
 
 class Heartbeat(Message, frozen=True, kw_only=True):
@@ -107,6 +118,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     step: int
     step_time_s: float | None = None
     sent_at: float  # the worker's wall clock; the controller times silence with its own monotonic clock
+    held: bool = False  # it stopped stepping when told (``Stop.hold``): ``step`` is its last
 
 
 class Joined(Message, frozen=True, kw_only=True):
@@ -123,6 +135,11 @@ class Joined(Message, frozen=True, kw_only=True):
     neighbour_step: int = 0  # the step of the neighbour replica it holds in RAM (storage/shards.py); 0: none
     join_s: float  # shutdown + re-initialize of jax.distributed, as the worker measured it
     skipped: tuple[str, ...] = ()  # replica files it would not restore, each "PATH: why" (another run's)
+    # Where the join's time went, in seconds: leave, connect, trace, compile, load (compiled programs kept from an
+    # earlier generation, runtime/core/programs.py), read (listing what it can restore).
+    phases: dict[str, float] = {}
+    traced: tuple[str, ...] = ()  # the programs it traced and compiled (none: every one was loaded)
+    mesh_shape: dict[str, int] = {}  # the group's mesh, as the job's ProcessMesh laid it out
 
 
 class Saved(Message, frozen=True, kw_only=True):
@@ -208,6 +225,15 @@ class Published(Message, frozen=True, kw_only=True):
     event: msgspec.Raw
 
 
+class Noticed(Message, frozen=True, kw_only=True):
+    """A maintenance or preemption notice about this worker's own host, from the host's metadata server
+    (``ELASTIC_METADATA_HOST``); ``event`` is the notice's JSON (``runtime.core.eventlog``). The controller takes
+    it only about the instance the worker's ``Hello`` named."""
+
+    worker: int
+    event: msgspec.Raw
+
+
 # --- controller -> worker ---------------------------------------------------------------------------------
 
 
@@ -229,6 +255,9 @@ class Form(Message, frozen=True, kw_only=True):
     # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
     # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).
     fences: dict[int, int] = {}
+    # The folder (a name, in the run's replica folder) where this controller's workers keep their compiled
+    # programs for each other (runtime/core/programs.py); new for every controller, so never another run's.
+    programs: str = ""
 
 
 class Restore(Message, frozen=True, kw_only=True):
@@ -246,6 +275,10 @@ class Restore(Message, frozen=True, kw_only=True):
 class Warm(Message, frozen=True, kw_only=True):
     """A spare with nothing to do: compile the step once on a local backend, so that joining later is quick."""
 
+    # The run's kept programs (Form.programs): where they are on the spare's host already, joining will load
+    # them, and a warm-up that compiled the step for minutes would only keep the spare deaf to a Form.
+    programs: str = ""
+
 
 class Stop(Message, frozen=True, kw_only=True):
     """Exit now with ``exit_code``; ``reason`` is logged. The code is 0 when the run is over and
@@ -253,6 +286,14 @@ class Stop(Message, frozen=True, kw_only=True):
 
     reason: str
     exit_code: int = 0
+    # The run folder says the run finished: nothing will restore this worker's replica files (it removes them).
+    finished: bool = False
+    # Not an exit yet: stop stepping, say the last committed step (``Heartbeat.held``), wait for the next Stop.
+    hold: bool = False
+    # The first slice writes its part of a durable checkpoint of this step (its last, or the one before, from
+    # its replica file) before exiting; -1: none.
+    durable_step: int = -1
+    at_step: int = -1  # stop after committing this step (a planned drain: the group re-forms there); -1: now
 
 
 class Committed(Message, frozen=True, kw_only=True):
@@ -280,7 +321,9 @@ class Notify(Message, frozen=True, kw_only=True):
     event: msgspec.Raw
 
 
-WorkerMessage = Union[Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published]  # noqa: UP007 - msgspec needs a Union object
+WorkerMessage = Union[  # noqa: UP007 - msgspec needs a Union object
+    Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published, Noticed
+]
 ControllerMessage = Union[Form, Restore, Warm, Stop, Lease, Committed, Notify]  # noqa: UP007
 
 

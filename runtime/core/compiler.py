@@ -13,6 +13,7 @@ a snapshot that is no longer needed (or fresh ones, ``host_buffers``), so no new
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from typing import Any
 
@@ -23,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.mesh import mesh_key
+from runtime.core.programs import ProgramStore
 from runtime.core.snapshot import host_shardings
 
 
@@ -46,9 +48,22 @@ def abstract(tree: PyTree) -> PyTree:
 class StepCompiler:
     """Holds the user's step compiled for each mesh it ran or may run on. Thread-safe."""
 
-    def __init__(self, job: TrainJob, state_example: PyTree, batch_example: PyTree, *, host_copy: bool = False) -> None:
+    def __init__(
+        self,
+        job: TrainJob,
+        state_example: PyTree,
+        batch_example: PyTree,
+        *,
+        host_copy: bool = False,
+        programs: ProgramStore | None = None,
+        place: Hashable = (),
+    ) -> None:
         self.job = job
         self.host_copy = host_copy
+        # Where compiled programs are kept to be loaded on a new backend (runtime.core.programs), keyed by the
+        # mesh and ``place`` (under launch: this process's place in the group); None: compiled each time.
+        self.programs = programs
+        self.place = place
         self._state_abstract = abstract(state_example)
         self._batch_abstract = abstract(batch_example)
         self._lock = threading.Lock()
@@ -141,7 +156,9 @@ class StepCompiler:
         state_sharding = self.state_shardings(mesh)
         inputs = (state_sharding, self.batch_shardings(mesh))
         return jax.jit(
-            self.job.step, in_shardings=inputs, out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec()))
+            self.job.step_on(mesh),
+            in_shardings=inputs,
+            out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
         )
 
     def _compile_on(self, mesh: Mesh) -> Any:
@@ -153,7 +170,7 @@ class StepCompiler:
             jitted = self._plain(mesh)
         else:
             host = self.host_shardings(mesh)
-            step = _with_host_copy(self.job.step, state_sharding)
+            step = _with_host_copy(self.job.step_on(mesh), state_sharding)
             # keep_unused: jit would otherwise drop the unread buffers argument, and its donation with it.
             jitted = jax.jit(
                 step,
@@ -169,8 +186,14 @@ class StepCompiler:
 
             # Compiled now, with the step: on a new mesh its first step needs fresh buffers, and a compile
             # there would hold up the first step after a recovery.
-            self._host_buffers[mesh_key(mesh)] = jax.jit(zeros, out_shardings=host).lower().compile()
-        return jitted.lower(*args).compile()
+            maker = jax.jit(zeros, out_shardings=host)
+            self._host_buffers[mesh_key(mesh)] = self._build("host buffers", mesh, maker.lower)
+        return self._build("step", mesh, lambda: jitted.lower(*args))
+
+    def _build(self, name: str, mesh: Mesh, lower: Callable[[], Any]) -> Any:
+        if self.programs is None:
+            return lower().compile()
+        return self.programs.compiled(name, (mesh_key(mesh), self.place), lower)
 
 
 def _with_host_copy(step: Any, state_sharding: PyTree) -> Any:

@@ -28,6 +28,7 @@ __all__ = [
     "GroupForming",
     "HandlerFailed",
     "HostError",
+    "LikelyMeshesReady",
     "MaintenanceCompleted",
     "MaintenanceScheduled",
     "MaintenanceStarted",
@@ -37,6 +38,7 @@ __all__ = [
     "MeshReady",
     "MeshReduced",
     "Notice",
+    "NoticeIgnored",
     "Preempted",
     "ProcessLost",
     "RecoveryCompleted",
@@ -248,6 +250,15 @@ class MalformedNotice(Failure, frozen=True, kw_only=True):
     reason: str
 
 
+class NoticeIgnored(Failure, frozen=True, kw_only=True):
+    """A well-formed notice that concerns none of this run's hosts (another project's instance, or an instance
+    none of the workers runs on); it changed nothing."""
+
+    instance: str
+    message_id: str = ""
+    reason: str
+
+
 # --- maintenance notices ------------------------------------------------------------------------------
 
 
@@ -374,6 +385,15 @@ class MeshReady(Event, frozen=True, kw_only=True):
     seconds: float
 
 
+class LikelyMeshesReady(Event, frozen=True, kw_only=True):
+    """Every mesh a next failure on ``mesh_shape`` would lead to (``meshes`` of them, one lost slice each) is
+    compiled, ``seconds`` after the mesh was taken into use: from now on no single failure waits for a compile."""
+
+    mesh_shape: dict[str, int]
+    meshes: int
+    seconds: float
+
+
 class RecoveryFailed(Failure, frozen=True, kw_only=True):
     """Recovery could not complete; the run stops with :class:`runtime.core.errors.RecoveryError`."""
 
@@ -431,6 +451,11 @@ class GroupFormed(Event, frozen=True, kw_only=True):
     seconds: float
     restore_step: int
     restore_source: int
+    # The slowest member's join, by phase (leave, connect, trace, compile, load, read), in seconds; and how many
+    # programs the members traced and compiled (0: every one was loaded, kept from an earlier generation).
+    phases: dict[str, float] = {}
+    traced: int = 0
+    instances: tuple[str, ...] = ()  # where each member runs (its instance or host), as its Hello said
 
 
 # --- requests -----------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from runtime.core.events import (
 )
 from runtime.core.health import DeviceHealth
 from runtime.core.job import PyTree, TrainJob
+from runtime.core.keys import with_key_data
 from runtime.core.ledger import StepLedger
 from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
 from runtime.core.prefetch import BatchPrefetcher
@@ -120,7 +121,8 @@ class StepExecutor:
         policy: MeshPolicy,
         health: DeviceHealth,
     ) -> None:
-        self.job = job
+        # The job as it runs: typed PRNG keys in its state held as key data (runtime.core.keys).
+        self.job, self.keys = with_key_data(job)
         self.bus = bus
         self.config = config
         self.policy = policy
@@ -210,7 +212,7 @@ class StepExecutor:
                 _drain(self._computing[0])
             self.ram.close()
             self._batches.close()
-        state = await anyio.to_thread.run_sync(jax.device_get, self.state)
+        state = self.keys.to_keys(await anyio.to_thread.run_sync(jax.device_get, self.state))
         return RunResult(
             state=state,
             step=self.step,
@@ -355,7 +357,7 @@ class StepExecutor:
         started, mesh, state = time.monotonic(), self.mesh, self.state
 
         def apply() -> PyTree:
-            new = fn(state)
+            new = self.keys.to_data(fn(self.keys.to_keys(state)))
             before = [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
             after = [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(new)]
             if str(jax.tree.structure(state)) != str(jax.tree.structure(new)) or before != after:
@@ -584,7 +586,7 @@ class StepExecutor:
         for check in self.step_checks:
             check(flight.step, device_ids(mesh))
         metrics = flight.metrics
-        loss = metrics.get(self.job.loss_key) if isinstance(metrics, dict) else None
+        loss = self.job.loss(metrics)
         loss_value = None if loss is None else float(np.asarray(loss))
         host, copy_s = flight.host, 0.0
         copied_here = host is not None and not fused  # a copy of its own, queued behind the step

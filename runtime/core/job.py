@@ -6,7 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
+
+from runtime.core.errors import ConfigError
+from runtime.core.mesh import ProcessMesh
 
 PyTree = Any
 StepFn = Callable[[PyTree, PyTree], tuple[PyTree, dict[str, Any]]]
@@ -27,18 +30,54 @@ class DataSource(Protocol):
 class TrainJob:
     """A training job the runtime can run, re-mesh and restore.
 
+    Every trace of the step (the first, a background compile for a likely mesh, a worker's) runs under
+    ``jax.set_mesh(mesh)``: inside it ``jax.sharding.get_abstract_mesh()`` is the mesh's and a bare
+    PartitionSpec in ``with_sharding_constraint`` refers to it. A ``Mesh`` or ``Device`` object outlives
+    neither a re-mesh nor, under ``launch``, a re-forming of the group (a new backend, new devices): a model
+    that keeps its concrete mesh must be built per mesh, with ``step_for_mesh``.
+
     Args:
         init: returns the initial state (a pytree of arrays). Called once, on the host.
         step: ``step(state, batch) -> (new_state, metrics)``, a pure function; the runtime jits it per mesh.
         data: the data source; ``data.batch(position)`` is the global batch.
         state_specs: PartitionSpecs for the state, as a pytree prefix (one ``P()`` replicates everything).
         batch_spec: PartitionSpec(s) for the batch, as a pytree prefix; by default split over ``data``.
-        loss_key: the metric reported as the loss in events and progress.
+        loss_key: the metric reported as the loss in events and progress; a tuple of keys names one in
+            nested metrics (MaxText's ``("scalar", "learning/loss")``).
+        step_for_mesh: builds the step for a mesh (called once per mesh, before it is traced), for a model
+            that keeps the concrete ``Mesh`` it runs on; ``step`` may then be None.
+        process_mesh: the mesh of a multi-process group (``elastic-runtime launch``): its axis names and the
+            sizes of the axes inside a slice; see :class:`~runtime.core.mesh.ProcessMesh`.
+
+    Raises:
+        ConfigError: neither ``step`` nor ``step_for_mesh`` is given.
     """
 
     init: Callable[[], PyTree]
-    step: StepFn
+    step: StepFn | None
     data: DataSource
     state_specs: PyTree = field(default_factory=PartitionSpec)
     batch_spec: PyTree = field(default_factory=lambda: PartitionSpec("data"))
-    loss_key: str = "loss"
+    loss_key: str | tuple[str, ...] = "loss"
+    step_for_mesh: Callable[[Mesh], StepFn] | None = None
+    process_mesh: ProcessMesh = field(default_factory=ProcessMesh)
+
+    def __post_init__(self) -> None:
+        if self.step is None and self.step_for_mesh is None:
+            raise ConfigError("TrainJob needs a step: give step, or step_for_mesh")
+
+    def step_on(self, mesh: Mesh) -> StepFn:
+        """The step to trace for ``mesh``."""
+        if self.step_for_mesh is not None:
+            return self.step_for_mesh(mesh)
+        assert self.step is not None
+        return self.step
+
+    def loss(self, metrics: Any) -> Any:
+        """The loss in ``metrics`` (``loss_key``), or None where it is not."""
+        path = (self.loss_key,) if isinstance(self.loss_key, str) else self.loss_key
+        for key in path:
+            if not isinstance(metrics, dict) or key not in metrics:
+                return None
+            metrics = metrics[key]
+        return metrics

@@ -163,3 +163,63 @@ def mesh_shape(mesh: Mesh) -> dict[str, int]:
 
 def device_ids(mesh: Mesh) -> tuple[int, ...]:
     return tuple(sorted(int(d.id) for d in mesh.devices.flat))
+
+
+@dataclass(frozen=True)
+class ProcessMesh:
+    """The mesh of a multi-process group (``elastic-runtime launch --slices S``): one replica axis across the
+    group's slices, whose size is the number of slices and shrinks when one is lost, and the other axes inside
+    a slice, spanning the devices of its processes.
+
+    Args:
+        axes: every axis in mesh order, with its size; the replica axis's size is ignored (the group sets it),
+            and one other axis may be -1: the slice's devices left over by the others. MaxText's mesh, for
+            example: ``{"data": -1, "stage": 1, "fsdp": -1, "tensor": 1, ...}``.
+        replica_axis: the axis across slices. The state may not be split over it (it shrinks).
+
+    Raises:
+        ConfigError: the replica axis is not among the axes, a size is not an int >= 1 (or one -1), or more
+            than one axis inside a slice is -1.
+    """
+
+    axes: tuple[tuple[str, int], ...] | Mapping[str, int] = (("data", -1), ("model", -1))
+    replica_axis: str = "data"
+
+    def __post_init__(self) -> None:
+        axes = _as_axes(self.axes)
+        object.__setattr__(self, "axes", axes)
+        names = [name for name, _ in axes]
+        if self.replica_axis not in names:
+            raise ConfigError(f"process mesh: the replica axis {self.replica_axis!r} is not one of {names}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"process mesh: axis names repeat in {names}")
+        inner = [(name, size) for name, size in axes if name != self.replica_axis]
+        if any(not isinstance(size, int) or (size < 1 and size != -1) for _, size in inner):
+            raise ConfigError(f"process mesh: sizes must be ints >= 1, or -1 for one axis: {dict(inner)}")
+        if sum(size == -1 for _, size in inner) > 1:
+            raise ConfigError(f"process mesh: more than one axis inside a slice is -1: {dict(inner)}")
+
+    @property
+    def slice_axes(self) -> tuple[str, ...]:
+        """The axes inside a slice, in mesh order."""
+        return tuple(name for name, _ in _as_axes(self.axes) if name != self.replica_axis)
+
+    def build(self, devices: Sequence[Any], slices: int) -> Mesh:
+        """The mesh of ``devices`` (ordered by process, a slice's processes together) in ``slices`` slices.
+
+        Raises:
+            MeshUnavailable: a slice's devices do not fill the axes' sizes.
+        """
+        axes = _as_axes(self.axes)
+        per_slice = len(devices) // slices
+        fixed = math.prod(size for name, size in axes if name != self.replica_axis and size != -1)
+        open_axis = any(size == -1 for name, size in axes if name != self.replica_axis)
+        if per_slice % fixed or (per_slice != fixed and not open_axis):
+            raise MeshUnavailable(
+                f"process mesh {dict(axes)}: a slice has {per_slice} devices, which the axes inside it "
+                f"({', '.join(self.slice_axes)}) do not fill"
+            )
+        sizes = [per_slice // fixed if size == -1 else size for name, size in axes if name != self.replica_axis]
+        grid = np.array(devices, dtype=object).reshape(slices, *sizes)
+        at = [name for name, _ in axes].index(self.replica_axis)
+        return Mesh(np.moveaxis(grid, 0, at), tuple(name for name, _ in axes))

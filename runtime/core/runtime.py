@@ -16,6 +16,8 @@ import contextlib
 import functools
 import logging
 import math
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -30,7 +32,7 @@ from runtime.core.config import RuntimeConfig
 from runtime.core.context import RuntimeContext
 from runtime.core.errors import BusClosed
 from runtime.core.eventlog import EventLog
-from runtime.core.events import Event, MeshReady, RunFinished, ScaleUpAvailable
+from runtime.core.events import Event, LikelyMeshesReady, MeshReady, RunFinished, ScaleUpAvailable
 from runtime.core.executor import BoundaryHook, RunResult, StepExecutor
 from runtime.core.health import DeviceHealth
 from runtime.core.job import TrainJob
@@ -200,7 +202,9 @@ class Runtime:
 
     async def _precompile(self) -> None:
         """After each mesh change, compile the step (and its snapshot copy) for the meshes a next failure would
-        lead to.
+        lead to: as many at once as the machine has cores (XLA compiles outside the GIL), most likely first.
+        ``LikelyMeshesReady`` says when all are done. A failure whose mesh is not ready yet does not wait
+        behind the others: the executor compiles that one itself, at once (``StepCompiler.get``).
 
         A compile that fails here stops nothing: for the current mesh the step meets the same error and ends
         the run with ``StepError``; a likely next mesh that cannot run the job is logged, and a failure that
@@ -210,13 +214,31 @@ class Runtime:
             compiler = self.executor.compiler
             if compiler is None:
                 continue
+            started = time.monotonic()
             if not compiler.is_ready(mesh) and not await self._prepare(mesh):  # the executor needs it first
                 continue
             healthy = await anyio.to_thread.run_sync(self.health.healthy)
-            for candidate in self.policy.likely_meshes(mesh, healthy):
-                if self.executor.mesh_updates.statistics().current_buffer_used:
-                    break  # the mesh changed again: plan for the new one
-                await self._prepare(candidate)
+            candidates = self.policy.likely_meshes(mesh, healthy)
+            limiter = anyio.CapacityLimiter(max(1, min(os.cpu_count() or 1, len(candidates))))
+
+            async with anyio.create_task_group() as tg:
+                for candidate in candidates:  # the limiter lets them in in this order: most likely first
+                    tg.start_soon(self._prepare_ahead, candidate, limiter)
+            if candidates and all(compiler.is_ready(c) for c in candidates):
+                ready = LikelyMeshesReady(
+                    step=self.executor.step,
+                    source="compiler",
+                    mesh_shape=mesh_shape(mesh),
+                    meshes=len(candidates),
+                    seconds=time.monotonic() - started,
+                )
+                with contextlib.suppress(BusClosed):
+                    await self.bus.publish(ready)
+
+    async def _prepare_ahead(self, mesh: Mesh, limiter: anyio.CapacityLimiter) -> None:
+        async with limiter:
+            if not self.executor.mesh_updates.statistics().current_buffer_used:  # else: plan for the new mesh
+                await self._prepare(mesh)
 
     async def _prepare(self, mesh: Mesh) -> bool:
         try:

@@ -66,11 +66,13 @@ class ParsedNotice(msgspec.Struct, frozen=True, kw_only=True):
         event: the event to publish (its ``instance`` is rewritten to the configured name on a match).
         identities: every name the source gave the instance (name, numeric id, cluster/node pool).
         issued_at: when the source says the notice was issued (epoch s); orders out-of-order deliveries.
+        project: the Google Cloud project the instance is in, where the source says; "": not said.
     """
 
     event: Notice
     identities: tuple[str, ...]
     issued_at: float | None = None
+    project: str = ""
 
 
 def _epoch(value: dt.datetime | float | None) -> float | None:
@@ -211,7 +213,14 @@ def parse_log_entry(data: bytes, *, message_id: str = "") -> list[ParsedNotice]:
         event = HostError(kind="HOST_ERROR", **common)
     else:
         raise NoticeMalformed(f"Cloud Logging entry: unknown methodName {method!r} at `$.protoPayload.methodName`")
-    return [ParsedNotice(event=event, identities=identities, issued_at=issued)]
+    return [ParsedNotice(event=event, identities=identities, issued_at=issued, project=_project(entry))]
+
+
+def _project(entry: _LogEntry) -> str:
+    """The instance's project: ``resource.labels.project_id``, else ``projects/P/...`` of the resource name."""
+    parts = entry.proto_payload.resource_name.split("/")
+    named = parts[1] if len(parts) > 1 and parts[0] == "projects" else ""
+    return entry.resource.labels.get("project_id", "") or named
 
 
 # --- GKE cluster notifications -----------------------------------------------------------------------------

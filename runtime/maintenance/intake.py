@@ -9,6 +9,8 @@ window announced by both is published once):
 - **once**: a message id already handled is dropped (Pub/Sub redelivers until acked), and so is a notice
   with the same instance, event type and window as one already published (the same window announced again
   under a new message id, or by a second source).
+- **this project's only** (when one is named): a notice whose source names another project is not ours, even
+  when an instance there has the same name as one of ours.
 - **in order**: a maintenance notice issued before the newest one already seen for its instance is stale
   (``Started`` delivered after ``Completed``) and dropped. Preemption and host errors are never stale.
 
@@ -26,7 +28,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from runtime.core.events import MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Notice
+from runtime.core.events import MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Notice, NoticeIgnored
 from runtime.maintenance.formats import ParsedNotice
 
 __all__ = ["InstanceMatcher", "NoticeIntake"]
@@ -92,6 +94,9 @@ class NoticeIntake:
             (they carry no window to compare).
         memory: how many message ids and notice keys are remembered.
         clock: wall clock, injectable for tests.
+        project: this job's Google Cloud project; "": any. Notices from sources that name another are not ours.
+        report_ignored: a notice that is not ours is admitted as a ``NoticeIgnored`` event (to be counted),
+            rather than dropped silently.
     """
 
     def __init__(
@@ -101,8 +106,12 @@ class NoticeIntake:
         repeat_window_s: float = 600.0,
         memory: int = 10_000,
         clock: Callable[[], float] = time.time,
+        project: str = "",
+        report_ignored: bool = False,
     ) -> None:
         self.matcher = InstanceMatcher(instances)
+        self.project = project
+        self.report_ignored = report_ignored
         self.repeat_window_s = repeat_window_s
         self.clock = clock
         self._handled_ids = RecentKeys(memory)
@@ -114,19 +123,25 @@ class NoticeIntake:
         """Whether the message was already handled (a redelivery, to be acked and otherwise ignored)."""
         return bool(message_id) and message_id in self._handled_ids
 
-    def admit(self, message_id: str, parsed: Iterable[ParsedNotice], *, trusted: bool = False) -> list[Notice]:
+    def admit(
+        self, message_id: str, parsed: Iterable[ParsedNotice], *, trusted: bool = False
+    ) -> list[Notice | NoticeIgnored]:
         """The events of one message to publish now; empty if none is ours, new and current.
 
         ``trusted``: the notice is about this very machine (the metadata server), so it is ours whatever
         its name. Every admitted message must be followed by :meth:`settle`.
         """
         now = self.clock()
-        admitted: list[Notice] = []
+        admitted: list[Notice | NoticeIgnored] = []
         keys: list[object] = []
         for notice in parsed:
             name = notice.event.instance if trusted else self.matcher.canonical(notice.identities)
-            if name is None:
-                log.debug("notice %s: %s is not one of ours", message_id, notice.identities)
+            foreign = bool(self.project and notice.project and notice.project != self.project and not trusted)
+            if name is None or foreign:
+                why = f"of project {notice.project}, not {self.project}" if foreign else "not one of this job's"
+                log.info("notice %s: instance %s is %s; ignored", message_id, notice.event.instance, why)
+                if self.report_ignored:
+                    admitted.append(_ignored(notice.event, message_id, f"instance {why}"))
                 continue
             event = notice.event
             if name != event.instance:
@@ -173,6 +188,12 @@ class NoticeIntake:
             return True
         self._newest[event.instance] = issued_at
         return False
+
+
+def _ignored(event: Notice, message_id: str, reason: str) -> NoticeIgnored:
+    return NoticeIgnored(
+        source=event.source, instance=event.instance, message_id=message_id, reason=f"{type(event).__name__}: {reason}"
+    )
 
 
 def _with_instance(event: Notice, instance: str) -> Notice:

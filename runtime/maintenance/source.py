@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 
 from runtime.core.bus import EventBus, Handler, Subscription
-from runtime.core.events import Event, MalformedNotice, Notice
+from runtime.core.events import Event, MalformedNotice, Notice, NoticeIgnored
 
 __all__ = ["LAST", "BusContext", "DispatchTracker", "SourceContext"]
 
@@ -65,7 +65,7 @@ class DispatchTracker:
         self._subscriptions: list[Subscription[Any]] = []
 
     def attach(self, ctx: SourceContext) -> None:
-        for event_type in (Notice, MalformedNotice):
+        for event_type in (Notice, MalformedNotice, NoticeIgnored):
             self._subscriptions.append(ctx.subscribe(event_type, self._handled, priority=LAST, timeout=None))
 
     def detach(self, ctx: SourceContext) -> None:

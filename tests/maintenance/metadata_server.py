@@ -17,7 +17,7 @@ class FakeMetadataServer:
     ``unavailable[key] = n`` answers the next n requests for ``key`` with 503, as during maintenance.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, bind: str = "127.0.0.1") -> None:
         self.values: dict[str, tuple[int, bytes]] = {
             "instance/name": (200, b"meta-vm"),
             "instance/maintenance-event": (200, b"NONE"),
@@ -47,9 +47,9 @@ class FakeMetadataServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer((bind, 0), Handler)
         self.httpd.daemon_threads = True
-        self.host = f"127.0.0.1:{self.httpd.server_address[1]}"
+        self.host = f"{bind}:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
     def etag(self, key: str) -> str:

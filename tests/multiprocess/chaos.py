@@ -9,8 +9,11 @@ impostor ``Hello``, a forged ``Heartbeat(step=600)`` and ``Finished`` for every 
 attacker was only ever sent the handshake's challenge. Three cases act on the controller or on the job: a
 crash that repeats at the same step in every attempt (the run must end within the retry budget with the
 worker's error), ``kill -9`` of the controller then ``launch --resume`` (bitwise again, no worker left
-behind), and SIGTERM to the controller (``RunFinished``, ``summary.json``, no /dev/shm folder, no process
-left).
+behind), SIGTERM to the controller (``RunFinished``, ``summary.json``, no /dev/shm folder, no process
+left), and SIGTERM with a durable tier (``sigterm-durable``: a durable checkpoint of the newest step committed
+in the drain, then ``--resume`` from it: no step completed twice, bitwise). Correlated losses (``together``: two
+workers killed at the same instant with one warm spare; ``during-recovery``: a second kill while the group
+re-forms) are judged on "no survivor killed" and "one re-form" too.
 
     .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1] [--cases resume,sigterm,repeat]
 """
@@ -37,7 +40,7 @@ from runtime.cli.demo_multiprocess import group_controller, run_group, worker_co
 from runtime.cluster.controller.runfolder import default_replica_dir
 from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
-from runtime.core.events import RunFinished, StateRestored, StepCompleted
+from runtime.core.events import GroupFormed, RunFinished, StateRestored, StepCompleted, WorkerKilled
 from runtime.faults.grammar import Fault
 from runtime.testing import launched
 from storage.disk import DiskTier
@@ -47,7 +50,9 @@ STEPS = 40
 
 
 # Cases that act on the controller or the job rather than on one worker: run by ``controller_round``.
-CONTROLLER_CASES = ("repeat", "resume", "sigterm")
+CONTROLLER_CASES = ("repeat", "resume", "sigterm", "sigterm-durable")
+# Cases whose losses come together: judged on "no survivor killed" and "one re-form" too.
+CORRELATED_CASES = ("together", "during-recovery")
 
 
 CASES = (
@@ -55,6 +60,7 @@ CASES = (
     "kill",
     "stop",
     "two",
+    "together",
     "during-recovery",
     "midstep",
     "replica",
@@ -70,8 +76,11 @@ def plan(rng: random.Random, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
     step = rng.randrange(3, STEPS - 8)
     pid = rng.randrange(NPROCS)
     match kind:
-        case "repeat" | "resume" | "sigterm":
+        case "repeat" | "resume" | "sigterm" | "sigterm-durable":
             return {"case": kind, "step": step}
+        case "together":
+            other = rng.choice([p for p in range(NPROCS) if p != pid])
+            return {"faults": [Fault("kill", pid, step=step), Fault("kill", other, step=step)], "correlated": True}
         case "kill":
             return {"faults": [Fault("kill", pid, step=step)]}
         case "stop":
@@ -84,7 +93,8 @@ def plan(rng: random.Random, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
                 ]
             }
         case "during-recovery":
-            return {"faults": [Fault("kill", pid, step=step), Fault("kill", rng.randrange(NPROCS), forming=True)]}
+            faults = [Fault("kill", pid, step=step), Fault("kill", rng.randrange(NPROCS), forming=True)]
+            return {"faults": faults, "correlated": True}
         case "midstep":
             return {"faults": [Fault("die-midstep", pid, step=step)]}
         case "hang":
@@ -108,11 +118,31 @@ def controller_round(case: str, step: int, run_dir: Path, reference: Path) -> li
             wanted = (f"step {step} failed 3 times", "corrupt record")
             return [f"RecoveryError without {w!r}: {exc}" for w in wanted if w not in str(exc)]
         return ["a crash repeating at every attempt did not end the run"]
-    controller = launched.launch(run_dir, worker_command(STEPS), nprocs=NPROCS, step_delay_s=0.1)
+    durable = ("--durable", str(run_dir.with_name(f"{run_dir.name}-durable")), "--durable-every", "1000")
+    durable += ("--grace-s", "120")  # a hang guard: a loaded machine may take a while
+    flags = durable if case == "sigterm-durable" else ()
+    controller = launched.launch(run_dir, worker_command(STEPS), *flags, nprocs=NPROCS, step_delay_s=0.1)
     launched.wait_for_step(run_dir, controller, step)
     pids = launched.worker_pids(run_dir)
     problems: list[str] = []
-    if case == "sigterm":
+    if case == "sigterm-durable":
+        controller.send_signal(signal.SIGTERM)
+        output, _ = controller.communicate(timeout=120)
+        first = json.loads(output.decode().strip().splitlines()[-1])
+        held = first.get("drain_checkpoint", -1)
+        if held < step:
+            problems.append(f"no durable checkpoint of the newest step in the drain: {first.get('reason')}")
+        again = launched.launch(run_dir, worker_command(STEPS), *flags, "--resume", nprocs=NPROCS)
+        output, _ = again.communicate(timeout=300)
+        result = json.loads(output.decode().strip().splitlines()[-1]) if again.returncode == 0 else {}
+        steps = [e.step for e in read_events(run_dir / "events.jsonl") if isinstance(e, StepCompleted)]
+        if not result.get("ok") or result.get("resumed_from") != held:
+            problems.append(f"resume from {held}: {result or output.decode()[-500:]}")
+        elif len(steps) != len(set(steps)):
+            problems.append(f"steps completed twice: {sorted(s for s in set(steps) if steps.count(s) > 1)}")
+        else:
+            problems += check(run_dir, reference)
+    elif case == "sigterm":
         controller.send_signal(signal.SIGTERM)
         controller.communicate(timeout=120)
         last = read_events(run_dir / "events.jsonl")[-1]
@@ -155,9 +185,26 @@ def check(run_dir: Path, reference: Path) -> list[str]:
     return problems
 
 
+def correlated(run_dir: Path, result: Any) -> list[str]:
+    """Losses that came together: no survivor killed or restarted, and one re-form for them."""
+    events = read_events(run_dir / "events.jsonl")
+    problems = [f"worker {e.worker} killed: {e.reason}" for e in events if isinstance(e, WorkerKilled)]
+    problems = [p for p in problems if "fault injection" not in p]
+    if result.survivor_restarts:
+        problems.append(f"{result.survivor_restarts} survivors restarted")
+    formed = [e.generation for e in events if isinstance(e, GroupFormed)]
+    if len(formed) != 2:
+        problems.append(f"{len(formed) - 1} re-forms for one correlated loss (generations {formed})")
+    return problems
+
+
 def run_round(run_dir: Path, spec: dict[str, Any]) -> tuple[Any, list[str]]:
-    """One round; with an ``attack``, what the attacker got through is a problem too."""
+    """One round; with an ``attack``, what the attacker got through is a problem too; with ``correlated``, a
+    survivor killed or more than one re-form."""
     attack = spec.pop("attack", None)
+    if spec.pop("correlated", False):
+        result = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec).run()
+        return result, correlated(run_dir, result)
     controller = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec)
     if attack is None:
         return controller.run(), []

@@ -112,12 +112,14 @@ def test_kill_mid_replica_file_write(tmp_path: Path, reference: Path) -> None:
     assert_same_final_state(tmp_path, reference)
 
 
-def test_kill_during_recovery_falls_back_to_restart_from_shm(tmp_path: Path, reference: Path) -> None:
-    # A second worker dies while the group re-forms: the members waiting for it are replaced as well and
-    # the state comes from the /dev/shm replica files.
+def test_kill_during_recovery_drops_out_of_the_forming_and_no_survivor_is_replaced(
+    tmp_path: Path, reference: Path
+) -> None:
+    # A second worker dies while the group re-forms: it drops out of that forming (a spare takes its seat, or
+    # the rest re-form without it); the members waiting for it are not replaced.
     result, events = run(tmp_path, faults=parse_faults("kill:1@10,kill:2@forming"))
     assert result.ok and result.step == STEPS
-    assert result.strategies[-1] == "restart"
+    assert result.strategies == ["start", "reform"] and result.survivor_restarts == 0
     assert sum(1 for e in events if isinstance(e, WorkerKilled) and "fault injection" in e.reason) == 2
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)

@@ -97,6 +97,8 @@ def test_launch_runs_on_a_ray_cluster_at_an_address(cluster: Any, tmp_path: Path
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["ok"] and summary["step"] == 8 and summary["replacements"] == []
+    # Nothing left behind: each worker removed its replica folder when told the run finished.
+    assert not list(Path("/dev/shm").glob(f"elastic-runtime-{summary['run_id']}-*"))
     started = [e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, WorkerStarted)]
     assert sorted(e.worker for e in started) == [0, 1, 2] and {e.source for e in started} == {"ray"}
 

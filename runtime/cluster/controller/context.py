@@ -40,6 +40,31 @@ class ControllerContext:
         """Worker ids of the current group, in process-id order."""
         return tuple(self._c.members)
 
+    @property
+    def instances(self) -> dict[int, str]:
+        """Where each connected worker still counted on runs: worker id -> its instance (host), as its Hello
+        said ("" when it did not say)."""
+        return {
+            proc.worker: proc.hello.instance
+            for proc in self._c.pool
+            if proc.hello is not None and not proc.gone and not proc.closed
+        }
+
+    @property
+    def cordoned(self) -> frozenset[str]:
+        """Instances whose workers are kept out of the group (``drain``) until ``readmit``."""
+        return frozenset(self._c.supervisor.cordoned)
+
+    def drain(self, instance: str, reason: str) -> None:
+        """Take the members on ``instance`` out of the group at a planned step boundary (every other member
+        keeps its state in memory: nothing is lost or counted as a failure), and seat no worker of ``instance``
+        until :meth:`readmit`. Queued; done by the controller's supervisor once the group is training."""
+        self._c.request_drain(instance, reason)
+
+    def readmit(self, instance: str) -> None:
+        """Workers on ``instance`` may be seated again; the group grows back when one is ready."""
+        self._c.readmit(instance)
+
     async def publish(self, event: Event) -> None:
         """Put ``event`` on the controller's bus: logged and delivered to the controller's handlers."""
         await self._c.bus.publish(event)

@@ -110,6 +110,14 @@ class Membership:
         self.generation += 1
         return self.generation
 
+    def take_seat(self, lost: int, spare: int) -> int:
+        """``spare`` takes ``lost``'s seat in the current generation (before it formed); returns the seat."""
+        seat = self.members.index(lost)
+        self.members[seat] = spare
+        self._member_set.discard(lost)
+        self._member_set.add(spare)
+        return seat
+
     def plan_restore(self, reports: Sequence[JoinReport]) -> RestorePlan:
         """The newest step every process of some slice holds, from that slice (among equals, the one with the
         most processes holding it in memory, then the lowest index).

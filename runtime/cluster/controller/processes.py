@@ -13,6 +13,7 @@ from pathlib import Path
 
 from anyio.abc import SocketStream
 
+from runtime.cluster import leftovers
 from runtime.cluster.auth import ENV_TOKEN
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.protocol import (
@@ -53,6 +54,7 @@ class WorkerProcess:
     warmed: bool = False  # was sent Warm
     closed: bool = False  # its connection ended
     told_to_stop: bool = False  # sent Stop after it was judged lost
+    held: int = -1  # the step it stopped stepping at when the run drains (``Stop.hold``); -1: not held
 
     @property
     def pid(self) -> int:
@@ -133,9 +135,19 @@ class ProcessPool:
         secret: what the workers prove to the controller; handed over in their environment, which only their
             user can read (``/proc/PID/environ``), unlike the command line.
         run_id: the run's id, which the workers write into (and require of) every replica.
+        run_dir: the run folder, named as the owner of the default replica folder (``leftovers.claim``): a later
+            worker removes that folder once the run finished, never before (``--resume`` reads it).
     """
 
-    def __init__(self, config: LaunchConfig, logs: Path, replica_dir: str, secret: str, run_id: str = "") -> None:
+    def __init__(
+        self,
+        config: LaunchConfig,
+        logs: Path,
+        replica_dir: str,
+        secret: str,
+        run_id: str = "",
+        run_dir: Path | None = None,
+    ) -> None:
         self.config = config
         self.secret = secret
         self.logs = logs
@@ -144,6 +156,7 @@ class ProcessPool:
         self.controller_address = ""  # host:port, set once the controller listens
         self.procs: dict[int, WorkerProcess] = {}
         self._next_worker = 0
+        self.run_dir = run_dir
 
     def __getitem__(self, worker: int) -> WorkerProcess:
         return self.procs[worker]
@@ -164,6 +177,8 @@ class ProcessPool:
         """Start a new worker process (a spare until seated)."""
         worker = self._next_worker
         self._next_worker += 1
+        if self.run_dir is not None and self.config.replica_dir is None:
+            leftovers.claim(self.replica_dir, run_dir=str(self.run_dir))
         env = dict(os.environ)
         env.update(self.config.extra_env)
         env.update(

@@ -27,6 +27,7 @@ import ipaddress
 import json
 import logging
 import math
+import secrets
 import shutil
 import signal
 import tempfile
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.abc import SocketStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -44,6 +46,7 @@ from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.controller.context import ControllerContext
 from runtime.cluster.controller.coordination import host_service
+from runtime.cluster.controller.drain import final_checkpoint
 from runtime.cluster.controller.durable import DurableCommits
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor, Lost, UnknownWorker, Verdict, verdict_event, watch
 from runtime.cluster.controller.membership import Membership
@@ -53,6 +56,7 @@ from runtime.cluster.controller.runfolder import default_replica_dir, mark_finis
 from runtime.cluster.controller.server import Report, WorkerServer
 from runtime.cluster.controller.supervision import (
     Action,
+    DrainRequested,
     EndRun,
     Finish,
     Input,
@@ -62,6 +66,7 @@ from runtime.cluster.controller.supervision import (
     MemberRestored,
     Progress,
     Publish,
+    Readmitted,
     RegroupRequested,
     RestoreFailed,
     SaveFences,
@@ -86,6 +91,7 @@ from runtime.cluster.protocol import (
     Joined,
     Lease,
     Message,
+    Noticed,
     Published,
     Requested,
     Restored,
@@ -104,7 +110,7 @@ from runtime.core.errors import (
     StepError,
     StorageError,
 )
-from runtime.core.eventlog import EventLog
+from runtime.core.eventlog import EventLog, decode_event
 from runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
@@ -112,6 +118,8 @@ from runtime.core.events import (
     ConnectionRefused,
     Event,
     MalformedHeartbeat,
+    Notice,
+    NoticeIgnored,
     ReplicaSkipped,
     RunFinished,
     StepFailed,
@@ -120,6 +128,7 @@ from runtime.core.events import (
     WorkerKilled,
     WorkerStarted,
 )
+from runtime.core.programs import PROGRAMS_PREFIX
 from runtime.core.recovery import RecoveryTracker
 from runtime.faults.process import worker_faults_text
 
@@ -192,6 +201,9 @@ class Controller:
         (self.run_dir / "workers").mkdir(exist_ok=True)
         self.record = open_run(self.run_dir, resume=config.resume)
         self.replica_dir = config.replica_dir or default_replica_dir(self.run_dir)
+        # This controller's folder of the workers' compiled programs (Form.programs): a new one each time, so a
+        # resumed run (the script maybe edited) never loads an earlier controller's.
+        self._programs = f"{PROGRAMS_PREFIX}{secrets.token_hex(8)}"
         self.event_log = EventLog(self.run_dir / "events.jsonl")
         self.context = ControllerContext(self)
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
@@ -201,7 +213,12 @@ class Controller:
         # Never logged, never on a command line: the workers get it in their environment.
         self.secret = config.secret or auth.new_secret()
         self.pool = ProcessPool(
-            config, self.run_dir / "workers", self.replica_dir, self.secret, run_id=self.record.run_id
+            config,
+            self.run_dir / "workers",
+            self.replica_dir,
+            self.secret,
+            run_id=self.record.run_id,
+            run_dir=self.run_dir,
         )
         # A resumed run's generations go on from its record, its fences with them (see Membership.fences).
         self.group = Membership(
@@ -256,6 +273,7 @@ class Controller:
         self._to_commit: MemoryObjectSendStream[int] | None = None  # made (and closed) by ``run``
         self._commits_pending = 0
         self._commits_settled = anyio.Event()  # set when a commit ends
+        self.durable_newest = -1  # the newest durable step this controller committed
         self._kill_times: dict[int, float] = {}  # worker -> when it was signalled, to time the detection
         # Every generation's coordination service stays up until the run ends: stopping one while a live
         # worker's client is still attached makes that client terminate its process.
@@ -266,6 +284,7 @@ class Controller:
         self._supervision: anyio.CancelScope | None = None  # made in the event loop, by run_async
         self._error: ElasticRuntimeError | LaunchError | None = None
         self._signal = ""
+        self._signalled_at = 0.0
         self._skipped_seen: set[str] = set()
         # Tasks run beside the wire and the monitor, and cancelled with them before the bus closes: a scheduler
         # backend's placement and watch loop (``runtime/cluster/controller/ray_backend.py``).
@@ -326,6 +345,7 @@ class Controller:
         self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
         self.pool.controller_address = f"{host}:{self.port}"
         reason = ""
+        keep_replicas = False
         self._to_commit, commit_queue = anyio.create_memory_object_stream[int](max_buffer_size=1024)
         try:
             async with anyio.create_task_group() as tg:
@@ -378,7 +398,15 @@ class Controller:
                     for worker in self.monitor.workers:
                         self.monitor.forget(worker)
                     with anyio.CancelScope(shield=True):
-                        await self._stop_all(reason or "run finished")
+                        done = self._conclude()  # before the Stop that lets the workers remove replicas
+                        if self._signal and self.durable is not None and self.supervisor.restored:
+                            drained = await final_checkpoint(self, reason, self._signalled_at)
+                            reason = f"{reason}; {drained.note}"
+                            self.result.drain_checkpoint = drained.checkpoint
+                            keep_replicas = drained.checkpoint < 0  # --resume reads them instead
+                        await self._stop_all(reason or "run finished", finished=done)
+                        if self._signal:
+                            self.result.drain_s = round(time.monotonic() - self._signalled_at, 3)
                         helpers.cancel()
                         with anyio.move_on_after(5):
                             await helpers_done.wait()
@@ -411,15 +439,13 @@ class Controller:
             with anyio.CancelScope(shield=True):
                 await listener.aclose()
             self.event_log.close()
-            if self.config.replica_dir is None:  # ours, in /dev/shm: memory, not storage
+            if self.config.replica_dir is None and not keep_replicas:  # ours, in /dev/shm: memory, not storage
                 shutil.rmtree(self.replica_dir, ignore_errors=True)
             self._write_summary(reason)  # also when the run failed: summary.json then says why
         return self.result
 
-    def _write_summary(self, reason: str) -> None:
-        self.result.step = self.group_step
-        self.result.target_steps = self.target_steps
-        self.result.reason = self.result.reason or reason
+    def _conclude(self) -> bool:
+        """Whether the run finished (then the run folder says so): every member's final state the same."""
         digests = {self.result.digests.get(w) for w in self.members}
         if self.result.ok and len(digests) != 1:
             # Replicas must agree bit for bit; if they do not, the run's result cannot be trusted.
@@ -427,6 +453,12 @@ class Controller:
             self.result.ok, self.result.reason = False, "replicas diverged"
         if self.result.ok:
             mark_finished(self.run_dir, self.record.run_id)
+        return self.result.ok
+
+    def _write_summary(self, reason: str) -> None:
+        self.result.step = self.group_step
+        self.result.target_steps = self.target_steps
+        self.result.reason = self.result.reason or reason
         (self.run_dir / "summary.json").write_text(json.dumps(self.result.__dict__, default=str))
 
     def _save_fences(self) -> None:
@@ -447,7 +479,8 @@ class Controller:
             async for signum in signals:
                 name = signal.Signals(signum).name
                 log.warning("controller: %s at step %d; stopping the workers", name, self.group_step)
-                self._signal = self._signal or name
+                if not self._signal:
+                    self._signal, self._signalled_at = name, time.monotonic()
                 self.supervisor.stopped = True
                 if self._supervision is not None:
                     self._supervision.cancel()
@@ -522,16 +555,21 @@ class Controller:
     async def _send_form(self, form: SendForm) -> None:
         """Host the new generation's coordination service and tell every member to join it."""
         members, generation, strategy = form.members, form.generation, form.strategy
-        if self.durable is not None:
-            self.durable.new_generation(generation)
-        # Bound where the controller's own port is (a local address, or a wildcard), and named to the workers by
-        # the address they reach it at (a Kubernetes Service's name is not an address one can bind).
-        host = self.config.listen_host
-        port, service = host_service(host, len(members), generation, self.config.coordinator_ports)
-        self._services.append(service)
-        coordinator = f"{self.config.coordinator_host or host}:{port}"
-        self.supervisor.hosted(generation, coordinator)
+        if form.seats:  # spares take lost members' seats in this generation: its service is up
+            coordinator = self.supervisor.coordinator
+        else:
+            if self.durable is not None:
+                self.durable.new_generation(generation)
+            # Bound where the controller's own port is (a local address, or a wildcard), and named to the workers
+            # by the address they reach it at (a Kubernetes Service's name is not an address one can bind).
+            host = self.config.listen_host
+            port, service = host_service(host, len(members), generation, self.config.coordinator_ports)
+            self._services.append(service)
+            coordinator = f"{self.config.coordinator_host or host}:{port}"
+            self.supervisor.hosted(generation, coordinator)
         for process_id, worker in enumerate(members):
+            if form.seats and worker not in form.seats:
+                continue
             message = Form(
                 generation=generation,
                 coordinator=coordinator,
@@ -548,6 +586,7 @@ class Controller:
                 durable_every=self.config.durable_every,
                 neighbour_replicas=self.config.neighbour_replicas,
                 fences=dict(self.group.fences),
+                programs=self._programs,
             )
             await self.server.send(self.pool[worker], message)
 
@@ -609,7 +648,7 @@ class Controller:
                     await self.server.send(proc, lease)
             await anyio.sleep(self.config.heartbeat_interval_s)
 
-    async def _stop_all(self, reason: str) -> None:
+    async def _stop_all(self, reason: str, *, finished: bool = False) -> None:
         for proc in self.pool:
             if not proc.running():
                 continue
@@ -618,7 +657,7 @@ class Controller:
                 # cannot read a Stop): killed, not asked.
                 proc.popen.kill()
             else:
-                await self.server.send(proc, Stop(reason=reason))
+                await self.server.send(proc, Stop(reason=reason, finished=finished))
         with anyio.move_on_after(self.config.drain_timeout_s):
             while self.pool.running():
                 await anyio.sleep(0.05)
@@ -633,7 +672,7 @@ class Controller:
         for proc in self.pool:
             if proc.ready_spare and not proc.warmed:
                 proc.warmed = True
-                await self.server.send(proc, Warm())
+                await self.server.send(proc, Warm(programs=self._programs))
 
     # --- messages from workers -----------------------------------------------------------------------------
 
@@ -707,6 +746,8 @@ class Controller:
     async def _on_message(self, proc: WorkerProcess, message: Message) -> None:
         match message:
             case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds):
+                if message.held:  # draining: the step it holds at (drain.py)
+                    proc.held = step
                 if proc.gone and proc.popen is None and not proc.told_to_stop and not self.stopping:
                     # Judged lost (a partition that healed): its place is taken; it must not wait in a group
                     # that will never call it again. (One the controller started was killed instead.)
@@ -740,12 +781,32 @@ class Controller:
                 await self.relay.requested(message)
             case Published():
                 await self.relay.published(message)
+            case Noticed():
+                await self._noticed(proc, message)
             case Finished(generation=gen) if gen == self.group.generation:
                 proc.finished = message
                 self.result.digests[proc.worker] = message.digest
                 self._feed(MemberFinished(proc.worker))
             case _:
                 log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
+
+    async def _noticed(self, proc: WorkerProcess, message: Noticed) -> None:
+        """A notice from a worker's own metadata server: taken only about the host its Hello named (a worker
+        cannot speak for another host)."""
+        where = proc.hello.instance if proc.hello is not None else ""
+        try:
+            event = decode_event(bytes(message.event))
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("controller: unreadable notice from worker %d: %s", proc.worker, exc)
+            return
+        if not isinstance(event, Notice) or not where or event.instance != where:
+            about = getattr(event, "instance", "")
+            why = f"{type(event).__name__} about {about!r} from worker {proc.worker}, which runs on {where!r}"
+            log.warning("controller: %s; ignored", why)
+            ignored = NoticeIgnored(step=self.group_step, source=f"worker-{proc.worker}", instance=about, reason=why)
+            await self.bus.publish(ignored)
+            return
+        await self.bus.publish(msgspec.structs.replace(event, source=f"metadata@worker-{proc.worker}"))
 
     async def _saved(self, proc: WorkerProcess, saved: Saved) -> None:
         """A writer's part of a durable checkpoint; the step is committed once every writer's part is in."""
@@ -781,6 +842,7 @@ class Controller:
         except (CheckpointInvalid, StorageError) as exc:
             await self._not_committed(step, exc)
             return
+        self.durable_newest = max(self.durable_newest, committed.step)
         for worker in self.members:  # their replicas pinned for older durable steps may go
             await self.server.send(self.pool[worker], Committed(step=committed.step))
         await self.bus.publish(
@@ -860,6 +922,15 @@ class Controller:
         if killed is not None:
             self.result.detected_after_s.append(event.mono_time - killed)
         await self.bus.publish(event)
+
+    def request_drain(self, instance: str, reason: str) -> None:
+        """Take ``instance``'s workers out of the group at a planned step; seat none of it until readmitted."""
+        if not self.stopping:
+            self._feed(DrainRequested(instance, reason))
+
+    def readmit(self, instance: str) -> None:
+        """Workers on ``instance`` may be seated again."""
+        self._feed(Readmitted(instance))
 
     def request_regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
         """Replace ``lost`` workers and re-form the group; each lost member counts against the budget."""

@@ -14,6 +14,7 @@ from runtime.core.events import Event
 
 __all__ = [
     "Action",
+    "DrainRequested",
     "EndRun",
     "Finish",
     "Input",
@@ -23,6 +24,7 @@ __all__ = [
     "MemberRestored",
     "Progress",
     "Publish",
+    "Readmitted",
     "RegroupRequested",
     "RestoreFailed",
     "SaveFences",
@@ -102,6 +104,22 @@ class MemberFinished:
 
 
 @dataclass(frozen=True)
+class DrainRequested:
+    """Take the members on ``instance`` out of the group at a planned step, and seat no worker of it until
+    :class:`Readmitted` (``ControllerContext.drain``): its host is about to go down for maintenance."""
+
+    instance: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Readmitted:
+    """Workers on ``instance`` may be seated again (its maintenance is over; ``ControllerContext.readmit``)."""
+
+    instance: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed: a deadline (:attr:`Supervisor.deadline`) may be due."""
 
@@ -116,6 +134,8 @@ Input = (
     | Progress
     | MemberFinished
     | Tick
+    | DrainRequested
+    | Readmitted
 )
 
 
@@ -153,12 +173,15 @@ class Send:
 @dataclass(frozen=True)
 class SendForm:
     """Host generation ``generation``'s coordination service and send each member its ``Form``; the shell
-    reports the coordinator's address back with :meth:`Supervisor.hosted`."""
+    reports the coordinator's address back with :meth:`Supervisor.hosted`. With ``seats``, send only those
+    members' Forms, for the service already up."""
 
     generation: int
     members: tuple[int, ...]
     strategy: Strategy
     at_step: int  # a planned re-forming (growing) happens after this step; -1: now
+    # Only these members' Forms: spares taking lost members' seats in this generation, whose service is up.
+    seats: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

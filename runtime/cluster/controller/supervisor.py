@@ -11,9 +11,12 @@ controller (``runtime/cluster/controller/shell.py``) feeds it, carries its actio
 
 Forming a generation: recruit spares (started if need be) to fill the group around the survivors, seat them
 (``Membership.seat``), send every member ``Form``, wait for every ``Joined``, then send ``Restore`` with the plan
-(``Membership.plan_restore``). A member lost or a join not in time restarts the forming with every worker
-replaced (JAX's initialization would wait for the missing one). Its inputs and actions are in
-``supervision.py``.
+(``Membership.plan_restore``). A member lost while the group forms drops out of that forming, and nobody else
+is replaced: once a member is in the generation (it joined, or its heartbeat names the generation) every member
+got past JAX's start, so the rest re-form at once as after any loss; before that the others wait in JAX's start
+for the lost one's seat, so a spare takes that seat in the same generation (started if none is ready). Only a
+group that does not form in time (``form_timeout_s``) restarts with every worker replaced. Its inputs and
+actions are in ``supervision.py``.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from enum import Enum
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor
 from runtime.cluster.controller.membership import JoinReport, Membership
-from runtime.cluster.controller.processes import ProcessPool, log_tail
+from runtime.cluster.controller.processes import ProcessPool, WorkerProcess, log_tail
 from runtime.cluster.controller.supervision import (
     Action,
+    DrainRequested,
     EndRun,
     Finish,
     Input,
@@ -38,6 +42,7 @@ from runtime.cluster.controller.supervision import (
     MemberRestored,
     Progress,
     Publish,
+    Readmitted,
     RegroupRequested,
     RestoreFailed,
     SaveFences,
@@ -50,7 +55,7 @@ from runtime.cluster.controller.supervision import (
     WarmSpares,
     WorkerChanged,
 )
-from runtime.cluster.protocol import EXIT_REPLACE, Restore, Stop
+from runtime.cluster.protocol import EXIT_REPLACE, Joined, Restore, Stop
 from runtime.core.errors import ElasticRuntimeError, RecoveryError
 from runtime.core.events import GroupFormed, GroupForming, RunStarted, StateRestored, StepCompleted
 from runtime.core.recovery import RecoveryTracker
@@ -59,6 +64,8 @@ __all__ = ["Phase", "Supervisor"]
 
 log = logging.getLogger(__name__)
 
+# A planned re-forming (growing, draining) happens this many steps after the newest step a member committed.
+PLANNED_AHEAD = 3
 # Near-simultaneous losses (a host, a slice) are answered by one re-forming, not one each.
 SETTLE_S = 0.05
 # Workers on other hosts are found lost by their silence, each one timeout after its own last heartbeat: those
@@ -120,6 +127,7 @@ class Supervisor:
         self._strategy: Strategy | None = None
         self._unreadable = ""  # the current generation's restore failed: why
         self._failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
+        self._slowest_join = 0.0  # the longest a member of a formed group took to join (its compile included)
         # The generation being formed.
         self._forming = Strategy.START
         self._forming_reason = ""
@@ -131,6 +139,11 @@ class Supervisor:
         self._settle_until = 0.0
         self._unjoined: set[int] = set()  # members of the forming generation not joined yet
         self._growable: bool | None = None  # whether a ready spare would grow the group; None: look again
+        # Instances (hosts) under maintenance: their workers are taken out of the group and not seated again
+        # until re-admitted (``DrainRequested``, ``Readmitted``).
+        self.cordoned: set[str] = set()
+        self._drains: dict[str, str] = {}  # instance -> why, drains not yet started
+        self._leaving: list[int] = []  # members the generation being formed drains
 
     @property
     def done(self) -> bool:
@@ -141,7 +154,16 @@ class Supervisor:
         if generation == self.group.generation:
             self._coordinator = coordinator
 
+    @property
+    def coordinator(self) -> str:
+        """The address of the current generation's coordination service ("" before it is hosted)."""
+        return self._coordinator
+
     def mesh_shape(self) -> dict[str, int]:
+        """The group's mesh: as its first member laid it out (the job's own axes), else the default layout."""
+        first = self.pool[self.group.members[0]].joined if self.group.members else None
+        if first is not None and first.mesh_shape:
+            return dict(first.mesh_shape)
         size = self.config.slice_size
         return {"data": len(self.group.members) // size, "model": size * self.config.local_devices}
 
@@ -181,6 +203,12 @@ class Supervisor:
                     self.phase, self.deadline = Phase.DONE, None
                     out.append(Finish())
                     return out
+            case DrainRequested(instance=instance, reason=reason):
+                self.cordoned.add(instance)
+                self._drains[instance] = reason
+            case Readmitted(instance=instance):
+                self.cordoned.discard(instance)
+                self._drains.pop(instance, None)
             case WorkerChanged() | MemberJoined() | Tick():
                 pass
         if not self.done:
@@ -256,6 +284,8 @@ class Supervisor:
             elif self._unreadable:
                 reason, self._unreadable = self._unreadable, ""
                 self._regroup(out, set(), reason)  # the same members, from another step
+            elif self._drains:
+                self._drain(out)
             elif self._can_grow():
                 self._form(out, Strategy.GROW, "a spare is ready")
         elif self.phase == Phase.SETTLING and due:
@@ -287,6 +317,36 @@ class Supervisor:
                 return
         self._form(out, self._strategy or self.config.strategy, reason)
 
+    def _seatable(self, proc: WorkerProcess) -> bool:
+        """A spare ready to be seated, on a host that is not under maintenance."""
+        return proc.ready_spare and not self._cordoned(proc)
+
+    def _cordoned(self, proc: WorkerProcess) -> bool:
+        return proc.hello is not None and proc.hello.instance in self.cordoned
+
+    def _drain(self, out: list[Action]) -> None:
+        """Take the members on cordoned hosts out at a planned step: the rest (and ready spares) re-form there,
+        every member's state in memory, nothing lost or counted. Not when the run ends first, nor when the
+        group would be smaller than ``min_nprocs``: then the host's loss is a failure like any other."""
+        reason = "; ".join(self._drains.values())
+        self._drains.clear()
+        members = self.group.members
+        leaving = [w for w in members if self._cordoned(self.pool[w])]
+        if not leaving:
+            return
+        staying = [w for w in members if w not in leaving]
+        ready = [p.worker for p in self.pool if self._seatable(p)]
+        ahead = max(self.pool[w].step for w in members) + PLANNED_AHEAD
+        if 0 <= self.target_steps <= ahead + 1:
+            log.warning("not draining workers %s (%s): the run ends first", leaving, reason)
+            return
+        assert self.config.min_nprocs is not None
+        if len(self.group.seat(staying, ready)) < self.config.min_nprocs:
+            log.warning("cannot drain workers %s (%s): fewer than min_nprocs would be left", leaving, reason)
+            return
+        self._leaving = leaving
+        self._form(out, Strategy.DRAIN, f"drain: {reason}")
+
     def _can_grow(self) -> bool:
         """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
         members = self.group.members
@@ -298,7 +358,7 @@ class Supervisor:
         ):
             return False
         if self._growable is None:  # counted again only after an input that may change it
-            ready = sum(p.ready_spare for p in self.pool)
+            ready = sum(self._seatable(p) for p in self.pool)
             self._growable = len(self.group.seat(members, [-1] * ready)) > len(members)  # a whole slice more
         return self._growable
 
@@ -310,7 +370,10 @@ class Supervisor:
         self.restored = False
         self._forming_reason = reason
         self._started = self.clock()
-        survivors = [w for w in self.group.members if not self.pool[w].gone and w not in self._requests]
+        leaving = self._leaving if strategy == Strategy.DRAIN else []
+        survivors = [
+            w for w in self.group.members if not self.pool[w].gone and w not in self._requests and w not in leaving
+        ]
         self._quiet(survivors)
         if strategy == Strategy.RESTART:
             for worker in survivors:
@@ -337,13 +400,13 @@ class Supervisor:
         need = self.config.nprocs - len(survivors)
         chosen = dict.fromkeys(self._chosen)
         if changed is None:
-            chosen = {w: None for w in chosen if self.pool[w].ready_spare}  # one chosen earlier may be gone since
-            ready = (p.worker for p in self.pool if p.ready_spare and p.worker not in chosen)
+            chosen = {w: None for w in chosen if self._seatable(self.pool[w])}  # one chosen earlier may be gone since
+            ready = (p.worker for p in self.pool if self._seatable(p) and p.worker not in chosen)
         else:
             proc = self.pool.get(changed)
-            if proc is None or not proc.ready_spare:
+            if proc is None or not self._seatable(proc):
                 chosen.pop(changed, None)
-            ready = (w for w in [changed] if proc is not None and proc.ready_spare and w not in chosen)
+            ready = (w for w in [changed] if proc is not None and self._seatable(proc) and w not in chosen)
         for worker in ready:
             if len(chosen) >= need:
                 break
@@ -359,7 +422,7 @@ class Supervisor:
             out.append(Spawn(need - len(starting) - len(chosen)))
         # Workers the controller does not start are the orchestrator's to replace: after a loss the group goes
         # on without them at once where min_nprocs allows, and grows back when they say hello.
-        soon = not self.config.starts_workers and bool(survivors)
+        soon = (not self.config.starts_workers or self._forming == Strategy.DRAIN) and bool(survivors)
         assert self.config.min_nprocs is not None
         late = self.deadline is not None and now > self.deadline
         enough = (soon or late) and len(self.group.seat(survivors, self._chosen)) >= self.config.min_nprocs  # slices
@@ -387,9 +450,19 @@ class Supervisor:
             self.monitor.expect_progress(worker, False)
         # Growing is planned: every member re-forms after committing the same step, so no collective is cut
         # off; after a failure the group re-forms now (in-flight steps are abandoned).
-        grow = self._forming == Strategy.GROW and survivors
-        at_step = max(self.pool[w].step for w in survivors) + 3 if grow else -1
+        planned = self._forming in (Strategy.GROW, Strategy.DRAIN) and survivors
+        leaving = self._leaving if self._forming == Strategy.DRAIN else []
+        self._leaving = []
+        at_step = max(self.pool[w].step for w in [*survivors, *leaving]) + PLANNED_AHEAD if planned else -1
         out.append(SendForm(generation, tuple(members), self._forming, at_step))
+        for worker in leaving:
+            # It steps with the old group up to ``at_step``, then exits: a replacement may take its place once
+            # its host is back (``Readmitted``). Not watched from now: its leaving is no failure.
+            proc = self.pool[worker]
+            proc.gone = proc.told_to_stop = True
+            self.monitor.forget(worker)
+            why = f"drained at step {at_step}: {self._forming_reason}"
+            out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE, at_step=at_step)))
         out.append(
             Publish(
                 GroupForming(
@@ -402,7 +475,14 @@ class Supervisor:
             )
         )
         self._unjoined = set(members)
-        self.phase, self.deadline = Phase.JOINING, self.clock() + self.config.form_timeout_s
+        self.phase, self.deadline = Phase.JOINING, self.clock() + self._join_timeout()
+
+    def _join_timeout(self) -> float:
+        """How long the members may take to join: the first group, its start-up (imports, the first compile);
+        a later one the configured time, or twice the slowest join seen, when a real model compiles longer."""
+        if self._forming == Strategy.START:
+            return max(self.config.start_timeout_s, self.config.form_timeout_s)
+        return max(self.config.form_timeout_s, 2 * self._slowest_join)
 
     def _await_joins(self, out: list[Action], due: bool, event: Input) -> None:
         if isinstance(event, MemberJoined) and not due:
@@ -410,25 +490,71 @@ class Supervisor:
             if self._unjoined:
                 return  # O(1) a join: every member is looked at once all have joined
         procs = [self.pool[w] for w in self.group.members]
-        if any(p.gone for p in procs):
+        lost = [p.worker for p in procs if p.gone]
+        if lost and not due and self._started_jax(procs):
+            # Every member got past JAX's start (one is in the generation): nobody waits for the lost ones there.
+            # They drop out of this forming and the rest re-form now, as after any loss (counted when reported).
+            log.warning("generation %d: %s lost while forming; re-forming without", self.group.generation, lost)
+            self._form(out, self.config.strategy, self._forming_reason)
+            return
+        if lost and not due:
+            self._substitute(out, lost)  # the others wait in JAX's start for those seats: spares take them
+            return
+        if lost:
             outcome = "member lost while forming"
         elif all(p.joined is not None for p in procs):
+            self._slowest_join = max(self._slowest_join, *(p.joined.join_s for p in procs if p.joined is not None))
             self._restore(out)
             return
         elif due:
-            outcome = f"not joined within {self.config.form_timeout_s} s"
+            outcome = (
+                f"not joined within {self._join_timeout():.1f} s (the slowest join so far took "
+                f"{self._slowest_join:.1f} s; raise --form-timeout or --start-timeout if joining compiles longer)"
+            )
         else:
             return
-        # A member died or stalled while the group formed. Members blocked in initialize() wait for it until
-        # JAX's initialization timeout, so they are replaced too: fall back to restarting.
+        # The group did not form in time (a member stalled, or no spare came for a lost one's seat). Members
+        # blocked in initialize() wait until JAX's initialization timeout, so they are replaced too: restart.
         generation = self.group.generation
         log.warning("generation %d did not form (%s); restarting its workers", generation, outcome)
-        lost = {p.worker for p in procs if p.gone}
         if not lost:  # a stall; a lost member was counted when it was reported
             self._count_failure(out, outcome)
-        if self._spent(out, f"{outcome} in generation {generation}", lost):  # members dying while forming, again
+        if self._spent(out, f"{outcome} in generation {generation}", set(lost)):  # members dying while forming, again
             return
         self._form(out, Strategy.RESTART, self._forming_reason)
+
+    def _started_jax(self, procs: list[WorkerProcess]) -> bool:
+        """Whether a member is in the generation being formed (joined, or named it in a heartbeat): JAX's start
+        waits for every seat, so then every member got past it."""
+        generation = self.group.generation
+        return any(p.joined is not None or (p.generation == generation and not p.gone) for p in procs)
+
+    def _substitute(self, out: list[Action], lost: list[int]) -> None:
+        """Seat a ready spare in each lost member's seat of the generation being formed (its Form names the
+        seat's process id, the same coordinator); start spares for the seats none is ready for."""
+        ready = [p.worker for p in self.pool if self._seatable(p)]
+        members, generation = self.group.members, self.group.generation
+        seated = []
+        for worker in lost:
+            if not ready:
+                break
+            spare = ready.pop(0)
+            seat = self.group.take_seat(worker, spare)
+            self._unjoined.discard(worker)  # the seat waits for the spare's join now
+            self._unjoined.add(spare)
+            self._requests.discard(worker)  # replaced in this forming: no re-forming for it after
+            proc = self.pool[spare]
+            proc.spare, proc.joined, proc.finished = False, None, None
+            self.monitor.expect_progress(spare, False)
+            seated.append(spare)
+            log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
+        if seated:
+            out.append(SendForm(generation, tuple(members), self._forming, -1, seats=tuple(seated)))
+            self.deadline = self.clock() + self.config.form_timeout_s  # the newcomer's time to join, from now
+        missing = len(lost) - len(seated)
+        starting = [p for p in self.pool if p.spare and not p.gone and p.hello is None]
+        if self.config.starts_workers and len(starting) < missing:
+            out.append(Spawn(missing - len(starting)))
 
     def _restore(self, out: list[Action]) -> None:
         """Every member joined: tell them which step to restore, and from whom."""
@@ -487,6 +613,9 @@ class Supervisor:
             seconds=self.clock() - self._started,
             restore_step=plan.step,
             restore_source=max(plan.source, 0),
+            phases=_slowest_phases([self.pool[w].joined for w in members]),
+            traced=sum(len(j.traced) for w in members if (j := self.pool[w].joined) is not None),
+            instances=tuple(self._instance(w) for w in members),
         )
         out.append(Publish(formed))
         if strategy == Strategy.START:
@@ -515,6 +644,10 @@ class Supervisor:
         out.append(TopUpSpares())
         self.phase, self.deadline = Phase.IDLE, None
 
+    def _instance(self, worker: int) -> str:
+        hello = self.pool[worker].hello
+        return hello.instance if hello is not None else ""
+
     # --- training ------------------------------------------------------------------------------------------
 
     def _completed(self, step: int, seconds: float) -> StepCompleted:
@@ -542,3 +675,12 @@ class Supervisor:
                     }
                 )
                 out.append(Publish(completed))
+
+
+def _slowest_phases(joins: list[Joined | None]) -> dict[str, float]:
+    """Each phase of a join (``Joined.phases``) at its longest among the members: the one the group waited for."""
+    slowest: dict[str, float] = {}
+    for joined in joins:
+        for phase, seconds in (joined.phases if joined is not None else {}).items():
+            slowest[phase] = max(slowest.get(phase, 0.0), round(seconds, 4))
+    return slowest

@@ -5,21 +5,43 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from runtime.cluster import auth
-from runtime.cluster.protocol import ENV_CONTROLLER
+import msgspec
+
+from runtime.cluster import auth, leftovers
+from runtime.cluster.protocol import ENV_CONTROLLER, Noticed
 from runtime.cluster.worker.handlers import ScriptHandlers
-from runtime.cluster.worker.link import connect
+from runtime.cluster.worker.link import ControllerLink, connect
 from runtime.cluster.worker.loop import Worker
 from runtime.cluster.worker.settings import WorkerSettings
 from runtime.core.bus import Subscription
 from runtime.core.errors import AuthenticationFailed
 from runtime.core.job import TrainJob
+from runtime.core.programs import ProgramStore
 from storage.replicas import ReplicaFiles
 
 log = logging.getLogger(__name__)
+
+# Watches the host's own notices (a metadata server's address) until the process ends, handing each notice's
+# JSON to the callable it is given; ``runtime.defaults.watch_own_host`` is one.
+NoticeWatch = Callable[[str, Callable[[bytes], None]], None]
+
+
+def _log_to_stderr() -> None:
+    """The runtime's own log lines (joins, compile and restore times) to stderr, the worker's log file, at INFO,
+    whatever the script did with the root logger: a program that configures logging first (MaxText does) made
+    ``basicConfig`` a no-op, and its WARNING level hid them."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s worker %(name)s: %(message)s"))
+    for name in ("runtime", "storage", "handlers"):
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def is_worker() -> bool:
@@ -28,12 +50,18 @@ def is_worker() -> bool:
 
 
 def run_worker(
-    job: TrainJob, steps: int, *, handlers: Sequence[Subscription[Any]] = (), handler_timeout: float | None = 30.0
+    job: TrainJob,
+    steps: int,
+    *,
+    handlers: Sequence[Subscription[Any]] = (),
+    handler_timeout: float | None = 30.0,
+    watch_notices: NoticeWatch | None = None,
 ) -> NoReturn:
     """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
 
     ``handlers``: the script's own subscriptions; they run for the group's events the controller forwards, at
-    a step boundary every member agrees on (``runtime/cluster/worker/handlers.py``).
+    a step boundary every member agrees on (``runtime/cluster/worker/handlers.py``). ``watch_notices``: with
+    ``ELASTIC_METADATA_HOST`` set, watches this host's notices and the worker forwards them to the controller.
 
     ``ElasticRuntime.run`` calls it when the process was started by ``elastic-runtime launch``. It drops any
     backend the script created, then configures the CPU device count, gloo collectives and recoverability.
@@ -47,7 +75,7 @@ def run_worker(
     import jax
     import jax.extend.backend
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s worker %(name)s: %(message)s")
+    _log_to_stderr()
     # The script may have touched a device already (a default mesh policy does): that local backend must go
     # before the device count is set and the process joins a group.
     jax.extend.backend.clear_backends()
@@ -65,7 +93,14 @@ def run_worker(
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     worker = settings.worker
     code = 1
-    replicas = ReplicaFiles(settings.replica_folder(os.getppid()), f"worker-{worker}")
+    folder = settings.replica_folder(os.getppid())
+    in_memory = folder.startswith("/dev/shm/")
+    if in_memory:
+        # Folders of runs that finished or whose processes are gone hold host memory nobody will read.
+        leftovers.sweep(keep=folder)
+        if not settings.replica_dir:  # named after the parent: useless once it is gone
+            leftovers.claim(folder, pid=os.getppid())
+    replicas = ReplicaFiles(folder, f"worker-{worker}")
     # Read once and dropped from the environment, so that what the script starts does not inherit it.
     secret = auth.load_secret()
     os.environ.pop(auth.ENV_TOKEN, None)
@@ -74,8 +109,15 @@ def run_worker(
             raise AuthenticationFailed(f"no secret to prove to the controller: set {auth.ENV_TOKEN}")
         link = connect(settings.controller, secret, settings.connect_s)
         script = ScriptHandlers(handlers, handler_timeout=handler_timeout) if handlers else None
-        code = Worker(job, steps, settings=settings, link=link, replicas=replicas, script=script).serve()
+        # Files of compiled programs are signed with the run's secret; kept=False: traced at every re-forming.
+        programs = ProgramStore(secret) if settings.keep_programs else None
+        loop = Worker(job, steps, settings=settings, link=link, replicas=replicas, script=script, programs=programs)
+        if watch_notices is not None and settings.metadata_host:
+            forward_notices(watch_notices, settings.metadata_host, link, loop)
+        code = loop.serve()
         replicas.wait()
+        if in_memory and loop.stopped_by is not None and loop.stopped_by.finished:
+            leftovers.remove(folder, f"worker-{worker}")  # the run finished: no resume will read them
     except Exception:
         log.exception("worker %d failed", worker)
     finally:
@@ -83,3 +125,21 @@ def run_worker(
         sys.stderr.flush()
         # Abandoned step threads are blocked inside XLA; a normal exit would run destructors under them.
         os._exit(code)
+
+
+def forward_notices(watch: NoticeWatch, metadata_host: str, link: ControllerLink, process: Worker) -> None:
+    """Run ``watch`` in a daemon thread; each notice it hands over goes to the controller as ``Noticed`` once
+    the worker is in a group (its ``Hello`` must be the connection's first message)."""
+
+    def forward(event: bytes) -> None:
+        while not process.initialized:
+            time.sleep(0.1)
+        link.send(Noticed(worker=process.worker, event=msgspec.Raw(event)))
+
+    def run() -> None:
+        try:
+            watch(metadata_host, forward)
+        except Exception:  # a notice source must not take the worker down
+            log.exception("worker %d: the metadata watcher at %s ended", process.worker, metadata_host)
+
+    threading.Thread(target=run, name="notices", daemon=True).start()

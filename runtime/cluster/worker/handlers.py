@@ -234,8 +234,12 @@ class ScriptHandlers:
 
         import jax
 
-        state = worker.state
-        for fn, reason in transforms:
+        state, keys = worker.state, worker.keys
+        for user_fn, reason in transforms:
+            # The user's function sees the state as the user's step does: typed keys as keys.
+            def fn(s: Any, user_fn: Callable[[Any], Any] = user_fn) -> Any:
+                return keys.to_data(user_fn(keys.to_keys(s)))
+
             started = time.monotonic()
             try:
                 before = jax.eval_shape(lambda s: s, state)

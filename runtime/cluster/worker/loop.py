@@ -53,14 +53,17 @@ from runtime.cluster.protocol import (
 from runtime.cluster.tiers import Tier
 from runtime.cluster.worker.group import join_group, leave_group
 from runtime.cluster.worker.handlers import Boundary, ScriptHandlers
+from runtime.cluster.worker.instance import instance_name
 from runtime.cluster.worker.link import ControllerLink, Inbound
 from runtime.cluster.worker.settings import WorkerSettings
 from runtime.core.cadence import EveryN
 from runtime.core.classify import classify
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.errors import CheckpointInvalid, MeshUnavailable, SnapshotUnavailable, StorageError
 from runtime.core.events import StepFailed
 from runtime.core.job import PyTree, TrainJob
+from runtime.core.keys import with_key_data
 from runtime.core.ledger import StepLedger
+from runtime.core.programs import ProgramStore
 from runtime.core.snapshot import HostSnapshot
 from runtime.faults.process import attach_worker_faults
 from storage.disk import DiskTier
@@ -90,8 +93,10 @@ class Worker:
         link: ControllerLink,
         replicas: ReplicaFiles,
         script: ScriptHandlers | None = None,
+        programs: ProgramStore | None = None,
     ) -> None:
-        self.job = job
+        # The job as it runs: typed PRNG keys in its state held as key data (runtime.core.keys).
+        self.job, self.keys = with_key_data(job)
         # The training script's own handlers, run at step boundaries (runtime/cluster/worker/handlers.py).
         self.script = script
         if script is not None:
@@ -131,7 +136,7 @@ class Worker:
         self._writes: list[bool] = []  # per leaf: whether this process writes its shards there
         self._durable_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable")
         self._durable_write: Future[None] | None = None
-        self.template: PyTree = job.init()
+        self.template: PyTree = self.job.init()
         # Written into every replica, and required of any replica restored: another run's (or job's) files in
         # the same folder are never taken for ours.
         self.identity = run_identity(settings.run_id, self.template, steps) if settings.run_id else {}
@@ -143,10 +148,16 @@ class Worker:
         self.batch_shardings: Any = None
         self.state: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
-        self._deferred: Form | None = None  # a planned re-forming, due after its ``at_step``
+        # The compiled step, snapshot and restore programs of every layout this process was in, kept to be
+        # loaded, not traced, when a later group has the same layout (runtime/core/programs.py).
+        self.programs = programs if programs is not None else ProgramStore(keep=False)
+        self._deferred: Form | Stop | None = None  # a planned re-forming (or drain), due after its ``at_step``
         # A restore left running when the group re-formed: it may still be reading, and must not build arrays on
         # the next group's backend (see ``_form``).
         self._abandoned_restore: Future[Any] | None = None
+        self._durable_last = -1  # the step of the newest durable write started
+        self.held = False  # told to stop stepping (``Stop.hold``): the run is draining
+        self.stopped_by: Stop | None = None  # the Stop it exits on
 
     @property
     def step(self) -> int:
@@ -157,7 +168,10 @@ class Worker:
     def serve(self) -> int:
         """Handle controller messages until told to stop; returns the exit code."""
         events = self.script.events if self.script is not None else ()
-        self.link.send(Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps, events=events))
+        where = instance_name(self.settings)
+        self.link.send(
+            Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps, events=events, instance=where)
+        )
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         pending: Inbound | None = None
         while True:
@@ -182,12 +196,19 @@ class Worker:
                         pending = self._train(message.target_steps)
                 case Restore():
                     log.info("stale restore for generation %d ignored", message.generation)
-                case Warm() if not self.initialized:
-                    self._warm()
+                case Warm(programs=programs) if not self.initialized:
+                    self._warm(programs)
                 case Warm():
                     pass
+                case Stop(hold=True):
+                    log.info("worker %d holds at step %d: %s", self.worker, self.step, message.reason)
+                    self.held = True
+                    self._heartbeat()  # says the step it holds at
                 case Stop(reason=reason, exit_code=code):
                     log.info("worker %d stops (exit code %d): %s", self.worker, code, reason)
+                    self.stopped_by = message
+                    if message.durable_step >= 0:
+                        self._final_durable(message.durable_step)
                     return code
 
     def _beat(self) -> None:
@@ -203,6 +224,7 @@ class Worker:
                 step=self.step,
                 step_time_s=self.step_time_s,
                 sent_at=time.time(),
+                held=self.held,
             )
         )
 
@@ -240,24 +262,34 @@ class Worker:
             log.warning("worker %d: a backend outside the group was up; cleared", self.worker)
             jax.extend.backend.clear_backends()
         connected = time.monotonic()
+        self.programs.reset(self.replicas.directory / form.programs if form.programs else None)
         self.initialized = True
         self.generation, self.process_id, self.num_processes = form.generation, form.process_id, form.num_processes
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        # One row of the mesh per slice: "data" is the replica axis across slices, "model" spans the devices of
-        # every process of a slice (with one process per slice, the devices of that process).
+        # The replica axis spans the slices; the other axes span the devices of every process of a slice (with
+        # one process per slice, the devices of that process).
         slices = form.num_processes // form.slice_size
-        self.mesh = jax.sharding.Mesh(np.array(devices).reshape(slices, -1), ("data", "model"))
-        compiler = StepCompiler(self.job, self.template, self.job.data.batch(0))
+        process_mesh = self.job.process_mesh
+        try:
+            self.mesh = process_mesh.build(devices, slices)
+        except MeshUnavailable as exc:
+            self._report_failure("JobUnsupported", str(exc), "", step=self.step, unsupported=True)
+            return
+        place = (form.process_id, form.num_processes)
+        compiler = StepCompiler(self.job, self.template, self.job.data.batch(0), programs=self.programs, place=place)
         self.state_shardings = compiler.state_shardings(self.mesh)
         self.batch_shardings = compiler.batch_shardings(self.mesh)
-        over_data = uses_axis(self.state_shardings, self.template, "data")
-        if over_data:
+        replica = process_mesh.replica_axis
+        over_replica = uses_axis(self.state_shardings, self.template, replica)
+        if over_replica:
             # The replica axis shrinks when a slice is lost: a state split over it would lose shards with it.
-            names = ", ".join(over_data[:3]) + (f" and {len(over_data) - 3} more" if len(over_data) > 3 else "")
+            names = ", ".join(over_replica[:3]) + (
+                f" and {len(over_replica) - 3} more" if len(over_replica) > 3 else ""
+            )
             message = (
-                f"the state is sharded across processes over the 'data' axis: {names}; 'data' is the replica axis "
-                "across slices, which shrinks when one is lost: shard the state over 'model', which spans the "
-                "processes of a slice (launch --slices)"
+                f"the state is sharded across processes over the {replica!r} axis: {names}; {replica!r} is the "
+                "replica axis across slices, which shrinks when one is lost: shard the state over the axes inside "
+                f"a slice ({', '.join(process_mesh.slice_axes)}), which span its processes (launch --slices)"
             )
             self._report_failure("JobUnsupported", message, "", step=self.step, unsupported=True)
             return
@@ -274,21 +306,30 @@ class Worker:
         self.ledger.policies = {"durable": EveryN(form.durable_every)} if form.durable_every > 0 else {}
         self._writes = writes(self.template, self.state_shardings, form.slice_size)
         self.compiled = compiler.get(self.mesh)
-        self.shift = NeighbourShift(self.template, self.state_shardings) if form.neighbour_replicas else None
-        self.restorer = SliceRestore(self.template, self.state_shardings, neighbours=form.neighbour_replicas)
+        shift = form.neighbour_replicas
+        kept = self.programs
+        self.shift = (
+            NeighbourShift(self.template, self.state_shardings, replica=replica, programs=kept) if shift else None
+        )
+        self.restorer = SliceRestore(
+            self.template, self.state_shardings, neighbours=shift, replica=replica, programs=kept
+        )
         if self.shift is None:
             self.neighbour = None
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
+        kept = self.programs
+        phases = {"leave": left - started, "connect": connected - left, **kept.seconds}
+        phases["read"] = time.monotonic() - compiled
         log.info(
-            "joined generation %d as process %d/%d: leave %.3f s, connect %.3f s, compile %.3f s, read %.3f s",
+            "joined generation %d as process %d/%d in %.3f s: %s; traced %s, loaded %s",
             form.generation,
             form.process_id,
             form.num_processes,
-            left - started,
-            connected - left,
-            compiled - connected,
-            time.monotonic() - compiled,
+            time.monotonic() - started,
+            ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in phases.items()),
+            ", ".join(kept.traced) or "nothing",
+            ", ".join(kept.loaded) or "nothing",
         )
         self.link.send(
             Joined(
@@ -301,14 +342,20 @@ class Worker:
                 neighbour_step=self.neighbour.step if self.neighbour is not None else 0,
                 join_s=time.monotonic() - started,
                 skipped=self._skipped,
+                phases=phases,
+                traced=tuple(kept.traced),
+                mesh_shape={str(name): int(size) for name, size in self.mesh.shape.items()},
             )
         )
 
-    def _warm(self) -> None:
+    def _warm(self, programs: str) -> None:
         """Trace and compile the step once on a local, non-distributed backend, then drop that backend.
 
         The first compile in a process pays for loading and initializing XLA's compiler and JAX's tracing
-        machinery (seconds here); a spare that paid it while idle joins a re-forming group sooner.
+        machinery (seconds here); a spare that paid it while idle joins a re-forming group sooner. Where the
+        run's kept ``programs`` are on this host already, joining loads them: only the backend is brought up
+        (a fraction of a second), since a real model's warm-up compile (minutes on CPU) keeps the spare deaf
+        to the Form of a group that needs it.
         """
         import jax
         import jax.extend.backend
@@ -316,9 +363,13 @@ class Worker:
         from runtime.core.compiler import StepCompiler
 
         started = time.monotonic()
+        kept = self.replicas.directory / programs if programs else None
         try:
-            devices = jax.local_devices()
-            mesh = jax.sharding.Mesh(np.array(devices).reshape(1, -1), ("data", "model"))
+            if kept is not None and kept.is_dir() and any(kept.iterdir()):
+                jax.block_until_ready(jax.jit(lambda x: x + 1)(np.float32(0)))
+                log.info("the run's programs are kept on this host: only the backend warmed up")
+                return
+            mesh = self.job.process_mesh.build(jax.local_devices(), 1)
             StepCompiler(self.job, self.template, self.job.data.batch(0)).get(mesh)
         except Exception as exc:  # only an optimization: a spare that cannot warm up joins cold
             log.warning("warm-up failed: %s: %s", type(exc).__name__, exc)
@@ -488,16 +539,17 @@ class Worker:
         snapshot.nbytes = nbytes
         return snapshot
 
-    def _save_durable(self, *, final: bool) -> None:
-        """Write this process's part of the durable checkpoint of the step just committed, in the background;
-        a step whose predecessor's write is still running is not written (the next due one is), except the
-        ``final`` one, which waits for it."""
+    def _save_durable(self, *, final: bool, snapshot: HostSnapshot | None = None) -> None:
+        """Write this process's part of the durable checkpoint of the step just committed (or of ``snapshot``),
+        in the background; a step whose predecessor's write is still running is not written (the next due one
+        is), except the ``final`` one, which waits for it."""
         assert self.ram is not None and self.durable is not None
         if self._durable_write is not None and not self._durable_write.done() and not final:
             log.info("durable checkpoint of step %d skipped: the previous write is still running", self.step)
             return
         # Captured here: the write runs on while a re-forming group may be without a backend (see write_part).
-        snapshot, generation, process, lead = self.ram, self.generation, self.process_id, self.process_id == 0
+        snapshot, generation, process = snapshot or self.ram, self.generation, self.process_id
+        lead, self._durable_last = self.process_id == 0, snapshot.step
         owned, shardings, store = self._writes, self.state_shardings, self.durable
 
         def write() -> None:
@@ -519,6 +571,31 @@ class Worker:
 
         self._durable_write = self._durable_pool.submit(write)
         self._durable_write.add_done_callback(_log_failure)
+
+    def _final_durable(self, step: int) -> None:
+        """The drain's durable checkpoint (``Stop.durable_step``): this process's part of ``step``, its newest
+        committed step or, when a peer held one step behind, the one before from its replica file; written (and
+        its ``Saved`` sent) before the process exits."""
+        if self.durable is None or self.ram is None or self.process_id >= self.slice_size:
+            return  # not a writer of the group's checkpoints
+        if self._durable_write is not None:
+            with contextlib.suppress(Exception):  # a failure was logged by _log_failure
+                self._durable_write.result()
+            if self._durable_last == step:
+                return  # written already: its Saved is out
+        snapshot: HostSnapshot | None = self.ram
+        if self.ram.step != step:
+            self.replicas.wait()
+            try:
+                snapshot = self.replicas.read(step, [self.replicas.tier], self.local_like)
+            except CheckpointInvalid as exc:
+                log.error("worker %d: no replica of step %d for the final checkpoint: %s", self.worker, step, exc)
+                return
+        log.info("worker %d writes its part of the final durable checkpoint of step %d", self.worker, step)
+        self._save_durable(final=True, snapshot=snapshot)
+        assert self._durable_write is not None
+        with contextlib.suppress(Exception):
+            self._durable_write.result()
 
     def _place(self, tree: PyTree, shardings: PyTree) -> PyTree:
         import jax
@@ -675,7 +752,7 @@ class Worker:
 
     def _defer(self, message: Inbound) -> bool:
         """Keep a planned Form (``at_step`` ahead) for its step boundary; True if ``message`` was kept."""
-        if isinstance(message, Form) and message.at_step > self.step:
+        if isinstance(message, Form | Stop) and message.at_step > self.step:
             self._deferred = message
             return True
         return False
@@ -684,7 +761,7 @@ class Worker:
         """While a step runs: take a planned Form off the inbox (the step must finish); True if one was."""
         with self.link.inbox.mutex:
             head = self.link.inbox.queue[0] if self.link.inbox.queue else None
-        if isinstance(head, Form) and head.at_step > self.step:
+        if isinstance(head, Form | Stop) and head.at_step > self.step:
             return self._defer(self.link.inbox.get())
         return False
 

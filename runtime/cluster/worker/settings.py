@@ -18,10 +18,13 @@ from runtime.cluster.protocol import (
     ENV_CONNECT_S,
     ENV_CONTROLLER,
     ENV_HEARTBEAT_S,
+    ENV_INSTANCE,
     ENV_JAX_HEARTBEAT_S,
     ENV_JAX_INIT_S,
     ENV_JAX_SHUTDOWN_S,
+    ENV_KEEP_PROGRAMS,
     ENV_LOCAL_DEVICES,
+    ENV_METADATA_HOST,
     ENV_REPLICA_DIR,
     ENV_RESULT,
     ENV_RUN_ID,
@@ -50,6 +53,9 @@ _VARIABLES = {
     "compile_cache": ENV_COMPILE_CACHE,
     "connect_s": ENV_CONNECT_S,
     "step_delay_s": ENV_STEP_DELAY_S,
+    "keep_programs": ENV_KEEP_PROGRAMS,
+    "instance": ENV_INSTANCE,
+    "metadata_host": ENV_METADATA_HOST,
 }
 
 
@@ -71,6 +77,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     compile_cache: str = ""  # the persistent XLA cache the workers share; "": none
     connect_s: _Positive = 120.0  # how long to try to reach the controller
     step_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # extra sleep per step (tests: room to kill mid-run)
+    keep_programs: bool = True  # load compiled programs kept from earlier generations (runtime/core/programs.py)
+    instance: str = ""  # the instance (host) it runs on; "": found by runtime/cluster/worker/instance.py
+    metadata_host: str = ""  # host:port of a metadata server to ask for the instance's name; "": none
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:

@@ -1,0 +1,133 @@
+"""Compiled programs kept as serialized executables: a program needed again on a new backend is loaded, not
+traced and compiled again.
+
+Under ``launch`` every re-forming of the group brings up a new backend (``jax.distributed`` re-initialized),
+and nothing compiled on the old one runs on it: without this, each survivor traced and compiled the user's step
+again (45 s for a small MaxText model on CPU), although the layout (mesh shape, device ids, this process's
+place in the group) was the same as before. JAX can serialize a compiled executable and load it on another
+client (``jax.experimental.serialize_executable``; 3 ms for the demo's step). A program is kept under a key
+that names everything its compiled form depends on besides the code: its name, the layout, the JAX version.
+
+Kept in memory, for this process's next generations; and, with a ``folder``, written to a file there for a
+replacement process taking the same place in the group (a spare on the same host): the controller hands each
+run its own folder (``Form.programs``), so a file is never taken for another run's or another version of the
+script's. A file is signed with the run's secret (HMAC-SHA256) and loaded only when the signature holds:
+a serialized executable is a pickle, and loading one runs code.
+
+Where the time goes (``seconds``: tracing and lowering, XLA's compile, loading) is kept for the events: the
+report separates it from restoring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.experimental import serialize_executable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PROGRAMS_PREFIX", "ProgramStore"]
+
+PROGRAMS_PREFIX = "programs-"  # the folders of kept programs, in the run's replica folder
+
+_SIGNATURE = 32  # bytes of HMAC-SHA256 before the payload
+
+
+class ProgramStore:
+    """Serialized executables by key, in memory and optionally in a folder shared with other processes.
+
+    Args:
+        secret: signs and checks the files; without one the store keeps programs in memory only.
+        keep: False: keep nothing, compile every time (only counting the time; for comparisons).
+    """
+
+    def __init__(self, secret: str = "", *, keep: bool = True) -> None:
+        self.folder: Path | None = None  # where to write programs for other processes, and to look for theirs
+        self._secret = secret.encode()
+        self._keep = keep
+        self._kept: dict[str, bytes] = {}
+        self.seconds: dict[str, float] = {"trace": 0.0, "compile": 0.0, "load": 0.0}
+        self.loaded: list[str] = []  # names of the programs loaded, not traced, since the last reset
+        self.traced: list[str] = []
+
+    def reset(self, folder: Path | None = None) -> None:
+        """Start counting afresh (a new generation), sharing programs through ``folder`` from now on (only with
+        a secret to sign them)."""
+        if folder is not None and self._secret:
+            self.folder = folder
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.loaded, self.traced = [], []
+
+    def compiled(self, name: str, layout: Hashable, lower: Callable[[], Any]) -> Any:
+        """The program ``name`` for ``layout``: loaded when kept (in memory or in the folder), else
+        ``lower()`` (a ``jax.stages.Lowered``) compiled, then kept. Runs on the current default backend."""
+        key = hashlib.sha256(repr((name, layout, jax.__version__)).encode()).hexdigest()[:32]
+        started = time.perf_counter()
+        payload = self._kept.get(key) or self._read(key)
+        if payload is not None:
+            try:
+                program = serialize_executable.deserialize_and_load(*pickle.loads(payload))
+            except Exception as exc:  # a backend that cannot take it: compile as if it were not kept
+                log.warning("could not load the kept %s (%s: %s); compiling it", name, type(exc).__name__, exc)
+                self._kept.pop(key, None)
+            else:
+                self._kept[key] = payload
+                self.seconds["load"] += time.perf_counter() - started
+                self.loaded.append(name)
+                return program
+        started = time.perf_counter()
+        lowered = lower()
+        traced = time.perf_counter()
+        program = lowered.compile()
+        self.seconds["trace"] += traced - started
+        self.seconds["compile"] += time.perf_counter() - traced
+        self.traced.append(name)
+        if not self._keep:
+            return program
+        try:
+            payload = pickle.dumps(serialize_executable.serialize(program))
+        except Exception as exc:  # some programs cannot be serialized (closed-over constants): traced each time
+            log.info("the %s cannot be kept: %s: %s", name, type(exc).__name__, exc)
+            return program
+        self._kept[key] = payload
+        self._write(key, payload)
+        return program
+
+    def _sign(self, payload: bytes) -> bytes:
+        return hmac.new(self._secret, payload, hashlib.sha256).digest()
+
+    def _read(self, key: str) -> bytes | None:
+        if self.folder is None:
+            return None
+        try:
+            data = (self.folder / key).read_bytes()
+        except OSError:
+            return None
+        signature, payload = data[:_SIGNATURE], data[_SIGNATURE:]
+        if not hmac.compare_digest(signature, self._sign(payload)):
+            log.warning("kept program %s is not signed with this run's secret: ignored", self.folder / key)
+            return None
+        return payload
+
+    def _write(self, key: str, payload: bytes) -> None:
+        if self.folder is None:
+            return
+        try:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # Whole or not at all: written aside, then renamed over.
+            fd, temporary = tempfile.mkstemp(dir=self.folder, prefix=f".{key}-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(self._sign(payload) + payload)
+            os.replace(temporary, self.folder / key)
+        except OSError as exc:  # only a speed-up for other processes
+            log.warning("could not keep a program in %s: %s", self.folder, exc)

@@ -1,0 +1,118 @@
+"""Recovery of a real model under ``launch --nprocs 4 --slices 2``: a worker killed with ``kill -9`` after
+warm-up, the group re-formed with its compiled programs loaded (the default), traced and compiled again
+(``ELASTIC_KEEP_PROGRAMS=0``: what every re-forming did before), and every worker restarted (``--strategy
+restart``: new processes, the state from the replica files, everything compiled anew), interleaved. Not
+collected by pytest.
+
+    .venv/bin/python tests/benchmarks/bench_real_recovery.py [--models keyed flax] [--repeats 3] [--json]
+
+Models: ``keyed``, the small job shaped like MaxText's (runtime/testing/keyed_model.py: typed keys, its own mesh
+axes, a step built per mesh); ``flax``, examples/flax_lm.py's 2-layer transformer; ``maxtext``,
+examples/maxtext_lm.py (only where ``maxtext`` imports: ``make maxtext``'s environment). Per run: the recovery
+(kill to the next committed step at full size), the phases ``report`` splits it into, and how many programs the
+re-formed group traced. The last line is JSON with the medians and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from runtime.analysis.goodput import goodput
+from runtime.cli.demo_multiprocess import group_controller
+from runtime.core.eventlog import read_events
+from runtime.core.events import GroupFormed
+from runtime.faults.grammar import Fault
+
+ROOT = Path(__file__).resolve().parents[2]
+MODES = {  # name -> (strategy, environment)
+    "kept": ("reform", {}),
+    "traced": ("reform", {"ELASTIC_KEEP_PROGRAMS": "0"}),
+    "restart": ("restart", {}),
+}
+
+
+def command(model: str, steps: int) -> list[str]:
+    if model == "keyed":
+        return [sys.executable, str(ROOT / "tests/multiprocess/keyed_train.py"), "--steps", str(steps)]
+    script = {"flax": "examples/flax_lm.py", "maxtext": "examples/maxtext_lm.py"}[model]
+    return [sys.executable, str(ROOT / script), "--steps", str(steps), "--lose-slice-at", "0", "--no-reference"]
+
+
+def one(model: str, mode: str, *, steps: int, kill_at: int, hang_timeout_s: float) -> dict[str, Any]:
+    strategy, env = MODES[mode]
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-real-{model}-{mode}-"))
+    controller = group_controller(
+        processes=4,
+        slices=2,
+        steps=steps,
+        run_dir=run_dir,
+        faults=[Fault("kill", 1, step=kill_at)],
+        strategy=strategy,
+        command=command(model, steps),
+        replica_dir=str(run_dir / "replicas"),
+        extra_env=env,
+        start_timeout_s=600.0,
+        form_timeout_s=300.0,
+        hang_timeout_s=hang_timeout_s,
+    )
+    result = controller.run()
+    events = read_events(run_dir / "events.jsonl")
+    report = goodput(events)
+    failure = report.failures[0] if report.failures else None
+    formed = [e for e in events if isinstance(e, GroupFormed)]
+    return {
+        "model": model,
+        "mode": mode,
+        "ok": result.ok,
+        "recovery_s": failure.recovery_s if failure else None,
+        "phases": failure.phases if failure else {},
+        "traced_at_reform": sum(f.traced for f in formed[1:]),
+        "first_forming_s": report.badput_s.get("PROGRAM_STARTUP", 0.0),
+        "digest": next(iter(result.digests.values()), ""),
+        "run_dir": str(run_dir),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["keyed", "flax"], choices=["keyed", "flax", "maxtext"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-at", type=int, default=12)
+    parser.add_argument(
+        "--hang-timeout", type=float, default=60.0, help="a real model's first step on a loaded CPU takes seconds"
+    )
+    parser.add_argument("--json", action="store_true", help="only the JSON line")
+    args = parser.parse_args()
+    runs = []
+    for _ in range(args.repeats):  # interleaved: the machine's load shifts between repeats, not between modes
+        for model in args.models:
+            for mode in args.modes:
+                run = one(model, mode, steps=args.steps, kill_at=args.kill_at, hang_timeout_s=args.hang_timeout)
+                runs.append(run)
+                if not args.json:
+                    print(json.dumps(run), flush=True)
+    summary: dict[str, Any] = {"load_average": os.getloadavg(), "repeats": args.repeats}
+    for model in args.models:
+        medians = {}
+        for mode in args.modes:
+            times = [r["recovery_s"] for r in runs if (r["model"], r["mode"]) == (model, mode) and r["recovery_s"]]
+            medians[mode] = round(statistics.median(times), 3) if times else None
+        digests = {r["digest"] for r in runs if r["model"] == model and r["ok"]}
+        summary[model] = {"recovery_s": medians, "same_digest": len(digests) == 1}
+        for other in ("traced", "restart"):
+            if medians.get("kept") and medians.get(other):
+                summary[model][f"{other}_over_kept"] = round(medians[other] / medians["kept"], 2)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
