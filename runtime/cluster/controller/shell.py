@@ -492,7 +492,7 @@ class Controller:
             timer = anyio.CancelScope()
             armed: float | None = None
             event: Input = Start()
-            taken = 0
+            in_a_row = 0
             while True:
                 await self._carry_out(self.supervisor.handle(event))
                 if self.supervisor.done:
@@ -505,9 +505,9 @@ class Controller:
                 armed = deadline
                 # Inputs already waiting are taken without a trip through the event loop each: one heartbeat's
                 # input is O(1), but a loop iteration per input let a large group's backlog grow without bound.
-                taken = taken + 1 if taken < _INPUTS_IN_A_ROW else 0
+                in_a_row = in_a_row + 1 if in_a_row < _INPUTS_IN_A_ROW else 0
                 try:
-                    event = self._inputs.receive_nowait() if taken else await self._inputs.receive()
+                    event = self._inputs.receive_nowait() if in_a_row else await self._inputs.receive()
                 except anyio.WouldBlock:
                     event = await self._inputs.receive()
             timers.cancel_scope.cancel()
