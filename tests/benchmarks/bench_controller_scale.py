@@ -133,11 +133,13 @@ async def replace(fleet: Fleet, count: int) -> tuple[list[int], float]:
 async def scenario(n: int, address: str, secret: str, pid: int, window_s: float) -> dict[str, Any]:
     fleet = Fleet(address, secret, interval_s=INTERVAL_S, step_s=0.1)
     out: dict[str, Any] = {}
+    cpu_start = cpu_seconds(pid)
     t0 = time.monotonic()
     members = await fleet.start(n)
     out["connect_all_s"] = max(fleet.workers[w].record.welcomed_at for w in members) - t0
     await fleet.until(lambda: fleet.told(1, members, restore=True), 600, "the first group formed")
     out["form_all_s"] = max(fleet.workers[w].record.restores[0].at for w in members) - t0
+    out["form_all_cpu_s"] = cpu_seconds(pid) - cpu_start  # the controller's CPU time, not the machine's load
 
     await asyncio.sleep(2.0)  # past the first steps
     cpu0, mine0, w0 = cpu_seconds(pid), time.process_time(), time.monotonic()
@@ -149,7 +151,11 @@ async def scenario(n: int, address: str, secret: str, pid: int, window_s: float)
 
     phases: dict[str, dict[str, Any]] = {}
     one = [members[n // 2]]
+    cpu_before, started = cpu_seconds(pid), time.monotonic()
     phases["one"] = await lose_and_recover(fleet, members, one, "one loss")
+    # The re-forming's own CPU time: beyond the steady state's over the same span (the timeout, mostly).
+    spent = cpu_seconds(pid) - cpu_before
+    out["reform_cpu_s"] = max(0.0, spent - out["controller_cpu"] * (time.monotonic() - started))
     members = phases["one"]["survivors"]
     new, phases["one"]["replace_s"] = await replace(fleet, 1)
     members = members + new
@@ -240,11 +246,11 @@ COSTS = (
     "controller_cpu",
     "controller_rss_mb",
     "form_all_s",
+    "form_all_cpu_s",
     "detect_one_p99_s",
     "form_after_loss_s",
     "form_after_rack_s",
-    "restore_after_form_s",
-    "partition_full_s",
+    "reform_cpu_s",
     "plan_s",
 )
 
@@ -255,10 +261,12 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = [r["workers"] for r in results]
     fig, axes = plt.subplots(3, 3, figsize=(13, 10))
     for ax, key in zip(axes.flat, COSTS, strict=True):
-        values = [r[key] for r in results]
+        measured = [(r["workers"], r[key]) for r in results if r.get(key, 0) > 0]
+        if not measured:
+            continue
+        sizes, values = [n for n, _ in measured], [v for _, v in measured]
         ax.plot(sizes, values, "o-", label="measured")
         ref = values[0] * sizes[-1] / sizes[0] if values[0] > 0 else None
         if ref is not None and len(sizes) > 1:
@@ -284,7 +292,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.add_argument("--plot", default=None, help="write a PNG of every cost against N here")
     parser.add_argument("--keep", action="store_true", help="keep each size's run folder (event log, controller.log)")
+    parser.add_argument(
+        "--replot", nargs="+", metavar="JSON", help="plot (--plot) the results earlier runs printed; run nothing"
+    )
     args = parser.parse_args()
+    if args.replot:
+        loaded = [json.loads(Path(p).read_text().strip().splitlines()[-1]) for p in args.replot]
+        done = sorted((r for x in loaded for r in x.get("results", [x])), key=lambda r: r["workers"])
+        plot(done, args.plot)
+        return
     results = []
     for n in args.workers or SIZES:
         result = run_size(n, args.window, args.keep)

@@ -141,6 +141,8 @@ _MAX_WORKER_ID = 2**31 - 1  # ids a worker not started here may claim
 # A worker's lease, as a share of the heartbeat timeout: it stops stepping before the controller, having heard
 # nothing either, re-forms the group without it.
 _LEASE_SHARE = 0.75
+# Supervisor inputs taken in a row without yielding to the event loop (see ``_supervise``).
+_INPUTS_IN_A_ROW = 256
 
 
 def is_loopback(host: str) -> bool:
@@ -490,6 +492,7 @@ class Controller:
             timer = anyio.CancelScope()
             armed: float | None = None
             event: Input = Start()
+            in_a_row = 0
             while True:
                 await self._carry_out(self.supervisor.handle(event))
                 if self.supervisor.done:
@@ -500,7 +503,13 @@ class Controller:
                     timer = anyio.CancelScope()
                     timers.start_soon(self._tick_at, deadline, timer)
                 armed = deadline
-                event = await self._inputs.receive()
+                # Inputs already waiting are taken without a trip through the event loop each: one heartbeat's
+                # input is O(1), but a loop iteration per input let a large group's backlog grow without bound.
+                in_a_row = in_a_row + 1 if in_a_row < _INPUTS_IN_A_ROW else 0
+                try:
+                    event = self._inputs.receive_nowait() if in_a_row else await self._inputs.receive()
+                except anyio.WouldBlock:
+                    event = await self._inputs.receive()
             timers.cancel_scope.cancel()
         # The last durable step's parts came in before the members' Finished: its commit is part of the run.
         while self._commits_pending:
@@ -609,6 +618,8 @@ class Controller:
 
     async def _reap(self) -> None:
         """Notice exited processes at once: a local kill -9 needs no heartbeat timeout to be seen."""
+        if not self.config.starts_workers:
+            return  # none started here: a look at every worker 50 times a second for nothing (O(N) each)
         while True:
             for proc, code in self.pool.newly_exited():
                 self.monitor.mark_gone(proc.worker, f"process exited with {code}")

@@ -69,10 +69,9 @@ PLANNED_AHEAD = 3
 # Near-simultaneous losses (a host, a slice) are answered by one re-forming, not one each.
 SETTLE_S = 0.05
 # Workers on other hosts are found lost by their silence, each one timeout after its own last heartbeat: those
-# lost together are found within one heartbeat interval (and a monitor check) of each other. Settling waits for
-# them while any worker has been silent for half the timeout (a healthy one never is) or a loss found is still on
-# its way here (``HeartbeatMonitor.losing``), at most this much longer than an interval.
-_SILENCE_SPREAD_S = 0.1
+# lost together are found within about one heartbeat interval of each other. Settling waits for them while any
+# worker has been silent for half the timeout (a healthy one never is) or a loss found is still on its way here
+# (``HeartbeatMonitor.losing``): a single loss settles in SETTLE_S, a rack once its last worker is found.
 
 
 class Phase(Enum):
@@ -280,7 +279,7 @@ class Supervisor:
                 self._quiet(self.group.members)  # at once: the survivors wait in a broken collective now
                 self.phase, self.deadline = Phase.SETTLING, now + SETTLE_S
                 # Workers the controller started are found lost by their exit, all at once; others by silence.
-                spread = 0.0 if self.config.starts_workers else self.config.heartbeat_interval_s + _SILENCE_SPREAD_S
+                spread = 0.0 if self.config.starts_workers else self.config.heartbeat_timeout_s
                 self._settle_until = now + max(SETTLE_S, spread)
             elif self._unreadable:
                 reason, self._unreadable = self._unreadable, ""
