@@ -289,7 +289,7 @@ class Worker:
             message = (
                 f"the state is sharded across processes over the {replica!r} axis: {names}; {replica!r} is the "
                 "replica axis across slices, which shrinks when one is lost: shard the state over the axes inside "
-                f"a slice ({', '.join(process_mesh.slice_axes)}), which span its processes (launch --slices)"
+                f"a slice ({', '.join(map(repr, process_mesh.slice_axes))}), which span its processes (launch --slices)"
             )
             self._report_failure("JobUnsupported", message, "", step=self.step, unsupported=True)
             return
