@@ -59,9 +59,11 @@ from runtime.core.cadence import EveryN
 from runtime.core.classify import classify
 from runtime.core.errors import CheckpointInvalid, MeshUnavailable, SnapshotUnavailable, StorageError
 from runtime.core.events import StepFailed
+from runtime.core.initial import abstract_state, initial_program
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.keys import with_key_data
 from runtime.core.ledger import StepLedger
+from runtime.core.memory import resident, return_freed_memory
 from runtime.core.programs import ProgramStore
 from runtime.core.snapshot import HostSnapshot
 from runtime.faults.process import attach_worker_faults
@@ -96,6 +98,7 @@ class Worker:
     ) -> None:
         # The job as it runs: typed PRNG keys in its state held as key data (runtime.core.keys).
         self.job, self.keys = with_key_data(job)
+        return_freed_memory()
         # The training script's own handlers, run at step boundaries (runtime/cluster/worker/handlers.py).
         self.script = script
         if script is not None:
@@ -125,6 +128,7 @@ class Worker:
         self.neighbour: HostSnapshot | None = None
         self.shift: NeighbourShift | None = None
         self.restorer: SliceRestore | None = None  # the group's restore, compiled at forming
+        self.initial: Callable[[], PyTree] | None = None  # makes the initial state on the group's mesh (initial.py)
         # While joining: the steps its replica files hold, with the folders holding each (read only if restored),
         # and the tier they are in ("shm" or "disk").
         self.files: dict[int, list[DiskTier]] = {}
@@ -135,7 +139,8 @@ class Worker:
         self._writes: list[bool] = []  # per leaf: whether this process writes its shards there
         self._durable_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable")
         self._durable_write: Future[None] | None = None
-        self.template: PyTree = self.job.init()
+        # Shapes and dtypes only: no process (a spare included) holds the whole state (runtime/core/initial.py).
+        self.template: PyTree = abstract_state(self.job)
         # Written into every replica, and required of any replica restored: another run's (or job's) files in
         # the same folder are never taken for ours.
         self.identity = run_identity(settings.run_id, self.template, steps) if settings.run_id else {}
@@ -186,6 +191,9 @@ class Worker:
                         pending = outcome
                     elif outcome is not None:
                         self._restored(message, outcome[0])
+                        # Held here through training, the restored state and its host copy were two more
+                        # copies of this process's shards for the whole run (docs/multiprocess.md, memory).
+                        del outcome, future
                         pending = self._train(message.target_steps)
                 case Restore():
                     log.info("stale restore for generation %d ignored", message.generation)
@@ -210,8 +218,16 @@ class Worker:
                 step=self.step,
                 step_time_s=self.step_time_s,
                 sent_at=time.time(),
+                memory=self._memory(),
             )
         )
+
+    def _memory(self) -> dict[str, int]:
+        """Resident memory and host copies, for the heartbeat (read from the heartbeat's thread: a copy replaced
+        meanwhile is counted as the one it replaced, the same size)."""
+        ram, neighbour = self.ram, self.neighbour
+        copies = {"ram": ram.nbytes if ram is not None else 0, "neighbour": neighbour.nbytes if neighbour else 0}
+        return resident() | copies
 
     # --- forming a group ---------------------------------------------------------------------------------
 
@@ -301,6 +317,12 @@ class Worker:
         )
         if self.shift is None:
             self.neighbour = None
+        # A process that never held a step may start from the initial state: its program is compiled (or loaded)
+        # here, in the join's time, not in the restore's, which the hang monitor times.
+        fresh = self.ram is None and self.step == 0
+        self.initial = (
+            initial_program(self.job, self.state_shardings, self.mesh, programs=kept, place=place) if fresh else None
+        )
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
         kept = self.programs
@@ -415,7 +437,7 @@ class Worker:
         import jax
 
         if restore.source < 0:
-            state = self._place(self.template, self.state_shardings)
+            state = (self.initial or initial_program(self.job, self.state_shardings, self.mesh))()
             return _Restoration(state, 0, local_copy(state), Tier.NONE, 0, None), 0.0
         # Only the source slice's shards are read: the other slices' would be thrown away. A process of it
         # whose shards are in its neighbour's RAM takes them from there.
