@@ -65,7 +65,10 @@ class Rows:
 
 def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], dict[str, jax.Array]]:
     total = jnp.sum(batch["x"])
-    return {"w": [w * 0.5 + total for w in state["w"]]}, {"loss": total}
+    # The loss reads every shard: each step is a collective of the whole group, as a real model's is. (With
+    # only the batch's sum, a slice's processes stepped on past a dead peer's, beyond the replicas kept.)
+    loss = total + sum(jnp.mean(w) for w in state["w"])
+    return {"w": [w * 0.5 + total for w in state["w"]]}, {"loss": loss}
 
 
 def job(mb: float, leaves: int, init: str) -> TrainJob:
@@ -74,7 +77,7 @@ def job(mb: float, leaves: int, init: str) -> TrainJob:
         init=(jit_init if init == "jit" else host_init)(rows, leaves),
         step=step,
         data=Rows(),
-        state_specs={"w": P("model", None)},
+        state_specs={"w": [P("model", None)] * leaves},
         batch_spec=P("data"),
     )
 

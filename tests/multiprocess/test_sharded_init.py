@@ -1,0 +1,100 @@
+"""Initialization that shards (runtime/core/initial.py): ``init`` runs under ``jit`` with the state's shardings,
+so no process holds the whole state; a host-returning ``init`` gives the same bits.
+
+The memory test measures each worker's peak resident memory (``VmHWM`` in ``/proc/self/status``, reported in
+its heartbeats; ``RunFinished.memory``) and asserts it stays below the whole state's size. Not ``RLIMIT_AS``:
+JAX reserves far more virtual memory than it uses. Not a cgroup: this machine's cgroup v2 tree is not writable.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+from sharded_train import Rows, host_init, jit_init, job, rows_per_leaf, step
+
+from runtime import ElasticRuntime, MeshPolicy, TrainJob
+from runtime.cluster.config import LaunchConfig
+from runtime.core.eventlog import read_events
+from runtime.core.events import GroupFormed, RunFinished
+from runtime.defaults import default_controller
+from runtime.faults.grammar import Fault
+from runtime.testing.compare import compare_states
+
+SCRIPT = Path(__file__).with_name("sharded_train.py")
+
+
+def test_init_runs_only_under_jit_and_equals_a_host_init_bitwise_in_one_process() -> None:
+    calls: list[bool] = []
+    rows, leaves = rows_per_leaf(1, 4), 4
+    traced = jit_init(rows, leaves)
+
+    def init() -> Any:
+        state = traced()
+        calls.append(isinstance(state["w"][0], jax.core.Tracer))
+        return state
+
+    def run(init: Any) -> Any:
+        made = TrainJob(init=init, step=step, data=Rows(), state_specs=job(1, leaves, "jit").state_specs)
+        policy = MeshPolicy({"data": 2, "model": 4}, global_batch=48)
+        return ElasticRuntime(made, mesh_policy=policy).run(6).state
+
+    sharded = run(init)
+    assert calls and all(calls), "init ran outside a trace: a host copy of the whole state"
+    assert compare_states(sharded, run(host_init(rows, leaves)), bitwise=True)["match"]
+
+
+def launch(tmp_path: Path, name: str, *, init: str, mb: float, slices: int, kill: int | None, steps: int) -> Any:
+    """A launched group of 4 workers training ``sharded_train.py``; no result folder (process 0 would gather the
+    whole state into it): the workers' digests of the final state are compared."""
+    run_dir = tmp_path / name
+    config = LaunchConfig(
+        command=[sys.executable, str(SCRIPT), "--steps", str(steps), "--mb", str(mb), "--init", init],
+        nprocs=4,
+        slices=slices,
+        run_dir=str(run_dir),
+        target_steps=steps,
+        replica_dir=str(run_dir / "replicas"),
+        faults=[] if kill is None else [Fault("kill", kill, step=steps // 2)],
+        hang_timeout_s=300.0,  # a step of a large state on a loaded machine; not a hang
+    )
+    result = default_controller(config).run()
+    assert result.ok and result.step == steps, result.reason
+    return result
+
+
+def digest(result: Any) -> str:
+    (one,) = set(result.digests.values())
+    return str(one)
+
+
+@pytest.mark.timeout(400)
+def test_init_under_jit_and_a_host_init_give_bitwise_equal_runs_under_launch_with_two_slices(tmp_path: Path) -> None:
+    sharded = launch(tmp_path, "jit", init="jit", mb=8, slices=2, kill=1, steps=8)
+    assert len(sharded.recoveries) == 1
+    assert digest(sharded) == digest(launch(tmp_path, "host", init="host", mb=8, slices=2, kill=None, steps=8))
+
+
+STATE_MB = 1536  # above 4 / 3 of a worker's fixed ~300 MB: its shards (a quarter) and 2 copies of them fit below
+
+
+@pytest.mark.timeout(900)
+def test_a_state_larger_than_each_worker_memory_trains_loses_a_worker_and_ends_bitwise_equal(tmp_path: Path) -> None:
+    state_bytes = 4 * rows_per_leaf(STATE_MB, 16) * 1024 * 16
+    result = launch(tmp_path, "run", init="jit", mb=STATE_MB, slices=1, kill=1, steps=6)
+    assert len(result.recoveries) == 1
+    events = read_events(result.events_path)
+    (finished,) = [e for e in events if isinstance(e, RunFinished)]
+    members = {w for e in events if isinstance(e, GroupFormed) for w in e.members}
+    peaks = {int(w): m["peak_rss"] for w, m in finished.memory.items()}
+    assert members <= set(peaks), peaks
+    # Every worker, the killed one and its replacement included, stayed below the whole state's size.
+    assert all(peaks[w] < state_bytes for w in members), (state_bytes, peaks)
+    # A spare holds no state: its memory is the fixed cost, under a quarter of the state.
+    spares = set(peaks) - members
+    assert spares and all(peaks[w] < state_bytes / 4 for w in spares), (state_bytes, peaks)
+    reference = launch(tmp_path, "reference", init="jit", mb=STATE_MB, slices=1, kill=None, steps=6)
+    assert digest(result) == digest(reference)
