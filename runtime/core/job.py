@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from jax.sharding import Mesh, PartitionSpec
 
@@ -23,6 +23,25 @@ class DataSource(Protocol):
 
     def batch(self, position: int) -> PyTree:
         """The global batch at ``position`` as host (numpy) arrays."""
+        ...
+
+
+@runtime_checkable
+class ProcessBatches(Protocol):
+    """A data source that can give a process only its rows of a global batch (under ``launch``, each worker
+    reads its share of every batch instead of all of it: :mod:`runtime.core.process_data`). Every leaf of a
+    batch has the batch's rows as its first axis.
+    """
+
+    global_batch: int  # rows in a global batch
+
+    def batch(self, position: int) -> PyTree:
+        """The global batch at ``position`` as host (numpy) arrays (what a single process reads)."""
+        ...
+
+    def rows(self, position: int, start: int, stop: int) -> PyTree:
+        """Rows ``start`` to ``stop - 1`` of the global batch at ``position``, as host (numpy) arrays: exactly
+        those rows of ``batch(position)``."""
         ...
 
 

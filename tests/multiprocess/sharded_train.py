@@ -1,7 +1,7 @@
 """A training script whose state is split over the processes of a slice, for ``test_sharded_init.py`` and
 ``tests/benchmarks/bench_memory.py``. Not collected.
 
-    python tests/multiprocess/sharded_train.py --steps 8 --mb 64 [--init jit|host] [--data global|process]
+    python tests/multiprocess/sharded_train.py --steps 8 --mb 64 [--init jit|host] [--data process|global]
 
 The state is ``--leaves`` float32 arrays of ``--mb`` MB in all, each split by rows over ``model``. ``--init
 jit`` builds it with JAX operations (under the runtime's ``jit``, each process computes only its shards);
@@ -48,19 +48,25 @@ def host_init(rows: int, leaves: int) -> Any:
     return init
 
 
-class Rows:
-    """Global batch ``p``: ``GLOBAL_BATCH`` rows of small integers; ``read`` counts the rows it made."""
+class GlobalRows:
+    """Global batch ``p``: ``GLOBAL_BATCH`` rows of small integers, read whole by every process."""
 
-    def __init__(self) -> None:
-        self.read = 0
+    global_batch = GLOBAL_BATCH
 
     def batch(self, position: int) -> dict[str, np.ndarray]:
-        return self.rows(position, 0, GLOBAL_BATCH)
+        return _rows(position, 0, GLOBAL_BATCH)
+
+
+class Rows(GlobalRows):
+    """The same batches, each process reading only its rows (``runtime.core.job.ProcessBatches``)."""
 
     def rows(self, position: int, start: int, stop: int) -> dict[str, np.ndarray]:
-        index = np.arange(start, stop, dtype=np.int64)[:, None] * FEATURES + np.arange(FEATURES)
-        self.read += stop - start
-        return {"x": ((index + position * 7) % 13).astype(np.float32)}
+        return _rows(position, start, stop)
+
+
+def _rows(position: int, start: int, stop: int) -> dict[str, np.ndarray]:
+    index = np.arange(start, stop, dtype=np.int64)[:, None] * FEATURES + np.arange(FEATURES)
+    return {"x": ((index + position * 7) % 13).astype(np.float32)}
 
 
 def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], dict[str, jax.Array]]:
@@ -71,14 +77,15 @@ def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, 
     return {"w": [w * 0.5 + total for w in state["w"]]}, {"loss": loss}
 
 
-def job(mb: float, leaves: int, init: str) -> TrainJob:
+def job(mb: float, leaves: int, init: str, data: str = "process", split: bool = False) -> TrainJob:
+    """``split``: the batch's rows over every device (``data`` and ``model``), not over ``data`` only."""
     rows = rows_per_leaf(mb, leaves)
     return TrainJob(
         init=(jit_init if init == "jit" else host_init)(rows, leaves),
         step=step,
-        data=Rows(),
+        data=Rows() if data == "process" else GlobalRows(),
         state_specs={"w": [P("model", None)] * leaves},
-        batch_spec=P("data"),
+        batch_spec=P(("data", "model")) if split else P("data"),
     )
 
 
@@ -88,8 +95,10 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=64)
     parser.add_argument("--leaves", type=int, default=16)
     parser.add_argument("--init", choices=("jit", "host"), default="jit")
+    parser.add_argument("--data", choices=("process", "global"), default="process")
+    parser.add_argument("--split-batch", action="store_true", help="the batch's rows over every device")
     args = parser.parse_args()
-    run_worker(job(args.mb, args.leaves, args.init), steps=args.steps)
+    run_worker(job(args.mb, args.leaves, args.init, args.data, args.split_batch), steps=args.steps)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Initialization that shards (runtime/core/initial.py): ``init`` runs under ``jit`` with the state's shardings,
-so no process holds the whole state; a host-returning ``init`` gives the same bits.
+"""State and data that do not fit on one host. Initialization that shards (runtime/core/initial.py): ``init`` runs
+under ``jit`` with the state's shardings, so no process holds the whole state; a host-returning ``init`` gives the
+same bits. Per-process batches (runtime/core/process_data.py): each worker reads only its rows of each batch.
 
 The memory test measures each worker's peak resident memory (``VmHWM`` in ``/proc/self/status``, reported in
 its heartbeats; ``RunFinished.memory``) and asserts it stays below the whole state's size. Not ``RLIMIT_AS``:
@@ -14,7 +15,7 @@ from typing import Any
 
 import jax
 import pytest
-from sharded_train import Rows, host_init, jit_init, job, rows_per_leaf, step
+from sharded_train import FEATURES, GLOBAL_BATCH, Rows, host_init, jit_init, job, rows_per_leaf, step
 
 from runtime import ElasticRuntime, MeshPolicy, TrainJob
 from runtime.cluster.config import LaunchConfig, Strategy
@@ -48,13 +49,22 @@ def test_init_runs_only_under_jit_and_equals_a_host_init_bitwise_in_one_process(
 
 
 def launch(
-    tmp_path: Path, name: str, *, init: str, mb: float, slices: int, kill: int | None, steps: int, **extra: Any
+    tmp_path: Path,
+    name: str,
+    *,
+    init: str,
+    mb: float,
+    slices: int,
+    kill: int | None,
+    steps: int,
+    args: tuple[str, ...] = (),
+    **extra: Any,
 ) -> Any:
     """A launched group of 4 workers training ``sharded_train.py``; no result folder (process 0 would gather the
     whole state into it): the workers' digests of the final state are compared."""
     run_dir = tmp_path / name
     config = LaunchConfig(
-        command=[sys.executable, str(SCRIPT), "--steps", str(steps), "--mb", str(mb), "--init", init],
+        command=[sys.executable, str(SCRIPT), "--steps", str(steps), "--mb", str(mb), "--init", init, *args],
         nprocs=4,
         slices=slices,
         run_dir=str(run_dir),
@@ -103,3 +113,25 @@ def test_a_state_larger_than_each_worker_memory_trains_loses_a_worker_and_ends_b
     assert spares and all(peaks[w] < state_bytes / 4 for w in spares), (state_bytes, peaks)
     reference = launch(tmp_path, "reference", init="jit", mb=STATE_MB, slices=1, kill=None, steps=6)
     assert digest(result) == digest(reference)
+
+
+@pytest.mark.timeout(400)
+def test_each_process_reads_only_its_rows_and_the_run_equals_one_on_global_batches(tmp_path: Path) -> None:
+    # The batch's rows over all 8 devices of 4 processes (2 slices): each process holds a quarter of them.
+    split = ("--split-batch",)
+    rows = launch(tmp_path, "rows", init="jit", mb=4, slices=2, kill=1, steps=8, args=(*split, "--data", "process"))
+    read = {w: m["batch"] for w, m in members_memory(rows).items()}
+    whole = GLOBAL_BATCH * FEATURES * 4  # float32
+    assert read and all(0 < n <= whole / 4 for n in read.values()), (whole, read)
+    args = (*split, "--data", "global")
+    globally = launch(tmp_path, "global", init="jit", mb=4, slices=2, kill=None, steps=8, args=args)
+    assert {m["batch"] for m in members_memory(globally).values()} == {whole}
+    assert digest(rows) == digest(globally)
+
+
+def members_memory(result: Any) -> dict[str, dict[str, int]]:
+    """The memory reports of a run's members (not its spares), by worker id."""
+    events = read_events(result.events_path)
+    (finished,) = [e for e in events if isinstance(e, RunFinished)]
+    members = {str(w) for e in events if isinstance(e, GroupFormed) for w in e.members}
+    return {w: m for w, m in finished.memory.items() if w in members}

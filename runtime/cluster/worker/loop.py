@@ -64,6 +64,7 @@ from runtime.core.job import PyTree, TrainJob
 from runtime.core.keys import with_key_data
 from runtime.core.ledger import StepLedger
 from runtime.core.memory import resident, return_freed_memory
+from runtime.core.process_data import batch_example, local_rows, place_batch
 from runtime.core.programs import ProgramStore
 from runtime.core.snapshot import HostSnapshot
 from runtime.faults.process import attach_worker_faults
@@ -141,6 +142,9 @@ class Worker:
         self._durable_write: Future[None] | None = None
         # Shapes and dtypes only: no process (a spare included) holds the whole state (runtime/core/initial.py).
         self.template: PyTree = abstract_state(self.job)
+        self.batch_like: PyTree = batch_example(self.job.data)  # a global batch's shapes
+        self.batch_rows = (0, 0)  # this process's rows of each global batch on the group's mesh
+        self.batch_bytes = 0  # bytes read from the data source for the last step
         # Written into every replica, and required of any replica restored: another run's (or job's) files in
         # the same folder are never taken for ours.
         self.identity = run_identity(settings.run_id, self.template, steps) if settings.run_id else {}
@@ -227,7 +231,7 @@ class Worker:
         meanwhile is counted as the one it replaced, the same size)."""
         ram, neighbour = self.ram, self.neighbour
         copies = {"ram": ram.nbytes if ram is not None else 0, "neighbour": neighbour.nbytes if neighbour else 0}
-        return resident() | copies
+        return resident() | copies | {"batch": self.batch_bytes}
 
     # --- forming a group ---------------------------------------------------------------------------------
 
@@ -277,9 +281,10 @@ class Worker:
             self._report_failure("JobUnsupported", str(exc), "", step=self.step, unsupported=True)
             return
         place = (form.process_id, form.num_processes)
-        compiler = StepCompiler(self.job, self.template, self.job.data.batch(0), programs=self.programs, place=place)
+        compiler = StepCompiler(self.job, self.template, self.batch_like, programs=self.programs, place=place)
         self.state_shardings = compiler.state_shardings(self.mesh)
         self.batch_shardings = compiler.batch_shardings(self.mesh)
+        self.batch_rows = local_rows(self.batch_shardings, self.batch_like)  # this mesh's rows (process_data.py)
         replica = process_mesh.replica_axis
         over_replica = uses_axis(self.state_shardings, self.template, replica)
         if over_replica:
@@ -368,7 +373,7 @@ class Worker:
         started = time.monotonic()
         try:
             mesh = self.job.process_mesh.build(jax.local_devices(), 1)
-            StepCompiler(self.job, self.template, self.job.data.batch(0)).get(mesh)
+            StepCompiler(self.job, self.template, self.batch_like).get(mesh)
         except Exception as exc:  # only an optimization: a spare that cannot warm up joins cold
             log.warning("warm-up failed: %s: %s", type(exc).__name__, exc)
         finally:
@@ -569,17 +574,6 @@ class Worker:
         self._durable_write = self._durable_pool.submit(write)
         self._durable_write.add_done_callback(_log_failure)
 
-    def _place(self, tree: PyTree, shardings: PyTree) -> PyTree:
-        import jax
-
-        def one(sharding: Any, subtree: PyTree) -> PyTree:
-            return jax.tree.map(
-                lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx: np.asarray(x)[idx]),
-                subtree,
-            )
-
-        return jax.tree.map(one, shardings, tree)
-
     # --- training ----------------------------------------------------------------------------------------
 
     def _train(self, target: int) -> Inbound | None:
@@ -741,7 +735,9 @@ class Worker:
         import jax
 
         started = time.perf_counter()
-        batch = self._place(self.job.data.batch(position), self.batch_shardings)
+        batch, self.batch_bytes = place_batch(
+            self.job.data, position, self.batch_shardings, self.batch_like, self.batch_rows
+        )
         new_state, _metrics = self.compiled(state, batch)
         jax.block_until_ready(new_state)
         for check in self.step_checks:
