@@ -56,9 +56,13 @@ class TrainJob:
     that keeps its concrete mesh must be built per mesh, with ``step_for_mesh``.
 
     Args:
-        init: returns the initial state (a pytree of arrays). Called once, on the host.
+        init: returns the initial state (a pytree of arrays). Traced, never run on the host: its shapes come from
+            ``jax.eval_shape``, its values from ``init`` compiled with ``state_specs`` as ``out_shardings``, each
+            process computing only its shards. One returning host (NumPy) arrays is called on every process
+            instead, each holding the whole state while it starts (:mod:`runtime.core.initial`).
         step: ``step(state, batch) -> (new_state, metrics)``, a pure function; the runtime jits it per mesh.
-        data: the data source; ``data.batch(position)`` is the global batch.
+        data: the data source; ``data.batch(position)`` is the global batch; a :class:`ProcessBatches` source
+            gives each process of a launched group only its rows of it.
         state_specs: PartitionSpecs for the state, as a pytree prefix (one ``P()`` replicates everything).
         batch_spec: PartitionSpec(s) for the batch, as a pytree prefix; by default split over ``data``.
         loss_key: the metric reported as the loss in events and progress; a tuple of keys names one in
