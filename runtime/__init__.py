@@ -34,7 +34,7 @@ from runtime.core.eventlog import read_events
 from runtime.core.events import *  # noqa: F403 - the event catalogue is part of the public API
 from runtime.core.events import __all__ as _event_names
 from runtime.core.executor import RunResult
-from runtime.core.job import DataSource, TrainJob
+from runtime.core.job import DataSource, ProcessBatches, TrainJob
 from runtime.core.mesh import MeshPolicy, ProcessMesh
 from runtime.core.runtime import Component, Runtime
 
@@ -54,6 +54,7 @@ __all__ = [
     "JobUnsupported",
     "MeshPolicy",
     "ProcessMesh",
+    "ProcessBatches",
     "MeshUnavailable",
     "RecoveryError",
     "RunResult",

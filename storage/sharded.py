@@ -39,7 +39,7 @@ from storage.checked_read import LAYOUT, STATE_DIR, check_entry
 from storage.disk import DiskTier, write_manifest
 from storage.gcs import GcsTier
 from storage.manifest import FileEntry, LeafEntry, Manifest
-from storage.shards import Box, local_box, per_leaf
+from storage.shards import Box, _dtype, local_box, per_leaf
 
 __all__ = ["ShardedStore", "manifest_of", "read_local", "write_part", "writes"]
 
@@ -113,7 +113,7 @@ def write_part(
         box = local_box(shape, sharding, process)
         chunks = _box_shape(box)
         if lead:
-            write_bytes(directory / ".zarray", orbax_layout.zarray(shape, chunks, np.asarray(leaf).dtype))
+            write_bytes(directory / ".zarray", orbax_layout.zarray(shape, chunks, _dtype(leaf)))
             name, node = orbax_layout.array_entry(key)
             tree_metadata[name] = node
         if own:
@@ -188,7 +188,7 @@ def read_local(
     paths = jax.tree_util.tree_flatten_with_path(template)[0]
     for (path, leaf), sharding in zip(paths, jax.tree.leaves(per_leaf(shardings, template)), strict=True):
         name = f"{STATE_DIR}/{orbax_layout.array_dirname(mf.key_of(path))}"
-        shape, dtype = np.shape(leaf), np.asarray(leaf).dtype
+        shape, dtype = np.shape(leaf), _dtype(leaf)
         chunks = tuple(json.loads(checked(f"{name}/.zarray"))["chunks"])
         box = local_box(shape, sharding, process)
         mine = np.empty(_box_shape(box), dtype)

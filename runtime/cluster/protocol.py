@@ -119,6 +119,10 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     step_time_s: float | None = None
     sent_at: float  # the worker's wall clock; the controller times silence with its own monotonic clock
     held: bool = False  # it stopped stepping when told (``Stop.hold``): ``step`` is its last
+    # Bytes: the process's resident memory (``peak_rss``, ``rss``) and its host copies of the state (``ram``: its
+    # own shards of the newest step, ``neighbour``: its neighbour's) and the bytes it read from the data source for
+    # its last step (``batch``: its rows only, with a ProcessBatches source); runtime/core/memory.py.
+    memory: dict[str, int] = {}
 
 
 class Joined(Message, frozen=True, kw_only=True):

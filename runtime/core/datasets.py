@@ -1,9 +1,10 @@
 """A random-access dataset as the runtime's data source: a grain ``MapDataset``, or anything with ``len`` and
 ``[index]``.
 
-The runtime asks for the global batch at a position (``DataSource.batch``); a random-access dataset answers it
-without any iterator state to save, so a restore to step ``k`` reads exactly the records it read the first
-time. Records are stacked leaf by leaf, so a record may be an array or any pytree of arrays.
+The runtime asks for the global batch at a position (``DataSource.batch``), or under ``launch`` for a process's
+rows of it (``ProcessBatches.rows``); a random-access dataset answers either without any iterator state to save,
+so a restore to step ``k`` reads exactly the records it read the first time. Records are stacked leaf by leaf, so
+a record may be an array or any pytree of arrays.
 """
 
 from __future__ import annotations
@@ -52,5 +53,11 @@ class IndexedBatches:
 
     def batch(self, position: int) -> PyTree:
         """Global batch ``position``: the records of :meth:`indices`, each leaf stacked along a new first axis."""
-        records: Sequence[Any] = [self.dataset[i] for i in self.indices(position)]
+        return self.rows(position, 0, self.global_batch)
+
+    def rows(self, position: int, start: int, stop: int) -> PyTree:
+        """Rows ``start`` to ``stop - 1`` of global batch ``position``: only their records are read (under
+        ``launch``, a worker's share; :class:`~runtime.core.job.ProcessBatches`)."""
+        first = position * self.global_batch
+        records: Sequence[Any] = [self.dataset[(first + k) % self.size] for k in range(start, stop)]
         return jax.tree.map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *records)

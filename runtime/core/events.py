@@ -93,10 +93,13 @@ class RunStarted(Event, frozen=True, kw_only=True):
 
 
 class RunFinished(Event, frozen=True, kw_only=True):
-    """The run ended, normally (``ok``) or with an error that ``reason`` names."""
+    """The run ended, normally (``ok``) or with an error that ``reason`` names. Under ``launch``, ``memory`` holds
+    each worker's (by id) newest memory report: peak and current resident bytes and its host copies of the state
+    (``runtime.cluster.protocol.Heartbeat.memory``)."""
 
     ok: bool
     reason: str = ""
+    memory: dict[str, dict[str, int]] = {}
 
 
 class StepCompleted(Event, frozen=True, kw_only=True):

@@ -45,6 +45,7 @@ from runtime.core.events import (
     StepFailed,
 )
 from runtime.core.health import DeviceHealth
+from runtime.core.initial import abstract_state, initial_program
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.keys import with_key_data
 from runtime.core.ledger import StepLedger
@@ -236,12 +237,13 @@ class StepExecutor:
                 )
             )
         try:
-            self._initial = self.job.init()
+            # Shapes and dtypes only; the values are made on the mesh, each device's shards there (initial.py).
+            self._initial = abstract_state(self.job)
             # Snapshotting every step, the copy to host memory is compiled into the step itself.
             fused = self.config.snapshot_every == 1 and self.config.snapshot_mtbf_s is None
             self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0), host_copy=fused)
             self._set_mesh(mesh)
-            self.state = await anyio.to_thread.run_sync(self._place, self._initial, mesh)
+            self.state = await anyio.to_thread.run_sync(self._place_initial, mesh)
         except Exception as exc:  # the user's init, data or state specs: nothing ran, nothing to recover
             await self._stop_on_user_error(exc, 0, f"the job cannot start on mesh {mesh_shape(mesh)}")
         durable = [source for source in self.restore_sources if source is not self.ram]
@@ -298,6 +300,10 @@ class StepExecutor:
         if not self.compiler.host_copy and self.config.snapshot_every > 0:
             compiled = self.ram.prepare(self.compiler.state_abstract(mesh)) or compiled
         return time.perf_counter() - started if compiled else 0.0
+
+    def _place_initial(self, mesh: Mesh) -> PyTree:
+        assert self.compiler is not None
+        return initial_program(self.job, self.compiler.state_shardings(mesh), mesh)()
 
     def _place(self, tree: PyTree, mesh: Mesh) -> PyTree:
         assert self.compiler is not None
@@ -404,7 +410,7 @@ class StepExecutor:
         if source != "latest" and source not in names:
             await self._fail_recovery(f"restore source {source!r} is not one of {['latest', *names]}")
         candidates = [s for s in self.restore_sources if source in ("latest", s.name)]
-        tree, step, position, origin = self._initial, 0, 0, "init"
+        tree, step, position, origin = None, 0, 0, "init"
         try:
             found, snapshot = await anyio.to_thread.run_sync(
                 lambda: restore_newest(candidates, self._initial, timeout=self.config.checkpoint_timeout_s)
@@ -414,7 +420,10 @@ class StepExecutor:
             log.warning("restore: %s", exc)
             if self.step > 0 and self.config.snapshot_every > 0:
                 await self._fail_recovery(f"no tier of {names} holds a snapshot to restore step {self.step} from")
-        self.state = await anyio.to_thread.run_sync(self._place, tree, self.mesh)
+        mesh = self.mesh
+        self.state = await anyio.to_thread.run_sync(
+            lambda: self._place_initial(mesh) if tree is None else self._place(tree, mesh)
+        )
         seconds = time.monotonic() - started
         await self.bus.publish(
             self.ledger.restored(step, data_position=position, restored_from=origin, seconds=seconds)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from jax.sharding import Mesh, PartitionSpec
 
@@ -26,6 +26,25 @@ class DataSource(Protocol):
         ...
 
 
+@runtime_checkable
+class ProcessBatches(Protocol):
+    """A data source that can give a process only its rows of a global batch (under ``launch``, each worker
+    reads its share of every batch instead of all of it: :mod:`runtime.core.process_data`). Every leaf of a
+    batch has the batch's rows as its first axis.
+    """
+
+    global_batch: int  # rows in a global batch
+
+    def batch(self, position: int) -> PyTree:
+        """The global batch at ``position`` as host (numpy) arrays (what a single process reads)."""
+        ...
+
+    def rows(self, position: int, start: int, stop: int) -> PyTree:
+        """Rows ``start`` to ``stop - 1`` of the global batch at ``position``, as host (numpy) arrays: exactly
+        those rows of ``batch(position)``."""
+        ...
+
+
 @dataclass(frozen=True)
 class TrainJob:
     """A training job the runtime can run, re-mesh and restore.
@@ -37,9 +56,13 @@ class TrainJob:
     that keeps its concrete mesh must be built per mesh, with ``step_for_mesh``.
 
     Args:
-        init: returns the initial state (a pytree of arrays). Called once, on the host.
+        init: returns the initial state (a pytree of arrays). Traced, never run on the host: its shapes come from
+            ``jax.eval_shape``, its values from ``init`` compiled with ``state_specs`` as ``out_shardings``, each
+            process computing only its shards. One returning host (NumPy) arrays is called on every process
+            instead, each holding the whole state while it starts (:mod:`runtime.core.initial`).
         step: ``step(state, batch) -> (new_state, metrics)``, a pure function; the runtime jits it per mesh.
-        data: the data source; ``data.batch(position)`` is the global batch.
+        data: the data source; ``data.batch(position)`` is the global batch; a :class:`ProcessBatches` source
+            gives each process of a launched group only its rows of it.
         state_specs: PartitionSpecs for the state, as a pytree prefix (one ``P()`` replicates everything).
         batch_spec: PartitionSpec(s) for the batch, as a pytree prefix; by default split over ``data``.
         loss_key: the metric reported as the loss in events and progress; a tuple of keys names one in

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from anyio.abc import SocketStream
@@ -48,6 +48,7 @@ class WorkerProcess:
     hello: Hello | None = None
     joined: Joined | None = None
     finished: Finished | None = None
+    memory: dict[str, int] = field(default_factory=dict)  # its newest memory report (Heartbeat.memory)
     step: int = 0
     generation: int = 0
     gone: bool = False

@@ -421,6 +421,7 @@ class Controller:
                             source="controller",
                             ok=self.result.ok,
                             reason=reason or ("" if self.result.ok else "cancelled"),
+                            memory={str(p.worker): p.memory for p in self.pool if p.memory},
                         )
                         try:
                             await self.bus.publish(finished)
@@ -755,6 +756,7 @@ class Controller:
                     log.warning("controller: worker %d was judged lost and is back; told to exit", worker)
                     taken = Stop(reason=f"worker {worker} was judged lost; its place is taken", exit_code=EXIT_REPLACE)
                     await self.server.send(proc, taken)
+                proc.memory = message.memory or proc.memory
                 if proc.gone or self.stopping:
                     return
                 try:

@@ -60,9 +60,12 @@ from runtime.core.cadence import EveryN
 from runtime.core.classify import classify
 from runtime.core.errors import CheckpointInvalid, MeshUnavailable, SnapshotUnavailable, StorageError
 from runtime.core.events import StepFailed
+from runtime.core.initial import abstract_state, initial_program
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.keys import with_key_data
 from runtime.core.ledger import StepLedger
+from runtime.core.memory import resident, return_freed_memory
+from runtime.core.process_data import batch_example, local_rows, place_batch
 from runtime.core.programs import ProgramStore
 from runtime.core.snapshot import HostSnapshot
 from runtime.faults.process import attach_worker_faults
@@ -97,6 +100,7 @@ class Worker:
     ) -> None:
         # The job as it runs: typed PRNG keys in its state held as key data (runtime.core.keys).
         self.job, self.keys = with_key_data(job)
+        return_freed_memory()
         # The training script's own handlers, run at step boundaries (runtime/cluster/worker/handlers.py).
         self.script = script
         if script is not None:
@@ -126,6 +130,7 @@ class Worker:
         self.neighbour: HostSnapshot | None = None
         self.shift: NeighbourShift | None = None
         self.restorer: SliceRestore | None = None  # the group's restore, compiled at forming
+        self.initial: Callable[[], PyTree] | None = None  # makes the initial state on the group's mesh (initial.py)
         # While joining: the steps its replica files hold, with the folders holding each (read only if restored),
         # and the tier they are in ("shm" or "disk").
         self.files: dict[int, list[DiskTier]] = {}
@@ -136,7 +141,11 @@ class Worker:
         self._writes: list[bool] = []  # per leaf: whether this process writes its shards there
         self._durable_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable")
         self._durable_write: Future[None] | None = None
-        self.template: PyTree = self.job.init()
+        # Shapes and dtypes only: no process (a spare included) holds the whole state (runtime/core/initial.py).
+        self.template: PyTree = abstract_state(self.job)
+        self.batch_like: PyTree = batch_example(self.job.data)  # a global batch's shapes
+        self.batch_rows = (0, 0)  # this process's rows of each global batch on the group's mesh
+        self.batch_bytes = 0  # bytes read from the data source for the last step
         # Written into every replica, and required of any replica restored: another run's (or job's) files in
         # the same folder are never taken for ours.
         self.identity = run_identity(settings.run_id, self.template, steps) if settings.run_id else {}
@@ -193,6 +202,9 @@ class Worker:
                         pending = outcome
                     elif outcome is not None:
                         self._restored(message, outcome[0])
+                        # Held here through training, the restored state and its host copy were two more
+                        # copies of this process's shards for the whole run (docs/multiprocess.md, memory).
+                        del outcome, future
                         pending = self._train(message.target_steps)
                 case Restore():
                     log.info("stale restore for generation %d ignored", message.generation)
@@ -225,8 +237,16 @@ class Worker:
                 step_time_s=self.step_time_s,
                 sent_at=time.time(),
                 held=self.held,
+                memory=self._memory(),
             )
         )
+
+    def _memory(self) -> dict[str, int]:
+        """Resident memory and host copies, for the heartbeat (read from the heartbeat's thread: a copy replaced
+        meanwhile is counted as the one it replaced, the same size)."""
+        ram, neighbour = self.ram, self.neighbour
+        copies = {"ram": ram.nbytes if ram is not None else 0, "neighbour": neighbour.nbytes if neighbour else 0}
+        return resident() | copies | {"batch": self.batch_bytes}
 
     # --- forming a group ---------------------------------------------------------------------------------
 
@@ -276,9 +296,10 @@ class Worker:
             self._report_failure("JobUnsupported", str(exc), "", step=self.step, unsupported=True)
             return
         place = (form.process_id, form.num_processes)
-        compiler = StepCompiler(self.job, self.template, self.job.data.batch(0), programs=self.programs, place=place)
+        compiler = StepCompiler(self.job, self.template, self.batch_like, programs=self.programs, place=place)
         self.state_shardings = compiler.state_shardings(self.mesh)
         self.batch_shardings = compiler.batch_shardings(self.mesh)
+        self.batch_rows = local_rows(self.batch_shardings, self.batch_like)  # this mesh's rows (process_data.py)
         replica = process_mesh.replica_axis
         over_replica = uses_axis(self.state_shardings, self.template, replica)
         if over_replica:
@@ -316,6 +337,12 @@ class Worker:
         )
         if self.shift is None:
             self.neighbour = None
+        # A process that never held a step may start from the initial state: its program is compiled (or loaded)
+        # here, in the join's time, not in the restore's, which the hang monitor times.
+        fresh = self.ram is None and self.step == 0
+        self.initial = (
+            initial_program(self.job, self.state_shardings, self.mesh, programs=kept, place=place) if fresh else None
+        )
         compiled = time.monotonic()
         best, tier = self._best_local(form.read_files)
         kept = self.programs
@@ -370,7 +397,7 @@ class Worker:
                 log.info("the run's programs are kept on this host: only the backend warmed up")
                 return
             mesh = self.job.process_mesh.build(jax.local_devices(), 1)
-            StepCompiler(self.job, self.template, self.job.data.batch(0)).get(mesh)
+            StepCompiler(self.job, self.template, self.batch_like).get(mesh)
         except Exception as exc:  # only an optimization: a spare that cannot warm up joins cold
             log.warning("warm-up failed: %s: %s", type(exc).__name__, exc)
         finally:
@@ -439,7 +466,7 @@ class Worker:
         import jax
 
         if restore.source < 0:
-            state = self._place(self.template, self.state_shardings)
+            state = (self.initial or initial_program(self.job, self.state_shardings, self.mesh))()
             return _Restoration(state, 0, local_copy(state), Tier.NONE, 0, None), 0.0
         # Only the source slice's shards are read: the other slices' would be thrown away. A process of it
         # whose shards are in its neighbour's RAM takes them from there.
@@ -596,17 +623,6 @@ class Worker:
         assert self._durable_write is not None
         with contextlib.suppress(Exception):
             self._durable_write.result()
-
-    def _place(self, tree: PyTree, shardings: PyTree) -> PyTree:
-        import jax
-
-        def one(sharding: Any, subtree: PyTree) -> PyTree:
-            return jax.tree.map(
-                lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx: np.asarray(x)[idx]),
-                subtree,
-            )
-
-        return jax.tree.map(one, shardings, tree)
 
     # --- training ----------------------------------------------------------------------------------------
 
@@ -769,7 +785,9 @@ class Worker:
         import jax
 
         started = time.perf_counter()
-        batch = self._place(self.job.data.batch(position), self.batch_shardings)
+        batch, self.batch_bytes = place_batch(
+            self.job.data, position, self.batch_shardings, self.batch_like, self.batch_rows
+        )
         new_state, _metrics = self.compiled(state, batch)
         jax.block_until_ready(new_state)
         for check in self.step_checks:

@@ -1,0 +1,137 @@
+"""State and data that do not fit on one host. Initialization that shards (runtime/core/initial.py): ``init`` runs
+under ``jit`` with the state's shardings, so no process holds the whole state; a host-returning ``init`` gives the
+same bits. Per-process batches (runtime/core/process_data.py): each worker reads only its rows of each batch.
+
+The memory test measures each worker's peak resident memory (``VmHWM`` in ``/proc/self/status``, reported in
+its heartbeats; ``RunFinished.memory``) and asserts it stays below the whole state's size. Not ``RLIMIT_AS``:
+JAX reserves far more virtual memory than it uses. Not a cgroup: this machine's cgroup v2 tree is not writable.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+from sharded_train import FEATURES, GLOBAL_BATCH, Rows, host_init, jit_init, job, rows_per_leaf, step
+
+from runtime import ElasticRuntime, MeshPolicy, TrainJob
+from runtime.cluster.config import LaunchConfig, Strategy
+from runtime.core.eventlog import read_events
+from runtime.core.events import GroupFormed, RunFinished
+from runtime.defaults import default_controller
+from runtime.faults.grammar import Fault
+from runtime.testing.compare import compare_states
+
+SCRIPT = Path(__file__).with_name("sharded_train.py")
+
+
+def test_init_runs_only_under_jit_and_equals_a_host_init_bitwise_in_one_process() -> None:
+    calls: list[bool] = []
+    rows, leaves = rows_per_leaf(1, 4), 4
+    traced = jit_init(rows, leaves)
+
+    def init() -> Any:
+        state = traced()
+        calls.append(isinstance(state["w"][0], jax.core.Tracer))
+        return state
+
+    def run(init: Any) -> Any:
+        made = TrainJob(init=init, step=step, data=Rows(), state_specs=job(1, leaves, "jit").state_specs)
+        policy = MeshPolicy({"data": 2, "model": 4}, global_batch=48)
+        return ElasticRuntime(made, mesh_policy=policy).run(6).state
+
+    sharded = run(init)
+    assert calls and all(calls), "init ran outside a trace: a host copy of the whole state"
+    assert compare_states(sharded, run(host_init(rows, leaves)), bitwise=True)["match"]
+
+
+def launch(
+    tmp_path: Path,
+    name: str,
+    *,
+    init: str,
+    mb: float,
+    slices: int,
+    kill: int | None,
+    steps: int,
+    args: tuple[str, ...] = (),
+    **extra: Any,
+) -> Any:
+    """A launched group of 4 workers training ``sharded_train.py``; no result folder (process 0 would gather the
+    whole state into it): the workers' digests of the final state are compared."""
+    run_dir = tmp_path / name
+    config = LaunchConfig(
+        command=[sys.executable, str(SCRIPT), "--steps", str(steps), "--mb", str(mb), "--init", init, *args],
+        nprocs=4,
+        slices=slices,
+        run_dir=str(run_dir),
+        target_steps=steps,
+        replica_dir=str(run_dir / "replicas"),
+        faults=[] if kill is None else [Fault("kill", kill, step=steps // 2)],
+        hang_timeout_s=300.0,  # a step of a large state on a loaded machine; not a hang
+        **extra,
+    )
+    result = default_controller(config).run()
+    assert result.ok and result.step == steps, result.reason
+    return result
+
+
+def digest(result: Any) -> str:
+    (one,) = set(result.digests.values())
+    return str(one)
+
+
+@pytest.mark.timeout(400)
+def test_init_under_jit_and_a_host_init_give_bitwise_equal_runs_under_launch_with_two_slices(tmp_path: Path) -> None:
+    sharded = launch(tmp_path, "jit", init="jit", mb=8, slices=2, kill=1, steps=8)
+    assert len(sharded.recoveries) == 1
+    assert digest(sharded) == digest(launch(tmp_path, "host", init="host", mb=8, slices=2, kill=None, steps=8))
+
+
+STATE_MB = 1536  # above 4 / 3 of a worker's fixed ~300 MB: its shards (a quarter) and 2 copies of them fit below
+
+
+@pytest.mark.timeout(900)
+def test_a_state_larger_than_each_worker_memory_trains_loses_a_worker_and_ends_bitwise_equal(tmp_path: Path) -> None:
+    state_bytes = 4 * rows_per_leaf(STATE_MB, 16) * 1024 * 16
+    # Recovered by restarting every worker: re-formed in place, a survivor's step blocked in a collective with the
+    # dead peer is abandoned still holding its input and output shards (two more copies of them, for good).
+    result = launch(tmp_path, "run", init="jit", mb=STATE_MB, slices=1, kill=1, steps=6, strategy=Strategy.RESTART)
+    assert len(result.recoveries) == 1
+    events = read_events(result.events_path)
+    (finished,) = [e for e in events if isinstance(e, RunFinished)]
+    members = {w for e in events if isinstance(e, GroupFormed) for w in e.members}
+    peaks = {int(w): m["peak_rss"] for w, m in finished.memory.items()}
+    assert members <= set(peaks), peaks
+    # Every worker, the killed one and the restarted ones included, stayed below the whole state's size.
+    assert all(peaks[w] < state_bytes for w in members), (state_bytes, peaks)
+    # A spare holds no state: its memory is the fixed cost, under a quarter of the state.
+    spares = set(peaks) - members
+    assert spares and all(peaks[w] < state_bytes / 4 for w in spares), (state_bytes, peaks)
+    reference = launch(tmp_path, "reference", init="jit", mb=STATE_MB, slices=1, kill=None, steps=6)
+    assert digest(result) == digest(reference)
+
+
+@pytest.mark.timeout(400)
+def test_each_process_reads_only_its_rows_and_the_run_equals_one_on_global_batches(tmp_path: Path) -> None:
+    # The batch's rows over all 8 devices of 4 processes (2 slices): each process holds a quarter of them.
+    split = ("--split-batch",)
+    rows = launch(tmp_path, "rows", init="jit", mb=4, slices=2, kill=1, steps=8, args=(*split, "--data", "process"))
+    read = {w: m["batch"] for w, m in members_memory(rows).items()}
+    whole = GLOBAL_BATCH * FEATURES * 4  # float32
+    assert read and all(0 < n <= whole / 4 for n in read.values()), (whole, read)
+    args = (*split, "--data", "global")
+    globally = launch(tmp_path, "global", init="jit", mb=4, slices=2, kill=None, steps=8, args=args)
+    assert {m["batch"] for m in members_memory(globally).values()} == {whole}
+    assert digest(rows) == digest(globally)
+
+
+def members_memory(result: Any) -> dict[str, dict[str, int]]:
+    """The memory reports of a run's members (not its spares), by worker id."""
+    events = read_events(result.events_path)
+    (finished,) = [e for e in events if isinstance(e, RunFinished)]
+    members = {str(w) for e in events if isinstance(e, GroupFormed) for w in e.members}
+    return {w: m for w, m in finished.memory.items() if w in members}
