@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime.core.errors import SnapshotUnavailable
 from runtime.core.mesh import mesh_key
-from runtime.core.programs import ProgramStore
+from runtime.core.programs import ProgramStore, compile_kept
 
 __all__ = [
     "NeighbourShift",
@@ -206,11 +206,9 @@ class NeighbourShift:
 
 
 def _build(programs: ProgramStore | None, name: str, mesh: Any, lower: Any) -> Any:
-    """``lower()`` compiled, or loaded from ``programs`` (``runtime.core.programs``) when kept there for this
-    layout: a re-formed group on the layout of an earlier one does not trace or compile it again."""
-    if programs is None:
-        return lower().compile()
-    return programs.compiled(name, (mesh_key(mesh), jax.process_index()), lower)
+    """``lower()`` compiled, or loaded from ``programs`` when kept there for this layout: a re-formed group on
+    the layout of an earlier one does not trace or compile it again."""
+    return compile_kept(programs, name, (mesh_key(mesh), jax.process_index()), lower)
 
 
 def _devices_per_process(mesh: Any) -> int:

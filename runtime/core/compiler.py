@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.mesh import mesh_key
-from runtime.core.programs import ProgramStore
+from runtime.core.programs import ProgramStore, compile_kept
 from runtime.core.snapshot import host_shardings
 
 
@@ -191,9 +191,7 @@ class StepCompiler:
         return self._build("step", mesh, lambda: jitted.lower(*args))
 
     def _build(self, name: str, mesh: Mesh, lower: Callable[[], Any]) -> Any:
-        if self.programs is None:
-            return lower().compile()
-        return self.programs.compiled(name, (mesh_key(mesh), self.place), lower)
+        return compile_kept(self.programs, name, (mesh_key(mesh), self.place), lower)
 
 
 def _with_host_copy(step: Any, state_sharding: PyTree) -> Any:

@@ -36,7 +36,7 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PROGRAMS_PREFIX", "ProgramStore"]
+__all__ = ["PROGRAMS_PREFIX", "ProgramStore", "compile_kept"]
 
 PROGRAMS_PREFIX = "programs-"  # the folders of kept programs, in the run's replica folder
 
@@ -131,3 +131,11 @@ class ProgramStore:
             os.replace(temporary, self.folder / key)
         except OSError as exc:  # only a speed-up for other processes
             log.warning("could not keep a program in %s: %s", self.folder, exc)
+
+
+def compile_kept(programs: ProgramStore | None, name: str, layout: Hashable, lower: Callable[[], Any]) -> Any:
+    """``lower()`` compiled; with ``programs``, loaded from it when kept there for ``layout`` (else compiled and
+    kept): what every program of a re-formable group is built with."""
+    if programs is None:
+        return lower().compile()
+    return programs.compiled(name, layout, lower)
