@@ -3,6 +3,8 @@ the buffers of a snapshot replaced unread are reused for the next copy, never th
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -174,3 +176,21 @@ def test_what_a_snapshot_on_a_new_mesh_needs_is_compiled_ahead_with_its_step(
     if not fused:
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(copied), jax.tree.leaves(state), strict=True))
     ram.close()
+
+
+def test_a_spec_for_a_whole_subtree_gives_each_leaf_its_own_host_layout() -> None:
+    # state_specs may be a prefix of the state (one spec for a whole subtree, as jit's shardings may be); the
+    # copy into host memory still needs a layout per leaf, from each leaf's own shape.
+    specs = {"params": P("data"), "momentum": P()}
+    job = dataclasses.replace(demo_job(global_batch=24, features=16, hidden=64), state_specs=specs)
+    compiler = StepCompiler(job, job.init(), job.data.batch(0), host_copy=True)
+    mesh = MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2).fit(jax.devices())
+    host = compiler.host_shardings(mesh)
+    assert jax.tree.structure(host) == jax.tree.structure(job.init())
+    for part, spec in specs.items():
+        for leaf, sharding in zip(jax.tree.leaves(job.init()[part]), jax.tree.leaves(host[part]), strict=True):
+            assert sharding == host_sharding(NamedSharding(mesh, spec), leaf.shape)
+    state = jax.device_put(job.init(), compiler.state_shardings(mesh))
+    batch = jax.device_put(job.data.batch(0), compiler.batch_shardings(mesh))
+    new_state, _, copy = compiler.get(mesh)(state, batch, compiler.host_buffers(mesh))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(copy), jax.device_get(new_state))

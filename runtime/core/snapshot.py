@@ -108,8 +108,12 @@ def host_sharding(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedShard
 
 
 def host_shardings(shardings: PyTree, shapes: PyTree) -> PyTree:
-    """``host_sharding`` for every leaf: ``shardings`` and ``shapes`` (anything with ``.shape``) match."""
-    return jax.tree.map(lambda s, x: host_sharding(s, tuple(np.shape(x))), shardings, shapes)
+    """``host_sharding`` for every leaf of ``shapes`` (anything with ``.shape``). ``shardings`` may be a prefix
+    of it, as the job's ``state_specs`` may be (one spec for a whole subtree): each leaf under a prefix gets
+    its own host layout, which depends on its shape."""
+    return jax.tree.map(
+        lambda s, subtree: jax.tree.map(lambda x: host_sharding(s, tuple(np.shape(x))), subtree), shardings, shapes
+    )
 
 
 class RamTier:
