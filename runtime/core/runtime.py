@@ -237,8 +237,12 @@ class Runtime:
 
     async def _prepare_ahead(self, mesh: Mesh, limiter: anyio.CapacityLimiter) -> None:
         async with limiter:
-            if not self.executor.mesh_updates.statistics().current_buffer_used:  # else: plan for the new mesh
-                await self._prepare(mesh)
+            # Not while a failure is recovered: the executor compiles the mesh it needs itself, at once, and a
+            # compile of another mesh started now would only take cores from it. Nor once the mesh changed:
+            # the new mesh's likely meshes are planned next.
+            if self.executor.recovering or self.executor.mesh_updates.statistics().current_buffer_used:
+                return
+            await self._prepare(mesh)
 
     async def _prepare(self, mesh: Mesh) -> bool:
         try:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.analysis.goodput import goodput
-from runtime.cli.demo_multiprocess import group_controller
+from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
 from runtime.core.eventlog import read_events
 from runtime.core.events import GroupFormed
 from runtime.faults.grammar import Fault
@@ -36,6 +36,9 @@ MODES = {  # name -> (strategy, environment)
     "traced": ("reform", {"ELASTIC_KEEP_PROGRAMS": "0"}),
     "restart": ("restart", {}),
 }
+# --durable: one slice (no other slice holds the lost shards), durable checkpoints every 5 steps, the killed
+# worker's replica files deleted with it: its quarter of the state comes from the durable tier.
+DURABLE = {"slices": 1, "durable_every": 5}
 
 
 def command(model: str, steps: int) -> list[str]:
@@ -45,15 +48,19 @@ def command(model: str, steps: int) -> list[str]:
     return [sys.executable, str(ROOT / script), "--steps", str(steps), "--lose-slice-at", "0", "--no-reference"]
 
 
-def one(model: str, mode: str, *, steps: int, kill_at: int, hang_timeout_s: float) -> dict[str, Any]:
+def one(
+    model: str, mode: str, *, steps: int, kill_at: int | None, hang_timeout_s: float, durable: bool = False
+) -> dict[str, Any]:
     strategy, env = MODES[mode]
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-real-{model}-{mode}-"))
+    layout: dict[str, Any] = {"slices": 2}
+    if durable:
+        layout = DURABLE | {"durable_dir": str(run_dir / "durable")}
     controller = group_controller(
         processes=4,
-        slices=2,
         steps=steps,
         run_dir=run_dir,
-        faults=[Fault("kill", 1, step=kill_at)],
+        faults=[] if kill_at is None else [Fault("kill", 1, step=kill_at)],
         strategy=strategy,
         command=command(model, steps),
         replica_dir=str(run_dir / "replicas"),
@@ -61,7 +68,10 @@ def one(model: str, mode: str, *, steps: int, kill_at: int, hang_timeout_s: floa
         start_timeout_s=600.0,
         form_timeout_s=300.0,
         hang_timeout_s=hang_timeout_s,
+        **layout,
     )
+    if durable and kill_at is not None:
+        wipe_lost_replicas(controller)
     result = controller.run()
     events = read_events(run_dir / "events.jsonl")
     report = goodput(events)
@@ -73,8 +83,12 @@ def one(model: str, mode: str, *, steps: int, kill_at: int, hang_timeout_s: floa
         "ok": result.ok,
         "recovery_s": failure.recovery_s if failure else None,
         "phases": failure.phases if failure else {},
+        # report's split of the recovery: its parts should add up to recovery_s
+        "phases_sum_s": round(sum(failure.phases.values()), 3) if failure else None,
         "traced_at_reform": sum(f.traced for f in formed[1:]),
         "first_forming_s": report.badput_s.get("PROGRAM_STARTUP", 0.0),
+        "restored_from": result.recoveries[0]["restored_from"] if result.recoveries else None,
+        "bytes_by_tier": result.recoveries[0]["bytes_by_tier"] if result.recoveries else {},
         "digest": next(iter(result.digests.values()), ""),
         "run_dir": str(run_dir),
     }
@@ -91,7 +105,13 @@ def main() -> None:
         "--hang-timeout", type=float, default=60.0, help="a real model's first step on a loaded CPU takes seconds"
     )
     parser.add_argument("--json", action="store_true", help="only the JSON line")
+    parser.add_argument(
+        "--durable", action="store_true", help="instead: one slice, the lost shards from the durable tier, once each"
+    )
     args = parser.parse_args()
+    if args.durable:
+        durable(args)
+        return
     runs = []
     for _ in range(args.repeats):  # interleaved: the machine's load shifts between repeats, not between modes
         for model in args.models:
@@ -111,6 +131,29 @@ def main() -> None:
         for other in ("traced", "restart"):
             if medians.get("kept") and medians.get(other):
                 summary[model][f"{other}_over_kept"] = round(medians[other] / medians["kept"], 2)
+    print(json.dumps(summary))
+
+
+def durable(args: argparse.Namespace) -> None:
+    """Each model once with ``--slices 1``, the lost worker's replica files gone, against a fault-free run of the
+    same layout: the share of the state read from the durable tier, and whether the results are bitwise equal."""
+    summary: dict[str, Any] = {"load_average": os.getloadavg()}
+    for model in args.models:
+        faulted = one(
+            model, "kept", steps=args.steps, kill_at=args.kill_at, hang_timeout_s=args.hang_timeout, durable=True
+        )
+        reference = one(model, "kept", steps=args.steps, kill_at=None, hang_timeout_s=args.hang_timeout, durable=True)
+        if not args.json:
+            print(json.dumps(faulted), flush=True)
+        read = faulted["bytes_by_tier"]
+        summary[model] = {
+            "ok": faulted["ok"] and reference["ok"],
+            "recovery_s": faulted["recovery_s"],
+            "restored_from": faulted["restored_from"],
+            "bytes_by_tier": read,
+            "durable_share": round(read.get("durable", 0) / max(1, sum(read.values())), 3),
+            "bitwise_equal_to_fault_free": faulted["digest"] == reference["digest"] != "",
+        }
     print(json.dumps(summary))
 
 
