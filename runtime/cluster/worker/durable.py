@@ -9,9 +9,7 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from runtime.cluster.protocol import (
-    Saved,
-)
+from runtime.cluster.protocol import Saved
 from runtime.core.errors import CheckpointInvalid
 from runtime.core.snapshot import HostSnapshot
 from storage.manifest import describe_leaves
