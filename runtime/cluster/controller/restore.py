@@ -10,15 +10,7 @@ from typing import TYPE_CHECKING
 
 from runtime.cluster.config import Strategy
 from runtime.cluster.controller.membership import JoinReport
-from runtime.cluster.controller.supervision import (
-    Action,
-    Phase,
-    Publish,
-    SaveFences,
-    Send,
-    TopUpSpares,
-    WarmSpares,
-)
+from runtime.cluster.controller.supervision import Action, Phase, Publish, SaveFences, Send, TopUpSpares, WarmSpares
 from runtime.cluster.protocol import Joined, Restore
 from runtime.core.errors import RecoveryError
 from runtime.core.events import GroupFormed, RunStarted, StateRestored

@@ -12,10 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.cluster.protocol import (
-    Form,
-    Joined,
-)
+from runtime.cluster.protocol import Form, Joined
 from runtime.cluster.worker.group import join_group, leave_group
 from runtime.cluster.worker.restore import best_local, local_steps
 from runtime.core.cadence import EveryN

@@ -32,16 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from runtime.cluster.protocol import (
-    Failed,
-    Form,
-    Heartbeat,
-    Hello,
-    Message,
-    Restore,
-    Stop,
-    Warm,
-)
+from runtime.cluster.protocol import Failed, Form, Heartbeat, Hello, Message, Restore, Stop, Warm
 from runtime.cluster.tiers import Tier
 from runtime.cluster.worker.durable import final_durable
 from runtime.cluster.worker.forming import form_group, warm_up

@@ -12,11 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runtime.cluster.protocol import (
-    Restore,
-    Restored,
-    Unreadable,
-)
+from runtime.cluster.protocol import Restore, Restored, Unreadable
 from runtime.cluster.tiers import Tier
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.initial import initial_program

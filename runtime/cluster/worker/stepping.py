@@ -13,10 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from runtime.cluster.protocol import (
-    Form,
-    Stop,
-)
+from runtime.cluster.protocol import Form, Stop
 from runtime.cluster.worker.link import Inbound
 from runtime.core.classify import classify
 from runtime.core.events import StepFailed

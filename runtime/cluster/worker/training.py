@@ -13,10 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.cluster.protocol import (
-    Finished,
-    Message,
-)
+from runtime.cluster.protocol import Finished, Message
 from runtime.cluster.worker.durable import save_durable
 from runtime.cluster.worker.handlers import Boundary
 from runtime.cluster.worker.link import Inbound
