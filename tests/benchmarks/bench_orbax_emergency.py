@@ -217,9 +217,10 @@ class OrbaxSaver:
 
 
 class OursSaver:
-    """What our worker's loop does per committed step (``runtime.cluster.worker.training.train``), timed: the local copy of this
-    process's boxes, the replica handed to :class:`ReplicaFiles`, and every ``EVERY`` steps the durable part
-    handed to its thread (skipped while the previous one runs, as ``runtime.cluster.worker.durable.save_durable``)."""
+    """What our worker's loop does per committed step (``runtime.cluster.worker.training.train``), timed: the
+    local copy of this process's boxes, the replica handed to :class:`ReplicaFiles`, and every ``EVERY`` steps the
+    durable part handed to its thread (skipped while the previous one runs, as
+    ``runtime.cluster.worker.durable.save_durable``)."""
 
     def __init__(self, args: argparse.Namespace, template: Any, shardings: Any, mesh: Any) -> None:
         from concurrent.futures import Future, ThreadPoolExecutor
