@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from runtime.cluster import auth, protocol
-from runtime.cluster.controller.shell import _MAX_WORKER_ID
+from runtime.cluster.controller.admission import _MAX_WORKER_ID
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "examples" / "kubernetes"

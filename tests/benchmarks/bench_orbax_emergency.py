@@ -27,7 +27,7 @@ steps, ``kill -9`` of process 2 once step 15 is done and persistent/durable step
   own harness on the same mesh and step: ``local_copy(state)`` (device to host, this process's boxes),
   ``replica(...)`` and ``ReplicaFiles.save`` (which first waits for the previous replica write), and every 5
   steps the hand-off of the durable write (``ShardedStore.write`` of this process's part) to its thread, as
-  ``Worker._train`` does. The training loop itself of ``ours`` is not instrumented.
+  ``runtime.cluster.worker.training.train`` does. The training loop itself of ``ours`` is not instrumented.
 
 Times: ``blocking_save_s`` is per step, the median over the steps of each process, then over the 4 processes;
 ``next_commit_s`` is from the kill (the controller's ``WorkerKilled``; for Orbax the line process 2 writes just
@@ -217,9 +217,10 @@ class OrbaxSaver:
 
 
 class OursSaver:
-    """What our worker's loop does per committed step (``Worker._train``), timed: the local copy of this
-    process's boxes, the replica handed to :class:`ReplicaFiles`, and every ``EVERY`` steps the durable part
-    handed to its thread (skipped while the previous one runs, as ``Worker._save_durable``)."""
+    """What our worker's loop does per committed step (``runtime.cluster.worker.training.train``), timed: the
+    local copy of this process's boxes, the replica handed to :class:`ReplicaFiles`, and every ``EVERY`` steps the
+    durable part handed to its thread (skipped while the previous one runs, as
+    ``runtime.cluster.worker.durable.save_durable``)."""
 
     def __init__(self, args: argparse.Namespace, template: Any, shardings: Any, mesh: Any) -> None:
         from concurrent.futures import Future, ThreadPoolExecutor

@@ -13,6 +13,7 @@ from notices import upcoming
 from pubsub_support import Topic
 
 from runtime.cluster.config import LaunchConfig, LaunchError
+from runtime.cluster.controller.messages import take_notice
 from runtime.cluster.protocol import Hello, Noticed
 from runtime.core.eventlog import encode_event
 from runtime.core.events import Event, MaintenanceScheduled, MalformedNotice, NoticeIgnored
@@ -84,15 +85,15 @@ def test_a_worker_forwards_notices_about_its_own_host_only(tmp_path: Path) -> No
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(controller.bus.run)
-            await controller._noticed(proc, noticed("host2"))
-            await controller._noticed(proc, noticed("host3"))  # another host's: not this worker's to say
+            await take_notice(controller, proc, noticed("host2"))
+            await take_notice(controller, proc, noticed("host3"))  # another host's: not this worker's to say
             await controller.bus.close()
 
     try:
         anyio.run(main)
     finally:  # a controller that never ran: what run_async would close
-        controller._inputs_in.close()
-        controller._inputs.close()
+        controller.inputs_in.close()
+        controller.inputs.close()
         controller.event_log.close()
     assert [(type(e).__name__, e.source) for e in seen] == [
         ("MaintenanceScheduled", "metadata@worker-0"),

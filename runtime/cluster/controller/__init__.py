@@ -1,9 +1,11 @@
 """The controller side of a multi-process run: the never-restarted process that supervises the group.
 
-``shell`` is the async shell (the ``Controller``), ``supervisor`` the synchronous decisions it carries out
-(inputs and actions in ``supervision``), ``membership`` the group, ``heartbeat`` the liveness verdicts,
-``processes`` and ``server`` the workers' processes and connections, ``durable`` the durable commits,
-``relay`` the group's events to the script's handlers, ``ray_backend`` Ray as the scheduler.
+``shell`` is the async shell (the ``Controller``; its parts ``actions``, ``messages``, ``admission``, ``commits``,
+``workers``, ``ending``), ``supervisor`` the synchronous decisions it carries out (inputs, actions and phases in
+``supervision``; forming a generation in ``forming``, its restore in ``restore``, draining and growing in
+``planned``), ``membership`` the group, ``heartbeat`` the liveness verdicts, ``processes`` and ``server`` the
+workers' processes and connections, ``durable`` the durable commits, ``relay`` the group's events to the
+script's handlers, ``ray_backend`` Ray as the scheduler.
 """
 
 from runtime.cluster.controller.shell import Controller

@@ -1,10 +1,11 @@
 """What the controller's :class:`~runtime.cluster.controller.supervisor.Supervisor` is told (inputs) and what it answers
 (actions): plain values, so that the supervisor's tests drive it without processes or sockets and the controller
-carries the actions out in the order given."""
+carries the actions out in the order given; and the phases it goes through."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from runtime.cluster.config import LaunchError, Strategy
 from runtime.cluster.protocol import Message
@@ -22,6 +23,7 @@ __all__ = [
     "MemberFinished",
     "MemberJoined",
     "MemberRestored",
+    "Phase",
     "Progress",
     "Publish",
     "Readmitted",
@@ -212,3 +214,14 @@ class Finish:
 
 
 Action = Spawn | TopUpSpares | Kill | Send | SendForm | SaveFences | WarmSpares | Publish | EndRun | Finish
+
+
+class Phase(Enum):
+    """Where the supervisor is: what it waits for."""
+
+    IDLE = "idle"  # not started, or training
+    SETTLING = "settling"  # a failure came: waiting a moment for the ones that come with it
+    BACKOFF = "backoff"  # a step failed before: waiting the retry policy's backoff
+    RECRUITING = "recruiting"  # waiting for enough spares to say hello
+    JOINING = "joining"  # Form sent: waiting for every member's Joined
+    DONE = "done"  # finished or ended

@@ -1,8 +1,10 @@
 """The worker side of a multi-process run: what each process of ``elastic-runtime launch`` runs.
 
 ``boot`` starts a worker process, ``link`` is its connection to the controller, ``group`` joins and leaves a
-generation's ``jax.distributed`` group, ``loop`` is the worker's loop (forming, restoring, stepping,
-finishing), ``handlers`` runs the script's handlers at step boundaries, ``settings`` is its environment.
+generation's ``jax.distributed`` group, ``loop`` is the worker's loop, whose parts are ``forming`` (laying a
+group out), ``restore`` (what it holds, the group's restore), ``training`` (the steps and their commit),
+``stepping`` (the step thread) and ``durable`` (its durable writes); ``handlers`` runs the script's handlers at
+step boundaries, ``settings`` is its environment.
 """
 
 from runtime.cluster.worker.boot import is_worker, run_worker

@@ -1,0 +1,152 @@
+"""The supervisor's loop in the shell: feed it its inputs one at a time, arm a timer for its deadline, and carry
+each action it answers out (start or kill processes, send messages, host a generation's coordination service and
+send its ``Form``, publish events, end the run).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+
+from runtime.cluster.config import Strategy
+from runtime.cluster.controller.coordination import host_service
+from runtime.cluster.controller.runfolder import save_fences
+from runtime.cluster.controller.supervision import (
+    Action,
+    EndRun,
+    Finish,
+    Input,
+    Kill,
+    Publish,
+    SaveFences,
+    Send,
+    SendForm,
+    Spawn,
+    Start,
+    Tick,
+    TopUpSpares,
+    WarmSpares,
+)
+from runtime.cluster.controller.workers import spawn, top_up_spares, warm_spares
+from runtime.cluster.protocol import Form
+from runtime.faults.process import worker_faults_text
+
+if TYPE_CHECKING:
+    from runtime.cluster.controller.shell import Controller
+
+__all__ = ["carry_out", "save_fences_now", "send_form", "supervise", "tick_at"]
+
+log = logging.getLogger(__name__)
+
+# Supervisor inputs taken in a row without yielding to the event loop (see ``supervise``).
+_INPUTS_IN_A_ROW = 256
+
+
+async def supervise(controller: Controller) -> None:
+    """Feed the supervisor its inputs, one at a time, and carry its actions out, until the run is over. A
+    timer hands it a ``Tick`` at its deadline (a new one replaces the old: a stale tick changes nothing)."""
+    async with anyio.create_task_group() as timers:
+        timer = anyio.CancelScope()
+        armed: float | None = None
+        event: Input = Start()
+        in_a_row = 0
+        while True:
+            await carry_out(controller, controller.supervisor.handle(event))
+            if controller.supervisor.done:
+                break
+            deadline = controller.supervisor.deadline
+            if deadline is not None and (deadline != armed or isinstance(event, Tick)):
+                timer.cancel()
+                timer = anyio.CancelScope()
+                timers.start_soon(tick_at, controller, deadline, timer)
+            armed = deadline
+            # Inputs already waiting are taken without a trip through the event loop each: one heartbeat's
+            # input is O(1), but a loop iteration per input let a large group's backlog grow without bound.
+            in_a_row = in_a_row + 1 if in_a_row < _INPUTS_IN_A_ROW else 0
+            try:
+                event = controller.inputs.receive_nowait() if in_a_row else await controller.inputs.receive()
+            except anyio.WouldBlock:
+                event = await controller.inputs.receive()
+        timers.cancel_scope.cancel()
+    # The last durable step's parts came in before the members' Finished: its commit is part of the run.
+    while controller.commits_pending:
+        controller.commits_settled = anyio.Event()
+        await controller.commits_settled.wait()
+
+
+async def tick_at(controller: Controller, deadline: float, scope: anyio.CancelScope) -> None:
+    with scope:
+        await anyio.sleep(max(0.0, deadline - time.monotonic()) + 0.001)  # a timer may fire a little early
+        controller.feed(Tick())
+
+
+async def carry_out(controller: Controller, actions: list[Action]) -> None:
+    for action in actions:
+        match action:
+            case Spawn(count=count):
+                for _ in range(count):
+                    spawn(controller)
+            case TopUpSpares():
+                top_up_spares(controller)
+            case Kill(worker=worker, reason=reason):
+                controller.kill(worker, "KILL", reason)
+            case Send(worker=worker, message=message):
+                await controller.server.send(controller.pool[worker], message)
+            case SendForm():
+                await send_form(controller, action)
+            case SaveFences():
+                save_fences_now(controller)
+            case WarmSpares():
+                await warm_spares(controller)
+            case Publish(event=event):
+                await controller.bus.publish(event)
+            case EndRun(error=error):
+                controller.end(error)
+            case Finish():
+                pass  # the supervisor is done: the loop ends
+
+
+async def send_form(controller: Controller, form: SendForm) -> None:
+    """Host the new generation's coordination service and tell every member to join it."""
+    members, generation, strategy = form.members, form.generation, form.strategy
+    if form.seats:  # spares take lost members' seats in this generation: its service is up
+        coordinator = controller.supervisor.coordinator
+    else:
+        if controller.durable is not None:
+            controller.durable.new_generation(generation)
+        # Bound where the controller's own port is (a local address, or a wildcard), and named to the workers
+        # by the address they reach it at (a Kubernetes Service's name is not an address one can bind).
+        host = controller.config.listen_host
+        port, service = host_service(host, len(members), generation, controller.config.coordinator_ports)
+        controller.services.append(service)
+        coordinator = f"{controller.config.coordinator_host or host}:{port}"
+        controller.supervisor.hosted(generation, coordinator)
+    for process_id, worker in enumerate(members):
+        if form.seats and worker not in form.seats:
+            continue
+        message = Form(
+            generation=generation,
+            coordinator=coordinator,
+            process_id=process_id,
+            num_processes=len(members),
+            # With a state sharded over a slice, a process's shards may be nowhere else: every member lists
+            # its replica files too, so the group can roll back to a step the slice holds whole.
+            read_files=strategy != Strategy.REFORM or controller.config.slice_size > 1,
+            faults=worker_faults_text(controller.config.faults, process_id) if strategy == Strategy.START else "",
+            at_step=form.at_step,
+            run_id=controller.result.run_id,
+            slice_size=controller.config.slice_size,
+            durable_dir=controller.config.durable_dir or "",
+            durable_every=controller.config.durable_every,
+            neighbour_replicas=controller.config.neighbour_replicas,
+            fences=dict(controller.group.fences),
+            programs=controller.programs,
+        )
+        await controller.server.send(controller.pool[worker], message)
+
+
+def save_fences_now(controller: Controller) -> None:
+    save_fences(controller.run_dir, controller.record.run_id, controller.group.generation, controller.group.fences)

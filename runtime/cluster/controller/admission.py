@@ -1,0 +1,77 @@
+"""Who may join the run: an authenticated connection's ``Hello`` is taken only from a worker this controller
+started (its id, not connected yet, its process), or in the service mode from a worker with an id never seen in
+this run; and only when it asks for the run's target step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from anyio.abc import SocketStream
+
+from runtime.cluster.controller.processes import WorkerProcess, descends_from
+from runtime.cluster.controller.supervision import WorkerChanged
+from runtime.cluster.controller.workers import warm_spares
+from runtime.cluster.protocol import Hello, Message, Stop
+from runtime.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from runtime.cluster.controller.shell import Controller
+
+__all__ = ["admit", "external_hello", "hello"]
+
+log = logging.getLogger(__name__)
+
+_MAX_WORKER_ID = 2**31 - 1  # ids a worker not started here may claim
+
+
+async def hello(controller: Controller, message: Message, stream: SocketStream, peer: str) -> WorkerProcess | str:
+    """The worker an authenticated connection's first message names, or why it is refused."""
+    if not isinstance(message, Hello):
+        return f"first message must be Hello, got {type(message).__name__}"
+    if not controller.config.starts_workers:
+        return await external_hello(controller, message, stream)
+    proc = controller.pool.get(message.worker)
+    if proc is None or proc.stream is not None or proc.gone:
+        return f"worker id {message.worker} was not started by this controller, is already connected, or is gone"
+    if not descends_from(message.pid, proc.pid):
+        # A cross-check, not a proof (the pid is what the peer says): the secret is the proof.
+        return f"worker {message.worker} is process {proc.pid}, not {message.pid}"
+    if controller.target_steps >= 0 and message.target_steps != controller.target_steps:
+        target = controller.target_steps
+        why = f"worker {message.worker} asks for {message.target_steps} steps; this run's target is {target}"
+        # Our own process (it proved the secret, its pid checks out): the worker command disagrees with the
+        # run, and every replacement would too. End the run rather than replace workers forever.
+        controller.end(ConfigError(f"{why}: the worker command and `launch --steps` must agree"))
+        return why
+    return await admit(controller, proc, message, stream)
+
+
+async def external_hello(controller: Controller, message: Hello, stream: SocketStream) -> WorkerProcess | str:
+    """A worker the controller did not start: any id not seen before in this run (ids are never reused, so
+    that nothing the lost worker's connection still says can be taken for its replacement's); 0..N-1 are
+    the first group's, a replacement takes a new one (see ``docs/multiprocess.md``, *Several hosts*)."""
+    if not 0 <= message.worker <= _MAX_WORKER_ID:
+        return f"worker id {message.worker} is out of range"
+    if message.worker in controller.pool.procs:
+        return f"worker id {message.worker} is already connected or was lost; a replacement takes a new id"
+    if controller.target_steps >= 0 and message.target_steps != controller.target_steps:
+        target = controller.target_steps
+        return f"worker {message.worker} asks for {message.target_steps} steps; this run's target is {target}"
+    return await admit(controller, controller.pool.admit(message.worker), message, stream)
+
+
+async def admit(controller: Controller, proc: WorkerProcess, message: Hello, stream: SocketStream) -> WorkerProcess:
+    proc.stream, proc.hello = stream, message
+    if controller.stopping:
+        await controller.server.send(proc, Stop(reason="the run is over"))
+        return proc
+    if controller.supervisor.restored:
+        await warm_spares(controller)
+    if controller.target_steps < 0:
+        controller.target_steps = message.target_steps  # the first of the controller's own workers to say hello
+    controller.monitor.register(proc.worker)
+    controller.spares_dead_before_hello = 0
+    controller.feed(WorkerChanged(proc.worker))
+    return proc

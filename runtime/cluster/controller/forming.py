@@ -1,0 +1,255 @@
+"""Forming a generation, the supervisor's longest decision: recruit spares (started if need be) around the
+survivors, seat them, send every member ``Form`` and wait for every ``Joined``; a member lost meanwhile drops out
+(the rest re-form) or has its seat taken by a spare, and a group that does not form in time restarts. Functions
+over the :class:`~runtime.cluster.controller.supervisor.Supervisor`'s state, synchronous like it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from runtime.cluster.config import LaunchError, Strategy
+from runtime.cluster.controller.processes import WorkerProcess
+from runtime.cluster.controller.restore import send_restore
+from runtime.cluster.controller.supervision import (
+    Action,
+    Input,
+    Kill,
+    MemberJoined,
+    Phase,
+    Publish,
+    SaveFences,
+    Send,
+    SendForm,
+    Spawn,
+)
+from runtime.cluster.protocol import EXIT_REPLACE, Stop
+from runtime.core.events import GroupForming
+
+if TYPE_CHECKING:
+    from runtime.cluster.controller.supervisor import Supervisor
+
+__all__ = [
+    "PLANNED_AHEAD",
+    "await_joins",
+    "cordoned",
+    "form_generation",
+    "join_timeout",
+    "recruit",
+    "seat_members",
+    "seatable",
+    "started_jax",
+    "substitute",
+]
+
+log = logging.getLogger(__name__)
+
+# A planned re-forming (growing, draining) happens this many steps after the newest step a member committed.
+PLANNED_AHEAD = 3
+
+
+def form_generation(sup: Supervisor, out: list[Action], strategy: Strategy, reason: str) -> None:
+    """Start forming a new generation: survivors stay (unless restarting), spares are recruited."""
+    sup.strategy = None
+    sup.growable = None
+    sup.unreadable = ""  # the new generation plans its own restore
+    sup.restored = False
+    sup.forming_reason = reason
+    sup.forming_started = sup.clock()
+    leaving = sup.leaving if strategy == Strategy.DRAIN else []
+    survivors = [w for w in sup.group.members if not sup.pool[w].gone and w not in sup.requests and w not in leaving]
+    sup.quiet(survivors)
+    if strategy == Strategy.RESTART:
+        for worker in survivors:
+            why = "restart strategy: every worker is replaced"
+            out.append(Kill(worker, why))
+            if sup.pool[worker].popen is None:  # not ours to kill: asked to exit, the cluster replaces it
+                out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE)))
+            sup.pool[worker].gone = True
+            sup.monitor.forget(worker)
+        sup.result.survivor_restarts += len(survivors)
+        survivors = []
+    elif strategy == Strategy.REFORM and not survivors:
+        strategy = Strategy.RESTART  # nobody left to re-form with: the state must come from the replica files
+    sup.forming, sup.survivors, sup.chosen = strategy, survivors, []
+    sup.recruit_timeout = sup.config.start_timeout_s if strategy == Strategy.START else sup.config.spawn_timeout_s
+    sup.phase, sup.deadline = Phase.RECRUITING, sup.forming_started + sup.recruit_timeout
+    recruit(sup, out, sup.forming_started, None)
+
+
+def recruit(sup: Supervisor, out: list[Action], now: float, changed: int | None) -> None:
+    """Enough spares (started now if needed) to fill the group around the survivors, once they said hello.
+    ``changed``: the one worker whose record changed (a hello, a close), if that is all that happened: only
+    it is looked at, so N workers saying hello cost O(N), not O(N**2)."""
+    survivors = [w for w in sup.survivors if not sup.pool[w].gone]
+    need = sup.config.nprocs - len(survivors)
+    chosen = dict.fromkeys(sup.chosen)
+    if changed is None:
+        chosen = {w: None for w in chosen if seatable(sup, sup.pool[w])}  # one chosen earlier may be gone since
+        ready = (p.worker for p in sup.pool if seatable(sup, p) and p.worker not in chosen)
+    else:
+        proc = sup.pool.get(changed)
+        if proc is None or not seatable(sup, proc):
+            chosen.pop(changed, None)
+        ready = (w for w in [changed] if proc is not None and seatable(sup, proc) and w not in chosen)
+    for worker in ready:
+        if len(chosen) >= need:
+            break
+        chosen[worker] = None
+    sup.chosen = list(chosen)
+    if len(chosen) >= need:
+        seat_members(sup, out, survivors, sup.chosen)
+        return
+    starting = [p for p in sup.pool if p.spare and not p.gone and p.hello is None] if sup.config.starts_workers else []
+    if sup.config.starts_workers and len(starting) + len(chosen) < need:
+        out.append(Spawn(need - len(starting) - len(chosen)))
+    # Workers the controller does not start are the orchestrator's to replace: after a loss the group goes
+    # on without them at once where min_nprocs allows, and grows back when they say hello.
+    soon = (not sup.config.starts_workers or sup.forming == Strategy.DRAIN) and bool(survivors)
+    assert sup.config.min_nprocs is not None
+    late = sup.deadline is not None and now > sup.deadline
+    enough = (soon or late) and len(sup.group.seat(survivors, sup.chosen)) >= sup.config.min_nprocs  # slices
+    if (soon or late) and enough:
+        seat_members(sup, out, survivors, sup.chosen)  # go on smaller; the next re-forming grows the group back
+    elif late:
+        count = len(survivors) + len(chosen)
+        sup.end(out, LaunchError(f"only {count} workers ready after {sup.recruit_timeout} s"))
+
+
+def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recruits: list[int]) -> None:
+    members = sup.group.seat(survivors, recruits)
+    seated = set(members)
+    for worker in set(survivors) | set(recruits):
+        if worker not in seated:  # in a slice short of a process: it waits, as a spare, for a replacement
+            sup.pool[worker].spare = True
+            sup.monitor.expect_progress(worker, False)
+    sup.requests.clear()
+    generation = sup.group.new_generation(members)
+    out.append(SaveFences())  # a resumed controller numbers its generations after this one
+    sup.restored_bytes.clear()
+    sup.coordinator = ""
+    for worker in members:
+        proc = sup.pool[worker]
+        proc.spare, proc.joined, proc.finished = False, None, None
+        sup.monitor.expect_progress(worker, False)
+    # Growing is planned: every member re-forms after committing the same step, so no collective is cut
+    # off; after a failure the group re-forms now (in-flight steps are abandoned).
+    planned = sup.forming in (Strategy.GROW, Strategy.DRAIN) and survivors
+    leaving = sup.leaving if sup.forming == Strategy.DRAIN else []
+    sup.leaving = []
+    at_step = max(sup.pool[w].step for w in [*survivors, *leaving]) + PLANNED_AHEAD if planned else -1
+    out.append(SendForm(generation, tuple(members), sup.forming, at_step))
+    for worker in leaving:
+        # It steps with the old group up to ``at_step``, then exits: a replacement may take its place once
+        # its host is back (``Readmitted``). Not watched from now: its leaving is no failure.
+        proc = sup.pool[worker]
+        proc.gone = proc.told_to_stop = True
+        sup.monitor.forget(worker)
+        why = f"drained at step {at_step}: {sup.forming_reason}"
+        out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE, at_step=at_step)))
+    out.append(
+        Publish(
+            GroupForming(
+                step=sup.group.step,
+                source="controller",
+                generation=generation,
+                members=tuple(members),
+                strategy=sup.forming,
+            )
+        )
+    )
+    sup.unjoined = set(members)
+    sup.phase, sup.deadline = Phase.JOINING, sup.clock() + join_timeout(sup)
+
+
+def join_timeout(sup: Supervisor) -> float:
+    """How long the members may take to join: the first group, its start-up (imports, the first compile);
+    a later one the configured time, or twice the slowest join seen, when a real model compiles longer."""
+    if sup.forming == Strategy.START:
+        return max(sup.config.start_timeout_s, sup.config.form_timeout_s)
+    return max(sup.config.form_timeout_s, 2 * sup.slowest_join)
+
+
+def await_joins(sup: Supervisor, out: list[Action], due: bool, event: Input) -> None:
+    if isinstance(event, MemberJoined) and not due:
+        sup.unjoined.discard(event.worker)
+        if sup.unjoined:
+            return  # O(1) a join: every member is looked at once all have joined
+    procs = [sup.pool[w] for w in sup.group.members]
+    lost = [p.worker for p in procs if p.gone]
+    if lost and not due and started_jax(sup, procs):
+        # Every member got past JAX's start (one is in the generation): nobody waits for the lost ones there.
+        # They drop out of this forming and the rest re-form now, as after any loss (counted when reported).
+        log.warning("generation %d: %s lost while forming; re-forming without", sup.group.generation, lost)
+        form_generation(sup, out, sup.config.strategy, sup.forming_reason)
+        return
+    if lost and not due:
+        substitute(sup, out, lost)  # the others wait in JAX's start for those seats: spares take them
+        return
+    if lost:
+        outcome = "member lost while forming"
+    elif all(p.joined is not None for p in procs):
+        sup.slowest_join = max(sup.slowest_join, *(p.joined.join_s for p in procs if p.joined is not None))
+        send_restore(sup, out)
+        return
+    elif due:
+        outcome = (
+            f"not joined within {join_timeout(sup):.1f} s (the slowest join so far took "
+            f"{sup.slowest_join:.1f} s; raise --form-timeout or --start-timeout if joining compiles longer)"
+        )
+    else:
+        return
+    # The group did not form in time (a member stalled, or no spare came for a lost one's seat). Members
+    # blocked in initialize() wait until JAX's initialization timeout, so they are replaced too: restart.
+    generation = sup.group.generation
+    log.warning("generation %d did not form (%s); restarting its workers", generation, outcome)
+    if not lost:  # a stall; a lost member was counted when it was reported
+        sup.count_failure(out, outcome)
+    if sup.spent(out, f"{outcome} in generation {generation}", set(lost)):  # members dying while forming, again
+        return
+    form_generation(sup, out, Strategy.RESTART, sup.forming_reason)
+
+
+def started_jax(sup: Supervisor, procs: list[WorkerProcess]) -> bool:
+    """Whether a member is in the generation being formed (joined, or named it in a heartbeat): JAX's start
+    waits for every seat, so then every member got past it."""
+    generation = sup.group.generation
+    return any(p.joined is not None or (p.generation == generation and not p.gone) for p in procs)
+
+
+def substitute(sup: Supervisor, out: list[Action], lost: list[int]) -> None:
+    """Seat a ready spare in each lost member's seat of the generation being formed (its Form names the
+    seat's process id, the same coordinator); start spares for the seats none is ready for."""
+    ready = [p.worker for p in sup.pool if seatable(sup, p)]
+    members, generation = sup.group.members, sup.group.generation
+    seated = []
+    for worker in lost:
+        if not ready:
+            break
+        spare = ready.pop(0)
+        seat = sup.group.take_seat(worker, spare)
+        sup.unjoined.discard(worker)  # the seat waits for the spare's join now
+        sup.unjoined.add(spare)
+        sup.requests.discard(worker)  # replaced in this forming: no re-forming for it after
+        proc = sup.pool[spare]
+        proc.spare, proc.joined, proc.finished = False, None, None
+        sup.monitor.expect_progress(spare, False)
+        seated.append(spare)
+        log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
+    if seated:
+        out.append(SendForm(generation, tuple(members), sup.forming, -1, seats=tuple(seated)))
+        sup.deadline = sup.clock() + sup.config.form_timeout_s  # the newcomer's time to join, from now
+    missing = len(lost) - len(seated)
+    starting = [p for p in sup.pool if p.spare and not p.gone and p.hello is None]
+    if sup.config.starts_workers and len(starting) < missing:
+        out.append(Spawn(missing - len(starting)))
+
+
+def seatable(sup: Supervisor, proc: WorkerProcess) -> bool:
+    """A spare ready to be seated, on a host that is not under maintenance."""
+    return proc.ready_spare and not cordoned(sup, proc)
+
+
+def cordoned(sup: Supervisor, proc: WorkerProcess) -> bool:
+    return proc.hello is not None and proc.hello.instance in sup.cordoned

@@ -1,0 +1,230 @@
+"""What the controller hears about its workers, in the shell: each message a worker sends (heartbeats, joins,
+restores, failures, durable parts, the script's requests and events, notices), a closed connection, the wire's
+reports of refused connections and the heartbeat monitor's verdicts; each published on the bus or handed to the
+supervisor as an input. Functions over the :class:`~runtime.cluster.controller.shell.Controller`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+
+from runtime.cluster.controller.commits import add_saved
+from runtime.cluster.controller.heartbeat import Lost, UnknownWorker, Verdict, verdict_event
+from runtime.cluster.controller.processes import WorkerProcess
+from runtime.cluster.controller.server import Report
+from runtime.cluster.controller.supervision import (
+    MemberFinished,
+    MemberJoined,
+    MemberRestored,
+    Progress,
+    RestoreFailed,
+    WorkerChanged,
+)
+from runtime.cluster.protocol import (
+    EXIT_REPLACE,
+    Failed,
+    Finished,
+    Heartbeat,
+    Joined,
+    Message,
+    Noticed,
+    Published,
+    Requested,
+    Restored,
+    Saved,
+    Stop,
+    Unreadable,
+)
+from runtime.core.errors import BusClosed, JobUnsupported, StepError
+from runtime.core.eventlog import decode_event
+from runtime.core.events import (
+    CheckpointCorrupt,
+    ConnectionRefused,
+    MalformedHeartbeat,
+    Notice,
+    NoticeIgnored,
+    ReplicaSkipped,
+    StepFailed,
+    WorkerHung,
+)
+
+if TYPE_CHECKING:
+    from runtime.cluster.controller.shell import Controller
+
+__all__ = [
+    "end_on_failure",
+    "handle_unreadable",
+    "mark_closed",
+    "on_message",
+    "publish_report",
+    "publish_skipped",
+    "publish_verdict",
+    "take_notice",
+]
+
+log = logging.getLogger(__name__)
+
+
+async def publish_report(controller: Controller, report: Report) -> None:
+    """A (rate-limited) report of refused connections or malformed lines: one warning and one event."""
+    what = "refused a connection" if report.kind == "refused" else "ignored a message"
+    more = f" ({report.count} in the last {controller.server.limiter.interval_s:.0f} s)" if report.count > 1 else ""
+    log.warning("controller: %s from %s%s: %s", what, report.peer, more, report.reason)
+    kind = ConnectionRefused if report.kind == "refused" else MalformedHeartbeat
+    event = kind(
+        step=controller.group_step,
+        source="controller",
+        peer=report.peer,
+        reason=report.reason,
+        count=report.count,
+        message=report.reason,
+    )
+    try:
+        await controller.bus.publish(event)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+        controller.event_log.append(event)  # the last summaries, when the run was cancelled from outside
+
+
+async def on_message(controller: Controller, proc: WorkerProcess, message: Message) -> None:
+    match message:
+        case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds):
+            if message.held:  # draining: the step it holds at (drain.py)
+                proc.held = step
+            if proc.gone and proc.popen is None and not proc.told_to_stop and not controller.stopping:
+                # Judged lost (a partition that healed): its place is taken; it must not wait in a group
+                # that will never call it again. (One the controller started was killed instead.)
+                proc.told_to_stop = True
+                log.warning("controller: worker %d was judged lost and is back; told to exit", worker)
+                taken = Stop(reason=f"worker {worker} was judged lost; its place is taken", exit_code=EXIT_REPLACE)
+                await controller.server.send(proc, taken)
+            proc.memory = message.memory or proc.memory
+            if proc.gone or controller.stopping:
+                return
+            try:
+                controller.monitor.observe(worker, step, seconds)
+            except UnknownWorker:
+                log.warning("controller: heartbeat from worker %d, which is not watched; ignored", worker)
+                return
+            if gen == controller.group.generation and controller.group.has(worker):
+                proc.step, proc.generation = step, gen
+                controller.feed(Progress(worker, seconds))
+        case Joined(generation=gen) if gen == controller.group.generation:
+            proc.joined = message
+            await publish_skipped(controller, proc, message.skipped)
+            controller.feed(MemberJoined(proc.worker))
+        case Saved(generation=gen) if gen == controller.group.generation and controller.durable is not None:
+            await add_saved(controller, proc, message)
+        case Unreadable(generation=gen) if gen == controller.group.generation:
+            await handle_unreadable(controller, message)
+        case Restored(generation=gen, tier=tier, nbytes=nbytes) if gen == controller.group.generation:
+            controller.feed(MemberRestored(tier, nbytes))
+        case Failed(generation=gen) if gen == controller.group.generation:
+            await end_on_failure(controller, proc, message)
+        case Requested():
+            await controller.relay.requested(message)
+        case Published():
+            await controller.relay.published(message)
+        case Noticed():
+            await take_notice(controller, proc, message)
+        case Finished(generation=gen) if gen == controller.group.generation:
+            proc.finished = message
+            controller.result.digests[proc.worker] = message.digest
+            controller.feed(MemberFinished(proc.worker))
+        case _:
+            log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
+
+
+async def take_notice(controller: Controller, proc: WorkerProcess, message: Noticed) -> None:
+    """A notice from a worker's own metadata server: taken only about the host its Hello named (a worker
+    cannot speak for another host)."""
+    where = proc.hello.instance if proc.hello is not None else ""
+    try:
+        event = decode_event(bytes(message.event))
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        log.warning("controller: unreadable notice from worker %d: %s", proc.worker, exc)
+        return
+    if not isinstance(event, Notice) or not where or event.instance != where:
+        about = getattr(event, "instance", "")
+        why = f"{type(event).__name__} about {about!r} from worker {proc.worker}, which runs on {where!r}"
+        log.warning("controller: %s; ignored", why)
+        ignored = NoticeIgnored(step=controller.group_step, source=f"worker-{proc.worker}", instance=about, reason=why)
+        await controller.bus.publish(ignored)
+        return
+    await controller.bus.publish(msgspec.structs.replace(event, source=f"metadata@worker-{proc.worker}"))
+
+
+async def handle_unreadable(controller: Controller, message: Unreadable) -> None:
+    """A member found its shards of the step being restored damaged: unless it read them from the next tier,
+    the group re-forms from the next best step. A durable step is withdrawn (its manifest set aside, its
+    files kept for a look); a replica file is never listed again by the member that found it."""
+    log.error("controller: %s step %d unreadable (%s: %s)", message.tier, message.step, message.path, message.reason)
+    await controller.bus.publish(
+        CheckpointCorrupt(
+            step=message.step,
+            source=f"worker-{message.worker}",
+            tier=message.tier,
+            path=message.path,
+            reason=message.reason,
+        )
+    )
+    if message.tier == "durable" and controller.durable is not None:
+        await anyio.to_thread.run_sync(controller.durable.withdraw, message.step)
+    why = f"{message.tier} step {message.step} unreadable: {message.reason}"
+    controller.feed(RestoreFailed(message.generation, message.step, why, message.recovered_from))
+
+
+async def publish_skipped(controller: Controller, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
+    for entry in skipped:
+        path, _, why = entry.partition(": ")
+        if path not in controller.skipped_seen:  # every worker reads the same folder: one event per path
+            controller.skipped_seen.add(path)
+            log.warning("controller: replica %s not restored: %s", path, why)
+            await controller.bus.publish(
+                ReplicaSkipped(step=controller.group_step, source=f"worker-{proc.worker}", path=path, reason=why)
+            )
+
+
+async def end_on_failure(controller: Controller, proc: WorkerProcess, failed: Failed) -> None:
+    """The user's code failed in a worker, or the job cannot run in this mode: the run ends now. Another
+    group would run the same data and program into the same error, so nothing is replaced or retried."""
+    await controller.bus.publish(
+        StepFailed(
+            step=failed.step,
+            source=f"worker-{proc.worker}",
+            error_type=failed.error_type,
+            message=failed.message,
+        )
+    )
+    where = f"worker {proc.worker} (pid {proc.pid}, log {controller.pool.logs / f'worker-{proc.worker}.log'})"
+    if failed.unsupported:
+        controller.end(JobUnsupported(f"refused before step 1 by {where}: {failed.message}"))
+        return
+    text = f"step {failed.step} failed in {where}: {failed.error_type}: {failed.message}"
+    controller.end(StepError(f"{text}\n{failed.traceback}".rstrip(), step=failed.step))
+
+
+def mark_closed(controller: Controller, proc: WorkerProcess, reason: str) -> None:
+    proc.closed = True
+    controller.monitor.mark_gone(proc.worker, reason)
+    controller.feed(WorkerChanged(proc.worker))
+
+
+async def publish_verdict(controller: Controller, verdict: Verdict) -> None:
+    proc = controller.pool.get(verdict.worker)
+    event = verdict_event(verdict, step=controller.group_step)
+    if isinstance(verdict, Lost) and proc is not None and proc.stopped():
+        event = WorkerHung(
+            step=controller.group_step,
+            source="heartbeat",
+            worker=verdict.worker,
+            stalled_s=verdict.silent_s,
+            message=f"process {proc.pid} is stopped (SIGSTOP?) and silent for {verdict.silent_s:.2f} s",
+        )
+    killed = controller.kill_times.pop(verdict.worker, None)
+    if killed is not None:
+        controller.result.detected_after_s.append(event.mono_time - killed)
+    await controller.bus.publish(event)

@@ -1,0 +1,96 @@
+"""The workers' processes, as the shell handles them: started (spares topped up and warmed up), their exits
+noticed at once by the reaper, their leases renewed in the service mode, and all of them stopped when the run ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import anyio
+
+from runtime.cluster.controller.processes import WorkerProcess
+from runtime.cluster.controller.supervision import WorkerChanged
+from runtime.cluster.protocol import Lease, Stop, Warm
+from runtime.core.events import WorkerExited, WorkerStarted
+
+if TYPE_CHECKING:
+    from runtime.cluster.controller.shell import Controller
+
+__all__ = ["reap", "renew_leases", "spawn", "stop_all", "top_up_spares", "warm_spares"]
+
+log = logging.getLogger(__name__)
+
+_SPARE_RETRIES = 3  # spares in a row replaced at once when they die before their Hello
+# A worker's lease, as a share of the heartbeat timeout: it stops stepping before the controller, having heard
+# nothing either, re-forms the group without it.
+_LEASE_SHARE = 0.75
+
+
+def spawn(controller: Controller) -> WorkerProcess:
+    proc = controller.pool.spawn()
+    controller.publish_nowait(WorkerStarted(source="controller", worker=proc.worker, pid=proc.pid, spare=True))
+    return proc
+
+
+async def reap(controller: Controller) -> None:
+    """Notice exited processes at once: a local kill -9 needs no heartbeat timeout to be seen."""
+    if not controller.config.starts_workers:
+        return  # none started here: a look at every worker 50 times a second for nothing (O(N) each)
+    while True:
+        for proc, code in controller.pool.newly_exited():
+            controller.monitor.mark_gone(proc.worker, f"process exited with {code}")
+            controller.feed(WorkerChanged(proc.worker))  # marked gone: a group forming with it forms again
+            await controller.bus.publish(
+                WorkerExited(step=controller.group_step, source="controller", worker=proc.worker, returncode=code)
+            )
+            if proc.spare and proc.hello is None and not controller.stopping:
+                # Never watched, so no verdict would replace it: start its successor now, not at the next
+                # failure (which would then wait for a cold start). Not forever, though: spares that keep
+                # dying before their Hello (a broken environment) are left to the next failure.
+                controller.spares_dead_before_hello += 1
+                if controller.spares_dead_before_hello <= _SPARE_RETRIES:
+                    top_up_spares(controller)
+                else:
+                    log.warning("%d spares in a row died before their Hello; none started now", _SPARE_RETRIES + 1)
+        await anyio.sleep(0.02)
+
+
+async def renew_leases(controller: Controller) -> None:
+    """Renew every live worker's lease each heartbeat interval (service mode: workers on other hosts, which a
+    partition can cut off while they still run; see ``Lease``)."""
+    lease = Lease(seconds=controller.config.heartbeat_timeout_s * _LEASE_SHARE)
+    while True:
+        for proc in controller.pool:
+            if proc.stream is not None and not proc.gone and not proc.closed and not controller.stopping:
+                await controller.server.send(proc, lease)
+        await anyio.sleep(controller.config.heartbeat_interval_s)
+
+
+async def stop_all(controller: Controller, reason: str, *, finished: bool = False) -> None:
+    for proc in controller.pool:
+        if not proc.running():
+            continue
+        if proc.popen is not None and (proc.stream is None or proc.stopped()):
+            # Still starting (nothing to save, no need to wait for its Hello), or stopped (SIGSTOP: it
+            # cannot read a Stop): killed, not asked.
+            proc.popen.kill()
+        else:
+            await controller.server.send(proc, Stop(reason=reason, finished=finished))
+    with anyio.move_on_after(controller.config.drain_timeout_s):
+        while controller.pool.running():
+            await anyio.sleep(0.05)
+    controller.pool.kill_all()
+
+
+def top_up_spares(controller: Controller) -> None:
+    for _ in range(controller.pool.spares_missing()):
+        spawn(controller)
+
+
+async def warm_spares(controller: Controller) -> None:
+    """Idle spares compile the step once now, rather than when they are needed."""
+    for proc in controller.pool:
+        if proc.ready_spare and not proc.warmed:
+            proc.warmed = True
+            await controller.server.send(proc, Warm(programs=controller.programs))

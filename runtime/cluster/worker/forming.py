@@ -1,0 +1,189 @@
+"""Forming a group in a worker process: leaving the old ``jax.distributed`` group, joining the new one, laying the
+job out on its mesh (seat, shardings, compiled step, snapshot and restore programs) and saying what it can restore
+(``Joined``); and warming a spare up while it waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from runtime.cluster.protocol import Form, Joined
+from runtime.cluster.worker.group import join_group, leave_group
+from runtime.cluster.worker.restore import best_local, local_steps
+from runtime.core.cadence import EveryN
+from runtime.core.errors import MeshUnavailable
+from runtime.core.initial import initial_program
+from runtime.core.process_data import local_rows
+from runtime.faults.process import attach_worker_faults
+from storage.replicas import run_identity
+from storage.sharded import ShardedStore, writes
+from storage.shards import NeighbourShift, SliceRestore, local_like, uses_axis
+
+if TYPE_CHECKING:
+    from runtime.cluster.worker.loop import Worker
+
+__all__ = ["form_group", "warm_up"]
+
+log = logging.getLogger(__name__)
+
+# How long a new group waits for an abandoned restore that may still be reading its shards.
+_RESTORE_SETTLE_S = 2.0
+
+
+def form_group(worker: Worker, form: Form) -> None:
+    import jax
+    import jax.extend.backend
+
+    from runtime.core.compiler import StepCompiler
+
+    started = time.monotonic()
+    worker.deferred = None
+    if form.run_id and not worker.identity:
+        # Started by a cluster, not by launch: the run's id comes with the first Form, before any replica
+        # is read or written, so that only this run's replicas are ever restored here too.
+        worker.identity = run_identity(form.run_id, worker.template, worker.target_steps)
+    worker.fences = dict(form.fences)
+    if form.faults:
+        attach_worker_faults(worker, form.faults)
+    if worker.abandoned_restore is not None:
+        # Reading files, it ends soon (and then stops before touching JAX); blocked in a collective, never.
+        with contextlib.suppress(Exception):
+            worker.abandoned_restore.result(timeout=_RESTORE_SETTLE_S)
+        worker.abandoned_restore = None
+    if worker.initialized:
+        leave_group()
+        jax.extend.backend.clear_backends()
+        worker.state = None  # it lived on the old backend
+    left = time.monotonic()
+    join_group(form, worker.settings)
+    if jax.process_count() != form.num_processes:
+        # Another thread asked JAX between leaving the old group and joining this one, which brought up a
+        # backend outside any group: drop it, so the next call brings up the group's.
+        log.warning("worker %d: a backend outside the group was up; cleared", worker.worker)
+        jax.extend.backend.clear_backends()
+    connected = time.monotonic()
+    worker.programs.reset(worker.replicas.directory / form.programs if form.programs else None)
+    worker.initialized = True
+    worker.generation, worker.process_id, worker.num_processes = form.generation, form.process_id, form.num_processes
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    # The replica axis spans the slices; the other axes span the devices of every process of a slice (with
+    # one process per slice, the devices of that process).
+    slices = form.num_processes // form.slice_size
+    process_mesh = worker.job.process_mesh
+    try:
+        worker.mesh = process_mesh.build(devices, slices)
+    except MeshUnavailable as exc:
+        worker.report_failure("JobUnsupported", str(exc), "", step=worker.step, unsupported=True)
+        return
+    place = (form.process_id, form.num_processes)
+    compiler = StepCompiler(worker.job, worker.template, worker.batch_like, programs=worker.programs, place=place)
+    worker.state_shardings = compiler.state_shardings(worker.mesh)
+    worker.batch_shardings = compiler.batch_shardings(worker.mesh)
+    worker.batch_rows = local_rows(worker.batch_shardings, worker.batch_like)  # this mesh's rows (process_data.py)
+    replica = process_mesh.replica_axis
+    over_replica = uses_axis(worker.state_shardings, worker.template, replica)
+    if over_replica:
+        # The replica axis shrinks when a slice is lost: a state split over it would lose shards with it.
+        names = ", ".join(over_replica[:3]) + (f" and {len(over_replica) - 3} more" if len(over_replica) > 3 else "")
+        message = (
+            f"the state is sharded across processes over the {replica!r} axis: {names}; {replica!r} is the "
+            "replica axis across slices, which shrinks when one is lost: shard the state over the axes inside "
+            f"a slice ({', '.join(map(repr, process_mesh.slice_axes))}), which span its processes (launch --slices)"
+        )
+        worker.report_failure("JobUnsupported", message, "", step=worker.step, unsupported=True)
+        return
+    position, local = form.process_id % form.slice_size, worker.settings.local_devices
+    layout = f"position {position} of {form.slice_size} x {local} devices"
+    if worker.ram is not None and worker.ram.metadata.get("layout") != layout:
+        # Seated elsewhere in a slice: the shards it holds are not the ones it needs now.
+        worker.ram = worker.neighbour = None
+    worker.layout = {"layout": layout}
+    worker.slice_size = form.slice_size
+    worker.local_like = local_like(worker.template, worker.state_shardings)
+    if form.durable_dir and (worker.durable is None or worker.durable.location != form.durable_dir.rstrip("/")):
+        worker.durable = ShardedStore(form.durable_dir)
+    worker.ledger.policies = {"durable": EveryN(form.durable_every)} if form.durable_every > 0 else {}
+    worker.owned = writes(worker.template, worker.state_shardings, form.slice_size)
+    worker.compiled = compiler.get(worker.mesh)
+    shift = form.neighbour_replicas
+    kept = worker.programs
+    worker.shift = (
+        NeighbourShift(worker.template, worker.state_shardings, replica=replica, programs=kept) if shift else None
+    )
+    worker.restorer = SliceRestore(
+        worker.template, worker.state_shardings, neighbours=shift, replica=replica, programs=kept
+    )
+    if worker.shift is None:
+        worker.neighbour = None
+    # A process that never held a step may start from the initial state: its program is compiled (or loaded)
+    # here, in the join's time, not in the restore's, which the hang monitor times.
+    fresh = worker.ram is None and worker.step == 0
+    worker.initial = (
+        initial_program(worker.job, worker.state_shardings, worker.mesh, programs=kept, place=place) if fresh else None
+    )
+    compiled = time.monotonic()
+    best, tier = best_local(worker, form.read_files)
+    kept = worker.programs
+    phases = {"leave": left - started, "connect": connected - left, **kept.seconds}
+    phases["read"] = time.monotonic() - compiled
+    log.info(
+        "joined generation %d as process %d/%d in %.3f s: %s; traced %s, loaded %s",
+        form.generation,
+        form.process_id,
+        form.num_processes,
+        time.monotonic() - started,
+        ", ".join(f"{phase} {seconds:.3f} s" for phase, seconds in phases.items()),
+        ", ".join(kept.traced) or "nothing",
+        ", ".join(kept.loaded) or "nothing",
+    )
+    worker.link.send(
+        Joined(
+            worker=worker.worker,
+            generation=worker.generation,
+            best_step=best,
+            tier=tier,
+            steps=tuple(sorted(local_steps(worker) | worker.durable_steps)),
+            durable_only=tuple(sorted(worker.durable_steps - local_steps(worker))),
+            neighbour_step=worker.neighbour.step if worker.neighbour is not None else 0,
+            join_s=time.monotonic() - started,
+            skipped=worker.skipped,
+            phases=phases,
+            traced=tuple(kept.traced),
+            mesh_shape={str(name): int(size) for name, size in worker.mesh.shape.items()},
+        )
+    )
+
+
+def warm_up(worker: Worker, programs: str) -> None:
+    """Trace and compile the step once on a local, non-distributed backend, then drop that backend.
+
+    The first compile in a process pays for loading and initializing XLA's compiler and JAX's tracing
+    machinery (seconds here); a spare that paid it while idle joins a re-forming group sooner. Where the
+    run's kept ``programs`` are on this host already, joining loads them: only the backend is brought up
+    (a fraction of a second), since a real model's warm-up compile (minutes on CPU) keeps the spare deaf
+    to the Form of a group that needs it.
+    """
+    import jax
+    import jax.extend.backend
+
+    from runtime.core.compiler import StepCompiler
+
+    started = time.monotonic()
+    kept = worker.replicas.directory / programs if programs else None
+    try:
+        if kept is not None and kept.is_dir() and any(kept.iterdir()):
+            jax.block_until_ready(jax.jit(lambda x: x + 1)(np.float32(0)))
+            log.info("the run's programs are kept on this host: only the backend warmed up")
+            return
+        mesh = worker.job.process_mesh.build(jax.local_devices(), 1)
+        StepCompiler(worker.job, worker.template, worker.batch_like).get(mesh)
+    except Exception as exc:  # only an optimization: a spare that cannot warm up joins cold
+        log.warning("warm-up failed: %s: %s", type(exc).__name__, exc)
+    finally:
+        jax.extend.backend.clear_backends()
+    log.info("warmed up in %.3f s", time.monotonic() - started)

@@ -1,0 +1,225 @@
+"""A worker's restore: what it holds (the inventory it reports in ``Joined``: RAM, its replica files, the group's
+durable checkpoints) and the group's restore of one step (the read chain over those sources, fastest first,
+each damaged one reported as ``Unreadable``; then the collective that hands every member the source slice's
+shards).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from runtime.cluster.protocol import Restore, Restored, Unreadable
+from runtime.cluster.tiers import Tier
+from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.initial import initial_program
+from runtime.core.job import PyTree
+from runtime.core.snapshot import HostSnapshot
+from storage.disk import DiskTier
+from storage.replicas import MAX_PINS, replica
+from storage.shards import local_copy
+
+if TYPE_CHECKING:
+    from runtime.cluster.worker.loop import Worker
+
+__all__ = [
+    "Restoration",
+    "adopt_restored",
+    "best_local",
+    "list_durable_steps",
+    "local_steps",
+    "read_durable",
+    "read_own",
+    "report_unreadable",
+    "restore_step",
+]
+
+log = logging.getLogger(__name__)
+
+
+def best_local(worker: Worker, read_files: bool) -> tuple[int, Tier]:
+    """The newest step this process can restore and from where. The steps its replica files hold go in
+    ``files`` (only their manifests are read here: the data of the one restored is read by ``restore_step``),
+    the group's committed durable checkpoints in ``durable_steps``."""
+    worker.files = {}
+    if read_files:  # a restarted worker, a resumed run, or a slice that may need to roll back
+        try:
+            worker.files = worker.replicas.listed(
+                worker.identity | worker.layout,
+                max_step=worker.target_steps,
+                fences=worker.fences,
+                # One process a slice: its newest is its slice's best. Else an older step may be the one
+                # the whole slice holds (a peer's newest write did not finish, or only the durable tier
+                # holds a lost process's shards): the keep=2 newest and those pinned for durable steps.
+                limit=1 if worker.slice_size == 1 else 2 + MAX_PINS,
+            )
+        finally:
+            worker.skipped = tuple(worker.replicas.skipped)
+    worker.durable_steps = list_durable_steps(worker)
+    if worker.ram is not None:
+        return worker.ram.step, Tier.RAM
+    if worker.files:
+        return max(worker.files), worker.files_tier
+    if worker.durable_steps:
+        return max(worker.durable_steps), Tier.DURABLE
+    return 0, Tier.NONE
+
+
+def local_steps(worker: Worker) -> set[int]:
+    """The steps it can restore from its own memory or replica files."""
+    return set(worker.files) | ({worker.ram.step} if worker.ram is not None else set())
+
+
+def list_durable_steps(worker: Worker) -> set[int]:
+    """This run's committed durable checkpoints (any layout: every process reads its own shards)."""
+    if worker.durable is None:
+        return set()
+    found = set()
+    try:
+        steps = worker.durable.steps()
+    except StorageError as exc:  # unreachable now: the group restores from what else it holds
+        log.warning("cannot list the durable checkpoints: %s", exc)
+        return set()
+    for step in steps:
+        try:
+            metadata = worker.durable.manifest(step).metadata
+        except (CheckpointInvalid, SnapshotUnavailable, StorageError) as exc:
+            log.warning("durable checkpoint of step %d not usable: %s", step, exc)
+            continue
+        fence = worker.fences.get(int(metadata.get("generation", "0")))
+        if fence is not None and step > fence:
+            log.warning("durable checkpoint of step %d: its generation was fenced at step %d; skipped", step, fence)
+        elif step <= worker.target_steps and all(metadata.get(k) == v for k, v in worker.identity.items()):
+            found.add(step)
+    return found
+
+
+def restore_step(
+    worker: Worker, restore: Restore, files: dict[int, list[DiskTier]], abandoned: threading.Event
+) -> tuple[Restoration, float]:
+    """Read this process's shards of ``restore.step`` (when the source slice needs them) and take part in the
+    group's restore. Runs in the step thread and changes nothing of the worker's: ``adopt_restored`` does."""
+    import jax
+
+    if restore.source < 0:
+        state = (worker.initial or initial_program(worker.job, worker.state_shardings, worker.mesh))()
+        return Restoration(state, 0, local_copy(state), Tier.NONE, 0, None), 0.0
+    # Only the source slice's shards are read: the other slices' would be thrown away. A process of it
+    # whose shards are in its neighbour's RAM takes them from there.
+    in_source = worker.process_id // worker.slice_size == restore.source
+    takes = in_source and worker.process_id % worker.slice_size in restore.from_neighbour
+    tier: Tier = Tier.NONE
+    mine = None
+    if takes:
+        tier = Tier.NEIGHBOUR
+    elif in_source:
+        tier, mine = read_own(worker, restore, files)
+    if abandoned.is_set():  # the group re-formed while this read: the backend is no longer this group's
+        raise RuntimeError(f"the restore of step {restore.step} was abandoned")
+    spare = worker.neighbour if worker.neighbour is not None and worker.neighbour.step == restore.step else None
+    assert worker.restorer is not None
+    # Every member takes its shards from the source slice, its own included: every member then holds
+    # exactly the source's values, whichever tier each one held.
+    state, position = worker.restorer(
+        mine.tree if mine is not None else None,
+        mine.data_position if mine is not None else 0,
+        source=restore.source,
+        neighbour=spare.tree if spare is not None else None,
+        neighbour_position=spare.data_position if spare is not None else -1,
+        from_neighbour=bool(restore.from_neighbour),
+    )
+    jax.block_until_ready(state)
+    if mine is not None:
+        boxes, nbytes = mine.tree, mine.nbytes
+    else:  # what came from the neighbour's copy counts as delivered by it; a non-source member's, as nothing
+        boxes = local_copy(state)
+        nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(boxes)) if takes else 0
+    return Restoration(state, position, boxes, tier, nbytes, spare), 0.0
+
+
+def adopt_restored(worker: Worker, restore: Restore, done: Restoration) -> None:
+    """The group's restore finished: the worker holds its step (and the neighbour copy of it it kept)."""
+    worker.state, worker.neighbour = done.state, done.neighbour
+    # Its StateRestored is dropped: the controller publishes the group's, timed there.
+    worker.ledger.restored(restore.step, data_position=done.position, restored_from=done.tier, seconds=0.0)
+    worker.ram = replica(
+        restore.step, done.position, done.boxes, worker.identity | worker.layout, generation=restore.generation
+    )
+    restored = Restored(
+        worker=worker.worker, generation=restore.generation, step=restore.step, tier=done.tier, nbytes=done.nbytes
+    )
+    worker.link.send(restored)
+    worker.heartbeat()
+
+
+def read_own(worker: Worker, restore: Restore, files: dict[int, list[DiskTier]]) -> tuple[Tier, HostSnapshot]:
+    """This process's shards of the step, from the fastest tier holding them that verifies: RAM, its replica
+    files, the durable tier. Each one that fails its checksums is reported (``Unreadable``); when all fail,
+    CheckpointInvalid is raised, and the controller re-forms from another step: never a partial state."""
+    step = restore.step
+    if worker.ram is not None and worker.ram.step == step:
+        return Tier.RAM, worker.ram
+    sources: list[tuple[Tier, Callable[[], HostSnapshot]]] = []
+    if step in files:
+        sources.append((worker.files_tier, lambda: worker.replicas.read(step, files[step], worker.local_like)))
+    if step in worker.durable_steps:
+        sources.append((Tier.DURABLE, lambda: read_durable(worker, step)))
+    failures: list[tuple[Tier, CheckpointInvalid]] = []
+    for tier, read in sources:
+        try:
+            snapshot = read()
+        except CheckpointInvalid as exc:
+            failures.append((tier, exc))
+            continue
+        report_unreadable(worker, restore, failures, recovered_from=tier)
+        return tier, snapshot
+    if not failures:  # the plan counted on this process, which said it holds the step
+        where = str(worker.replicas.directory)
+        failures.append((Tier.NONE, CheckpointInvalid(f"step {step} not held", path=where, reason="not held")))
+    report_unreadable(worker, restore, failures, recovered_from=None)
+    raise failures[-1][1]
+
+
+def report_unreadable(
+    worker: Worker, restore: Restore, failures: list[tuple[Tier, CheckpointInvalid]], *, recovered_from: Tier | None
+) -> None:
+    for tier, exc in failures:
+        log.error("step %d unreadable from %s: %s", restore.step, tier, exc)
+        unreadable = Unreadable(
+            worker=worker.worker,
+            generation=restore.generation,
+            step=restore.step,
+            tier=tier,
+            path=exc.path,
+            reason=exc.reason,
+            recovered_from=recovered_from,
+        )
+        worker.link.send(unreadable)
+
+
+def read_durable(worker: Worker, step: int) -> HostSnapshot:
+    """This process's shards of durable checkpoint ``step``, only the bytes they need, verified."""
+    assert worker.durable is not None
+    manifest = worker.durable.manifest(step)
+    boxes, nbytes = worker.durable.read(
+        step, manifest, worker.template, worker.state_shardings, process=worker.process_id
+    )
+    snapshot = replica(step, manifest.data_position, boxes)
+    snapshot.nbytes = nbytes
+    return snapshot
+
+
+@dataclass
+class Restoration:
+    """What a restore gives a worker: the state on its devices, its data position, this process's boxes of it,
+    and where they came from."""
+
+    state: PyTree
+    position: int
+    boxes: PyTree
+    tier: Tier
+    nbytes: int
+    neighbour: HostSnapshot | None  # the neighbour copy of the restored step it keeps, if any

@@ -1,0 +1,103 @@
+"""The step thread: a step (or restore, or gather) runs in a thread that a peer's death can leave blocked in a
+collective for ever. Awaiting it, the worker keeps reading the controller's messages: a ``Form`` abandons the
+thread, a planned one is kept for its step boundary, and with no lease the worker stops stepping until the
+controller is heard again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
+
+from runtime.cluster.protocol import Form, Stop
+from runtime.cluster.worker.link import Inbound
+from runtime.core.classify import classify
+from runtime.core.events import StepFailed
+
+if TYPE_CHECKING:
+    from runtime.cluster.worker.loop import Worker
+
+__all__ = ["await_step", "defer", "defer_head", "wait_fenced"]
+
+log = logging.getLogger(__name__)
+
+# How long a step still running when the group re-forms may take to finish before it is abandoned.
+_ABANDON_GRACE_S = 0.2
+
+
+def wait_fenced(worker: Worker) -> Inbound | None:
+    """The lease ran out: no step and no replica write until the controller is heard again. Returns its
+    next message (a Form, a Stop), or None when only the lease was renewed (a short blip)."""
+    log.warning(
+        "worker %d: no lease from the controller; stopped stepping and writing replicas at step %d",
+        worker.worker,
+        worker.step,
+    )
+    while True:
+        try:
+            message = worker.link.inbox.get(timeout=0.1)
+        except queue.Empty:
+            if worker.link.leased():
+                log.warning("worker %d: lease renewed; stepping again", worker.worker)
+                return None
+            continue
+        if not defer(worker, message):  # a planned re-forming waits for its step, as in training.train
+            return message
+
+
+def await_step(
+    worker: Worker, future: Future[tuple[Any, float]], *, users_code: bool = False, what: str = ""
+) -> tuple[Any, float] | Inbound | None:
+    """The step's result; a controller message if one came while the step hung; None if the step raised.
+    ``users_code``: the future runs the user's data and step, whose own errors end the run. ``what``: what
+    the future does, for the log (default: the next step)."""
+    what = what or f"step {worker.step + 1}"
+    lapsed = False
+    while True:
+        try:
+            return future.result(timeout=0.02)
+        except FutureTimeout:
+            if not worker.link.leased() and not lapsed:
+                lapsed = True  # a step blocked in a collective cannot be stopped; its replica is not written
+                log.warning("worker %d: no lease from the controller during step %d", worker.worker, worker.step + 1)
+            if worker.link.inbox.empty() or defer_head(worker):
+                continue
+        except Exception as exc:
+            if users_code and isinstance(classify(exc, step=worker.step + 1, in_group=True), StepFailed):
+                # The same data and program would fail again in any group: the run ends, not this worker.
+                log.exception("step %d failed in the user's code; reporting it to the controller", worker.step + 1)
+                worker.report_failure(type(exc).__name__, str(exc), traceback.format_exc(), step=worker.step + 1)
+            else:
+                log.error("%s failed: %s: %s; waiting for the group to re-form", what, type(exc), exc)
+            return None
+        try:
+            return future.result(timeout=_ABANDON_GRACE_S)
+        except FutureTimeout:
+            # Blocked in a collective with a dead peer: gloo never returns. Leave the thread behind.
+            log.warning("abandoning %s, blocked in a collective; re-forming", what)
+            worker.step_pool.shutdown(wait=False)
+            worker.step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+            return worker.link.inbox.get()
+        except Exception:
+            return worker.link.inbox.get()
+
+
+def defer(worker: Worker, message: Inbound) -> bool:
+    """Keep a planned Form (``at_step`` ahead) for its step boundary; True if ``message`` was kept."""
+    if isinstance(message, Form | Stop) and message.at_step > worker.step:
+        worker.deferred = message
+        return True
+    return False
+
+
+def defer_head(worker: Worker) -> bool:
+    """While a step runs: take a planned Form off the inbox (the step must finish); True if one was."""
+    with worker.link.inbox.mutex:
+        head = worker.link.inbox.queue[0] if worker.link.inbox.queue else None
+    if isinstance(head, Form | Stop) and head.at_step > worker.step:
+        return defer(worker, worker.link.inbox.get())
+    return False

@@ -1,0 +1,160 @@
+"""A worker's training loop: run each step in the step thread, commit it (the RAM replica, the replica file, the
+neighbour copy, the ledger, a durable write when due), apply what the script's handlers asked at each boundary,
+and at the target gather the final state's digest for ``Finished``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from runtime.cluster.protocol import Finished, Message
+from runtime.cluster.worker.durable import save_durable
+from runtime.cluster.worker.handlers import Boundary
+from runtime.cluster.worker.link import Inbound
+from runtime.cluster.worker.stepping import await_step, defer, wait_fenced
+from runtime.core.job import PyTree
+from runtime.core.process_data import place_batch
+from storage.disk import DiskTier
+from storage.replicas import replica
+from storage.shards import local_copy
+
+if TYPE_CHECKING:
+    from runtime.cluster.worker.loop import Worker
+
+__all__ = ["apply_boundary", "finish", "gather_whole", "run_step", "train"]
+
+log = logging.getLogger(__name__)
+
+
+def train(worker: Worker, target: int) -> Inbound | None:
+    """Run steps until ``target``, or until the controller sends something; returns that message."""
+    assert worker.ram is not None
+    position = worker.ledger.data_position
+    while worker.step < target:
+        if worker.deferred is not None and worker.step >= worker.deferred.at_step:
+            form, worker.deferred = worker.deferred, None
+            return form
+        if not worker.link.inbox.empty():
+            message = worker.link.inbox.get()
+            if not defer(worker, message):
+                return message
+        if not worker.link.leased():
+            heard = wait_fenced(worker)
+            if heard is not None:
+                return heard
+        if worker.script is not None:
+            handled = await_step(
+                worker, worker.step_pool.submit(worker.script.boundary, worker), what="the script's handlers"
+            )
+            if isinstance(handled, Message) or handled is None or handled[0].stop:
+                return handled if isinstance(handled, Message) else None
+            apply_boundary(worker, handled[0])
+        future = worker.step_pool.submit(run_step, worker, worker.state, position, worker.step + 1)
+        outcome = await_step(worker, future, users_code=True)
+        if isinstance(outcome, Message):
+            return outcome
+        if outcome is None:  # the step raised: not committed; wait for the controller to re-form
+            return None
+        (new_state, moved), seconds = outcome
+        worker.state, worker.step_time_s = new_state, seconds
+        step, position = worker.step + 1, position + 1
+        own = local_copy(new_state)
+        worker.ram = replica(step, position, own, worker.identity | worker.layout, generation=worker.generation)
+        if worker.shift is not None:
+            worker.neighbour = replica(step, position, worker.shift.copy(moved, own), generation=worker.generation)
+        leased = worker.link.leased()  # cut off, this worker may have been replaced: its files must not compete
+        if leased:
+            worker.replicas.save(worker.ram)  # after the previous step's file is written
+        # Committed, and so named in the heartbeats, only now: a group that counts this step committed then
+        # finds the step before it in every member's files. (Counted before the wait, a member killed there
+        # left files two steps behind its peers', which keep two: no step was whole in the slice any more.)
+        due = worker.ledger.commit(step, data_position=position).due
+        if leased and worker.durable is not None and "durable" in due:
+            worker.replicas.pin(worker.step)
+            if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
+                save_durable(worker, final=worker.step == target)
+        worker.heartbeat()
+    # The gather is a collective: a peer lost now must not leave this worker deaf to the next Form.
+    outcome = await_step(worker, worker.step_pool.submit(gather_whole, worker), what="the final gather")
+    if isinstance(outcome, Message) or outcome is None:
+        return outcome
+    finish(worker, target, outcome[0])
+    return None
+
+
+def apply_boundary(worker: Worker, done: Boundary) -> None:
+    """What the script's handlers asked at this boundary: a new state, a durable checkpoint of the step."""
+    if done.state is not None:
+        worker.state = done.state
+    if done.checkpoint and worker.durable is not None and worker.link.leased():
+        cadence = worker.ledger.policies.get("durable")
+        if worker.step in worker.durable_steps or (
+            cadence is not None and cadence.should_save(worker.step, worker.step - 1)
+        ):
+            # Written (or due) already: writing a committed step's files again could damage it.
+            log.info("checkpoint asked for at step %d: it is a durable step already", worker.step)
+            return
+        worker.ledger.taken("durable", worker.step)
+        worker.replicas.pin(worker.step)
+        if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
+            save_durable(worker, final=False)
+
+
+def run_step(worker: Worker, state: PyTree, position: int, step: int) -> tuple[PyTree, float]:
+    import jax
+
+    started = time.perf_counter()
+    batch, worker.batch_bytes = place_batch(
+        worker.job.data, position, worker.batch_shardings, worker.batch_like, worker.batch_rows
+    )
+    new_state, _metrics = worker.compiled(state, batch)
+    jax.block_until_ready(new_state)
+    for check in worker.step_checks:
+        check(step)
+    # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
+    moved = worker.shift(new_state) if worker.shift is not None else []
+    if worker.settings.step_delay_s:
+        time.sleep(worker.settings.step_delay_s)
+    return (new_state, moved), time.perf_counter() - started
+
+
+def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
+    """The final state's digest, gathered from every slice's shards (a collective: every member finishes
+    together), once this process's part of the final durable checkpoint is out (``Saved`` before
+    ``Finished``, so the controller commits it). Only the process that writes the result keeps the whole
+    state (returned with the digest); the others hash each leaf and let it go."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if worker.durable_write is not None:
+        with contextlib.suppress(Exception):  # a failure was logged by _log_failure
+            worker.durable_write.result()
+    # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local
+    # device), and hashing one joined copy two more: at a GB of state 4 workers ran the machine out of memory.
+    keep = bool(worker.settings.result) and worker.process_id == 0
+    hasher = hashlib.sha256()
+    kept: list[np.ndarray] = []
+    for leaf in jax.tree.leaves(worker.state):
+        whole = np.ascontiguousarray(multihost_utils.process_allgather(leaf, tiled=True))
+        hasher.update(whole.reshape(-1).view(np.uint8).data)
+        if keep:
+            kept.append(whole)
+        del whole
+    tree = jax.tree.unflatten(jax.tree.structure(worker.state), kept) if keep else None
+    return (hasher.hexdigest(), tree), 0.0
+
+
+def finish(worker: Worker, target: int, gathered: tuple[str, PyTree | None]) -> None:
+    assert worker.ram is not None
+    digest, whole = gathered
+    result = worker.settings.result
+    if result and whole is not None:  # in the disk tier's format: verified, and plain Orbax reads it
+        final = replica(target, worker.ram.data_position, whole, worker.identity)
+        DiskTier(result, name="result", check_space=False).save(final, timeout=600.0)
+    worker.link.send(Finished(worker=worker.worker, generation=worker.generation, step=target, digest=digest))
