@@ -202,7 +202,7 @@ class Runtime:
 
     async def _precompile(self) -> None:
         """After each mesh change, compile the step (and its snapshot copy) for the meshes a next failure would
-        lead to: as many at once as the machine has cores (XLA compiles outside the GIL), most likely first.
+        lead to: as many at once as the machine has cores but one (XLA compiles outside the GIL), most likely first.
         ``LikelyMeshesReady`` says when all are done. A failure whose mesh is not ready yet does not wait
         behind the others: the executor compiles that one itself, at once (``StepCompiler.get``).
 
@@ -219,7 +219,10 @@ class Runtime:
                 continue
             healthy = await anyio.to_thread.run_sync(self.health.healthy)
             candidates = self.policy.likely_meshes(mesh, healthy)
-            limiter = anyio.CapacityLimiter(max(1, min(os.cpu_count() or 1, len(candidates))))
+            # One core stays with the training, and with the compile of a mesh a failure needs at once: on 2
+            # cores two compiles beside the training took 4x as long each (flax example), no mesh was ready
+            # sooner, and a failure's own compile shared the cores with both (17-47 s for a 3 s compile).
+            limiter = anyio.CapacityLimiter(max(1, min((os.cpu_count() or 1) - 1, len(candidates))))
 
             async with anyio.create_task_group() as tg:
                 for candidate in candidates:  # the limiter lets them in in this order: most likely first

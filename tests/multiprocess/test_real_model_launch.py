@@ -8,6 +8,7 @@ under its own mesh.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -63,6 +64,9 @@ def test_keys_and_own_axes_under_launch_with_two_slices(tmp_path: Path) -> None:
     formed = [e for e in events if isinstance(e, GroupFormed)]
     # The controller's events name the job's own axes, as the workers laid the mesh out.
     assert {e.mesh_shape["fsdp"] for e in events if isinstance(e, StepCompleted)} == {4}
+    # The loss, from the job's nested metrics (loss_key is a path), reaches the group's events.
+    losses = [e.loss for e in events if isinstance(e, StepCompleted) and e.loss is not None]
+    assert len(losses) >= STEPS // 2 and all(math.isfinite(loss) for loss in losses), losses
     assert [f.traced for f in formed][1:] == [0], formed
     # One trace in each of the first group's 4 processes; none in the spare: its warm-up found the kept programs
     # on this host and only brought its backend up, and as the replacement it loaded them.

@@ -91,7 +91,7 @@ async def publish_report(controller: Controller, report: Report) -> None:
 
 async def on_message(controller: Controller, proc: WorkerProcess, message: Message) -> None:
     match message:
-        case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds):
+        case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds, loss=loss):
             if message.held:  # draining: the step it holds at (drain.py)
                 proc.held = step
             if proc.gone and proc.popen is None and not proc.told_to_stop and not controller.stopping:
@@ -111,7 +111,7 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
                 return
             if gen == controller.group.generation and controller.group.has(worker):
                 proc.step, proc.generation = step, gen
-                controller.feed(Progress(worker, seconds))
+                controller.feed(Progress(worker, seconds, loss))
         case Joined(generation=gen) if gen == controller.group.generation:
             proc.joined = message
             await publish_skipped(controller, proc, message.skipped)

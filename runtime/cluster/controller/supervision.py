@@ -88,6 +88,7 @@ class Progress:
 
     worker: int
     step_time_s: float | None = None
+    loss: float | None = None  # of its committed step
 
 
 @dataclass(frozen=True)

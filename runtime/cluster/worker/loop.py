@@ -100,6 +100,7 @@ class Worker:
         # tier is due. Failures and the budget are the controller's: it counts them for the whole group.
         self.ledger = StepLedger("worker")
         self.step_time_s: float | None = None
+        self.loss: float | None = None  # of the newest committed step
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
         # With neighbour replicas: the previous process's shards of the same step, and the permute that moves them.
         self.neighbour: HostSnapshot | None = None
@@ -210,6 +211,7 @@ class Worker:
                 generation=self.generation,
                 step=self.step,
                 step_time_s=self.step_time_s,
+                loss=self.loss,
                 sent_at=time.time(),
                 held=self.held,
                 memory=self._memory(),

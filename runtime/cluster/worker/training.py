@@ -9,7 +9,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -61,7 +61,7 @@ def train(worker: Worker, target: int) -> Inbound | None:
             return outcome
         if outcome is None:  # the step raised: not committed; wait for the controller to re-form
             return None
-        (new_state, moved), seconds = outcome
+        (new_state, moved, worker.loss), seconds = outcome
         worker.state, worker.step_time_s = new_state, seconds
         step, position = worker.step + 1, position + 1
         own = local_copy(new_state)
@@ -106,22 +106,33 @@ def apply_boundary(worker: Worker, done: Boundary) -> None:
             save_durable(worker, final=False)
 
 
-def run_step(worker: Worker, state: PyTree, position: int, step: int) -> tuple[PyTree, float]:
+def run_step(worker: Worker, state: PyTree, position: int, step: int) -> tuple[tuple[PyTree, Any, float | None], float]:
+    """The step, its neighbour shift, and its loss as a number (the loss is replicated: every process has it)."""
     import jax
 
     started = time.perf_counter()
     batch, worker.batch_bytes = place_batch(
         worker.job.data, position, worker.batch_shardings, worker.batch_like, worker.batch_rows
     )
-    new_state, _metrics = worker.compiled(state, batch)
+    new_state, metrics = worker.compiled(state, batch)
     jax.block_until_ready(new_state)
+    loss = worker.job.loss(metrics)
     for check in worker.step_checks:
         check(step)
     # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
     moved = worker.shift(new_state) if worker.shift is not None else []
     if worker.settings.step_delay_s:
         time.sleep(worker.settings.step_delay_s)
-    return (new_state, moved), time.perf_counter() - started
+    return (new_state, moved, number(loss)), time.perf_counter() - started
+
+
+def number(loss: Any) -> float | None:
+    """``loss`` as a float, when it is one number. A replicated array spans every process's devices, so it is
+    read from this process's own copy (a global read would fail: other processes' devices are not addressable)."""
+    if loss is None:
+        return None
+    value = np.asarray(loss.addressable_data(0) if hasattr(loss, "addressable_data") else loss)
+    return float(value) if value.size == 1 else None
 
 
 def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
