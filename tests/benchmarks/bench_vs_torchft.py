@@ -211,6 +211,7 @@ def torchft_worker(args: argparse.Namespace) -> None:
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
 
+    note(e="imported")
     # 3 workers on 2 cores: more threads a worker would only contend (our workers are 2 XLA devices each).
     torch.set_num_threads(1)
     params = {name: torch.tensor(value, requires_grad=True) for name, value in initial_params().items()}
@@ -366,15 +367,19 @@ def torchft_measures(run_dir: Path, kill_time: float | None, returncodes: list[i
         "full_size_s": full[0]["t"] - kill_time if full else None,
         "lost_steps": max(0, last_before - (after[0]["step"] - 1)) if after else None,
         "degraded_steps": len({r["step"] for r in after if r["n"] < NPROCS}),
-        "replacement_ready_s": next(
-            (r["t"] - kill_time for r in records[VICTIM] if r.get("e") == "ready" and r["t"] > kill_time), None
-        ),
+        # The cold replacement: torch and torchft imported, then its Manager up (and heartbeating).
+        "replacement_imported_s": replacement_time(records[VICTIM], "imported", kill_time),
+        "replacement_ready_s": replacement_time(records[VICTIM], "ready", kill_time),
     }
     # The three final states must agree with each other before one is compared with the fault-free run.
     if final_step is not None:
         states = [np.load(run_dir / f"params-{i}-{final_step}.npz") for i in range(NPROCS)]
         run["replicas_agree"] = all(np.array_equal(states[0][k], s[k]) for s in states[1:] for k in ("w1", "b1", "w2"))
     return run
+
+
+def replacement_time(records: list[dict[str, Any]], event: str, kill_time: float) -> float | None:
+    return next((r["t"] - kill_time for r in records if r.get("e") == event and r["t"] > kill_time), None)
 
 
 def torchft_difference(run_dir: Path, reference_dir: Path, step: int) -> float:
