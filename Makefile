@@ -11,8 +11,12 @@ LATEST_STAMP := $(LATEST)/.installed
 # `make maxtext`: examples/maxtext_lm.py (MaxText's own model and train_step) in its own Python 3.13 environment.
 MAXTEXT := .venv-maxtext
 MAXTEXT_STAMP := $(MAXTEXT)/.installed
+# `make bench-torchft`: tests/benchmarks/bench_vs_torchft.py, TorchFT's side in its own environment (torch, torchft).
+TORCHFT := .venv-torchft
+TORCHFT_STAMP := $(TORCHFT)/.installed
+TORCHFT_PIP_ARGS ?=
 
-.PHONY: demo test test-latest test-slurm maxtext lint slurm bench clean chaos chaos-ray docs docs-serve
+.PHONY: demo test test-latest test-slurm maxtext lint slurm bench bench-torchft clean chaos chaos-ray docs docs-serve
 
 $(STAMP): pyproject.toml constraints/default.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +40,13 @@ $(MAXTEXT_STAMP): pyproject.toml constraints/maxtext.txt
 	$(MAXTEXT)/bin/python -m pip install --quiet --upgrade pip
 	$(MAXTEXT)/bin/python -m pip install --quiet -r constraints/maxtext.txt -e '.[flax]'
 	touch $(MAXTEXT_STAMP)
+
+# Only the benchmark's TorchFT workers run here: torch (CPU), torchft and numpy, not this project.
+$(TORCHFT_STAMP): constraints/torchft.txt
+	test -x $(TORCHFT)/bin/python || $(PYTHON) -m venv $(TORCHFT)
+	$(TORCHFT)/bin/python -m pip install --quiet --upgrade pip
+	$(TORCHFT)/bin/python -m pip install --quiet $(TORCHFT_PIP_ARGS) -r constraints/torchft.txt
+	touch $(TORCHFT_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/elastic-runtime demo
@@ -80,6 +91,11 @@ maxtext: $(MAXTEXT_STAMP)
 bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/run_all.py
 
+# Against TorchFT (docs/benchmarks.md): the demo MLP, 3 workers, kill -9 of one at step 20, in both systems,
+# REPEATS interleaved runs of each (minutes). Not part of `make bench` or `make test`.
+bench-torchft: $(STAMP) $(TORCHFT_STAMP)
+	$(BIN)/python tests/benchmarks/bench_vs_torchft.py --torchft-python $(TORCHFT)/bin/python --repeats $(or $(REPEATS),5)
+
 # Multi-process chaos loop: random kill -9 / SIGSTOP of real worker processes, checked bitwise.
 chaos: $(STAMP)
 	$(BIN)/python tests/multiprocess/chaos.py --rounds $(or $(ROUNDS),10)
@@ -97,4 +113,4 @@ docs-serve: $(STAMP)
 	PYTHONPATH=$(CURDIR) NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict --dev-addr 127.0.0.1:8000
 
 clean:
-	rm -rf $(VENV) $(LATEST) $(MAXTEXT) site runs .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+	rm -rf $(VENV) $(LATEST) $(MAXTEXT) $(TORCHFT) site runs .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
