@@ -66,6 +66,7 @@ def one(
         replica_dir=str(run_dir / "replicas"),
         extra_env=env,
         start_timeout_s=600.0,
+        spawn_timeout_s=600.0,  # MaxText's imports alone took over 60 s at load 20
         form_timeout_s=300.0,
         hang_timeout_s=hang_timeout_s,
         **layout,

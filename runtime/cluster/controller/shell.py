@@ -301,7 +301,7 @@ class Controller:
                         raise self._error
                     if self.signalled:
                         reason = f"stopped by {self.signalled} at step {self.group_step}; the run can be resumed"
-                    elif 0 <= self.target_steps and self.group_step < self.target_steps:
+                    elif self.target_steps >= 0 and self.group_step < self.target_steps:
                         # Every member said it finished, yet the group's committed step is short of the target:
                         # never a success (a member that finished early would make one).
                         reason = f"the workers finished at step {self.group_step} of {self.target_steps}"
