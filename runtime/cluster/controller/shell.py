@@ -39,11 +39,11 @@ from typing import Any
 
 import anyio
 import msgspec
-from anyio.abc import SocketStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
+from runtime.cluster.controller.connection import Connection
 from runtime.cluster.controller.context import ControllerContext
 from runtime.cluster.controller.coordination import host_service
 from runtime.cluster.controller.drain import final_checkpoint
@@ -341,8 +341,8 @@ class Controller:
         resumed). Raises LaunchError, RecoveryError, StepError or JobUnsupported when it cannot go on."""
         self._supervision = anyio.CancelScope()
         host = self.config.listen_host
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=self.config.listen_port)
-        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        listener = await self.server.listen(host, self.config.listen_port)
+        self.port = listener.port
         self.pool.controller_address = f"{host}:{self.port}"
         reason = ""
         keep_replicas = False
@@ -363,7 +363,7 @@ class Controller:
                     try:
                         with helpers:
                             async with anyio.create_task_group() as inner:
-                                inner.start_soon(listener.serve, self.server.serve)
+                                inner.start_soon(self.server.serve)
                                 inner.start_soon(watch, self.monitor, self._on_verdict)
                                 inner.start_soon(self._reap)
                                 inner.start_soon(self.server.report_due)
@@ -696,7 +696,7 @@ class Controller:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
             self.event_log.append(event)  # the last summaries, when the run was cancelled from outside
 
-    async def _hello(self, message: Message, stream: SocketStream, peer: str) -> WorkerProcess | str:
+    async def _hello(self, message: Message, stream: Connection, peer: str) -> WorkerProcess | str:
         """The worker an authenticated connection's first message names, or why it is refused."""
         if not isinstance(message, Hello):
             return f"first message must be Hello, got {type(message).__name__}"
@@ -717,7 +717,7 @@ class Controller:
             return why
         return await self._admit(proc, message, stream)
 
-    async def _external_hello(self, message: Hello, stream: SocketStream) -> WorkerProcess | str:
+    async def _external_hello(self, message: Hello, stream: Connection) -> WorkerProcess | str:
         """A worker the controller did not start: any id not seen before in this run (ids are never reused, so
         that nothing the lost worker's connection still says can be taken for its replacement's); 0..N-1 are
         the first group's, a replacement takes a new one (see ``docs/multiprocess.md``, *Several hosts*)."""
@@ -730,7 +730,7 @@ class Controller:
             return f"worker {message.worker} asks for {message.target_steps} steps; this run's target is {target}"
         return await self._admit(self.pool.admit(message.worker), message, stream)
 
-    async def _admit(self, proc: WorkerProcess, message: Hello, stream: SocketStream) -> WorkerProcess:
+    async def _admit(self, proc: WorkerProcess, message: Hello, stream: Connection) -> WorkerProcess:
         proc.stream, proc.hello = stream, message
         if self.stopping:
             await self.server.send(proc, Stop(reason="the run is over"))
