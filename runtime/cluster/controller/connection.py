@@ -62,7 +62,7 @@ class Connection(asyncio.Protocol):
         self.host = "unknown"
         self.proc: WorkerProcess | None = None  # set by the server once its Hello is taken
         self.is_proved = False
-        self.closed_here = False  # closed from our side: nothing it sent after that is handed on
+        self.turned_away = False  # its Hello was refused: nothing it sent after that is handed on
         self.ended = False  # closed by either side
         self.lost_noted = False  # the server told its worker's handlers that it closed
         self._transport: asyncio.Transport | None = None
@@ -132,7 +132,7 @@ class Connection(asyncio.Protocol):
         """Close from our side; with a ``kind``, note ``reason`` as one refusal (or malformed line)."""
         if self.ended:
             return
-        self.ended = self.closed_here = True
+        self.ended = True
         if self._deadline is not None:
             self._deadline.cancel()
         if kind is not None:

@@ -184,10 +184,10 @@ class WorkerServer:
         self._wake_up()
 
     def lost(self, conn: Connection) -> None:
-        """``conn`` closed; its worker's handlers hear of it after its last message."""
+        """``conn`` closed; its worker's handlers hear of it after its last message (which may be its Hello)."""
         self._open.discard(conn)
         self._pending.pop(conn, None)
-        if conn.proc is not None:
+        if conn.is_proved:
             self._queue.append((conn, None))
             self._wake_up()
 
@@ -233,12 +233,13 @@ class WorkerServer:
         if message is None:
             self._closed(conn, "connection closed")
             return
-        if conn.closed_here:
-            return  # refused, or closed for what it sent: nothing after that is read
+        if conn.turned_away:
+            return  # what it sent after the Hello that was refused
         proc = conn.proc
         if proc is None:
             outcome = await self.on_hello(message, conn, conn.host)
             if isinstance(outcome, str):
+                conn.turned_away = True
                 conn.close("refused", outcome)
             else:
                 conn.proc = outcome
