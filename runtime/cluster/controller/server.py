@@ -33,6 +33,11 @@ from runtime.cluster.protocol import Message, encode
 
 __all__ = ["MAX_MALFORMED", "Report", "ReportLimiter", "WorkerServer"]
 
+# A connection is closed to make room for a newer one only once it has had this long to prove the secret: the
+# event loop accepts a burst of connections in one go, and a worker among the first of a burst has not yet had
+# a turn to answer when the rest arrive (its proof takes milliseconds once it has).
+_ROOM_GRACE_S = 0.2
+
 # Messages waiting for the handlers beyond which the connections that send more stop being read until the
 # handlers caught up (some 16 heartbeat intervals of 1,024 workers; never reached at a steady state).
 _QUEUE_HIGH = 16_384
@@ -135,7 +140,7 @@ class WorkerServer:
         self.port = 0
         self._listener: asyncio.Server | None = None
         self._open: set[Connection] = set()
-        self._pending: dict[Connection, None] = {}  # handshakes in progress, oldest first
+        self._pending: dict[Connection, float] = {}  # handshakes in progress, oldest first -> when they began
         # What the handlers have still to see, in the order it came: a message, or None for a connection's end.
         self._queue: deque[tuple[Connection, Message | None]] = deque()
         self._reports: deque[Report] = deque()
@@ -165,11 +170,15 @@ class WorkerServer:
         if self._over:
             self._end_handshake(conn, "the run ended before it proved the secret")
             return
-        if len(self._pending) >= self.max_pending:
+        now = time.monotonic()
+        while len(self._pending) >= self.max_pending:
             # Close the oldest waiting connection, not this one: a worker's proof takes milliseconds, so only
             # idle connections are ever the oldest, and they cannot keep a real worker out.
-            self._end_handshake(next(iter(self._pending)), f"over {self.max_pending} connections waiting")
-        self._pending[conn] = None
+            oldest, since = next(iter(self._pending.items()))
+            if now - since < _ROOM_GRACE_S:
+                break  # a burst: the oldest may be a worker about to answer; the deadline bounds the rest
+            self._end_handshake(oldest, f"over {self.max_pending} connections waiting")
+        self._pending[conn] = now
 
     def proved(self, conn: Connection) -> None:
         """``conn`` proved the secret."""
