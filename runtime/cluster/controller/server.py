@@ -33,10 +33,10 @@ from runtime.cluster.protocol import Message, encode
 
 __all__ = ["MAX_MALFORMED", "Report", "ReportLimiter", "WorkerServer"]
 
-# A connection is closed to make room for a newer one only once it has had this long to prove the secret: the
-# event loop accepts a burst of connections in one go, and a worker among the first of a burst has not yet had
-# a turn to answer when the rest arrive (its proof takes milliseconds once it has).
-_ROOM_GRACE_S = 0.2
+# Over ``max_pending`` waiting, the oldest are closed this much later: the event loop accepts a burst of
+# connections in one go, and a worker among the first of a burst has not had its turn to answer yet when the
+# rest arrive (its proof takes milliseconds once it has).
+_ROOM_AFTER_S = 0.2
 
 # Messages waiting for the handlers beyond which the connections that send more stop being read until the
 # handlers caught up (some 16 heartbeat intervals of 1,024 workers; never reached at a steady state).
@@ -140,7 +140,8 @@ class WorkerServer:
         self.port = 0
         self._listener: asyncio.Server | None = None
         self._open: set[Connection] = set()
-        self._pending: dict[Connection, float] = {}  # handshakes in progress, oldest first -> when they began
+        self._pending: dict[Connection, None] = {}  # handshakes in progress, oldest first
+        self._room: asyncio.TimerHandle | None = None  # closes the oldest of them, when there are too many
         # What the handlers have still to see, in the order it came: a message, or None for a connection's end.
         self._queue: deque[tuple[Connection, Message | None]] = deque()
         self._reports: deque[Report] = deque()
@@ -170,15 +171,9 @@ class WorkerServer:
         if self._over:
             self._end_handshake(conn, "the run ended before it proved the secret")
             return
-        now = time.monotonic()
-        while len(self._pending) >= self.max_pending:
-            # Close the oldest waiting connection, not this one: a worker's proof takes milliseconds, so only
-            # idle connections are ever the oldest, and they cannot keep a real worker out.
-            oldest, since = next(iter(self._pending.items()))
-            if now - since < _ROOM_GRACE_S:
-                break  # a burst: the oldest may be a worker about to answer; the deadline bounds the rest
-            self._end_handshake(oldest, f"over {self.max_pending} connections waiting")
-        self._pending[conn] = now
+        self._pending[conn] = None
+        if len(self._pending) > self.max_pending and self._room is None:
+            self._room = asyncio.get_running_loop().call_later(_ROOM_AFTER_S, self._make_room)
 
     def proved(self, conn: Connection) -> None:
         """``conn`` proved the secret."""
@@ -230,6 +225,8 @@ class WorkerServer:
         finally:
             self._over = True
             self._wake = None
+            if self._room is not None:
+                self._room.cancel()
             await self.aclose()
             for conn in list(self._open):
                 if conn.is_proved:
@@ -261,6 +258,13 @@ class WorkerServer:
     def _wake_up(self) -> None:
         if self._wake is not None:
             self._wake.set()
+
+    def _make_room(self) -> None:
+        """Close the oldest waiting connections, not the newest: a worker's proof takes milliseconds, so only
+        idle connections are ever the oldest, and they cannot keep a real worker out."""
+        self._room = None
+        while len(self._pending) > self.max_pending:
+            self._end_handshake(next(iter(self._pending)), f"over {self.max_pending} connections waiting")
 
     def _end_handshake(self, conn: Connection, reason: str) -> None:
         self._pending.pop(conn, None)
