@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 
 from runtime.cluster.controller.connection import MAX_MALFORMED, Connection, Kind
 from runtime.cluster.controller.processes import WorkerProcess
@@ -37,6 +38,10 @@ __all__ = ["MAX_MALFORMED", "Report", "ReportLimiter", "WorkerServer"]
 # connections in one go, and a worker among the first of a burst has not had its turn to answer yet when the
 # rest arrive (its proof takes milliseconds once it has).
 _ROOM_AFTER_S = 0.2
+
+# Sends between two turns of the event loop: a send never waits, so a Form or a lease for each of thousands of
+# workers would otherwise hold the loop (and the reading of every heartbeat) for the whole round.
+_SENDS_A_TURN = 256
 
 # Messages waiting for the handlers beyond which the connections that send more stop being read until the
 # handlers caught up (some 16 heartbeat intervals of 1,024 workers; never reached at a steady state).
@@ -148,6 +153,7 @@ class WorkerServer:
         self._paused: list[Connection] = []
         self._wake: anyio.Event | None = None  # set when the queue gets something; None while serve() is busy
         self._over = False  # serve() ended: the run is over
+        self._sends = 0
 
     async def listen(self, host: str, port: int) -> WorkerServer:
         """Accept connections on ``host:port`` (port 0: any free one, then in ``port``); returns itself, the
@@ -294,8 +300,8 @@ class WorkerServer:
             await self.on_report(report)
 
     async def send(self, proc: WorkerProcess, message: Message) -> None:
-        """Send ``message`` to ``proc``; a failed send counts as the connection closing. Never waits: what the
-        peer has not read yet waits in its connection, up to a bound."""
+        """Send ``message`` to ``proc``; a failed send counts as the connection closing. Never waits for the
+        peer: what it has not read yet waits in its connection, up to a bound."""
         conn = proc.stream
         if conn is None:
             return
@@ -303,3 +309,6 @@ class WorkerServer:
             conn.send(encode(message))
         except ConnectionError as exc:
             self._closed(conn, f"send failed: {exc}")
+        self._sends += 1
+        if self._sends % _SENDS_A_TURN == 0:
+            await anyio.lowlevel.checkpoint()
