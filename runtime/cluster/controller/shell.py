@@ -625,9 +625,12 @@ class Controller:
             for proc, code in self.pool.newly_exited():
                 self.monitor.mark_gone(proc.worker, f"process exited with {code}")
                 self._feed(WorkerChanged(proc.worker))  # marked gone: a group forming with it forms again
-                await self.bus.publish(
-                    WorkerExited(step=self.group_step, source="controller", worker=proc.worker, returncode=code)
-                )
+                try:
+                    await self.bus.publish(
+                        WorkerExited(step=self.group_step, source="controller", worker=proc.worker, returncode=code)
+                    )
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+                    return  # the run was cancelled from outside and its bus is gone
                 if proc.spare and proc.hello is None and not self.stopping:
                     # Never watched, so no verdict would replace it: start its successor now, not at the next
                     # failure (which would then wait for a cold start). Not forever, though: spares that keep
@@ -923,7 +926,10 @@ class Controller:
         killed = self._kill_times.pop(verdict.worker, None)
         if killed is not None:
             self.result.detected_after_s.append(event.mono_time - killed)
-        await self.bus.publish(event)
+        try:
+            await self.bus.publish(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+            self.event_log.append(event)  # the run was cancelled from outside and its bus is gone
 
     def request_drain(self, instance: str, reason: str) -> None:
         """Take ``instance``'s workers out of the group at a planned step; seat none of it until readmitted."""
