@@ -8,8 +8,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from anyio.abc import SocketStream
-
+from runtime.cluster.controller.connection import Connection
 from runtime.cluster.controller.processes import WorkerProcess, descends_from
 from runtime.cluster.controller.supervision import WorkerChanged
 from runtime.cluster.controller.workers import warm_spares
@@ -26,7 +25,7 @@ log = logging.getLogger(__name__)
 _MAX_WORKER_ID = 2**31 - 1  # ids a worker not started here may claim
 
 
-async def hello(controller: Controller, message: Message, stream: SocketStream, peer: str) -> WorkerProcess | str:
+async def hello(controller: Controller, message: Message, stream: Connection, peer: str) -> WorkerProcess | str:
     """The worker an authenticated connection's first message names, or why it is refused."""
     if not isinstance(message, Hello):
         return f"first message must be Hello, got {type(message).__name__}"
@@ -48,7 +47,7 @@ async def hello(controller: Controller, message: Message, stream: SocketStream, 
     return await admit(controller, proc, message, stream)
 
 
-async def external_hello(controller: Controller, message: Hello, stream: SocketStream) -> WorkerProcess | str:
+async def external_hello(controller: Controller, message: Hello, stream: Connection) -> WorkerProcess | str:
     """A worker the controller did not start: any id not seen before in this run (ids are never reused, so
     that nothing the lost worker's connection still says can be taken for its replacement's); 0..N-1 are
     the first group's, a replacement takes a new one (see ``docs/multiprocess.md``, *Several hosts*)."""
@@ -62,7 +61,7 @@ async def external_hello(controller: Controller, message: Hello, stream: SocketS
     return await admit(controller, controller.pool.admit(message.worker), message, stream)
 
 
-async def admit(controller: Controller, proc: WorkerProcess, message: Hello, stream: SocketStream) -> WorkerProcess:
+async def admit(controller: Controller, proc: WorkerProcess, message: Hello, stream: Connection) -> WorkerProcess:
     proc.stream, proc.hello = stream, message
     if controller.stopping:
         await controller.server.send(proc, Stop(reason="the run is over"))

@@ -227,4 +227,7 @@ async def publish_verdict(controller: Controller, verdict: Verdict) -> None:
     killed = controller.kill_times.pop(verdict.worker, None)
     if killed is not None:
         controller.result.detected_after_s.append(event.mono_time - killed)
-    await controller.bus.publish(event)
+    try:
+        await controller.bus.publish(event)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+        controller.event_log.append(event)  # the run was cancelled from outside and its bus is gone

@@ -11,11 +11,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from anyio.abc import SocketStream
-
 from runtime.cluster import leftovers
 from runtime.cluster.auth import ENV_TOKEN
 from runtime.cluster.config import LaunchConfig
+from runtime.cluster.controller.connection import Connection
 from runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
     ENV_CONTROLLER,
@@ -44,7 +43,7 @@ class WorkerProcess:
     worker: int
     popen: subprocess.Popen[bytes] | None
     spare: bool = True
-    stream: SocketStream | None = None
+    stream: Connection | None = None  # its connection, once its Hello was taken
     hello: Hello | None = None
     joined: Joined | None = None
     finished: Finished | None = None

@@ -6,6 +6,12 @@ at once: a new one beyond that closes the oldest waiting one, so idle connection
 (whose proof takes milliseconds) out. An authenticated connection's first message must be the ``Hello`` of
 a worker the controller started; every later one is checked against that worker's id.
 
+The connections are asyncio protocols (:mod:`runtime.cluster.controller.connection`): the event loop hands
+them what arrived, and they decode it where it lands. Their messages wait in one queue, in the order they
+came, for the one task that runs the handlers (:meth:`WorkerServer.serve`): a heartbeat costs no task of its
+own, no wake-up and no pause or resume of its connection's reading. The handlers therefore must not wait
+long (a durable commit runs apart, see the shell): while one waits, every worker's messages wait.
+
 Refused connections and malformed lines are reported through :class:`ReportLimiter`: per host, the first
 at once and then one summary per interval, so no peer can grow the event log faster than that. Nothing a
 peer sends can raise out of here.
@@ -13,26 +19,33 @@ peer sends can raise out of here.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import anyio
-from anyio.abc import SocketStream
-from anyio.streams.buffered import BufferedByteReceiveStream
+import anyio.lowlevel
 
-from runtime.cluster import auth
+from runtime.cluster.controller.connection import MAX_MALFORMED, Connection, Kind
 from runtime.cluster.controller.processes import WorkerProcess
-from runtime.cluster.protocol import MAX_LINE, MalformedMessage, Message, decode_from_worker, encode
-from runtime.core.errors import AuthenticationFailed
+from runtime.cluster.protocol import Message, encode
 
 __all__ = ["MAX_MALFORMED", "Report", "ReportLimiter", "WorkerServer"]
 
-MAX_MALFORMED = 100  # malformed lines one connection may send before it is closed
+# Over ``max_pending`` waiting, the oldest are closed this much later: the event loop accepts a burst of
+# connections in one go, and a worker among the first of a burst has not had its turn to answer yet when the
+# rest arrive (its proof takes milliseconds once it has).
+_ROOM_AFTER_S = 0.2
 
-Kind = Literal["refused", "malformed"]
+# Sends between two turns of the event loop: a send never waits, so a Form or a lease for each of thousands of
+# workers would otherwise hold the loop (and the reading of every heartbeat) for the whole round.
+_SENDS_A_TURN = 256
+
+# Messages waiting for the handlers beyond which the connections that send more stop being read until the
+# handlers caught up (some 16 heartbeat intervals of 1,024 workers; never reached at a steady state).
+_QUEUE_HIGH = 16_384
 
 
 @dataclass(frozen=True)
@@ -113,7 +126,7 @@ class WorkerServer:
         self,
         *,
         secret: str,
-        on_hello: Callable[[Message, SocketStream, str], Awaitable[WorkerProcess | str]],
+        on_hello: Callable[[Message, Connection, str], Awaitable[WorkerProcess | str]],
         on_message: Callable[[WorkerProcess, Message], Awaitable[None]],
         on_report: Callable[[Report], Awaitable[None]],
         on_closed: Callable[[WorkerProcess, str], None],
@@ -129,17 +142,145 @@ class WorkerServer:
         self.max_pending = max_pending
         self.limiter = ReportLimiter()
         self.refused = 0  # connections refused, all told
-        self._pending: dict[anyio.CancelScope, str] = {}  # handshakes in progress, oldest first -> peer
-        # One send at a time on each connection: the lease renewal and the group forming both send, and an
-        # anyio stream refuses a second send while one waits for room (BusyResourceError).
-        self._send_locks: dict[int, anyio.Lock] = {}
+        self.port = 0
+        self._listener: asyncio.Server | None = None
+        self._open: set[Connection] = set()
+        self._pending: dict[Connection, None] = {}  # handshakes in progress, oldest first
+        self._room: asyncio.TimerHandle | None = None  # closes the oldest of them, when there are too many
+        # What the handlers have still to see, in the order it came: a message, or None for a connection's end.
+        self._queue: deque[tuple[Connection, Message | None]] = deque()
+        self._reports: deque[Report] = deque()
+        self._paused: list[Connection] = []
+        self._wake: anyio.Event | None = None  # set when the queue gets something; None while serve() is busy
+        self._over = False  # serve() ended: the run is over
+        self._sends = 0
 
-    async def note(self, kind: Kind, peer: str, reason: str) -> None:
+    async def listen(self, host: str, port: int) -> WorkerServer:
+        """Accept connections on ``host:port`` (port 0: any free one, then in ``port``); returns itself, the
+        listener that :meth:`aclose` closes."""
+        loop = asyncio.get_running_loop()
+        # Everyone may connect at once: the kernel keeps as many waiting as it allows (as anyio's listener did).
+        self._listener = await loop.create_server(lambda: Connection(self), host or None, port, backlog=65536)
+        self.port = int(self._listener.sockets[0].getsockname()[1])
+        return self
+
+    async def aclose(self) -> None:
+        """Accept no more connections (those open stay so)."""
+        if self._listener is not None:
+            self._listener.close()
+
+    # --- what the connections tell it (called by the event loop) -------------------------------------------
+
+    def waiting(self, conn: Connection) -> None:
+        """A new connection: it proves the secret next, unless the run is over."""
+        self._open.add(conn)
+        if self._over:
+            self._end_handshake(conn, "the run ended before it proved the secret")
+            return
+        self._pending[conn] = None
+        if len(self._pending) > self.max_pending and self._room is None:
+            self._room = asyncio.get_running_loop().call_later(_ROOM_AFTER_S, self._make_room)
+
+    def proved(self, conn: Connection) -> None:
+        """``conn`` proved the secret."""
+        self._pending.pop(conn, None)
+
+    def received(self, conn: Connection, message: Message) -> None:
+        """A message for the handlers, queued behind those that came before it."""
+        self._queue.append((conn, message))
+        if len(self._queue) > _QUEUE_HIGH and conn not in self._paused:
+            conn.pause()
+            self._paused.append(conn)
+        self._wake_up()
+
+    def lost(self, conn: Connection) -> None:
+        """``conn`` closed; its worker's handlers hear of it after its last message (which may be its Hello)."""
+        self._open.discard(conn)
+        self._pending.pop(conn, None)
+        if conn.is_proved:
+            self._queue.append((conn, None))
+            self._wake_up()
+
+    def note(self, kind: Kind, peer: str, reason: str) -> None:
         """Count a refused connection or a malformed line; report it if it is the first in its interval."""
         self.refused += kind == "refused"
         report = self.limiter.note(kind, peer, reason)
         if report is not None:
-            await self.on_report(report)
+            self._reports.append(report)
+            self._wake_up()
+
+    # --- the handlers' task --------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Run the handlers on what the connections received, in order, until cancelled (run it in the
+        controller's task group); then close every connection."""
+        try:
+            while True:
+                if self._reports:
+                    await self.on_report(self._reports.popleft())
+                elif self._queue:
+                    conn, message = self._queue.popleft()
+                    await self._dispatch(conn, message)
+                else:
+                    for conn in self._paused:
+                        conn.resume()
+                    self._paused.clear()
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                    self._wake = None
+        finally:
+            self._over = True
+            self._wake = None
+            if self._room is not None:
+                self._room.cancel()
+            await self.aclose()
+            for conn in list(self._open):
+                if conn.is_proved:
+                    conn.close()
+                    self._closed(conn, "connection closed")
+                else:
+                    self._end_handshake(conn, "the run ended before it proved the secret")
+
+    async def _dispatch(self, conn: Connection, message: Message | None) -> None:
+        if message is None:
+            self._closed(conn, "connection closed")
+            return
+        if conn.turned_away:
+            return  # what it sent after the Hello that was refused
+        proc = conn.proc
+        if proc is None:
+            outcome = await self.on_hello(message, conn, conn.host)
+            if isinstance(outcome, str):
+                conn.turned_away = True
+                conn.close("refused", outcome)
+            else:
+                conn.proc = outcome
+            return
+        if getattr(message, "worker", proc.worker) != proc.worker:
+            self.note("malformed", conn.host, f"worker {proc.worker}'s connection sent {message!r}; ignored")
+            return
+        await self.on_message(proc, message)
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _make_room(self) -> None:
+        """Close the oldest waiting connections, not the newest: a worker's proof takes milliseconds, so only
+        idle connections are ever the oldest, and they cannot keep a real worker out."""
+        self._room = None
+        while len(self._pending) > self.max_pending:
+            self._end_handshake(next(iter(self._pending)), f"over {self.max_pending} connections waiting")
+
+    def _end_handshake(self, conn: Connection, reason: str) -> None:
+        self._pending.pop(conn, None)
+        conn.close("refused", reason)
+
+    def _closed(self, conn: Connection, reason: str) -> None:
+        """Tell the handlers once that ``conn``'s worker is gone."""
+        if conn.proc is not None and not conn.lost_noted:
+            conn.lost_noted = True
+            self.on_closed(conn.proc, reason)
 
     async def report_due(self, interval_s: float = 1.0) -> None:
         """Report the summaries whose interval ended, forever (run it in the controller's task group)."""
@@ -151,99 +292,23 @@ class WorkerServer:
         """Report every summary still counting (at the end of the run, after :meth:`serve` was cancelled: the
         connections it left half-way through the handshake count as refused)."""
         if final:
-            for host in self._pending.values():
-                await self.note("refused", host, "the run ended before it proved the secret")
-            self._pending.clear()
+            for conn in list(self._pending):
+                self._end_handshake(conn, "the run ended before it proved the secret")
+        while self._reports:
+            await self.on_report(self._reports.popleft())
         for report in self.limiter.due(final):
             await self.on_report(report)
 
-    async def serve(self, stream: SocketStream) -> None:
-        """Serve one connection until it closes."""
-        host = "unknown"
-        with contextlib.suppress(Exception):
-            host = str(stream.extra(anyio.abc.SocketAttribute.remote_address)[0])
-        reader = BufferedByteReceiveStream(stream)
-        proc: WorkerProcess | None = None
-        try:
-            if not await self._authenticate(stream, reader, host):
-                return
-            bad = 0
-            while True:
-                try:
-                    line = await reader.receive_until(b"\n", MAX_LINE)
-                except anyio.DelimiterNotFound:
-                    await self.note("malformed", host, f"a line longer than {MAX_LINE} bytes; connection closed")
-                    return
-                try:
-                    message = decode_from_worker(line)
-                except MalformedMessage as exc:
-                    bad += 1
-                    await self.note("malformed", host, str(exc))
-                    if bad >= MAX_MALFORMED:
-                        await self.note("malformed", host, f"{MAX_MALFORMED} malformed lines; connection closed")
-                        return
-                    continue
-                if proc is None:
-                    outcome = await self.on_hello(message, stream, host)
-                    if isinstance(outcome, str):
-                        await self.note("refused", host, outcome)
-                        return
-                    proc = outcome
-                    continue
-                if getattr(message, "worker", proc.worker) != proc.worker:
-                    await self.note("malformed", host, f"worker {proc.worker}'s connection sent {message!r}; ignored")
-                    continue
-                await self.on_message(proc, message)
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError):
-            pass
-        finally:
-            if proc is not None:
-                self.on_closed(proc, "connection closed")
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()
-
-    async def _authenticate(self, stream: SocketStream, reader: BufferedByteReceiveStream, host: str) -> bool:
-        """Run the handshake under its deadline; False (the refusal noted) if the peer did not prove the secret."""
-        if len(self._pending) >= self.max_pending:
-            # Close the oldest waiting connection, not this one: a worker's proof takes milliseconds, so only
-            # idle connections are ever the oldest, and they cannot keep a real worker out.
-            oldest = next(iter(self._pending))
-            oldest.cancel()
-            await self.note("refused", self._pending.pop(oldest), f"over {self.max_pending} connections waiting")
-        handshake = anyio.CancelScope(deadline=anyio.current_time() + self.auth_timeout_s)
-        self._pending[handshake] = host
-        reason = ""
-        try:
-            with handshake:
-                sent = auth.challenge()
-                await stream.send(auth.encode(sent))
-                line = await reader.receive_until(b"\n", auth.MAX_LINE)
-                await stream.send(auth.encode(auth.welcome(self.secret, sent, line)))
-        except AuthenticationFailed as exc:
-            reason = str(exc)
-        except anyio.DelimiterNotFound:
-            reason = f"a handshake line longer than {auth.MAX_LINE} bytes"
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError):
-            reason = "closed before proving the secret"
-        waiting = self._pending.pop(handshake, None) is not None
-        if handshake.cancelled_caught:
-            if not waiting:
-                return False  # closed to make room; counted then
-            reason = f"did not prove the secret within {self.auth_timeout_s} s"
-        if reason:
-            await self.note("refused", host, reason)
-            return False
-        return True
-
     async def send(self, proc: WorkerProcess, message: Message) -> None:
-        """Send ``message`` to ``proc``; a failed send counts as the connection closing."""
-        if proc.stream is None:
+        """Send ``message`` to ``proc``; a failed send counts as the connection closing. Never waits for the
+        peer: what it has not read yet waits in its connection, up to a bound."""
+        conn = proc.stream
+        if conn is None:
             return
-        lock = self._send_locks.setdefault(id(proc.stream), anyio.Lock())
         try:
-            async with lock:
-                if proc.stream is None:
-                    return
-                await proc.stream.send(encode(message))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            self.on_closed(proc, f"send failed: {exc}")
+            conn.send(encode(message))
+        except ConnectionError as exc:
+            self._closed(conn, f"send failed: {exc}")
+        self._sends += 1
+        if self._sends % _SENDS_A_TURN == 0:
+            await anyio.lowlevel.checkpoint()

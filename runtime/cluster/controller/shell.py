@@ -254,8 +254,8 @@ class Controller:
         resumed). Raises LaunchError, RecoveryError, StepError or JobUnsupported when it cannot go on."""
         self.supervision = anyio.CancelScope()
         host = self.config.listen_host
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=self.config.listen_port)
-        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        listener = await self.server.listen(host, self.config.listen_port)
+        self.port = listener.port
         self.pool.controller_address = f"{host}:{self.port}"
         reason = ""
         keep_replicas = False
@@ -276,7 +276,7 @@ class Controller:
                     try:
                         with helpers:
                             async with anyio.create_task_group() as inner:
-                                inner.start_soon(listener.serve, self.server.serve)
+                                inner.start_soon(self.server.serve)
                                 inner.start_soon(watch, self.monitor, functools.partial(publish_verdict, self))
                                 inner.start_soon(reap, self)
                                 inner.start_soon(self.server.report_due)

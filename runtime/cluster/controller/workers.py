@@ -12,6 +12,7 @@ import anyio
 from runtime.cluster.controller.processes import WorkerProcess
 from runtime.cluster.controller.supervision import WorkerChanged
 from runtime.cluster.protocol import Lease, Stop, Warm
+from runtime.core.errors import BusClosed
 from runtime.core.events import WorkerExited, WorkerStarted
 
 if TYPE_CHECKING:
@@ -41,9 +42,12 @@ async def reap(controller: Controller) -> None:
         for proc, code in controller.pool.newly_exited():
             controller.monitor.mark_gone(proc.worker, f"process exited with {code}")
             controller.feed(WorkerChanged(proc.worker))  # marked gone: a group forming with it forms again
-            await controller.bus.publish(
-                WorkerExited(step=controller.group_step, source="controller", worker=proc.worker, returncode=code)
-            )
+            try:
+                await controller.bus.publish(
+                    WorkerExited(step=controller.group_step, source="controller", worker=proc.worker, returncode=code)
+                )
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+                return  # the run was cancelled from outside and its bus is gone
             if proc.spare and proc.hello is None and not controller.stopping:
                 # Never watched, so no verdict would replace it: start its successor now, not at the next
                 # failure (which would then wait for a cold start). Not forever, though: spares that keep
