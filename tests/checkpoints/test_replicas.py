@@ -7,8 +7,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
 from gcs_support import small_state
+from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
 from storage.replicas import MAX_PINS, ReplicaFiles, device_replica, job_fingerprint, replica, run_identity
