@@ -151,7 +151,7 @@ class DiskTier:
             if self.packed:
                 files = packed.write_tree(directory, snapshot.tree, sync=self.sync)
             elif orbax_layout.covers(snapshot.tree):
-                files = orbax_layout.write_tree(directory / STATE_DIR, snapshot.tree, root=directory)
+                files = orbax_layout.write_tree(directory / STATE_DIR, snapshot.tree, root=directory, sync=self.sync)
             else:
                 save_orbax(directory / STATE_DIR, snapshot.tree)
             deadline.check()

@@ -194,8 +194,8 @@ def metadata_files(tree: PyTree, tree_metadata: dict[str, Any], state_dir: Path)
     return files
 
 
-def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
-    """Write ``tree`` in Orbax's layout under ``state_dir``; every file is fsynced.
+def write_tree(state_dir: Path, tree: PyTree, *, root: Path, sync: bool = True) -> list[FileEntry]:
+    """Write ``tree`` in Orbax's layout under ``state_dir``; every file is fsynced (with ``sync``).
 
     Returns the files written, as manifest entries relative to ``root``. Raises OSError as the OS does.
     """
@@ -224,5 +224,6 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path) -> list[FileEntry]:
         tree_metadata[name] = node
     for name, data in metadata_files(tree, tree_metadata, state_dir):
         add(state_dir / name, _write_file(state_dir / name, data), int(google_crc32c.value(data)))
-    fsync_all(written)  # every file and every directory entry is durable before the manifest is written
+    if sync:  # every file and every directory entry is durable before the manifest is written
+        fsync_all(written)
     return entries

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -39,6 +40,7 @@ from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageE
 from runtime.core.programs import PROGRAMS_PREFIX
 from runtime.core.snapshot import HostSnapshot
 from storage.disk import DiskTier
+from storage.shards import local_copy
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,33 @@ def replica(
     )
 
 
+def device_replica(
+    step: int,
+    data_position: int,
+    state: PyTree,
+    like: PyTree,
+    identity: dict[str, str] | None = None,
+    *,
+    generation: int | None = None,
+) -> HostSnapshot:
+    """A replica of ``state`` (jax arrays on the group's devices) whose host copy of this process's boxes
+    (:func:`storage.shards.local_copy`; ``like``: their shapes and dtypes) is made on its first read: by the
+    replica file's writer thread, off the step's critical path, or never for a replica replaced unread. The
+    compiled step does not donate its input, so ``state`` stays valid while held; it lives on the group's
+    backend, so whoever leaves the group reads the replica first (``runtime.cluster.worker.forming``)."""
+    nbytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(like))
+    metadata = dict(identity or {}) | ({} if generation is None else {"generation": str(generation)})
+    return HostSnapshot(
+        step=step,
+        data_position=data_position,
+        tree=state,
+        nbytes=nbytes,
+        seconds=0.0,
+        metadata=metadata,
+        assemble=local_copy,
+    )
+
+
 class ReplicaFiles:
     """This process's newest replica on its host, in the disk tier's format (a manifest with the CRC32C of
     every file, committed last), written in the background; ``newest`` reads any process's, verified.
@@ -93,7 +122,11 @@ class ReplicaFiles:
 
     def __init__(self, directory: str | os.PathLike[str], name: str, *, keep: int = 2) -> None:
         self.directory = Path(directory)
-        self.tier = DiskTier(self.directory / name, name="shm", check_space=False)
+        # No fsync on /dev/shm: a tmpfs lives no longer than the host, and a process killed mid-write loses
+        # nothing the kernel holds (the manifest, renamed last, still commits). The fsyncs were about half of
+        # each replica's write, every step, on the cores the step runs on.
+        in_memory = self.directory.resolve().is_relative_to(Path("/dev/shm").resolve())
+        self.tier = DiskTier(self.directory / name, name="shm", check_space=False, sync=not in_memory)
         self.keep = keep
         for torn in self.tier.sweep():  # an earlier process of this name was killed mid-write
             log.info("removed a torn replica: %s", torn)

@@ -48,7 +48,8 @@ class HostSnapshot:
     """The state after ``step`` in host memory, with the data position needed to resume exactly.
 
     ``tree`` holds numpy arrays with the state's structure. A snapshot made from host-memory jax arrays
-    assembles them into numpy on first access (once, thread-safe).
+    assembles them into numpy on first access (once, thread-safe); ``assemble`` replaces that conversion
+    (the multi-process worker's: this process's boxes of device arrays, ``storage.shards.local_copy``).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class HostSnapshot:
         seconds: float,
         metadata: dict[str, Any],
         on_unread: Callable[[PyTree], None] | None = None,
+        assemble: Callable[[PyTree], PyTree] | None = None,
     ) -> None:
         self.step = step
         self.data_position = data_position
@@ -69,6 +71,7 @@ class HostSnapshot:
         self.metadata = metadata
         self._tree = tree
         self._lock = threading.Lock()
+        self._assemble = assemble or _to_numpy
         # Holds the host arrays until the snapshot is read; ``on_unread`` gets them if it never is.
         self._unread = [tree]
         if on_unread is not None:
@@ -78,7 +81,7 @@ class HostSnapshot:
     def tree(self) -> PyTree:
         with self._lock:
             if self._unread:  # the first read: numpy views may share the host buffers from now on
-                self._tree = jax.tree.map(np.asarray, self._unread.pop())
+                self._tree = self._assemble(self._unread.pop())
             return self._tree
 
     def __repr__(self) -> str:
@@ -286,6 +289,10 @@ class RamTier:
         if snapshot.step != step:
             raise SnapshotUnavailable(f"the RAM tier holds step {snapshot.step}, not {step}")
         return snapshot
+
+
+def _to_numpy(tree: PyTree) -> PyTree:
+    return jax.tree.map(np.asarray, tree)
 
 
 def _hand_back(unread: list[PyTree], on_unread: Callable[[PyTree], None]) -> None:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from gcs_support import small_state
+from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
-from storage.replicas import MAX_PINS, ReplicaFiles, job_fingerprint, replica, run_identity
+from storage.replicas import MAX_PINS, ReplicaFiles, device_replica, job_fingerprint, replica, run_identity
+from storage.shards import local_like
 
 
 def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> None:
@@ -37,6 +40,25 @@ def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> N
     finally:
         mine.close()
         theirs.close()
+
+
+def test_a_device_replica_is_copied_to_host_by_its_first_reader(tmp_path: Path) -> None:
+    """The worker's RAM replica holds the step's arrays; the replica file's writer makes the host copy."""
+    sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("model",)), PartitionSpec(None, "model"))
+    whole = np.arange(32, dtype=np.float32).reshape(4, 8)
+    state = {"w": jax.device_put(whole, sharding)}
+    snapshot = device_replica(3, 30, state, local_like(state, sharding), {"run_id": "r"}, generation=2)
+    assert snapshot.nbytes == whole.nbytes and snapshot.metadata == {"run_id": "r", "generation": "2"}
+    files = ReplicaFiles(tmp_path, "worker-0")
+    try:
+        files.save(snapshot)
+        files.wait()
+        assert isinstance(snapshot.tree["w"], np.ndarray)  # copied once, by the writer
+        back = files.newest({"w": np.zeros_like(whole)})
+        assert (back.step, back.data_position) == (3, 30)
+        np.testing.assert_array_equal(back.tree["w"], whole)
+    finally:
+        files.close()
 
 
 def test_a_write_cut_off_before_its_commit_stays_invisible(tmp_path: Path) -> None:

@@ -32,6 +32,8 @@ def save_durable(worker: Worker, *, final: bool, snapshot: HostSnapshot | None =
         return
     # Captured here: the write runs on while a re-forming group may be without a backend (see write_part).
     snapshot, generation, process = snapshot or worker.ram, worker.generation, worker.process_id
+    # Its host copy made here, not in the write: the write may outlive the backend the arrays are on.
+    snapshot.tree  # noqa: B018 - the first read makes the copy
     lead, worker.durable_last = worker.process_id == 0, snapshot.step
     owned, shardings, store = worker.owned, worker.state_shardings, worker.durable
 

@@ -56,6 +56,7 @@ def form_group(worker: Worker, form: Form) -> None:
             worker.abandoned_restore.result(timeout=_RESTORE_SETTLE_S)
         worker.abandoned_restore = None
     if worker.initialized:
+        keep_host_copies(worker)
         leave_group()
         jax.extend.backend.clear_backends()
         worker.state = None  # it lived on the old backend
@@ -157,6 +158,21 @@ def form_group(worker: Worker, form: Form) -> None:
             mesh_shape={str(name): int(size) for name, size in worker.mesh.shape.items()},
         )
     )
+
+
+def keep_host_copies(worker: Worker) -> None:
+    """Make the RAM replica's host copy now if its writer has not: its arrays live on the backend about to go.
+    The step that made them completed; reading this process's own shards needs no peer. The writer may be
+    copying an older replica's arrays from that backend: it finishes first."""
+    worker.replicas.wait()
+    ram = worker.ram
+    if ram is None:
+        return
+    try:
+        ram.tree  # noqa: B018 - the first read makes the copy
+    except Exception as exc:  # the group restores from what the others hold (or older files)
+        log.warning("worker %d: RAM replica of step %d lost: %s: %s", worker.worker, ram.step, type(exc).__name__, exc)
+        worker.ram = None
 
 
 def warm_up(worker: Worker, programs: str) -> None:

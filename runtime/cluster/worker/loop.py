@@ -201,10 +201,13 @@ class Worker:
 
     def _beat(self) -> None:
         while True:
-            self.heartbeat()
+            self.heartbeat(memory=True)
             time.sleep(self.settings.heartbeat_s)
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, *, memory: bool = False) -> None:
+        """Tell the controller the step it holds. The memory report (read from ``/proc``) rides on the periodic
+        beats only: the one sent with every committed step would repeat it on the step's critical path (the
+        controller keeps the newest report it got)."""
         self.link.send(
             Heartbeat(
                 worker=self.worker,
@@ -214,7 +217,7 @@ class Worker:
                 loss=self.loss,
                 sent_at=time.time(),
                 held=self.held,
-                memory=self._memory(),
+                memory=self._memory() if memory else {},
             )
         )
 

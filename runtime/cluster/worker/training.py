@@ -21,8 +21,7 @@ from runtime.cluster.worker.stepping import await_step, defer, wait_fenced
 from runtime.core.job import PyTree
 from runtime.core.process_data import place_batch
 from storage.disk import DiskTier
-from storage.replicas import replica
-from storage.shards import local_copy
+from storage.replicas import device_replica, replica
 
 if TYPE_CHECKING:
     from runtime.cluster.worker.loop import Worker
@@ -64,9 +63,12 @@ def train(worker: Worker, target: int) -> Inbound | None:
         (new_state, moved, worker.loss), seconds = outcome
         worker.state, worker.step_time_s = new_state, seconds
         step, position = worker.step + 1, position + 1
-        own = local_copy(new_state)
-        worker.ram = replica(step, position, own, worker.identity | worker.layout, generation=worker.generation)
+        # Its host copy is made by the replica file's writer, not here: the next step need not wait for it.
+        metadata = worker.identity | worker.layout
+        generation = worker.generation
+        worker.ram = device_replica(step, position, new_state, worker.local_like, metadata, generation=generation)
         if worker.shift is not None:
+            own = worker.ram.tree
             worker.neighbour = replica(step, position, worker.shift.copy(moved, own), generation=worker.generation)
         leased = worker.link.leased()  # cut off, this worker may have been replaced: its files must not compete
         if leased:
