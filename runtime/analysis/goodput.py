@@ -72,7 +72,7 @@ class FailureRecord:
     restored_from: str
     compile_wait_s: float = 0.0  # of the recovery, waiting for the new mesh's programs to trace and compile
     # Under launch, the recovery by phase, adding up to ``recovery_s``: recruit (until the new group was asked
-    # to form), the slowest member's join (leave, connect, trace, compile, load, read, and ``join_other``), and
+    # to form), the slowest member's join (wait, leave, connect, trace, compile, load, read, and ``join_other``), and
     # the restore and first step after the group formed.
     phases: dict[str, float] = field(default_factory=dict)
 

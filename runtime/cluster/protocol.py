@@ -140,8 +140,9 @@ class Joined(Message, frozen=True, kw_only=True):
     neighbour_step: int = 0  # the step of the neighbour replica it holds in RAM (storage/shards.py); 0: none
     join_s: float  # shutdown + re-initialize of jax.distributed, as the worker measured it
     skipped: tuple[str, ...] = ()  # replica files it would not restore, each "PATH: why" (another run's)
-    # Where the join's time went, in seconds: leave, connect, trace, compile, load (compiled programs kept from an
-    # earlier generation, runtime/core/programs.py), read (listing what it can restore).
+    # Where the join's time went, in seconds: wait (from the Form's arrival to the join's start), leave, connect,
+    # trace, compile, load (compiled programs kept from an earlier generation, runtime/core/programs.py), read
+    # (listing what it can restore).
     phases: dict[str, float] = {}
     traced: tuple[str, ...] = ()  # the programs it traced and compiled (none: every one was loaded)
     mesh_shape: dict[str, int] = {}  # the group's mesh, as the job's ProcessMesh laid it out

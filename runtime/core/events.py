@@ -454,7 +454,7 @@ class GroupFormed(Event, frozen=True, kw_only=True):
     seconds: float
     restore_step: int
     restore_source: int
-    # The slowest member's join, by phase (leave, connect, trace, compile, load, read), in seconds; and how many
+    # The slowest member's join, by phase (wait, leave, connect, trace, compile, load, read), in seconds; and how many
     # programs the members traced and compiled (0: every one was loaded, kept from an earlier generation).
     phases: dict[str, float] = {}
     traced: int = 0

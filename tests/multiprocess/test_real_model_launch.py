@@ -68,6 +68,8 @@ def test_keys_and_own_axes_under_launch_with_two_slices(tmp_path: Path) -> None:
     losses = [e.loss for e in events if isinstance(e, StepCompleted) and e.loss is not None]
     assert len(losses) >= STEPS // 2 and all(math.isfinite(loss) for loss in losses), losses
     assert [f.traced for f in formed][1:] == [0], formed
+    # The re-form's join is timed from each Form's arrival: its wait before the join started is a phase of it.
+    assert formed[1].phases["wait"] >= 0 and formed[1].phases["leave"] >= 0, formed[1].phases
     # One trace in each of the first group's 4 processes; none in the spare: its warm-up found the kept programs
     # on this host and only brought its backend up, and as the replacement it loaded them.
     assert sorted(Counter(t["pid"] for t in traces).values()) == [1, 1, 1, 1], traces

@@ -130,7 +130,10 @@ def form_group(worker: Worker, form: Form) -> None:
     compiled = time.monotonic()
     best, tier = best_local(worker, form.read_files)
     kept = worker.programs
-    phases = {"leave": left - started, "connect": connected - left, **kept.seconds}
+    # wait: from the Form's arrival to this join's start (a step in flight finished or abandoned first, a
+    # warm-up under way, a planned re-forming's step reached).
+    waited = max(0.0, started - worker.link.form_arrived) if worker.link.form_arrived else 0.0
+    phases = {"wait": waited, "leave": left - started, "connect": connected - left, **kept.seconds}
     phases["read"] = time.monotonic() - compiled
     log.info(
         "joined generation %d as process %d/%d in %.3f s: %s; traced %s, loaded %s",

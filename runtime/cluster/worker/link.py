@@ -63,6 +63,7 @@ class ControllerLink:
         self.inbox: queue.Queue[Inbound] = queue.Queue()
         # Monotonic time the controller's lease runs out; no lease until the first one (launch mode has none).
         self.lease_until = float("inf")
+        self.form_arrived = 0.0  # monotonic time the newest Form came in (its wait until the join is timed)
         # Called (in the reader thread) with each durable step the controller committed.
         self.on_committed: Callable[[int], None] = lambda step: None
         # Called (in the reader thread) with each of the group's events for the script's handlers.
@@ -104,6 +105,8 @@ class ControllerLink:
                 elif isinstance(message, Notify):
                     self.on_notify(message)
                 else:
+                    if isinstance(message, Form):
+                        self.form_arrived = time.monotonic()
                     self.inbox.put(message)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
         self.inbox.put(Stop(reason="controller connection closed", exit_code=EXIT_REPLACE))
