@@ -16,7 +16,7 @@ TORCHFT := .venv-torchft
 TORCHFT_STAMP := $(TORCHFT)/.installed
 TORCHFT_PIP_ARGS ?=
 
-.PHONY: demo test test-latest test-slurm maxtext lint slurm bench bench-torchft clean chaos chaos-ray docs docs-serve
+.PHONY: demo test test-latest test-slurm maxtext maxtext-launch lint slurm bench bench-torchft clean chaos chaos-ray docs docs-serve
 
 $(STAMP): pyproject.toml constraints/default.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,14 @@ test-latest: $(LATEST_STAMP)
 maxtext: $(MAXTEXT_STAMP)
 	timeout 1200 $(MAXTEXT)/bin/python examples/maxtext_lm.py --steps 12 --lose-slice-at 6 --no-precompile --check \
 		--json --run-dir runs/maxtext-check
+
+# MaxText's own model under launch --nprocs 4 --slices 1 --durable: a worker killed at step 12 and its replica
+# files deleted, its quarter of the state read back from the durable tier, the result bitwise equal to a
+# fault-free run of the same layout. In .ci/run; unlike `make maxtext` (one process, 8 devices), where a hang
+# in XLA's CPU collectives is not understood yet (docs/maxtext.md), a process here has 2 devices.
+maxtext-launch: $(MAXTEXT_STAMP)
+	timeout 2400 $(MAXTEXT)/bin/python tests/benchmarks/bench_real_recovery.py --models maxtext --durable --check \
+		--steps 30 --kill-at 12
 
 bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/run_all.py

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -109,6 +110,12 @@ def main() -> None:
     parser.add_argument(
         "--durable", action="store_true", help="instead: one slice, the lost shards from the durable tier, once each"
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="with --durable: exit 1 unless each run ended ok, bitwise equal to the fault-free run, with at most "
+        "about the lost worker's share of the state read from the durable tier (make maxtext-launch, in CI)",
+    )
     args = parser.parse_args()
     if args.durable:
         durable(args)
@@ -146,6 +153,9 @@ def durable(args: argparse.Namespace) -> None:
         reference = one(model, "kept", steps=args.steps, kill_at=None, hang_timeout_s=args.hang_timeout, durable=True)
         if not args.json:
             print(json.dumps(faulted), flush=True)
+        if args.check:  # in CI: nothing left behind (the run folders hold checkpoints and logs)
+            for run in (faulted, reference):
+                shutil.rmtree(run["run_dir"], ignore_errors=True)
         read = faulted["bytes_by_tier"]
         summary[model] = {
             "ok": faulted["ok"] and reference["ok"],
@@ -156,6 +166,15 @@ def durable(args: argparse.Namespace) -> None:
             "bitwise_equal_to_fault_free": faulted["digest"] == reference["digest"] != "",
         }
     print(json.dumps(summary))
+    if args.check:
+        failed = {
+            model: figures
+            for model, figures in summary.items()
+            if isinstance(figures, dict)
+            and not (figures["ok"] and figures["bitwise_equal_to_fault_free"] and 0 < figures["durable_share"] <= 0.3)
+        }
+        if failed:
+            sys.exit(f"check failed: {json.dumps(failed)}")
 
 
 if __name__ == "__main__":
