@@ -128,8 +128,7 @@ def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = Lau
         "--spawn-timeout",
         type=float,
         default=LaunchConfig.spawn_timeout_s,
-        help=f"seconds a re-forming waits for replacements (default {LaunchConfig.spawn_timeout_s:g}, or twice what "
-        "the first workers took to start, if longer)",
+        help=f"seconds a re-forming waits for replacements (default {LaunchConfig.spawn_timeout_s:g})",
     )
 
 

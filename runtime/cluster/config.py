@@ -49,8 +49,7 @@ class LaunchConfig:
         heartbeat_interval_s, heartbeat_timeout_s, hang_timeout_s: see :class:`HeartbeatMonitor`.
         strategy: "reform" (in-process re-forming, falling back to "restart") or "restart" always.
         form_timeout_s: how long a new group may take to form before its stragglers are replaced.
-        spawn_timeout_s: how long a re-forming waits for replacements before going on with ``min_nprocs`` (or
-            twice what the first group's workers took to start and say hello, if longer: a real model's imports).
+        spawn_timeout_s: how long a re-forming waits for replacements before going on with ``min_nprocs``.
         start_timeout_s: how long the first group may take to start.
         max_failures: failures the run survives: every lost or hung member counts, also one lost during a
             recovery.

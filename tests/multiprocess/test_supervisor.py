@@ -374,22 +374,3 @@ def test_joining_may_take_as_long_as_a_real_compile_and_a_stall_says_how_long_jo
     run.wait(101.0)  # then it is a stall, which names the times (with no budget left, it ends the run)
     assert isinstance(run.ended, RecoveryError)
     assert "not joined within 400.0 s (the slowest join so far took 200.0 s" in str(run.ended), run.ended
-
-
-def test_replacements_may_take_twice_as_long_to_start_as_the_first_workers_did(tmp_path: Path) -> None:
-    # A real model's imports (MaxText's: over 60 s on a loaded CPU) outlast the default spawn timeout: a
-    # re-forming waits for replacements twice as long as the first group's workers took to say hello.
-    run = Run(tmp_path, spares=0, spawn_timeout_s=60.0, start_timeout_s=600.0, min_nprocs=2)
-    run.spawn(2)
-    run.feed(Start())
-    run.wait(100.0)  # the first workers import for 100 s
-    run.hello(0, 1)
-    run.join()
-    run.commit(10)
-    run.lose(1)
-    run.wait(0.1)
-    run.wait(150.0)  # past the configured 60 s, within 2 x 100 s
-    assert run.ended is None
-    run.wait(51.0)
-    assert isinstance(run.ended, LaunchError) and "only 1 workers ready after 200.0 s" in str(run.ended), run.ended
-    assert "--spawn-timeout" in str(run.ended)

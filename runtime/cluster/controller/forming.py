@@ -39,7 +39,6 @@ __all__ = [
     "recruit",
     "seat_members",
     "seatable",
-    "spawn_timeout",
     "started_jax",
     "substitute",
 ]
@@ -74,7 +73,7 @@ def form_generation(sup: Supervisor, out: list[Action], strategy: Strategy, reas
     elif strategy == Strategy.REFORM and not survivors:
         strategy = Strategy.RESTART  # nobody left to re-form with: the state must come from the replica files
     sup.forming, sup.survivors, sup.chosen = strategy, survivors, []
-    sup.recruit_timeout = sup.config.start_timeout_s if strategy == Strategy.START else spawn_timeout(sup)
+    sup.recruit_timeout = sup.config.start_timeout_s if strategy == Strategy.START else sup.config.spawn_timeout_s
     sup.phase, sup.deadline = Phase.RECRUITING, sup.forming_started + sup.recruit_timeout
     recruit(sup, out, sup.forming_started, None)
 
@@ -119,15 +118,7 @@ def recruit(sup: Supervisor, out: list[Action], now: float, changed: int | None)
         sup.end(out, LaunchError(f"only {count} workers ready after {sup.recruit_timeout:.1f} s (raise {flag})"))
 
 
-def spawn_timeout(sup: Supervisor) -> float:
-    """How long a re-forming waits for replacements to start: the configured time, or twice what the first
-    group's workers took, when a real model's imports take longer (MaxText's took over 60 s on a loaded CPU)."""
-    return max(sup.config.spawn_timeout_s, 2 * sup.first_start)
-
-
 def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recruits: list[int]) -> None:
-    if sup.forming == Strategy.START and not sup.first_start:
-        sup.first_start = sup.clock() - sup.forming_started
     members = sup.group.seat(survivors, recruits)
     seated = set(members)
     for worker in set(survivors) | set(recruits):

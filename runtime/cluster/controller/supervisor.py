@@ -113,7 +113,6 @@ class Supervisor:
         self.unreadable = ""  # the current generation's restore failed: why
         self.failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
         self.slowest_join = 0.0  # the longest a member of a formed group took to join (its compile included)
-        self.first_start = 0.0  # how long the first group's workers took to start and say hello (imports)
         # The generation being formed.
         self.forming = Strategy.START
         self.forming_reason = ""
