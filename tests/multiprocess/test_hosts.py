@@ -128,9 +128,11 @@ def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(
 ) -> None:
     # "partition": host 1's link goes down and comes back after the survivors re-formed; its worker, alive
     # all along, is never taken back, and is told to exit when its heartbeats reach the controller again.
+    # Steps of 0.6 s: the replacement must start (import JAX) and join within the run's last 25 steps; at
+    # 0.3 s (7.5 s) it did not on a machine at load 10-16, and the run ended before the group grew back.
     with (
         SimulatedHosts(NPROCS + 1) as hosts,  # the last host is the replacement's, empty until then
-        service_run(hosts, tmp_path, step_delay_s=0.3, min_nprocs=NPROCS - 1) as run,
+        service_run(hosts, tmp_path, step_delay_s=0.6, min_nprocs=NPROCS - 1) as run,
     ):
         controller, run_dir, worker_env, worker = run.controller, run.run_dir, run.worker_env, run.worker
 
