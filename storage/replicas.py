@@ -76,10 +76,14 @@ def replica(
     and as its metadata the run's identity (:func:`run_identity`) and the ``generation`` of the group that
     computed it."""
     nbytes = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(tree))
-    metadata = dict(identity or {}) | ({} if generation is None else {"generation": str(generation)})
+    metadata = _metadata(identity, generation)
     return HostSnapshot(
         step=step, data_position=data_position, tree=tree, nbytes=nbytes, seconds=0.0, metadata=metadata
     )
+
+
+def _metadata(identity: dict[str, str] | None, generation: int | None) -> dict[str, str]:
+    return dict(identity or {}) | ({} if generation is None else {"generation": str(generation)})
 
 
 def device_replica(
@@ -97,14 +101,13 @@ def device_replica(
     compiled step does not donate its input, so ``state`` stays valid while held; it lives on the group's
     backend, so whoever leaves the group reads the replica first (``runtime.cluster.worker.forming``)."""
     nbytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(like))
-    metadata = dict(identity or {}) | ({} if generation is None else {"generation": str(generation)})
     return HostSnapshot(
         step=step,
         data_position=data_position,
         tree=state,
         nbytes=nbytes,
         seconds=0.0,
-        metadata=metadata,
+        metadata=_metadata(identity, generation),
         assemble=local_copy,
     )
 

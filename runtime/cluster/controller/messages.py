@@ -44,6 +44,7 @@ from runtime.core.eventlog import decode_event
 from runtime.core.events import (
     CheckpointCorrupt,
     ConnectionRefused,
+    Event,
     MalformedHeartbeat,
     Notice,
     NoticeIgnored,
@@ -60,6 +61,7 @@ __all__ = [
     "handle_unreadable",
     "mark_closed",
     "on_message",
+    "publish_or_log",
     "publish_report",
     "publish_skipped",
     "publish_verdict",
@@ -83,10 +85,16 @@ async def publish_report(controller: Controller, report: Report) -> None:
         count=report.count,
         message=report.reason,
     )
+    await publish_or_log(controller, event)
+
+
+async def publish_or_log(controller: Controller, event: Event) -> None:
+    """Publish ``event``; when the run was cancelled from outside and its bus is gone, still log it (the last
+    summaries, a verdict that came as the run ended)."""
     try:
         await controller.bus.publish(event)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
-        controller.event_log.append(event)  # the last summaries, when the run was cancelled from outside
+        controller.event_log.append(event)
 
 
 async def on_message(controller: Controller, proc: WorkerProcess, message: Message) -> None:
@@ -227,7 +235,4 @@ async def publish_verdict(controller: Controller, verdict: Verdict) -> None:
     killed = controller.kill_times.pop(verdict.worker, None)
     if killed is not None:
         controller.result.detected_after_s.append(event.mono_time - killed)
-    try:
-        await controller.bus.publish(event)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
-        controller.event_log.append(event)  # the run was cancelled from outside and its bus is gone
+    await publish_or_log(controller, event)
