@@ -16,7 +16,7 @@ TORCHFT := .venv-torchft
 TORCHFT_STAMP := $(TORCHFT)/.installed
 TORCHFT_PIP_ARGS ?=
 
-.PHONY: demo test test-latest test-slurm maxtext maxtext-launch lint slurm bench bench-torchft clean chaos chaos-ray docs docs-serve
+.PHONY: demo test test-heavy test-latest test-slurm maxtext maxtext-launch lint slurm bench bench-torchft clean chaos chaos-ray docs docs-serve
 
 $(STAMP): pyproject.toml constraints/default.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,12 @@ slurm:
 
 test: lint
 	$(BIN)/pytest
+
+# The tests of a minute or more each (marked `heavy`: simulated hosts drained for maintenance, the hosts demo, a
+# state larger than a worker's memory, a removed Ray node), apart from `make test` to keep it under 20 minutes.
+# .ci/run calls both.
+test-heavy: $(STAMP)
+	$(BIN)/pytest -m heavy
 
 # The real SLURM cluster's tests (minutes: a multi-node SLURM on simulated hosts), apart from `make test`.
 test-slurm: $(STAMP) slurm

@@ -44,7 +44,8 @@ from runtime.testing.compare import compare_states
 from runtime.testing.hosts import SimulatedHosts
 from storage.disk import DiskTier
 
-pytestmark = pytest.mark.timeout(400)
+# Minutes each (simulated hosts, a reference run): in `make test-heavy`, not `make test`.
+pytestmark = [pytest.mark.timeout(400), pytest.mark.heavy]
 
 HOSTS = 4
 STEPS = 150  # at 0.3 s a step: time for the replacement to start (JAX's import) and grow the group back

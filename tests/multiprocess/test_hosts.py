@@ -122,6 +122,7 @@ def service_run(
             controller.wait()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("fault", ["lose", "partition"])
 def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(
     tmp_path: Path, reference: Path, fault: str

@@ -21,6 +21,7 @@ from runtime.cli.main import main
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.heavy
 def test_the_hosts_demo_loses_a_host_and_matches_the_fault_free_run(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
     command = [sys.executable, "-m", "runtime.cli", "demo", "--hosts", "3", "--lose-host-at", "5", "--json"]
@@ -42,6 +43,7 @@ def test_the_hosts_demo_loses_a_host_and_matches_the_fault_free_run(tmp_path: Pa
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.heavy
 def test_the_hosts_demo_restarts_everything_from_disk_with_full_restart(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
     command = [sys.executable, "-m", "runtime.cli", "demo", "--hosts", "3", "--lose-host-at", "5", "--full-restart"]

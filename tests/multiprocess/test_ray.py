@@ -156,6 +156,7 @@ def _events(run_dir: Path) -> list[Any]:
     return read_events(path) if path.exists() else []
 
 
+@pytest.mark.heavy
 def test_a_removed_ray_node_is_detected_by_ray_and_replaced_on_a_free_node(
     cluster: Any, tmp_path: Path, reference: Path
 ) -> None:

@@ -98,6 +98,7 @@ STATE_MB = 1536  # above 4 / 3 of a worker's fixed ~300 MB: its shards (a quarte
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.heavy
 def test_a_state_larger_than_each_worker_memory_trains_loses_a_worker_and_ends_bitwise_equal(tmp_path: Path) -> None:
     state_bytes = 4 * rows_per_leaf(STATE_MB, 16) * 1024 * 16
     # Recovered by restarting every worker: re-formed in place, a survivor's step blocked in a collective with the
