@@ -54,19 +54,12 @@ class EventRelay:
         self._held: list[Event] = []
         self._generation = -1
         self._members: tuple[int, ...] = ()
+        self._wanted: frozenset[str] = frozenset()  # the event types the members' scripts subscribe to
         self._acted: set[tuple[int, str]] = set()  # (seq, kind) of the requests carried out
         self.sent = 0  # notifications sent, every member counted
 
     def attach(self, bus: EventBus) -> None:
         bus.subscribe(Event, self.forward, priority=-(10**9), timeout=None)
-
-    def _wanted(self, event: Event, members: tuple[int, ...]) -> bool:
-        names: set[str] = set()
-        for worker in members:
-            hello = self._c.pool[worker].hello if worker in self._c.pool.procs else None
-            if hello is not None:
-                names.update(hello.events)
-        return any(cls.__name__ in names for cls in type(event).__mro__)
 
     async def forward(self, event: Event, ctx: Any) -> None:
         if event.source.startswith(SOURCE_PREFIX) or isinstance(event, RunFinished):
@@ -78,6 +71,9 @@ class EventRelay:
         if isinstance(event, GroupFormed):
             self._holding, self._generation, self._members = False, event.generation, event.members
             self._check_alike(event.members)
+            # Once per group, not per event: at thousands of members a union per event was O(N) each.
+            hellos = (self._c.pool[w].hello for w in event.members if w in self._c.pool.procs)
+            self._wanted = frozenset(name for hello in hellos if hello is not None for name in hello.events)
             held, self._held = self._held, []
             for earlier in held:
                 await self._send(earlier)
@@ -105,7 +101,7 @@ class EventRelay:
             )
 
     async def _send(self, event: Event) -> None:
-        if not self._wanted(event, self._members):
+        if not any(cls.__name__ in self._wanted for cls in type(event).__mro__):
             return
         self._seq += 1
         notify = Notify(seq=self._seq, generation=self._generation, event=msgspec.Raw(encode_event(event)))
