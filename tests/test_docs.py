@@ -41,7 +41,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ]),
     ("Requests", ev, ["SaveCheckpoint", "Drain"]),
     ("Multi-process groups (logged by the controller)", ev, [
-        "WorkerStarted", "WorkerExited", "WorkerKilled", "GroupForming", "GroupFormed",
+        "WorkerStarted", "WorkerExited", "WorkerKilled", "WorkerSignalled", "GroupForming", "GroupFormed",
     ]),
 ]  # fmt: skip
 

@@ -1,8 +1,8 @@
 """The controller-worker protocol: small tagged msgspec messages, one JSON object a line, over loopback TCP.
 
 Workers say who they are (:class:`Hello`), report progress (:class:`Heartbeat`), say which step they can
-restore (:class:`Joined`), that they are done (:class:`Finished`) or that the user's code failed
-(:class:`Failed`). The controller tells them which group to
+restore (:class:`Joined`), that they are done (:class:`Finished`), that the user's code failed
+(:class:`Failed`) or that they were asked to leave (:class:`Leaving`). The controller tells them which group to
 form (:class:`Form`), which step to restore from whom (:class:`Restore`) and when to stop (:class:`Stop`).
 The union is declared once and one decoder per direction is reused. Anything that does not decode is
 reported as :class:`MalformedMessage` by the reader, never raised into the controller's loop.
@@ -21,6 +21,7 @@ __all__ = [
     "ENV_COMPILE_CACHE",
     "ENV_CONNECT_S",
     "ENV_CONTROLLER",
+    "ENV_GRACE_S",
     "ENV_HEARTBEAT_S",
     "ENV_INSTANCE",
     "ENV_JAX_HEARTBEAT_S",
@@ -44,6 +45,7 @@ __all__ = [
     "Hello",
     "Joined",
     "Lease",
+    "Leaving",
     "MalformedMessage",
     "Noticed",
     "Notify",
@@ -77,12 +79,15 @@ ENV_JAX_INIT_S = "ELASTIC_JAX_INIT_S"
 ENV_COMPILE_CACHE = "ELASTIC_COMPILE_CACHE"  # persistent XLA cache directory shared by the workers
 ENV_CONNECT_S = "ELASTIC_CONNECT_TIMEOUT_S"  # how long a worker tries to reach the controller (default 120)
 ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room to kill mid-run)
+# How long a worker told to go (SIGTERM, SIGINT) waits for the controller's Stop before it exits on its own.
+ENV_GRACE_S = "ELASTIC_GRACE_S"
 # "0": trace and compile every program again at each re-forming (runtime/core/programs.py; for comparisons)
 ENV_KEEP_PROGRAMS = "ELASTIC_KEEP_PROGRAMS"
 
 # The exit code of a worker that stops before the run is over: its place was taken (judged lost, or every worker
-# replaced by the restart strategy) or its controller is gone. A cluster scheduler (a Kubernetes Job, the SLURM
-# script in examples/) starts a replacement with a new id on a non-zero code and counts a 0 as done.
+# replaced by the restart strategy), its controller is gone, or it left as it asked (SIGTERM) and the cluster is
+# to start another in its place. A cluster scheduler (a Kubernetes Job, the SLURM script in examples/) starts a
+# replacement with a new id on a non-zero code and counts a 0 as done.
 # 75 is EX_TEMPFAIL in sysexits.h: a temporary failure, try again.
 EXIT_REPLACE = 75
 
@@ -240,6 +245,15 @@ class Noticed(Message, frozen=True, kw_only=True):
     event: msgspec.Raw
 
 
+class Leaving(Message, frozen=True, kw_only=True):
+    """The worker got ``signal`` (SIGTERM or SIGINT: a node drain, a preemption, ``scancel``) and will exit within
+    its grace period: the group should go on without it at a planned step (``Stop.at_step``), a departure that is
+    no failure. Until that Stop it keeps stepping with the group."""
+
+    worker: int
+    signal: str
+
+
 # --- controller -> worker ---------------------------------------------------------------------------------
 
 
@@ -287,8 +301,9 @@ class Warm(Message, frozen=True, kw_only=True):
 
 
 class Stop(Message, frozen=True, kw_only=True):
-    """Exit now with ``exit_code``; ``reason`` is logged. The code is 0 when the run is over and
-    :data:`EXIT_REPLACE` when the run goes on without this worker (its place is taken)."""
+    """Exit now with ``exit_code``; ``reason`` is logged. The code is 0 when the run is over, or when the worker
+    leaves as it asked (:class:`Leaving`) and the controller starts its own spares; :data:`EXIT_REPLACE` when the
+    run goes on without this worker and a cluster scheduler is to start another in its place."""
 
     reason: str
     exit_code: int = 0
@@ -328,7 +343,7 @@ class Notify(Message, frozen=True, kw_only=True):
 
 
 WorkerMessage = Union[  # noqa: UP007 - msgspec needs a Union object
-    Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published, Noticed
+    Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published, Noticed, Leaving
 ]
 ControllerMessage = Union[Form, Restore, Warm, Stop, Lease, Committed, Notify]  # noqa: UP007
 

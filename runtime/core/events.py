@@ -59,6 +59,7 @@ __all__ = [
     "WorkerHung",
     "WorkerKilled",
     "WorkerLost",
+    "WorkerSignalled",
     "WorkerStarted",
     "event_types",
 ]
@@ -426,6 +427,14 @@ class WorkerExited(Event, frozen=True, kw_only=True):
 
     worker: int
     returncode: int
+
+
+class WorkerSignalled(Event, frozen=True, kw_only=True):
+    """Worker ``worker`` got ``signal`` (SIGTERM or SIGINT: a node drain, a preemption) and asked to leave: the
+    group goes on without it from a planned step (a spare may take its seat), and its departure is no failure."""
+
+    worker: int
+    signal: str
 
 
 class WorkerKilled(Event, frozen=True, kw_only=True):

@@ -1,5 +1,6 @@
 """A planned drain in the controller's supervisor, driven alone (no processes): the members on a host under
-maintenance leave at a planned step, nothing is counted, no worker of the host is seated until it is readmitted."""
+maintenance leave at a planned step, nothing is counted, no worker of the host is seated until it is readmitted;
+a worker that asked to leave (SIGTERM) goes the same way and is told to exit 0 (under ``launch``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from pathlib import Path
 from test_supervisor import TARGET, Run
 
 from runtime.cluster.config import Strategy
-from runtime.cluster.controller.supervision import DrainRequested, Readmitted, Start, WorkerChanged
+from runtime.cluster.controller.supervision import (
+    DrainRequested,
+    LeaveRequested,
+    Readmitted,
+    Start,
+    TopUpSpares,
+    WorkerChanged,
+)
 from runtime.cluster.protocol import EXIT_REPLACE, Hello, Stop
 from runtime.core.events import GroupFormed
 
@@ -19,9 +27,9 @@ def hello(run: Run, worker: int, instance: str) -> None:
     run.feed(WorkerChanged(worker))
 
 
-def training(tmp_path: Path, *, spares: int = 0) -> Run:
+def training(tmp_path: Path, *, spares: int = 0, min_nprocs: int = 3) -> Run:
     """Four members, worker k on host k, trained to step 10 (and ``spares`` ready spares on host 9)."""
-    run = Run(tmp_path, nprocs=4, min_nprocs=3, spares=spares)
+    run = Run(tmp_path, nprocs=4, min_nprocs=min_nprocs, spares=spares)
     run.spawn(4 + spares)
     run.feed(Start())
     for worker in range(4 + spares):
@@ -76,3 +84,55 @@ def test_a_drain_that_would_leave_too_few_or_end_after_the_run_does_nothing(tmp_
     late.commit(TARGET - 3)
     late.feed(DrainRequested("host2", "maintenance of host2"))  # the run ends before a planned step could come
     assert len(late.forms) == 1
+
+
+def stops(run: Run, worker: int) -> list[Stop]:
+    return [m for w, m in run.sent if w == worker and isinstance(m, Stop)]
+
+
+def test_a_member_that_asks_to_leave_goes_at_a_planned_step_a_spare_takes_its_seat_and_it_exits_0(
+    tmp_path: Path,
+) -> None:
+    run = training(tmp_path, spares=1, min_nprocs=4)
+    run.feed(LeaveRequested(1, "it got SIGTERM"))
+    form = run.forms[-1]
+    assert (form.members, form.strategy, form.at_step) == ((0, 4, 2, 3), Strategy.DRAIN, 13)
+    [stop] = stops(run, 1)
+    assert (stop.exit_code, stop.at_step) == (0, 13) and "SIGTERM" in stop.reason
+    run.commit(13)
+    run.join(step=13, tier="ram")
+    assert run.supervisor.recovery.failures == 0 and run.kinds().count("RecoveryStarted") == 0
+    assert run.result.recoveries == [] and run.supervisor.departures == {}
+
+
+def test_a_member_that_asks_to_leave_with_no_spare_ready_waits_for_one_started_for_it(tmp_path: Path) -> None:
+    run = training(tmp_path, min_nprocs=4)
+    forms = len(run.forms)
+    run.feed(LeaveRequested(2, "it got SIGTERM"))
+    assert len(run.forms) == forms and stops(run, 2) == []  # not without a seat filled
+    assert run.next_worker == 5  # a spare was started for it, once
+    run.commit(11)
+    assert run.next_worker == 5
+    hello(run, 4, "host9")
+    form = run.forms[-1]
+    assert (form.members, form.strategy, form.at_step) == ((0, 1, 4, 3), Strategy.DRAIN, 14)
+    assert stops(run, 2)[0].exit_code == 0 and run.supervisor.recovery.failures == 0
+
+
+def test_a_spare_that_asks_to_leave_is_told_to_exit_0_at_once(tmp_path: Path) -> None:
+    run = training(tmp_path, spares=1)
+    forms = len(run.forms)
+    actions = run.feed(LeaveRequested(4, "it got SIGTERM"))
+    [stop] = stops(run, 4)
+    assert (stop.exit_code, stop.at_step) == (0, -1)
+    assert len(run.forms) == forms and run.supervisor.recovery.failures == 0
+    assert TopUpSpares() in actions  # its successor is started
+
+
+def test_a_worker_a_cluster_started_that_asks_to_leave_is_told_to_exit_for_a_replacement(tmp_path: Path) -> None:
+    run = training(tmp_path)
+    run.supervisor.config.command = []  # the service mode now: a Kubernetes Job takes a pod that exits 0 for done
+    run.feed(LeaveRequested(1, "it got SIGTERM"))
+    form = run.forms[-1]
+    assert (form.members, form.strategy, form.at_step) == ((0, 2, 3), Strategy.DRAIN, 13)
+    assert stops(run, 1)[0].exit_code == EXIT_REPLACE and run.supervisor.recovery.failures == 0

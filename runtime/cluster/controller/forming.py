@@ -34,6 +34,7 @@ __all__ = [
     "PLANNED_AHEAD",
     "await_joins",
     "cordoned",
+    "departure_code",
     "form_generation",
     "join_timeout",
     "recruit",
@@ -148,7 +149,8 @@ def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recru
         proc.gone = proc.told_to_stop = True
         sup.monitor.forget(worker)
         why = f"drained at step {at_step}: {sup.forming_reason}"
-        out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE, at_step=at_step)))
+        code = departure_code(sup) if sup.departures.pop(worker, None) is not None else EXIT_REPLACE
+        out.append(Send(worker, Stop(reason=why, exit_code=code, at_step=at_step)))
     out.append(
         Publish(
             GroupForming(
@@ -162,6 +164,13 @@ def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recru
     )
     sup.unjoined = set(members)
     sup.phase, sup.deadline = Phase.JOINING, sup.clock() + join_timeout(sup)
+
+
+def departure_code(sup: Supervisor) -> int:
+    """The exit code of a worker that asked to leave (SIGTERM from its host) and was let go: 0 where this
+    controller starts the workers (it starts its own spares); where a cluster scheduler starts them,
+    EXIT_REPLACE, so that it starts another in its place (a Kubernetes Job never replaces a pod that exited 0)."""
+    return 0 if sup.config.starts_workers else EXIT_REPLACE
 
 
 def join_timeout(sup: Supervisor) -> float:

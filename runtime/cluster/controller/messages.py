@@ -1,7 +1,7 @@
 """What the controller hears about its workers, in the shell: each message a worker sends (heartbeats, joins,
-restores, failures, durable parts, the script's requests and events, notices), a closed connection, the wire's
-reports of refused connections and the heartbeat monitor's verdicts; each published on the bus or handed to the
-supervisor as an input. Functions over the :class:`~runtime.cluster.controller.shell.Controller`.
+restores, failures, durable parts, the script's requests and events, notices, a wish to leave), a closed
+connection, the wire's reports of refused connections and the heartbeat monitor's verdicts; each published on the
+bus or handed to the supervisor as an input. Functions over the :class:`~runtime.cluster.controller.shell.Controller`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from runtime.cluster.controller.heartbeat import Lost, UnknownWorker, Verdict, v
 from runtime.cluster.controller.processes import WorkerProcess
 from runtime.cluster.controller.server import Report
 from runtime.cluster.controller.supervision import (
+    LeaveRequested,
     MemberFinished,
     MemberJoined,
     MemberRestored,
@@ -30,6 +31,7 @@ from runtime.cluster.protocol import (
     Finished,
     Heartbeat,
     Joined,
+    Leaving,
     Message,
     Noticed,
     Published,
@@ -51,6 +53,7 @@ from runtime.core.events import (
     ReplicaSkipped,
     StepFailed,
     WorkerHung,
+    WorkerSignalled,
 )
 
 if TYPE_CHECKING:
@@ -138,6 +141,15 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
             await controller.relay.published(message)
         case Noticed():
             await take_notice(controller, proc, message)
+        case Leaving(signal=signal):
+            # A departure, not a loss: the supervisor plans it like a drained host's (planned.py).
+            log.warning("controller: worker %d got %s and asks to leave the group", proc.worker, signal)
+            leaving = WorkerSignalled(
+                step=controller.group_step, source="controller", worker=proc.worker, signal=signal
+            )
+            # The run may be ending, its bus closed: scancel signals every worker and the controller at once.
+            await publish_or_log(controller, leaving)
+            controller.feed(LeaveRequested(proc.worker, f"it got {signal}"))
         case Finished(generation=gen) if gen == controller.group.generation:
             proc.finished = message
             controller.result.digests[proc.worker] = message.digest

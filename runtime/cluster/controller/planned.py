@@ -1,5 +1,6 @@
-"""Planned re-formings, which lose nothing and count no failure: draining the members on hosts under maintenance
-(cordoned) at a planned step, and growing a group that shrank (``min_nprocs``) back once a spare is ready.
+"""Planned re-formings, which lose nothing and count no failure: draining at a planned step the members on hosts
+under maintenance (cordoned) and those that asked to leave (SIGTERM from their host), and growing a group that
+shrank (``min_nprocs``) back once a spare is ready.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from runtime.cluster.config import Strategy
 from runtime.cluster.controller.forming import PLANNED_AHEAD, cordoned, form_generation, seatable
-from runtime.cluster.controller.supervision import Action
+from runtime.cluster.controller.supervision import Action, Spawn
 
 if TYPE_CHECKING:
     from runtime.cluster.controller.supervisor import Supervisor
@@ -20,13 +21,16 @@ log = logging.getLogger(__name__)
 
 
 def drain(sup: Supervisor, out: list[Action]) -> None:
-    """Take the members on cordoned hosts out at a planned step: the rest (and ready spares) re-form there,
-    every member's state in memory, nothing lost or counted. Not when the run ends first, nor when the
-    group would be smaller than ``min_nprocs``: then the host's loss is a failure like any other."""
-    reason = "; ".join(sup.drains.values())
-    sup.drains.clear()
+    """Take the members on cordoned hosts and those that asked to leave out at a planned step: the rest (and ready
+    spares) re-form there, every member's state in memory, nothing lost or counted. Not when the run ends first
+    (a member that asked to leave then ends with the run), nor when the group would be smaller than
+    ``min_nprocs``: then a host's loss is a failure like any other, and a member that asked to leave waits for
+    a spare (one is started) while its grace period lasts."""
     members = sup.group.members
-    leaving = [w for w in members if cordoned(sup, sup.pool[w])]
+    sup.departures = {w: why for w, why in sup.departures.items() if w in members and not sup.pool[w].gone}
+    reason = "; ".join([*sup.drains.values(), *(f"worker {w} leaves: {why}" for w, why in sup.departures.items())])
+    sup.drains.clear()
+    leaving = [w for w in members if cordoned(sup, sup.pool[w]) or w in sup.departures]
     if not leaving:
         return
     staying = [w for w in members if w not in leaving]
@@ -34,10 +38,20 @@ def drain(sup: Supervisor, out: list[Action]) -> None:
     ahead = max(sup.pool[w].step for w in members) + PLANNED_AHEAD
     if 0 <= sup.target_steps <= ahead + 1:
         log.warning("not draining workers %s (%s): the run ends first", leaving, reason)
+        sup.departures.clear()
         return
     assert sup.config.min_nprocs is not None
     if len(sup.group.seat(staying, ready)) < sup.config.min_nprocs:
-        log.warning("cannot drain workers %s (%s): fewer than min_nprocs would be left", leaving, reason)
+        starting = any(p.spare and not p.gone and p.hello is None for p in sup.pool)
+        if sup.departures and sup.config.starts_workers and not starting:
+            log.warning(
+                "workers %s cannot leave yet (%s): fewer than min_nprocs would be left; starting a spare",
+                leaving,
+                reason,
+            )
+            out.append(Spawn(len(leaving)))
+        elif not sup.departures:
+            log.warning("cannot drain workers %s (%s): fewer than min_nprocs would be left", leaving, reason)
         return
     sup.leaving = leaving
     form_generation(sup, out, Strategy.DRAIN, f"drain: {reason}")

@@ -53,7 +53,8 @@ class WorkerProcess:
     gone: bool = False
     warmed: bool = False  # was sent Warm
     closed: bool = False  # its connection ended
-    told_to_stop: bool = False  # sent Stop after it was judged lost
+    told_to_stop: bool = False  # sent Stop after it was judged lost, or to leave the group at a planned step
+    exit_seen: bool = False  # its exit was reported (``newly_exited``)
     held: int = -1  # the step it stopped stepping at when the run drains (``Stop.hold``); -1: not held
 
     @property
@@ -221,9 +222,12 @@ class ProcessPool:
         """Processes that exited since the last call, with their return codes; each is then marked gone."""
         exited = []
         for proc in self:
+            if proc.exit_seen:
+                continue
             code = proc.exit_code()
-            if code is not None and not proc.gone:
-                proc.gone = True
+            # One told to go (drained, or it asked to leave) is gone already, but how it exited is still news.
+            if code is not None and (not proc.gone or proc.told_to_stop):
+                proc.gone = proc.exit_seen = True
                 exited.append((proc, code))
         return exited
 

@@ -20,6 +20,7 @@ __all__ = [
     "Finish",
     "Input",
     "Kill",
+    "LeaveRequested",
     "MemberFinished",
     "MemberJoined",
     "MemberRestored",
@@ -116,6 +117,16 @@ class DrainRequested:
 
 
 @dataclass(frozen=True)
+class LeaveRequested:
+    """Worker ``worker`` asked to leave (``Leaving``: SIGTERM from its host): the group goes on without it from a
+    planned step, like a drained host's members, and it is told to exit there (``forming.departure_code``); a
+    spare is told at once."""
+
+    worker: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Readmitted:
     """Workers on ``instance`` may be seated again (its maintenance is over; ``ControllerContext.readmit``)."""
 
@@ -138,6 +149,7 @@ Input = (
     | MemberFinished
     | Tick
     | DrainRequested
+    | LeaveRequested
     | Readmitted
 )
 

@@ -17,7 +17,8 @@ got past JAX's start, so the rest re-form at once as after any loss; before that
 for the lost one's seat, so a spare takes that seat in the same generation (started if none is ready). Only a
 group that does not form in time (``form_timeout_s``) restarts with every worker replaced. Its inputs, actions
 and phases are in ``supervision.py``; forming a generation is in ``forming.py``, its restore in ``restore.py``,
-the planned re-formings (draining a host, growing back) in ``planned.py``: functions over this class's state.
+the planned re-formings (draining a host or a member that asked to leave, growing back) in ``planned.py``:
+functions over this class's state.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
-from runtime.cluster.controller.forming import await_joins, form_generation, recruit
+from runtime.cluster.controller.forming import await_joins, departure_code, form_generation, recruit
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor
 from runtime.cluster.controller.membership import Membership
 from runtime.cluster.controller.planned import can_grow, drain
@@ -38,6 +39,7 @@ from runtime.cluster.controller.supervision import (
     EndRun,
     Finish,
     Input,
+    LeaveRequested,
     MemberFinished,
     MemberJoined,
     MemberRestored,
@@ -47,11 +49,13 @@ from runtime.cluster.controller.supervision import (
     Readmitted,
     RegroupRequested,
     RestoreFailed,
+    Send,
     Start,
     Tick,
     TopUpSpares,
     WorkerChanged,
 )
+from runtime.cluster.protocol import Stop
 from runtime.core.errors import ElasticRuntimeError, RecoveryError
 from runtime.core.events import StepCompleted
 from runtime.core.recovery import RecoveryTracker
@@ -129,6 +133,7 @@ class Supervisor:
         self.cordoned: set[str] = set()
         self.drains: dict[str, str] = {}  # instance -> why, drains not yet started
         self.leaving: list[int] = []  # members the generation being formed drains
+        self.departures: dict[int, str] = {}  # member -> why: members that asked to leave (``LeaveRequested``)
 
     @property
     def done(self) -> bool:
@@ -186,6 +191,8 @@ class Supervisor:
             case DrainRequested(instance=instance, reason=reason):
                 self.cordoned.add(instance)
                 self.drains[instance] = reason
+            case LeaveRequested(worker=worker, reason=reason):
+                self._leave_requested(out, worker, reason)
             case Readmitted(instance=instance):
                 self.cordoned.discard(instance)
                 self.drains.pop(instance, None)
@@ -215,6 +222,19 @@ class Supervisor:
             return
         self.reason = reason
         self.strategy = strategy or self.strategy
+
+    def _leave_requested(self, out: list[Action], worker: int, reason: str) -> None:
+        """A member leaves at the next planned step (``planned.drain``), a spare at once; neither is a failure."""
+        proc = self.pool.get(worker)
+        if self.stopped or proc is None or proc.gone:
+            return  # the run is ending (every worker gets its Stop), or it was replaced already
+        if worker in self.group.members:
+            self.departures[worker] = reason
+            return
+        proc.gone = proc.told_to_stop = True
+        self.monitor.forget(worker)
+        out.append(Send(worker, Stop(reason=f"spare worker {worker} leaves: {reason}", exit_code=departure_code(self))))
+        out.append(TopUpSpares())
 
     def count_failure(self, out: list[Action], cause: str) -> None:
         step = self.group.step
@@ -264,7 +284,7 @@ class Supervisor:
             elif self.unreadable:
                 reason, self.unreadable = self.unreadable, ""
                 self._regroup(out, set(), reason)  # the same members, from another step
-            elif self.drains:
+            elif self.drains or self.departures:
                 drain(self, out)
             elif can_grow(self):
                 form_generation(self, out, Strategy.GROW, "a spare is ready")

@@ -68,6 +68,9 @@ class ControllerLink:
         self.on_committed: Callable[[int], None] = lambda step: None
         # Called (in the reader thread) with each of the group's events for the script's handlers.
         self.on_notify: Callable[[Notify], None] = lambda notify: None
+        # Set at the first Stop the controller sends: from then on the controller has the worker's exit in hand
+        # (runtime/cluster/worker/leaving.py waits for it).
+        self.stop_heard = threading.Event()
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name="controller-reader", daemon=True).start()
 
@@ -107,6 +110,8 @@ class ControllerLink:
                 else:
                     if isinstance(message, Form):
                         self.form_arrived = time.monotonic()
+                    elif isinstance(message, Stop):
+                        self.stop_heard.set()
                     self.inbox.put(message)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
         self.inbox.put(Stop(reason="controller connection closed", exit_code=EXIT_REPLACE))

@@ -38,6 +38,7 @@ from runtime.cluster.worker.durable import final_durable
 from runtime.cluster.worker.forming import form_group, warm_up
 from runtime.cluster.worker.handlers import ScriptHandlers
 from runtime.cluster.worker.instance import instance_name
+from runtime.cluster.worker.leaving import leave_on_signal
 from runtime.cluster.worker.link import ControllerLink, Inbound
 from runtime.cluster.worker.restore import adopt_restored, restore_step
 from runtime.cluster.worker.settings import WorkerSettings
@@ -157,6 +158,7 @@ class Worker:
         self.link.send(
             Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps, events=events, instance=where)
         )
+        leave_on_signal(self.link, self.worker, self.settings.grace_s)  # a node drain is a departure, not a loss
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         pending: Inbound | None = None
         while True:

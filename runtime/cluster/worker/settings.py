@@ -17,6 +17,7 @@ from runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
     ENV_CONNECT_S,
     ENV_CONTROLLER,
+    ENV_GRACE_S,
     ENV_HEARTBEAT_S,
     ENV_INSTANCE,
     ENV_JAX_HEARTBEAT_S,
@@ -56,6 +57,7 @@ _VARIABLES = {
     "keep_programs": ENV_KEEP_PROGRAMS,
     "instance": ENV_INSTANCE,
     "metadata_host": ENV_METADATA_HOST,
+    "grace_s": ENV_GRACE_S,
 }
 
 
@@ -80,6 +82,9 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     keep_programs: bool = True  # load compiled programs kept from earlier generations (runtime/core/programs.py)
     instance: str = ""  # the instance (host) it runs on; "": found by runtime/cluster/worker/instance.py
     metadata_host: str = ""  # host:port of a metadata server to ask for the instance's name; "": none
+    # After SIGTERM/SIGINT, how long to wait for the controller's Stop before exiting unasked (Kubernetes gives
+    # 30 s by default before its SIGKILL: the rest is for the exit itself).
+    grace_s: _Positive = 25.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:
