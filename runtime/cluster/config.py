@@ -198,3 +198,4 @@ class LaunchResult:
     resumed_from: int = -1  # the step a resumed run continued from; -1 when it did not resume
     drain_s: float | None = None  # stopped by a signal: from the signal until every worker was gone
     drain_checkpoint: int = -1  # stopped by a signal: the durable step committed for --resume; -1: none
+    longest_heartbeat_gap_s: float = 0.0  # the longest silence of a watched worker (the heartbeat timeout's margin)

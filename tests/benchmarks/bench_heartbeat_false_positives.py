@@ -9,8 +9,9 @@ Each run: the demo model as 3 worker processes (one warm spare), no fault inject
 ``--seconds`` (a step delay stretches the demo's steps), with ``--burners`` busy processes at the same priority
 beside it (the load the chaos loop puts on a machine: more runnable processes than cores). A setting is
 ``interval/timeout`` in seconds. Every ``WorkerLost`` or ``WorkerHung`` is a false positive: nothing failed.
-The figure per setting is the count over its runs and the rate per worker-hour of training; the last line is
-JSON. Settings are interleaved (A, B, A, B, ...): the machine's load drifts.
+The figure per setting is the count over its runs and the rate per worker-hour of training, and the longest
+silence between two heartbeats of one worker (``longest_gap_s``; ``margin_s`` is the timeout less it: how close
+the setting came to a false loss, which a count of zero does not say); the last line is JSON. Settings are interleaved (A, B, A, B, ...): the machine's load drifts.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def one(interval_s: float, timeout_s: float, seconds: float, burners: int) -> di
         "ok": result.ok,
         "false_lost": sum(isinstance(e, WorkerLost) for e in events),
         "false_hung": sum(isinstance(e, WorkerHung) for e in events),
+        "longest_gap_s": result.longest_heartbeat_gap_s,  # how close it came to a false loss
         "training_s": round(training_s, 1),
         "wall_s": round(wall, 1),
         "load_average": round(os.getloadavg()[0], 1),
@@ -101,6 +103,8 @@ def main() -> None:
             "per_worker_hour": round(false / worker_hours, 2) if worker_hours else None,
             "training_s": round(sum(r["training_s"] for r in mine), 1),
             "all_ok": all(r["ok"] for r in mine),
+            "longest_gap_s": max(r["longest_gap_s"] for r in mine),
+            "margin_s": round(timeout_s - max(r["longest_gap_s"] for r in mine), 3),
             "load_average": [r["load_average"] for r in mine],
         }
     print(json.dumps(summary))

@@ -42,6 +42,23 @@ def test_silence_past_the_timeout_is_a_loss_and_not_before(clock: FakeClock) -> 
     assert isinstance(verdict, Lost) and verdict.worker == 2 and verdict.silent_s == pytest.approx(2.1)
 
 
+def test_the_longest_silence_between_heartbeats_is_kept_and_a_lost_worker_s_silence_is_not(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=2.0)
+    clock.advance(0.5)
+    for worker in (0, 1, 2):
+        m.observe(worker, 1)
+    clock.advance(1.2)
+    m.observe(0, 2)  # 1.2 s after its last heartbeat
+    clock.advance(0.3)
+    m.observe(1, 2)  # 1.5 s
+    assert m.longest_gap_s == pytest.approx(1.5)
+    clock.advance(1.0)  # worker 2 silent for 2.5 s: lost, and no longer watched
+    assert [v.worker for v in m.check()] == [2]
+    clock.advance(10.0)
+    m.observe(2, 3)  # a late heartbeat of a lost worker is no gap of the run's
+    assert m.longest_gap_s == pytest.approx(1.5)
+
+
 def test_a_verdict_is_given_once_until_the_worker_is_registered_again(clock: FakeClock) -> None:
     m = monitor(clock, timeout_s=1.0)
     clock.advance(1.5)

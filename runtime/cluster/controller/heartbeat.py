@@ -122,6 +122,9 @@ class HeartbeatMonitor:
         self._gone: dict[int, None] = {}
         self._lost: set[int] = set()  # found lost, not forgotten (nor registered) since
         self._stragglers_due = -math.inf
+        # The longest silence between two heartbeats of a watched worker: how close the run came to a false
+        # "lost" (the timeout's margin, for choosing it), whether or not a verdict followed.
+        self.longest_gap_s = 0.0
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -160,6 +163,8 @@ class HeartbeatMonitor:
         if entry is None:
             raise UnknownWorker(worker)
         now = self.clock()
+        if worker in self._by_seen:
+            self.longest_gap_s = max(self.longest_gap_s, now - entry.last_seen)
         entry.last_seen = now
         if worker in self._by_seen:
             self._by_seen.move_to_end(worker)
