@@ -11,7 +11,8 @@ beside it (the load the chaos loop puts on a machine: more runnable processes th
 ``interval/timeout`` in seconds. Every ``WorkerLost`` or ``WorkerHung`` is a false positive: nothing failed.
 The figure per setting is the count over its runs and the rate per worker-hour of training, and the longest
 silence between two heartbeats of one worker (``longest_gap_s``; ``margin_s`` is the timeout less it: how close
-the setting came to a false loss, which a count of zero does not say); the last line is JSON. Settings are interleaved (A, B, A, B, ...): the machine's load drifts.
+the setting came to a false loss, which a count of zero does not say); the last line is JSON. Settings are
+interleaved (A, B, A, B, ...): the machine's load drifts.
 """
 
 from __future__ import annotations
