@@ -5,6 +5,7 @@
         hosts.start(0, ["python", ...], env, log)   # a process on host 0
         hosts.add_address(3)                        # another address on host 3 (198.18.N.128 on)
         hosts.lose(1)                               # every process on host 1 killed, its link removed
+        hosts.lose(2, 3)                            # a rack: both links down, then both hosts' processes killed
         hosts.partition(2)                          # host 2's link down (its processes live on)
         hosts.cut_from_controller(2)                # only host 2 <-> the controller cut; its peers reach it
         hosts.reconnect(2)                          # ... and mended
@@ -173,12 +174,16 @@ class SimulatedHosts:
         """Every process in host ``k``'s network namespace."""
         return [int(pid) for pid in _ip("netns", "pids", self.namespaces[k], check=False).split()]
 
-    def lose(self, k: int) -> None:
-        """Host ``k`` vanishes as a machine that loses power does: its link goes down first (no FIN, no RST
-        reaches anyone), then every process in it is killed and its link removed."""
-        _ip("link", "set", self._links[k], "down", check=False)
-        self._kill(k)
-        _ip("link", "del", self._links[k], check=False)
+    def lose(self, *hosts: int) -> None:
+        """The hosts vanish as machines that lose power do: their links go down first (no FIN, no RST reaches
+        anyone), then every process in them is killed and their links removed. Several hosts (a rack, a
+        switch) go together: every link is down before anything on them is killed."""
+        for k in hosts:
+            _ip("link", "set", self._links[k], "down", check=False)
+        for k in hosts:
+            self._kill(k)
+        for k in hosts:
+            _ip("link", "del", self._links[k], check=False)
 
     def partition(self, k: int) -> None:
         """Cut host ``k`` off the network; its processes go on."""

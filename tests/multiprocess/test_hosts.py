@@ -81,9 +81,10 @@ def service_run(
     step_delay_s: float,
     min_nprocs: int | None = None,
     replica_dirs: Path | None = None,
+    nprocs: int = NPROCS,
 ) -> Iterator[ServiceRun]:
     """Start ``elastic-runtime controller`` in the root namespace (secret from a token file) and one worker on
-    each of the first NPROCS hosts; the controller is killed on the way out if it still runs. With
+    each of the first ``nprocs`` hosts; the controller is killed on the way out if it still runs. With
     ``replica_dirs`` host K's workers keep their replica files in ``replica_dirs/hostK`` (a folder that
     outlives them, as a host's disk would), not in their own ``/dev/shm``."""
     secret = os.urandom(32).hex()
@@ -96,7 +97,7 @@ def service_run(
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
     env["ELASTIC_RUNTIME_TOKEN_FILE"] = str(token)
     command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", address]
-    command += ["--nprocs", str(NPROCS), "--steps", str(STEPS)]
+    command += ["--nprocs", str(nprocs), "--steps", str(STEPS)]
     command += [] if min_nprocs is None else ["--min-nprocs", str(min_nprocs)]
     command += ["--run-dir", str(run_dir), "--coordinator-ports", f"{low}-{low + 20}"]
     with open(tmp_path / "controller.log", "wb") as log:
@@ -110,7 +111,7 @@ def service_run(
             "ELASTIC_COMPILE_CACHE": str(tmp_path / "xla-cache"),
         }
         worker = [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
-        for k in range(NPROCS):
+        for k in range(nprocs):
             env_k = worker_env | {"ELASTIC_WORKER_ID": str(k)}
             if replica_dirs is not None:
                 env_k["ELASTIC_REPLICA_DIR"] = str(replica_dirs / f"host{k}")
