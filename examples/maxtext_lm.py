@@ -86,6 +86,10 @@ TINY = {
     "per_device_batch_size": 3,
     "dtype": "float32",
     "attention": "dot_product",
+    # Layers unrolled, not scanned: on CPU, XLA ran the step's independent all-reduce (the token count,
+    # total_weights) beside the all-gathers inside the scanned layers' loop in a different order on different
+    # devices and the step hung for good (docs/maxtext.md, "The hang, found"). On TPU and GPU keep MaxText's default.
+    "scan_layers": False,
     "learning_rate": 3e-3,
     "hardware": "cpu",
     "ici_data_parallelism": 4,

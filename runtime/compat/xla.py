@@ -5,9 +5,10 @@ seconds exceeded``) when a collective waits longer than ``--xla_cpu_collective_c
 (40 s by default): a fatal abort, not a ``JaxRuntimeError``, so nothing can recover from it. A loaded machine
 reaches it (a peer device's thread descheduled for long), and so does a worker's step abandoned in a collective
 with a dead peer while the group re-forms without it. So the runtime raises the limit to 5 minutes, unless the
-user set the flag. Not further: XLA's CPU collectives can also deadlock for good (seen once with a MaxText step,
-six device threads in an all-reduce and two in an all-gather of the same program), and in one process nothing
-else would end that hang; under ``launch`` the controller's ``--hang-timeout`` replaces such a worker first.
+user set the flag. Not further: XLA's CPU collectives can also deadlock for good (a step whose scanned loop holds
+collectives, beside another collective that does not depend on the loop: devices took them in different orders;
+docs/maxtext.md, "The hang, found"), and in one process nothing else would end that hang; under ``launch``
+the controller's ``--hang-timeout`` replaces such a worker first.
 XLA reads ``XLA_FLAGS`` once, when the first backend starts: importing this module (``runtime`` does, first)
 sets it, before any device is touched.
 """

@@ -13,7 +13,8 @@ behind), SIGTERM to the controller (``RunFinished``, ``summary.json``, no /dev/s
 left), and SIGTERM with a durable tier (``sigterm-durable``: a durable checkpoint of the newest step committed
 in the drain, then ``--resume`` from it: no step completed twice, bitwise). Correlated losses (``together``: two
 workers killed at the same instant with one warm spare; ``during-recovery``: a second kill while the group
-re-forms) are judged on "no survivor killed" and "one re-form" too.
+re-forms) are judged on "no survivor killed" and "one re-form" too. ``leave``: a worker SIGTERMed by its host
+(``term``), a planned departure: no loss, no kill, no recovery.
 
     .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1] [--cases resume,sigterm,repeat]
 """
@@ -40,7 +41,7 @@ from runtime.cli.demo_multiprocess import group_controller, run_group, worker_co
 from runtime.cluster.controller.runfolder import default_replica_dir
 from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, RunFinished, StateRestored, StepCompleted, WorkerKilled
+from runtime.core.events import GroupFormed, RunFinished, StateRestored, StepCompleted, WorkerKilled, WorkerLost
 from runtime.faults.grammar import Fault
 from runtime.testing import launched
 from storage.disk import DiskTier
@@ -67,6 +68,7 @@ CASES = (
     "hang",
     "impostor",
     "flood",
+    "leave",
     *CONTROLLER_CASES,
 )
 
@@ -103,6 +105,8 @@ def plan(rng: random.Random, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
             return {"faults": [Fault("kill", pid, step=step)], "attack": "impostor"}
         case "flood":
             return {"faults": [], "attack": "flood"}
+        case "leave":
+            return {"faults": [Fault("term", pid, step=step)], "planned": True}
         case _:
             return {"faults": [Fault("die-writing-replica", pid, step=step)]}
 
@@ -198,10 +202,23 @@ def correlated(run_dir: Path, result: Any) -> list[str]:
     return problems
 
 
+def planned(run_dir: Path, result: Any) -> list[str]:
+    """A worker SIGTERMed by its host leaves at a planned step: nothing lost, killed or counted as a failure."""
+    events = read_events(run_dir / "events.jsonl")
+    problems = [f"worker {e.worker} lost" for e in events if isinstance(e, WorkerLost)]
+    problems += [f"worker {e.worker} killed: {e.reason}" for e in events if isinstance(e, WorkerKilled)]
+    if result.recoveries:
+        problems.append(f"{len(result.recoveries)} recoveries for a planned departure")
+    return problems
+
+
 def run_round(run_dir: Path, spec: dict[str, Any]) -> tuple[Any, list[str]]:
     """One round; with an ``attack``, what the attacker got through is a problem too; with ``correlated``, a
-    survivor killed or more than one re-form."""
+    survivor killed or more than one re-form; with ``planned``, any loss, kill or recovery."""
     attack = spec.pop("attack", None)
+    if spec.pop("planned", False):
+        result = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec).run()
+        return result, planned(run_dir, result)
     if spec.pop("correlated", False):
         result = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec).run()
         return result, correlated(run_dir, result)
