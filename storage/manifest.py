@@ -29,8 +29,9 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
 _READ_CHUNK = 8 << 20
 # The most bytes one google_crc32c call is given: it holds the GIL for the whole call (256 MB in one call kept
-# every other thread out for 24 ms here, 252 ms for a 512 MB leaf at load 18), and a worker's heartbeat thread
-# must run while its replica files are written and read (tests/benchmarks/bench_heartbeat_gap.py).
+# every other thread out for 24 ms here; a replica write of a 1 GB leaf held it 85-92 ms, 22 ms in pieces), and
+# a worker's heartbeat thread must run while its replica files are written and read
+# (tests/benchmarks/bench_heartbeat_gap.py, docs/benchmarks.md).
 CRC_PIECE = 4 << 20
 
 KeyPart = str | int
