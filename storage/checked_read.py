@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import msgspec
 import numpy as np
 
@@ -205,25 +204,21 @@ def _read_verified(root: Path, entry: FileEntry) -> bytes:
         data = path.read_bytes()
     except OSError as exc:
         raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
-    check_entry(path, entry, len(data), mf.crc32c_bytes(data))
+    check_entry(path, entry, len(data), mf.crc32c(data))
     return data
 
 
 def _read_into(root: Path, entry: FileEntry, target: memoryview) -> None:
     """Fill ``target`` from the file, CRC32C-checking what was read; a short or long file is invalid."""
     path = _inside(root, entry)
-    checksum = google_crc32c.Checksum()
-    total = 0
+    crc = total = 0
     try:
         with open(path, "rb", buffering=0) as f:
             while total < len(target):
                 n = f.readinto(target[total : total + (64 << 20)])
                 if not n:
                     break
-                # A read-only numpy view: google_crc32c takes it without a copy (a memoryview it refuses).
-                view = np.frombuffer(target[total : total + n], dtype=np.uint8)
-                view.flags.writeable = False
-                checksum.update(view)
+                crc = mf.crc32c(target[total : total + n], crc)
                 total += n
             extra = f.read(1)
     except FileNotFoundError as exc:
@@ -234,7 +229,7 @@ def _read_into(root: Path, entry: FileEntry, target: memoryview) -> None:
         size = total + len(extra)
         reason = f"size {size}{'+' if extra else ''}, expected {len(target)} (manifest says {entry.size})"
         raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=str(path), reason=reason)
-    check_entry(path, entry, total, int.from_bytes(checksum.digest(), "big"))
+    check_entry(path, entry, total, crc)
 
 
 def _read_with_orbax(state_dir: Path, manifest: Manifest) -> dict[tuple[KeyPart, ...], np.ndarray]:

@@ -28,6 +28,11 @@ FORMAT_VERSION = 1
 # One step per directory (or GCS prefix): zero-padded so that names sort like steps.
 _STEP_DIR = re.compile(r"^step_(\d{10})$")
 _READ_CHUNK = 8 << 20
+# The most bytes one google_crc32c call is given: it holds the GIL for the whole call (256 MB in one call kept
+# every other thread out for 24 ms here; a replica write of a 1 GB leaf held it 85-92 ms, 22 ms in pieces), and
+# a worker's heartbeat thread must run while its replica files are written and read
+# (tests/benchmarks/bench_heartbeat_gap.py, docs/benchmarks.md).
+CRC_PIECE = 4 << 20
 
 KeyPart = str | int
 
@@ -138,19 +143,27 @@ def check_relative(path: str, *, where: str) -> str:
 # --- building and checking ----------------------------------------------------------------------------
 
 
+def crc32c(data: bytes | bytearray | memoryview | np.ndarray, crc: int = 0) -> int:
+    """``crc`` (the CRC32C of what came before) extended by the bytes of ``data``, in place: a C-contiguous array
+    (any dtype) or a bytes-like object. Fed to the C implementation ``CRC_PIECE`` bytes per call, so that other
+    threads run between the calls: every CRC32C of a checkpoint's data is computed here."""
+    # A new view either way (no copy: callers pass C-contiguous arrays), made read-only: google_crc32c takes
+    # read-only numpy buffers without a copy.
+    view = data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    view.flags.writeable = False
+    for start in range(0, view.size, CRC_PIECE):
+        crc = google_crc32c.extend(crc, view[start : start + CRC_PIECE])
+    return int(crc)
+
+
 def crc32c_file(path: str | os.PathLike[str]) -> tuple[int, int]:
     """Size and CRC32C of a file, read in large chunks (the C implementation runs at memory speed)."""
-    checksum = google_crc32c.Checksum()
-    size = 0
+    crc = size = 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(_READ_CHUNK):
-            checksum.update(chunk)
+            crc = crc32c(chunk, crc)
             size += len(chunk)
-    return size, int.from_bytes(checksum.digest(), "big")
-
-
-def crc32c_bytes(data: bytes | memoryview) -> int:
-    return int(google_crc32c.value(bytes(data) if isinstance(data, memoryview) else data))
+    return size, crc
 
 
 def files_under(root: Path) -> list[str]:

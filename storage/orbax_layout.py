@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import jax
 import numpy as np
 
 from runtime.compat import orbax as orbax_compat
+from storage import manifest as mf
 from storage.manifest import FileEntry, KeyPart, key_of
 
 PyTree = Any
@@ -101,13 +101,8 @@ def fsync_all(paths: list[Path], *, workers: int = 16) -> None:
 
 
 def crc_of_array(array: np.ndarray) -> int:
-    """The CRC32C of a C-contiguous array's bytes, computed in place.
-
-    google_crc32c takes read-only buffers only: a writable one would have to be copied to ``bytes`` first.
-    """
-    view = array.reshape(-1).view(np.uint8)
-    view.flags.writeable = False  # this view only; the array stays writable
-    return int(google_crc32c.value(view))
+    """The CRC32C of a C-contiguous array's bytes, computed in place (:func:`storage.manifest.crc32c`)."""
+    return mf.crc32c(array)
 
 
 _COMMIT_NAME = "commit_success.txt"
@@ -215,7 +210,7 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path, sync: bool = True) 
         directory = state_dir / array_dirname(key)
         directory.mkdir()
         meta = zarray(array.shape, array.shape, array.dtype)
-        add(directory / ".zarray", _write_file(directory / ".zarray", meta), int(google_crc32c.value(meta)))
+        add(directory / ".zarray", _write_file(directory / ".zarray", meta), mf.crc32c(meta))
         chunk = directory / (".".join("0" for _ in array.shape) or "0")
         crc = crc_of_array(array)
         add(chunk, _write_file(chunk, memoryview(array.reshape(-1).view(np.uint8).data)), crc)
@@ -223,7 +218,7 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path, sync: bool = True) 
         name, node = array_entry(key)
         tree_metadata[name] = node
     for name, data in metadata_files(tree, tree_metadata, state_dir):
-        add(state_dir / name, _write_file(state_dir / name, data), int(google_crc32c.value(data)))
+        add(state_dir / name, _write_file(state_dir / name, data), mf.crc32c(data))
     if sync:  # every file and every directory entry is durable before the manifest is written
         fsync_all(written)
     return entries

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import jax
 import numpy as np
 
@@ -100,7 +99,7 @@ def write_part(
         entries.append(FileEntry(path=path.relative_to(step_dir).as_posix(), size=size, crc32c=crc))
 
     def write_bytes(path: Path, data: bytes) -> None:
-        write(path, data, int(google_crc32c.value(data)))
+        write(path, data, mf.crc32c(data))
 
     tree_metadata: dict[str, Any] = {}
     paths = jax.tree_util.tree_flatten_with_path(template)[0]
@@ -180,7 +179,7 @@ def read_local(
             data = read(rel)
         except OSError as exc:
             raise CheckpointInvalid(f"cannot read {path}: {exc}", path=path, reason=str(exc)) from exc
-        check_entry(path, entry, len(data), int(google_crc32c.value(data)))
+        check_entry(path, entry, len(data), mf.crc32c(data))
         nbytes += len(data)
         return data
 

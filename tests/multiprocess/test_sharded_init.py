@@ -72,9 +72,6 @@ def launch(
         replica_dir=str(run_dir / "replicas"),
         faults=[] if kill is None else [Fault("kill", kill, step=steps // 2)],
         hang_timeout_s=300.0,  # a step of a large state on a loaded machine; not a hang
-        # Reading and verifying a 1.5 GB state's replica files held a new worker's heartbeats past 2 s (twice at
-        # load 2-4): detection is not what these tests measure (see the note).
-        heartbeat_timeout_s=10.0,
         **extra,
     )
     result = default_controller(config).run()

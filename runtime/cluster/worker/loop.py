@@ -59,6 +59,10 @@ from storage.shards import NeighbourShift, SliceRestore
 
 log = logging.getLogger(__name__)
 
+# A heartbeat this late is logged: the controller's timeout is 2 s by default, and the log then says whether a
+# worker declared silent had stopped sending (its heartbeat thread waited for the GIL or a CPU) or was read late.
+_LATE_BEAT_S = 1.0
+
 
 class Worker:
     """One worker process's state and loop. Build it with :func:`run_worker`."""
@@ -202,8 +206,13 @@ class Worker:
                     return code
 
     def _beat(self) -> None:
+        due = time.monotonic()
         while True:
+            late = time.monotonic() - due
+            if late > _LATE_BEAT_S:
+                log.warning("worker %d: heartbeat %.2f s late (waited for the GIL or a CPU)", self.worker, late)
             self.heartbeat(memory=True)
+            due = time.monotonic() + self.settings.heartbeat_s
             time.sleep(self.settings.heartbeat_s)
 
     def heartbeat(self, *, memory: bool = False) -> None:
