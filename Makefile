@@ -65,8 +65,9 @@ slurm:
 test: lint
 	$(BIN)/pytest
 
-# The tests of a minute or more each (marked `heavy`: simulated hosts drained for maintenance, the hosts demo, a
-# state larger than a worker's memory, a removed Ray node), apart from `make test` to keep it under 20 minutes.
+# The tests of a minute or more each (marked `heavy`: simulated hosts drained for maintenance or lost as a rack, the
+# hosts demo, a state larger than a worker's memory, a removed Ray node, a worker's SIGTERM), apart from `make test`
+# to keep it under 20 minutes.
 # .ci/run calls both.
 test-heavy: $(STAMP)
 	$(BIN)/pytest -m heavy

@@ -37,7 +37,8 @@ from storage.disk import DiskTier
 STEPS = 30
 NPROCS = 4
 
-pytestmark = pytest.mark.timeout(400)
+# A minute or more (a reference run, then the run with the departure): in `make test-heavy`.
+pytestmark = [pytest.mark.timeout(400), pytest.mark.heavy]
 
 
 def final(folder: Path) -> Any:
