@@ -6,7 +6,7 @@ spare's peak RSS (``VmHWM``, from the workers' own reports: ``RunFinished.memory
 from the data source for a step. The last line (``--json``) has, per configuration, ``rss_slope``: the fitted
 slope of the members' largest peak RSS against the state's size (bytes of RSS per byte of state).
 
-    .venv/bin/python tests/benchmarks/bench_memory.py [--mb 64 256] [--steps 6] [--json]
+    .venv/bin/python tests/benchmarks/bench_memory.py [--mb 64 256] [--steps 6] [--configs NAME ...] [--json]
 """
 
 from __future__ import annotations
@@ -64,11 +64,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=float, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="default: all")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     summary: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
-        for name, (slices, neighbours, extra) in CONFIGS.items():
+        for name in args.configs:
+            slices, neighbours, extra = CONFIGS[name]
             runs = {}
             for mb in args.mb:
                 figures = run(mb, slices, neighbours, extra, args.steps, Path(tmp) / f"{name}-{mb}")

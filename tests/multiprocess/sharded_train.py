@@ -2,6 +2,7 @@
 ``tests/benchmarks/bench_memory.py``. Not collected.
 
     python tests/multiprocess/sharded_train.py --steps 8 --mb 64 [--init jit|host] [--data process|global]
+        [--reads FOLDER]
 
 The state is ``--leaves`` float32 arrays of ``--mb`` MB in all, each split by rows over ``model``. ``--init
 jit`` builds it with JAX operations (under the runtime's ``jit``, each process computes only its shards);
@@ -12,6 +13,9 @@ its batch's sum is exact (small integers), so every layout computes the same bit
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,6 +24,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from runtime import TrainJob
+from runtime.cluster.protocol import ENV_WORKER
 from runtime.cluster.worker import run_worker
 
 COLUMNS = 1024
@@ -64,6 +69,19 @@ class Rows(GlobalRows):
         return _rows(position, start, stop)
 
 
+class LoggedRows(Rows):
+    """``Rows`` that append every read, ``[position, start, stop]``, to ``<folder>/<worker id>.jsonl``, in order."""
+
+    def __init__(self, folder: str) -> None:
+        self.log = Path(folder) / f"{os.environ[ENV_WORKER]}.jsonl"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+
+    def rows(self, position: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        with self.log.open("a") as log:
+            log.write(json.dumps([position, start, stop]) + "\n")
+        return super().rows(position, start, stop)
+
+
 def _rows(position: int, start: int, stop: int) -> dict[str, np.ndarray]:
     index = np.arange(start, stop, dtype=np.int64)[:, None] * FEATURES + np.arange(FEATURES)
     return {"x": ((index + position * 7) % 13).astype(np.float32)}
@@ -77,13 +95,17 @@ def step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, 
     return {"w": [w * 0.5 + total for w in state["w"]]}, {"loss": loss}
 
 
-def job(mb: float, leaves: int, init: str, data: str = "process", split: bool = False) -> TrainJob:
-    """``split``: the batch's rows over every device (``data`` and ``model``), not over ``data`` only."""
+def job(
+    mb: float, leaves: int, init: str, data: str = "process", split: bool = False, reads: str | None = None
+) -> TrainJob:
+    """``split``: the batch's rows over every device (``data`` and ``model``), not over ``data`` only. ``reads``:
+    a folder where each process logs the rows it reads (``LoggedRows``)."""
     rows = rows_per_leaf(mb, leaves)
+    source = GlobalRows() if data == "global" else Rows() if reads is None else LoggedRows(reads)
     return TrainJob(
         init=(jit_init if init == "jit" else host_init)(rows, leaves),
         step=step,
-        data=Rows() if data == "process" else GlobalRows(),
+        data=source,
         state_specs={"w": [P("model", None)] * leaves},
         batch_spec=P(("data", "model")) if split else P("data"),
     )
@@ -97,8 +119,9 @@ def main() -> None:
     parser.add_argument("--init", choices=("jit", "host"), default="jit")
     parser.add_argument("--data", choices=("process", "global"), default="process")
     parser.add_argument("--split-batch", action="store_true", help="the batch's rows over every device")
+    parser.add_argument("--reads", help="a folder: log the rows each process reads (with --data process)")
     args = parser.parse_args()
-    run_worker(job(args.mb, args.leaves, args.init, args.data, args.split_batch), steps=args.steps)
+    run_worker(job(args.mb, args.leaves, args.init, args.data, args.split_batch, args.reads), steps=args.steps)
 
 
 if __name__ == "__main__":
