@@ -33,13 +33,14 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_vs_torchft import spread  # (tests/benchmarks/, this script's folder)
 
 from runtime.core.eventlog import read_events
 from runtime.core.events import (
@@ -59,18 +60,6 @@ RUN_TIMEOUT_S = 600.0
 
 def load_average() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    """Median and range, rounded; ``n`` counts the runs that reached the point measured."""
-    if not values:
-        return {"n": 0, "median": None, "min": None, "max": None}
-    return {
-        "n": len(values),
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
 
 
 def launch(run_dir: Path, args: argparse.Namespace, faults: list[str]) -> dict[str, Any]:
