@@ -206,7 +206,8 @@ def planned(run_dir: Path, result: Any) -> list[str]:
     """A worker SIGTERMed by its host leaves at a planned step: nothing lost, killed or counted as a failure."""
     events = read_events(run_dir / "events.jsonl")
     problems = [f"worker {e.worker} lost" for e in events if isinstance(e, WorkerLost)]
-    problems += [f"worker {e.worker} killed: {e.reason}" for e in events if isinstance(e, WorkerKilled)]
+    kills = [e for e in events if isinstance(e, WorkerKilled) and "fault injection" not in e.reason]  # not the TERM
+    problems += [f"worker {e.worker} killed: {e.reason}" for e in kills]
     if result.recoveries:
         problems.append(f"{len(result.recoveries)} recoveries for a planned departure")
     return problems
