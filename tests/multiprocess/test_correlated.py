@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from launch_support import fault_free_final
 
 from runtime.cli.demo_multiprocess import run_group, worker_command
 from runtime.cluster.protocol import ENV_JAX_INIT_S, ENV_STEP_DELAY_S
@@ -55,9 +56,7 @@ def final(folder: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("reference")
-    assert run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, faults=[]).ok
-    return run_dir / "final"
+    return fault_free_final(tmp_path_factory.mktemp("reference"), processes=NPROCS, steps=STEPS)
 
 
 @pytest.mark.parametrize(

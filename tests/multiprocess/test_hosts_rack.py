@@ -16,11 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_support import STEPS
+from launch_support import STEPS, fault_free_final
 from test_hosts import _WAIT_S, events, service_run, wait_for
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
-from runtime.cli.demo_multiprocess import run_group
 from runtime.core.events import (
     GroupFormed,
     GroupForming,
@@ -45,10 +44,7 @@ DETECTION_MARGIN_S = 3.0
 @pytest.fixture(scope="module")
 def reference4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fault-free run of the same job on 4 workers (on loopback, launched)."""
-    run_dir = tmp_path_factory.mktemp("reference4")
-    result = run_group(processes=HOSTS, steps=STEPS, run_dir=run_dir, faults=[])
-    assert result.ok and result.step == STEPS and result.recoveries == []
-    return run_dir / "final"
+    return fault_free_final(tmp_path_factory.mktemp("reference4"), processes=HOSTS)
 
 
 @pytest.mark.heavy
