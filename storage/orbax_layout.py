@@ -100,11 +100,6 @@ def fsync_all(paths: list[Path], *, workers: int = 16) -> None:
             future.result()
 
 
-def crc_of_array(array: np.ndarray) -> int:
-    """The CRC32C of a C-contiguous array's bytes, computed in place (:func:`storage.manifest.crc32c`)."""
-    return mf.crc32c(array)
-
-
 _COMMIT_NAME = "commit_success.txt"
 
 
@@ -212,7 +207,7 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path, sync: bool = True) 
         meta = zarray(array.shape, array.shape, array.dtype)
         add(directory / ".zarray", _write_file(directory / ".zarray", meta), mf.crc32c(meta))
         chunk = directory / (".".join("0" for _ in array.shape) or "0")
-        crc = crc_of_array(array)
+        crc = mf.crc32c(array)
         add(chunk, _write_file(chunk, memoryview(array.reshape(-1).view(np.uint8).data)), crc)
         written.append(directory)
         name, node = array_entry(key)

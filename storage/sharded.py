@@ -119,7 +119,7 @@ def write_part(
             array = np.ascontiguousarray(mine)
             chunk = ".".join(str(b.start // c) for b, c in zip(box, chunks, strict=True)) or "0"
             # The chunk's CRC32C from the array in memory, without a copy of its bytes.
-            write(directory / chunk, array.reshape(-1).view(np.uint8).data, orbax_layout.crc_of_array(array))
+            write(directory / chunk, array.reshape(-1).view(np.uint8).data, mf.crc32c(array))
         written.append(directory)
     if lead:
         for name, data in orbax_layout.metadata_files(template, tree_metadata, state_dir):
