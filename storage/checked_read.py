@@ -84,18 +84,7 @@ def verify_file(root: Path, entry: FileEntry) -> None:
         raise CheckpointInvalid(f"{path} is missing", path=str(path), reason="missing") from exc
     except OSError as exc:
         raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
-    check_entry(path, entry, size, crc)
-
-
-def check_entry(path: str | Path, entry: FileEntry, size: int, crc: int) -> None:
-    """Raises CheckpointInvalid when a file of ``size`` bytes and CRC32C ``crc``, read from ``path``, is not the
-    one ``entry`` names: a size apart is a truncated or overwritten file, a CRC32C apart altered bytes."""
-    if size != entry.size:
-        reason = f"size {size}, manifest says {entry.size}"
-        raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=str(path), reason=reason)
-    if crc != entry.crc32c:
-        reason = f"crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
-        raise CheckpointInvalid(f"{path}: {reason} (altered bytes)", path=str(path), reason=reason)
+    mf.check_entry(path, entry, size, crc)
 
 
 def verify_directory(directory: Path, manifest: Manifest, deadline: Deadline | None = None) -> None:
@@ -204,7 +193,7 @@ def _read_verified(root: Path, entry: FileEntry) -> bytes:
         data = path.read_bytes()
     except OSError as exc:
         raise CheckpointInvalid(f"cannot read {path}: {exc}", path=str(path), reason=str(exc)) from exc
-    check_entry(path, entry, len(data), mf.crc32c(data))
+    mf.check_entry(path, entry, len(data), mf.crc32c(data))
     return data
 
 
@@ -229,7 +218,7 @@ def _read_into(root: Path, entry: FileEntry, target: memoryview) -> None:
         size = total + len(extra)
         reason = f"size {size}{'+' if extra else ''}, expected {len(target)} (manifest says {entry.size})"
         raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=str(path), reason=reason)
-    check_entry(path, entry, total, crc)
+    mf.check_entry(path, entry, total, crc)
 
 
 def _read_with_orbax(state_dir: Path, manifest: Manifest) -> dict[tuple[KeyPart, ...], np.ndarray]:

@@ -206,3 +206,14 @@ def dtype_of(name: str) -> np.dtype[Any]:
         return np.dtype(jax.numpy.dtype(name))
     except TypeError as exc:
         raise ValueError(f"unknown dtype {name!r}") from exc
+
+
+def check_entry(path: str | Path, entry: FileEntry, size: int, crc: int) -> None:
+    """Raises CheckpointInvalid when a file of ``size`` bytes and CRC32C ``crc``, read from ``path``, is not the
+    one ``entry`` names: a size apart is a truncated or overwritten file, a CRC32C apart altered bytes."""
+    if size != entry.size:
+        reason = f"size {size}, manifest says {entry.size}"
+        raise CheckpointInvalid(f"{path}: {reason} (truncated or overwritten)", path=str(path), reason=reason)
+    if crc != entry.crc32c:
+        reason = f"crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
+        raise CheckpointInvalid(f"{path}: {reason} (altered bytes)", path=str(path), reason=reason)

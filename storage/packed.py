@@ -78,10 +78,8 @@ def read_arrays(directory: Path, manifest: Manifest) -> dict[tuple[KeyPart, ...]
                 size += n
     except OSError as exc:
         raise invalid(f"cannot be read ({exc})") from exc
-    if size != entry.size or data.size != entry.size:
-        raise invalid(f"holds {data.size} bytes, the manifest says {entry.size}")
-    if mf.crc32c(data) != entry.crc32c:
-        raise invalid("CRC32C differs from the manifest's")
+    # The reasons are the Orbax layout's (``check_entry``): a size apart, or a CRC32C apart.
+    mf.check_entry(path, entry, size, mf.crc32c(data[:size]))
     arrays = {}
     offset = 0
     for leaf in manifest.leaves:

@@ -4,9 +4,10 @@ Each worker keeps its own shards of every committed step in host memory (:func:`
 :func:`storage.shards.local_copy`); a re-formed group restores from them (:class:`storage.shards.SliceRestore`).
 
 :class:`ReplicaFiles` keeps the same copy in files, one folder per process, under ``/dev/shm`` by default
-(survives the loss of every worker process, not of the host) or any directory, in the disk tier's format:
-Orbax's layout with a manifest that lists every file's size and CRC32C, committed last, so a kill mid-write
-leaves the previous replica whole and a damaged one is detected on read. No pickle.
+(survives the loss of every worker process, not of the host) or any directory, in the disk tier's format
+with its packed layout (:mod:`storage.packed`: every array in one file) and a manifest that lists the file's
+size and CRC32C, committed last, so a kill mid-write leaves the previous replica whole and a damaged one is
+detected on read. No pickle.
 
 Every replica carries its run's identity in its manifest's metadata (:func:`run_identity`: the run id and
 a fingerprint of the job: state structure, shapes, dtypes, target steps); :meth:`ReplicaFiles.newest`
@@ -129,10 +130,15 @@ class ReplicaFiles:
         # nothing the kernel holds (the manifest, renamed last, still commits). The fsyncs were about half of
         # each replica's write, every step, on the cores the step runs on.
         in_memory = self.directory.resolve().is_relative_to(Path("/dev/shm").resolve())
-        self.tier = DiskTier(self.directory / name, name="shm", check_space=False, sync=not in_memory)
+        # Packed (one file per replica, storage/packed.py): only this library reads replica files, and Orbax's
+        # layout cost a file and a folder per array, which at the demo's size tripled each step's write.
+        self.tier = DiskTier(self.directory / name, name="shm", check_space=False, packed=True, sync=not in_memory)
         self.keep = keep
         for torn in self.tier.sweep():  # an earlier process of this name was killed mid-write
             log.info("removed a torn replica: %s", torn)
+        # The steps this folder holds. This process is its one writer, so the list is kept here rather than read
+        # back (every manifest parsed) after each write.
+        self._held = set(self.tier.steps(timeout=_TIMEOUT_S))
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-file")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
@@ -168,11 +174,13 @@ class ReplicaFiles:
     def _write(self, snapshot: HostSnapshot) -> None:
         started = time.monotonic()
         self.tier.save(snapshot, timeout=_TIMEOUT_S)
+        self._held.add(snapshot.step)
         with self._lock:
             pinned = set(self.pinned)
-        for info in self.tier.list(timeout=_TIMEOUT_S)[self.keep :]:
-            if info.step not in pinned:
-                self.tier.delete(info.step, timeout=_TIMEOUT_S)
+        for step in sorted(self._held, reverse=True)[self.keep :]:
+            if step not in pinned:
+                self.tier.delete(step, timeout=_TIMEOUT_S)
+                self._held.discard(step)
         log.debug("replica of step %d written in %.3f s", snapshot.step, time.monotonic() - started)
 
     def wait(self) -> None:

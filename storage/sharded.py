@@ -34,7 +34,7 @@ import numpy as np
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
 from storage import manifest as mf
 from storage import orbax_layout
-from storage.checked_read import LAYOUT, STATE_DIR, check_entry
+from storage.checked_read import LAYOUT, STATE_DIR
 from storage.disk import DiskTier, write_manifest
 from storage.gcs import GcsTier
 from storage.manifest import FileEntry, LeafEntry, Manifest
@@ -179,7 +179,7 @@ def read_local(
             data = read(rel)
         except OSError as exc:
             raise CheckpointInvalid(f"cannot read {path}: {exc}", path=path, reason=str(exc)) from exc
-        check_entry(path, entry, len(data), mf.crc32c(data))
+        mf.check_entry(path, entry, len(data), mf.crc32c(data))
         nbytes += len(data)
         return data
 

@@ -1,5 +1,7 @@
-"""One restore routine: the newest step any source holds that verifies, read from the fastest source among
-those that hold it. Shared by ``ctx.restore("latest")``, the checkpointer and every tier's ``latest``."""
+"""One restore routine: a given step read from the first of its sources that verifies (:func:`restore_step`),
+and the newest step any source holds that verifies (:func:`restore_newest`, built on it). Shared by
+``ctx.restore("latest")``, the checkpointer, every tier's ``latest`` and the multi-process worker's read of its
+own shards (its RAM replica, its replica files, the durable tier)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any, Protocol
 from runtime.core.errors import CheckpointInvalid, ConfigError, SnapshotUnavailable, StorageError
 from runtime.core.snapshot import HostSnapshot
 
-__all__ = ["CorruptionListener", "RestoreSource", "refuse_earlier_checkpoints", "restore_newest"]
+__all__ = ["CorruptionListener", "RestoreSource", "refuse_earlier_checkpoints", "restore_newest", "restore_step"]
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +58,41 @@ def restore_newest(
         for step in steps:
             holders.setdefault(step, []).append(source)
     for step in sorted(holders, reverse=True):
-        for source in holders[step]:
-            try:
-                return source, source.restore(step, like, timeout=timeout)
-            except CheckpointInvalid as exc:
-                problems.append(f"{source.name} step {step}: {exc}")
-                for listener in source.corruption_listeners:
-                    listener(source.name, step, exc)
-            except (SnapshotUnavailable, StorageError) as exc:
-                problems.append(f"{source.name} step {step}: {exc}")
+        try:
+            return restore_step(holders[step], step, like, timeout=timeout)
+        except (CheckpointInvalid, SnapshotUnavailable) as exc:
+            problems.append(str(exc))
     names = ", ".join(s.name for s in sources) or "no source"
     raise SnapshotUnavailable(f"nothing restorable in {names} ({'; '.join(problems) or 'none committed'})")
+
+
+def restore_step(
+    sources: Sequence[RestoreSource], step: int, like: PyTree = None, *, timeout: float
+) -> tuple[RestoreSource, HostSnapshot]:
+    """Step ``step`` from the first of ``sources`` (given fastest first, each holding it) that verifies.
+
+    A copy that fails verification is reported to its source's ``corruption_listeners``, and the next source
+    is tried.
+
+    Raises:
+        CheckpointInvalid: every source's copy failed verification (the last one's error, naming the rest).
+        SnapshotUnavailable: no source could read the step at all (missing, unreachable), none was damaged.
+    """
+    problems: list[str] = []
+    invalid: CheckpointInvalid | None = None
+    for source in sources:
+        try:
+            return source, source.restore(step, like, timeout=timeout)
+        except CheckpointInvalid as exc:
+            problems.append(f"{source.name} step {step}: {exc}")
+            invalid = exc
+            for listener in source.corruption_listeners:
+                listener(source.name, step, exc)
+        except (SnapshotUnavailable, StorageError) as exc:
+            problems.append(f"{source.name} step {step}: {exc}")
+    if invalid is not None:
+        raise CheckpointInvalid("; ".join(problems), path=invalid.path, reason=invalid.reason) from invalid
+    raise SnapshotUnavailable("; ".join(problems) or f"step {step}: no source holds it")
 
 
 def refuse_earlier_checkpoints(sources: Sequence[RestoreSource], timeout: float) -> None:

@@ -1,4 +1,5 @@
-"""One restore routine: the newest step any tier holds that verifies, from the fastest tier holding it."""
+"""One restore routine: a given step from the first of its tiers that verifies, and the newest step any tier holds
+that verifies, from the fastest tier holding it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from gcs_support import small_state
 from tests_storage_helpers import snapshot
 
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
-from runtime.core.restore import restore_newest
+from runtime.core.restore import restore_newest, restore_step
 from runtime.core.snapshot import RamTier
 from storage.disk import DiskTier
 
@@ -63,3 +64,38 @@ def test_nothing_restorable_names_every_tier(tmp_path: Path) -> None:
             restore_newest([ram, DiskTier(tmp_path / "disk")], timeout=5)
     finally:
         ram.close()
+
+
+def damage(tier: DiskTier, step: int) -> None:
+    victim = next(p for p in tier.path_of(step).rglob("*") if p.is_file() and p.stat().st_size > 1000)  # an array
+    victim.write_bytes(victim.read_bytes()[:-5])
+
+
+def test_a_given_step_comes_from_the_first_tier_that_verifies_and_the_damaged_one_is_reported(tmp_path: Path) -> None:
+    shm, disk = DiskTier(tmp_path / "shm", name="shm"), DiskTier(tmp_path / "disk")
+    for tier in (shm, disk):
+        tier.save(snapshot(4), timeout=30)
+        tier.save(snapshot(9), timeout=30)
+    damage(shm, 4)
+    reported: list[tuple[str, int]] = []
+    shm.corruption_listeners.append(lambda name, step, exc: reported.append((name, step)))
+    source, restored = restore_step([shm, disk], 4, timeout=30)  # an older step than the newest: as asked
+    assert (source.name, restored.step, restored.data_position) == ("disk", 4, 40)
+    assert reported == [("shm", 4)]
+
+
+def test_a_step_damaged_everywhere_raises_checkpoint_invalid_naming_each_tier(tmp_path: Path) -> None:
+    shm, disk = DiskTier(tmp_path / "shm", name="shm"), DiskTier(tmp_path / "disk")
+    for tier in (shm, disk):
+        tier.save(snapshot(4), timeout=30)
+        damage(tier, 4)
+    with pytest.raises(CheckpointInvalid, match=r"shm step 4: .*; disk step 4: ") as raised:
+        restore_step([shm, disk], 4, timeout=30)
+    assert raised.value.path.startswith(str(disk.path_of(4)))  # the last one tried
+
+
+def test_a_step_no_tier_holds_is_unavailable_not_invalid(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path / "disk")
+    disk.save(snapshot(4), timeout=30)
+    with pytest.raises(SnapshotUnavailable, match="disk step 5"):
+        restore_step([disk], 5, timeout=30)

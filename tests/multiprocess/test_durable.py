@@ -45,6 +45,7 @@ from runtime.faults.grammar import Fault
 from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import init_state
 from runtime.testing.gcs_emulator import running_emulator
+from storage import packed
 from storage.disk import DiskTier
 from storage.gcs import GcsTier, make_client, parse_gs_uri
 from storage.manifest import step_dirname
@@ -58,6 +59,7 @@ Damage = Literal["bit-flipped", "truncated"]
 # What each damage looks like to the checksummed reads (storage/checked_read.py, storage/sharded.py).
 FOUND_AS = {"bit-flipped": "(altered bytes)", "truncated": "(truncated or overwritten)"}
 REASON = {"bit-flipped": "crc32c ", "truncated": "size "}  # how the reason in a CheckpointCorrupt event starts
+STEP_DELAY_S = 0.05  # a step's least time in the runs a worker is killed in once durable steps are committed
 
 
 def run(
@@ -68,14 +70,16 @@ def run(
     lost_replicas: Damage | None = None,
     durable: str | None = None,
     kill_after_commits: int | None = None,
+    steps_past: int = 0,
     step_delay_s: float = 0.0,
     every: int = EVERY,
 ) -> tuple[Any, list[int]]:
     """The demo job on 1 slice x 4 processes; the killed worker's replica files are deleted as it dies, or, with
     ``lost_replicas``, damaged so (each one's chunk of w1). ``damage`` maps the n-th durable step committed
     (1: the first) to how process 2's chunk of w1 in it is damaged as soon as it commits; with
-    ``kill_after_commits``, process 2 is killed once that many durable steps are committed (not at a fixed step).
-    Returns the result and the durable steps committed, in order."""
+    ``kill_after_commits``, process 2 is killed once that many durable steps are committed (not at a fixed step)
+    and the group has committed ``steps_past`` more steps. Returns the result and the durable steps committed, in
+    order."""
     replicas = run_dir / "replicas"
     controller = group_controller(
         processes=4,
@@ -96,7 +100,14 @@ def run(
         how = (damage or {}).get(len(committed))
         if how is not None:
             await anyio.to_thread.run_sync(damage_file, f"{event.path}/state/params.w1/0.{LOST}", how)
-        if len(committed) == kill_after_commits:
+        if len(committed) == kill_after_commits and not steps_past:
+            ctx.signal(ctx.members[LOST], "KILL", "test: its host is lost")
+
+    killed: list[int] = []  # once: the group that rolled back passes the same step again
+
+    async def past(event: StepCompleted, ctx: Any) -> None:
+        if len(committed) == kill_after_commits and (event.step or 0) == committed[-1] + steps_past and not killed:
+            killed.append(event.step or 0)
             ctx.signal(ctx.members[LOST], "KILL", "test: its host is lost")
 
     if lost_replicas is None:
@@ -104,12 +115,14 @@ def run(
     else:
         damage_lost_replicas(controller, lost_replicas)
     controller.bus.subscribe(CheckpointCommitted, note)
+    if steps_past:
+        controller.bus.subscribe(StepCompleted, past)
     return controller.run(), committed
 
 
 def damage_lost_replicas(controller: Any, how: Damage) -> None:
-    """A lost worker's replica files stay, each damaged (``how``) in its chunk of w1, before the group
-    re-forms: its shards must come from elsewhere."""
+    """A lost worker's replica files stay, each damaged (``how``), before the group re-forms: its shards must
+    come from elsewhere. A replica file holds every array of the process's shards (``storage.packed``)."""
     done: set[Path] = set()  # a loss is reported twice (exited, lost); a second flip would undo the first
 
     async def damage(event: WorkerExited | WorkerLost, ctx: Any) -> None:
@@ -117,7 +130,7 @@ def damage_lost_replicas(controller: Any, how: Damage) -> None:
             return
         tier = DiskTier(Path(controller.replica_dir) / f"worker-{event.worker}", name="shm", check_space=False)
         for step in tier.steps(timeout=10):
-            chunk = tier.path_of(step) / "state" / "params.w1" / "0.0"  # the process's box: one chunk
+            chunk = tier.path_of(step) / packed.FILE
             if chunk not in done:
                 done.add(chunk)
                 damage_file(str(chunk), how)
@@ -177,7 +190,10 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def lost(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, list[int]]:
     run_dir = tmp_path_factory.mktemp("durable") / "run"
-    result, committed = run(run_dir, kill=2)
+    # Killed 3 steps after two durable steps are committed (at a fixed step, a quick run's writes lagged behind
+    # it), the steps slowed a little so that a durable write keeps up with its cadence (one still running skips a
+    # step): the survivors' own shards of that step come from their replica files, not their RAM.
+    result, committed = run(run_dir, kill=None, kill_after_commits=2, steps_past=3, step_delay_s=STEP_DELAY_S)
     return run_dir, result, committed
 
 
@@ -185,10 +201,15 @@ def lost(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, list[int]
 def test_only_the_lost_process_shards_come_from_the_durable_tier(lost: tuple[Path, Any, list[int]]) -> None:
     _, result, committed = lost
     assert result.ok and result.step == STEPS, result.reason
-    assert {5, 10, 15, 20, 25, 30} >= set(committed) >= {10, 30}
+    second = committed[1]  # the newest durable step when process 2 was killed
+    assert {5, 10, 15, 20, 25, 30} >= set(committed) >= {second, 30}
     (recovery,) = result.recoveries
     assert recovery["restored_from"] == "durable+file", recovery
-    assert restored_steps(events_of(result)) == [10] and recovery["lost_steps"] >= 3  # from step 13 (or 14) back to 10
+    events = events_of(result)
+    # Back to that durable step from the group's newest committed step when the worker was lost.
+    lost_at = next(e for e in events if isinstance(e, WorkerLost))
+    newest = max(e.step or 0 for e in events if isinstance(e, StepCompleted) and e.mono_time <= lost_at.mono_time)
+    assert restored_steps(events) == [second] and recovery["lost_steps"] == newest - second, (newest, recovery)
     whole = whole_state_bytes()
     by_tier = recovery["bytes_by_tier"]
     # The replacement read one quarter of the state (its shards, and each array's small .zarray) from the
@@ -239,11 +260,19 @@ def test_a_damaged_chunk_is_found_by_its_checksum(
 
 @pytest.fixture(scope="module", params=["bit-flipped", "truncated"])
 def damaged_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Damage]:
-    """Process 2 is killed at step 13; its replica files stay, every one damaged (``how``); and so is its chunk of
-    w1 in durable step 10, the second committed."""
+    """Process 2 is killed once the second durable step is committed; its replica files stay, every one damaged
+    (``how``); and so is its chunk of w1 in that durable step."""
     how: Damage = request.param
     run_dir = tmp_path_factory.mktemp(f"damaged-{how}") / "run"
-    result, committed = run(run_dir, kill=LOST, damage={2: how}, lost_replicas=how)
+    result, committed = run(
+        run_dir,
+        kill=None,
+        damage={2: how},
+        lost_replicas=how,
+        kill_after_commits=2,
+        steps_past=3,
+        step_delay_s=STEP_DELAY_S,
+    )
     assert committed[:2] == [5, 10], committed
     return run_dir, result, how
 
@@ -260,7 +289,7 @@ def test_damaged_replica_files_and_a_damaged_durable_step_fall_back_to_the_durab
     [lost] = {e.worker for e in events if isinstance(e, WorkerLost)}
     corrupt = [e for e in events if isinstance(e, CheckpointCorrupt)]
     files = [e for e in corrupt if e.tier == "disk"]
-    assert files and all(f"/worker-{lost}/" in e.path and "params.w1" in e.path for e in files), corrupt
+    assert files and all(f"/worker-{lost}/" in e.path and e.path.endswith(packed.FILE) for e in files), corrupt
     assert all(e.reason.startswith(REASON[how]) for e in files), files
     chunk = DiskTier(run_dir / "durable").path_of(10) / "state" / "params.w1" / f"0.{LOST}"
     [durable] = [e for e in corrupt if e.tier == "durable"]

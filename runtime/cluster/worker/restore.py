@@ -9,14 +9,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from runtime.cluster.protocol import Restore, Restored, Unreadable
 from runtime.cluster.tiers import Tier
+from runtime.core import restore as core_restore
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.initial import initial_program
 from runtime.core.job import PyTree
+from runtime.core.restore import CorruptionListener
 from runtime.core.snapshot import HostSnapshot
 from storage.disk import DiskTier
 from storage.replicas import MAX_PINS, replica
@@ -38,6 +40,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# A read of this process's shards from its replica files or the durable tier (each has its own deadline too).
+_READ_TIMEOUT_S = 600.0
 
 
 def best_local(worker: Worker, read_files: bool) -> tuple[int, Tier]:
@@ -156,31 +161,59 @@ def adopt_restored(worker: Worker, restore: Restore, done: Restoration) -> None:
 
 
 def read_own(worker: Worker, restore: Restore, files: dict[int, list[DiskTier]]) -> tuple[Tier, HostSnapshot]:
-    """This process's shards of the step, from the fastest tier holding them that verifies: RAM, its replica
-    files, the durable tier. Each one that fails its checksums is reported (``Unreadable``); when all fail,
-    CheckpointInvalid is raised, and the controller re-forms from another step: never a partial state."""
+    """This process's shards of the step, from the fastest tier holding them that verifies (the core's restore
+    routine over its RAM replica, its replica files, the durable tier). Each one that fails its checksums is
+    reported (``Unreadable``); when all fail, CheckpointInvalid is raised, and the controller re-forms from
+    another step: never a partial state."""
     step = restore.step
     if worker.ram is not None and worker.ram.step == step:
         return Tier.RAM, worker.ram
-    sources: list[tuple[Tier, Callable[[], HostSnapshot]]] = []
+    sources: list[_Holder] = []
     if step in files:
-        sources.append((worker.files_tier, lambda: worker.replicas.read(step, files[step], worker.local_like)))
+        from_files = lambda: worker.replicas.read(step, files[step], worker.local_like)  # noqa: E731
+        sources.append(_Holder(worker.files_tier, step, from_files))
     if step in worker.durable_steps:
-        sources.append((Tier.DURABLE, lambda: read_durable(worker, step)))
+        sources.append(_Holder(Tier.DURABLE, step, lambda: read_durable(worker, step)))
     failures: list[tuple[Tier, CheckpointInvalid]] = []
-    for tier, read in sources:
-        try:
-            snapshot = read()
-        except CheckpointInvalid as exc:
-            failures.append((tier, exc))
-            continue
-        report_unreadable(worker, restore, failures, recovered_from=tier)
-        return tier, snapshot
-    if not failures:  # the plan counted on this process, which said it holds the step
-        where = str(worker.replicas.directory)
-        failures.append((Tier.NONE, CheckpointInvalid(f"step {step} not held", path=where, reason="not held")))
-    report_unreadable(worker, restore, failures, recovered_from=None)
-    raise failures[-1][1]
+    for source in sources:
+        source.corruption_listeners.append(source.failed_to(failures))
+    try:
+        holder, snapshot = core_restore.restore_step(sources, step, timeout=_READ_TIMEOUT_S)
+    except (CheckpointInvalid, SnapshotUnavailable) as exc:
+        if not failures:  # the plan counted on this process, which said it holds the step
+            where = str(worker.replicas.directory)
+            why = "not held" if not sources else str(exc)
+            failures.append((Tier.NONE, CheckpointInvalid(f"step {step}: {why}", path=where, reason=why)))
+        report_unreadable(worker, restore, failures, recovered_from=None)
+        raise failures[-1][1] from exc
+    assert isinstance(holder, _Holder)
+    report_unreadable(worker, restore, failures, recovered_from=holder.tier)
+    return holder.tier, snapshot
+
+
+@dataclass
+class _Holder:
+    """A tier holding this process's shards of ``step``, as the core's restore routine reads a source
+    (``runtime.core.restore.RestoreSource``)."""
+
+    tier: Tier
+    step: int
+    read: Callable[[], HostSnapshot]
+    corruption_listeners: list[CorruptionListener] = field(default_factory=list)
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = str(self.tier)
+
+    def failed_to(self, failures: list[tuple[Tier, CheckpointInvalid]]) -> CorruptionListener:
+        """A listener that adds this tier's verification failure to ``failures``."""
+        return lambda _name, _step, exc: failures.append((self.tier, exc))
+
+    def steps(self, *, timeout: float) -> list[int]:
+        return [self.step]
+
+    def restore(self, step: int, like: PyTree = None, *, timeout: float) -> HostSnapshot:
+        return self.read()
 
 
 def report_unreadable(
