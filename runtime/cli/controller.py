@@ -15,7 +15,7 @@ from typing import Any
 from runtime.cli.launch import add_handlers_argument, add_maintenance_arguments, add_timeout_arguments
 from runtime.cluster import auth
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
-from runtime.core.errors import AuthenticationFailed, ElasticRuntimeError
+from runtime.core.errors import AuthenticationFailed, ConfigError, ElasticRuntimeError
 from runtime.defaults import default_controller
 
 
@@ -112,7 +112,15 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
 
 def controller_main(args: argparse.Namespace) -> int:
     try:
-        result = default_controller(config_from_args(args)).run()
+        config = config_from_args(args)
+    except ConfigError as exc:  # a bad value on the command line: the message names the setting
+        print(f"elastic-runtime controller: {exc}", file=sys.stderr)
+        return 2
+    except AuthenticationFailed as exc:  # the token file
+        print(f"elastic-runtime controller: {exc}", file=sys.stderr)
+        return 1
+    try:
+        result = default_controller(config).run()
     except (LaunchError, ElasticRuntimeError, AuthenticationFailed, ValueError) as exc:
         print(f"elastic-runtime controller: {exc}", file=sys.stderr)
         return 1

@@ -101,6 +101,7 @@ def run_group(**kwargs: Any) -> Any:
 def run_multiprocess_demo(args: argparse.Namespace) -> int:
     """The ``demo --processes N`` entry point."""
     from runtime.cli.progress import ProgressPrinter
+    from runtime.core.errors import ConfigError
     from runtime.faults.grammar import Fault
     from runtime.testing.compare import compare_states
     from runtime.testing.gcs_emulator import running_emulator
@@ -128,18 +129,22 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
             durable = "gs://demo/run"
         if durable:
             say(f"  durable checkpoints every {args.durable_every} steps in {durable}")
-        controller = group_controller(
-            processes=args.processes,
-            steps=steps,
-            run_dir=run_dir / "run",
-            faults=faults,
-            strategy=args.strategy,
-            printer=None if args.quiet else ProgressPrinter(),
-            slices=args.slices,
-            durable_dir=durable,
-            durable_every=args.durable_every,
-            neighbour_replicas=args.neighbour_replicas,
-        )
+        try:
+            controller = group_controller(
+                processes=args.processes,
+                steps=steps,
+                run_dir=run_dir / "run",
+                faults=faults,
+                strategy=args.strategy,
+                printer=None if args.quiet else ProgressPrinter(),
+                slices=args.slices,
+                durable_dir=durable,
+                durable_every=args.durable_every,
+                neighbour_replicas=args.neighbour_replicas,
+            )
+        except ConfigError as exc:  # a bad value on the command line: the message names the setting
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         if args.wipe_lost:
             wipe_lost_replicas(controller)
         result = controller.run()

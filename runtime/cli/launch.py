@@ -12,10 +12,15 @@ import json
 import sys
 from typing import Any
 
+import msgspec
+
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
-from runtime.core.errors import ElasticRuntimeError
+from runtime.core.errors import ConfigError, ElasticRuntimeError
 from runtime.defaults import default_controller
 from runtime.faults.grammar import Fault, parse_faults
+
+# LaunchConfig's defaults, for the options that show them (a Struct's class attributes are its fields, not them).
+DEFAULTS: dict[str, Any] = {field.name: field.default for field in msgspec.structs.fields(LaunchConfig)}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -110,7 +115,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = LaunchConfig.start_timeout_s) -> None:
+def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = DEFAULTS["start_timeout_s"]) -> None:
     """How long forming may take, as ``launch`` and ``controller`` take it. Joining a group compiles the step (a
     real model: a minute or more on CPU): the first group gets ``--start-timeout``, a re-formed one
     ``--form-timeout`` or twice the slowest join seen so far, whichever is longer."""
@@ -120,15 +125,15 @@ def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = Lau
     parser.add_argument(
         "--form-timeout",
         type=float,
-        default=LaunchConfig.form_timeout_s,
+        default=DEFAULTS["form_timeout_s"],
         help="seconds for a re-formed group to join, at least twice the slowest join seen "
-        f"(default {LaunchConfig.form_timeout_s:g})",
+        f"(default {DEFAULTS['form_timeout_s']:g})",
     )
     parser.add_argument(
         "--spawn-timeout",
         type=float,
-        default=LaunchConfig.spawn_timeout_s,
-        help=f"seconds a re-forming waits for replacements (default {LaunchConfig.spawn_timeout_s:g})",
+        default=DEFAULTS["spawn_timeout_s"],
+        help=f"seconds a re-forming waits for replacements (default {DEFAULTS['spawn_timeout_s']:g})",
     )
 
 
@@ -209,14 +214,19 @@ def _faults(text: str) -> list[Fault]:
 
 
 def launch_main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:  # a bad value on the command line: the message names the setting
+        print(f"elastic-runtime launch: {exc}", file=sys.stderr)
+        return 2
     if args.backend == "ray":
         from runtime.cli.launch_ray import launch_on_ray
 
-        return launch_on_ray(args, config_from_args(args))
+        return launch_on_ray(args, config)
     if args.ray_address:
         raise SystemExit("elastic-runtime launch: --ray-address needs --backend ray")
     try:
-        result = default_controller(config_from_args(args)).run()
+        result = default_controller(config).run()
     except (LaunchError, ElasticRuntimeError, ValueError) as exc:
         print(f"elastic-runtime launch: {exc}", file=sys.stderr)
         return 1

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import sys
+
+import msgspec
 
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchError
@@ -30,7 +31,7 @@ def ray_config(config: LaunchConfig, *, host: str, min_nprocs: int | None) -> La
         raise SystemExit("elastic-runtime launch: --fault signals local processes; not with --backend ray")
     if config.replica_dir:
         raise SystemExit("elastic-runtime launch: --replica-dir: each Ray worker keeps its replicas on its node")
-    return dataclasses.replace(
+    return msgspec.structs.replace(
         config,
         command=[],
         min_nprocs=min_nprocs if min_nprocs is not None else max(1, config.nprocs - 1),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from runtime.core.config import check_subscription
+import msgspec
+
+from runtime.core.config import NonNegative, Port, Positive, Seconds, SecondsOrZero, check_ranges, check_subscription
+from runtime.core.errors import ConfigError
 from runtime.core.retry import Backoff, RetryPolicy
 from runtime.faults.grammar import Fault
 
@@ -31,8 +34,10 @@ class LaunchError(RuntimeError):
     that keeps failing, is a ``RecoveryError``; an error in the user's code a ``StepError``.)"""
 
 
-@dataclass
-class LaunchConfig:
+_ORIGIN = "launch config"  # how its errors start: "launch config: nprocs=0 is out of range (must be >= 1)"
+
+
+class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Settings of one multi-process run.
 
     Attributes:
@@ -96,42 +101,42 @@ class LaunchConfig:
     """
 
     command: list[str]
-    nprocs: int
-    min_nprocs: int | None = None
-    spares: int = 1
-    local_devices: int = 2
-    slices: int = 0
-    heartbeat_interval_s: float = 0.2
-    heartbeat_timeout_s: float = 2.0
-    hang_timeout_s: float = 5.0
+    nprocs: Positive
+    min_nprocs: Positive | None = None
+    spares: NonNegative = 1
+    local_devices: Positive = 2
+    slices: NonNegative = 0
+    heartbeat_interval_s: Seconds = 0.2
+    heartbeat_timeout_s: Seconds = 2.0
+    hang_timeout_s: Seconds = 5.0
     strategy: Strategy = Strategy.REFORM
-    form_timeout_s: float = 20.0
-    spawn_timeout_s: float = 60.0
-    start_timeout_s: float = 120.0
-    max_failures: int = 10
-    retry: RetryPolicy = field(default_factory=Backoff)
+    form_timeout_s: Seconds = 20.0
+    spawn_timeout_s: Seconds = 60.0
+    start_timeout_s: Seconds = 120.0
+    max_failures: NonNegative = 10
+    retry: RetryPolicy = msgspec.field(default_factory=Backoff)
     run_dir: str | None = None
     replica_dir: str | None = None
     result_path: str | None = None
     durable_dir: str | None = None
-    durable_every: int = 10
-    durable_keep: int = 3
+    durable_every: Positive = 10
+    durable_keep: Positive = 3
     neighbour_replicas: bool = False
-    faults: list[Fault] = field(default_factory=list)
+    faults: list[Fault] = []
     resume: bool = False
-    drain_timeout_s: float = 10.0
-    grace_s: float = 25.0
-    extra_env: dict[str, str] = field(default_factory=dict)
-    target_steps: int | None = None
-    secret: str | None = field(default=None, repr=False)
-    auth_timeout_s: float = 5.0
+    drain_timeout_s: SecondsOrZero = 10.0
+    grace_s: SecondsOrZero = 25.0
+    extra_env: dict[str, str] = {}
+    target_steps: NonNegative | None = None
+    secret: str | None = None
+    auth_timeout_s: Seconds = 5.0
     listen_host: str = "127.0.0.1"
-    listen_port: int = 0
+    listen_port: Port = 0
     coordinator_host: str | None = None
     coordinator_ports: tuple[int, int] | None = None
-    handlers: list[str] = field(default_factory=list)
+    handlers: list[str] = []
     maintenance_subscription: str | None = None
-    drain_lead_s: float = 60.0
+    drain_lead_s: SecondsOrZero = 60.0
 
     @property
     def slice_size(self) -> int:
@@ -144,38 +149,52 @@ class LaunchConfig:
         return bool(self.command)
 
     def __post_init__(self) -> None:
-        if self.nprocs < 1:
-            raise ValueError(f"nprocs must be >= 1, got {self.nprocs}")
+        check_ranges(self, origin=_ORIGIN)
+        # Normalized once, here: a field left to its default takes the value it stands for.
         if self.min_nprocs is None:
-            self.min_nprocs = self.nprocs
-        if not 1 <= self.min_nprocs <= self.nprocs:
-            raise ValueError(f"min_nprocs must be in [1, {self.nprocs}], got {self.min_nprocs}")
+            msgspec.structs.force_setattr(self, "min_nprocs", self.nprocs)
         if self.slices == 0:
-            self.slices = self.nprocs
-        if self.slices < 1 or self.nprocs % self.slices:
-            raise ValueError(f"slices must divide nprocs={self.nprocs}, got {self.slices}")
-        if self.min_nprocs % self.slice_size:
-            raise ValueError(
-                f"min_nprocs={self.min_nprocs} must be whole slices of {self.slice_size} processes (--slices)"
-            )
-        if self.durable_dir and (self.durable_every < 1 or self.durable_keep < 1):
-            raise ValueError(
-                f"durable_every and durable_keep must be >= 1, got {self.durable_every} and {self.durable_keep}"
-            )
-        if self.neighbour_replicas and self.slice_size < 2:
-            raise ValueError("neighbour_replicas needs slices of 2 processes or more (--slices)")
+            msgspec.structs.force_setattr(self, "slices", self.nprocs)
         if self.strategy not in RECOVERY_STRATEGIES:
             choices = ", ".join(RECOVERY_STRATEGIES)
-            raise ValueError(f"strategy must be one of {choices}, got {self.strategy!r}")
-        self.strategy = Strategy(self.strategy)
+            raise ConfigError(f"{_ORIGIN}: strategy={self.strategy!r} must be one of {choices}")
+        msgspec.structs.force_setattr(self, "strategy", Strategy(self.strategy))
+        if not self.starts_workers:
+            msgspec.structs.force_setattr(self, "spares", 0)  # nothing to start: the orchestrator brings one up
+        self._check_group()
         if self.coordinator_ports is not None:
             low, high = self.coordinator_ports
             if not 0 < low <= high < 65536:
-                raise ValueError(f"coordinator ports must be a range LO-HI within 1-65535, got {low}-{high}")
+                raise ConfigError(f"{_ORIGIN}: coordinator_ports={low}-{high} must be a range LO-HI within 1-65535")
         if self.maintenance_subscription:
-            check_subscription(self.maintenance_subscription, field="maintenance_subscription")
-        if not self.starts_workers:
-            self.spares = 0  # nothing to start: a replacement is the orchestrator's to bring up
+            check_subscription(self.maintenance_subscription, field=f"{_ORIGIN}: maintenance_subscription")
+
+    def _check_group(self) -> None:
+        """The group's sizes against each other: ``min_nprocs`` and ``slices`` against ``nprocs``."""
+        assert self.min_nprocs is not None  # normalized by __post_init__
+        if self.min_nprocs > self.nprocs:
+            raise ConfigError(f"{_ORIGIN}: min_nprocs={self.min_nprocs} must be <= nprocs={self.nprocs}")
+        if self.nprocs % self.slices:
+            raise ConfigError(f"{_ORIGIN}: slices={self.slices} must divide nprocs={self.nprocs}")
+        if self.min_nprocs % self.slice_size:
+            raise ConfigError(
+                f"{_ORIGIN}: min_nprocs={self.min_nprocs} must be whole slices of {self.slice_size} processes "
+                f"(slices={self.slices}, nprocs={self.nprocs})"
+            )
+        if self.neighbour_replicas and self.slice_size < 2:
+            raise ConfigError(
+                f"{_ORIGIN}: neighbour_replicas needs slices of 2 processes or more "
+                f"(slices={self.slices}, nprocs={self.nprocs})"
+            )
+
+    def __repr__(self) -> str:
+        """Every field but ``secret``, which stays out of logs."""
+        shown = ", ".join(f"{name}={value!r}" for name, value in self.__rich_repr__())
+        return f"LaunchConfig({shown})"
+
+    def __rich_repr__(self) -> list[tuple[str, Any]]:
+        """What ``repr`` shows: every field but ``secret``."""
+        return [(name, getattr(self, name)) for name in self.__struct_fields__ if name != "secret"]
 
 
 @dataclass

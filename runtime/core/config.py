@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -16,13 +17,19 @@ from runtime.core.errors import ConfigError
 
 ENV_PREFIX = "ELASTIC_RUNTIME_"
 
-# Ranges, declared once: msgspec checks them when a config is decoded (TOML, environment), and
-# ``RuntimeConfig.__post_init__`` checks the same declarations when one is built in code.
+# Ranges, declared once, for every config Struct (``RuntimeConfig`` here, ``LaunchConfig`` in
+# runtime/cluster/config.py, ``WorkerSettings``): msgspec checks them when a config is decoded (TOML,
+# environment), and ``check_ranges`` in a config's ``__post_init__`` checks the same declarations when one is
+# built in code.
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 SecondsOrZero = Annotated[float, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: any free one
 _BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+_NUMBERS = (msgspec.inspect.IntType, msgspec.inspect.FloatType)
+
+StructT = TypeVar("StructT", bound=msgspec.Struct)
 
 SUBSCRIPTION_PATTERN = re.compile(r"projects/[^/\s]+/subscriptions/[^/\s]+")
 
@@ -129,19 +136,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         self._check_compile_cache()
 
     def _check_ranges(self) -> None:
-        """The ``msgspec.Meta`` bounds of every field, for a config built in code (decoding checks them too)."""
-        info = msgspec.inspect.type_info(RuntimeConfig)
-        assert isinstance(info, msgspec.inspect.StructType)
-        for field in info.fields:
-            value = getattr(self, field.name)
-            kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
-            for kind in kinds:
-                if value is None or not isinstance(kind, msgspec.inspect.IntType | msgspec.inspect.FloatType):
-                    continue
-                for bound, symbol in _BOUNDS:
-                    limit = getattr(kind, bound)
-                    if limit is not None and not _holds(value, symbol, limit):
-                        raise ConfigError(f"config: {field.name}={value!r} is out of range (must be {symbol} {limit})")
+        check_ranges(self)
 
     def _check_compile_cache(self) -> None:
         if not self.compile_cache.strip():
@@ -174,9 +169,64 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                 owner[device] = instance
 
 
+def check_ranges(config: msgspec.Struct, *, origin: str = "config") -> None:
+    """The ``msgspec.Meta`` bounds of every numeric field of ``config``, for a config built in code (decoding
+    checks them too; ``__init__`` checks nothing). Call it from the config's ``__post_init__``.
+
+    Raises:
+        ConfigError: a numeric field holds something else than a number, or a number out of its range;
+            ``origin: field=value ...``.
+    """
+    for name, bounds in _numeric_fields(type(config)):
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if not isinstance(value, int | float):
+            raise ConfigError(f"{origin}: {name}={value!r} is not a number")
+        for symbol, limit in bounds:
+            if not _holds(value, symbol, limit):
+                raise ConfigError(f"{origin}: {name}={value!r} is out of range (must be {symbol} {limit})")
+
+
+@functools.cache
+def _numeric_fields(cls: type[msgspec.Struct]) -> tuple[tuple[str, tuple[tuple[str, float], ...]], ...]:
+    """(field, its bounds as (symbol, limit) pairs) for every field of ``cls`` typed as a number (or None)."""
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    found = []
+    for field in info.fields:
+        kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+        numbers = [kind for kind in kinds if isinstance(kind, _NUMBERS)]
+        if not numbers or not all(isinstance(kind, (*_NUMBERS, msgspec.inspect.NoneType)) for kind in kinds):
+            continue
+        bounds = tuple(
+            (symbol, getattr(kind, bound))
+            for kind in numbers
+            for bound, symbol in _BOUNDS
+            if getattr(kind, bound) is not None
+        )
+        found.append((field.name, bounds))
+    return tuple(found)
+
+
 def _holds(value: float, symbol: str, limit: float) -> bool:
     compare = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}[symbol]
     return bool(compare(value, limit))
+
+
+def convert_config(kind: type[StructT], values: Mapping[str, Any], *, origin: str = "config") -> StructT:
+    """Build a config Struct of type ``kind`` from plain values (strings are converted, as from the
+    environment), with its ``__post_init__`` checks.
+
+    Raises:
+        ConfigError: an unknown field, a value of the wrong type, one out of range, or settings that do not
+            fit together; names the field.
+    """
+    try:
+        return msgspec.convert(dict(values), kind, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)  # a ConfigError of __post_init__ may start with the origin already
+        raise ConfigError(message if message.startswith(f"{origin}: ") else f"{origin}: {message}") from exc
 
 
 def config_from_mapping(values: Mapping[str, Any], *, origin: str = "config") -> RuntimeConfig:
@@ -185,10 +235,7 @@ def config_from_mapping(values: Mapping[str, Any], *, origin: str = "config") ->
     Raises:
         ConfigError: an unknown field, a value of the wrong type, or one out of range; names the field.
     """
-    try:
-        return msgspec.convert(dict(values), RuntimeConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{origin}: {exc}") from exc
+    return convert_config(RuntimeConfig, values, origin=origin)
 
 
 def load_config(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> RuntimeConfig:

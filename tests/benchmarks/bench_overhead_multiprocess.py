@@ -25,7 +25,6 @@ more than the effects measured. Two sizes: the multi-process demo's model, and t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -39,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN, group_controller, worker_command
 from runtime.core.eventlog import read_events
@@ -125,7 +126,7 @@ def run_runtime(root: Path, nprocs: int, steps: int, size: tuple[int, int], ever
     from runtime.cluster.config import LaunchConfig
 
     extra: dict[str, Any] = {}
-    if every_step and "snapshot_every" in {f.name for f in dataclasses.fields(LaunchConfig)}:
+    if every_step and "snapshot_every" in {f.name for f in msgspec.structs.fields(LaunchConfig)}:
         extra["snapshot_every"] = 1
     command = worker_command(steps, features=size[0], hidden=size[1])
     # Wider timeouts than the defaults: a 256 MB step on 2 busy cores is no hang (no fault is injected here).

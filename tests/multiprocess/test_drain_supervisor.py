@@ -131,7 +131,7 @@ def test_a_spare_that_asks_to_leave_is_told_to_exit_0_at_once(tmp_path: Path) ->
 
 def test_a_worker_a_cluster_started_that_asks_to_leave_is_told_to_exit_for_a_replacement(tmp_path: Path) -> None:
     run = training(tmp_path)
-    run.supervisor.config.command = []  # the service mode now: a Kubernetes Job takes a pod that exits 0 for done
+    run.service_mode()  # the service mode now: a Kubernetes Job takes a pod that exits 0 for done
     run.feed(LeaveRequested(1, "it got SIGTERM"))
     form = run.forms[-1]
     assert (form.members, form.strategy, form.at_step) == ((0, 2, 3), Strategy.DRAIN, 13)

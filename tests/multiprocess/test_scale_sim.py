@@ -20,7 +20,7 @@ from runtime.core.events import GroupForming, WorkerLost
 
 def test_the_supervisor_settles_until_the_workers_that_went_silent_together_are_all_found(tmp_path: Path) -> None:
     run = Run(tmp_path, nprocs=4, spares=0, min_nprocs=2, heartbeat_interval_s=0.5)
-    run.supervisor.config.command = []  # the service mode: workers it does not start, found lost by silence
+    run.service_mode()  # the service mode: workers it does not start, found lost by silence
     run.spawn(4)
     run.feed(Start())
     run.hello(0, 1, 2, 3)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor, Hung
 from runtime.cluster.controller.membership import Membership
@@ -68,6 +70,12 @@ class Run:
 
     def clock(self) -> float:
         return self.now
+
+    def service_mode(self) -> None:
+        """From now on the controller starts no worker (``command=[]``): a new config for the supervisor and the
+        pool, which share it (a LaunchConfig is frozen)."""
+        config = msgspec.structs.replace(self.supervisor.config, command=[])
+        self.supervisor.config = self.pool.config = config
 
     @property
     def members(self) -> list[int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import Annotated
 
 import msgspec
 
@@ -32,12 +31,10 @@ from runtime.cluster.protocol import (
     ENV_STEP_DELAY_S,
     ENV_WORKER,
 )
+from runtime.core.config import NonNegative, Positive, Seconds, SecondsOrZero, check_ranges
 from runtime.core.errors import ConfigError
 
 __all__ = ["WorkerSettings"]
-
-_Positive = Annotated[float, msgspec.Meta(gt=0)]
-_Seconds = Annotated[int, msgspec.Meta(ge=1)]
 
 # field -> the variable it is read from
 _VARIABLES = {
@@ -65,26 +62,29 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker process is told by its environment. Build it with :meth:`from_env`."""
 
     controller: str  # host:port of the controller
-    worker: Annotated[int, msgspec.Meta(ge=0)]  # this process's worker id (unique for the run, never reused)
+    worker: NonNegative  # this process's worker id (unique for the run, never reused)
     replica_dir: str = ""  # where replica files live; "": /dev/shm/elastic-runtime-<parent pid>
-    local_devices: Annotated[int, msgspec.Meta(ge=1)] = 2  # CPU devices per process
+    local_devices: Positive = 2  # CPU devices per process
     result: str = ""  # a folder where process 0 commits the final state; "": none
     run_id: str = ""  # the run's id ("": it comes with the first Form)
-    heartbeat_s: _Positive = 0.2
-    jax_init_s: _Seconds = 60  # jax.distributed's initialization timeout
+    heartbeat_s: Seconds = 0.2
+    jax_init_s: Positive = 60  # jax.distributed's initialization timeout
     # Ours detect a loss in ~2 s; JAX's own (default 100 s) must not fire first and end the group.
-    jax_heartbeat_s: _Seconds = 30
+    jax_heartbeat_s: Positive = 30
     # JAX's default 300 s: a shutdown that waited for a dead peer would stall the re-forming for minutes.
-    jax_shutdown_s: _Seconds = 2
+    jax_shutdown_s: Positive = 2
     compile_cache: str = ""  # the persistent XLA cache the workers share; "": none
-    connect_s: _Positive = 120.0  # how long to try to reach the controller
-    step_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # extra sleep per step (tests: room to kill mid-run)
+    connect_s: Seconds = 120.0  # how long to try to reach the controller
+    step_delay_s: SecondsOrZero = 0.0  # extra sleep per step (tests: room to kill mid-run)
     keep_programs: bool = True  # load compiled programs kept from earlier generations (runtime/core/programs.py)
     instance: str = ""  # the instance (host) it runs on; "": found by runtime/cluster/worker/instance.py
     metadata_host: str = ""  # host:port of a metadata server to ask for the instance's name; "": none
     # After SIGTERM/SIGINT, how long to wait for the controller's Stop before exiting unasked (Kubernetes gives
     # 30 s by default before its SIGKILL: the rest is for the exit itself).
-    grace_s: _Positive = 25.0
+    grace_s: Seconds = 25.0
+
+    def __post_init__(self) -> None:
+        check_ranges(self, origin="worker settings")  # the same ranges for settings built in code
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> WorkerSettings:
