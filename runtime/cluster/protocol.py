@@ -1,9 +1,10 @@
 """The controller-worker protocol: small tagged msgspec messages, one JSON object a line, over loopback TCP.
 
 Workers say who they are (:class:`Hello`), report progress (:class:`Heartbeat`), say which step they can
-restore (:class:`Joined`), that they are done (:class:`Finished`), that the user's code failed
-(:class:`Failed`) or that they were asked to leave (:class:`Leaving`). The controller tells them which group to
-form (:class:`Form`), which step to restore from whom (:class:`Restore`) and when to stop (:class:`Stop`).
+restore (:class:`Joined`), that they are done (:class:`Finished`) or that they were asked to leave
+(:class:`Leaving`), and send the core events only they see as those events themselves (:class:`EventReport`:
+the user's code failed, a checkpoint did not verify). The controller tells them which group to form
+(:class:`Form`), which step to restore from whom (:class:`RestoreStep`) and when to stop (:class:`Stop`).
 The union is declared once and one decoder per direction is reused. Anything that does not decode is
 reported as :class:`MalformedMessage` by the reader, never raised into the controller's loop.
 """
@@ -15,6 +16,7 @@ from typing import Union
 import msgspec
 
 from runtime.cluster.tiers import Tier
+from runtime.core.events import CheckpointCorrupt, StepFailed
 from storage.manifest import FileEntry, LeafEntry
 
 __all__ = [
@@ -36,9 +38,9 @@ __all__ = [
     "ENV_STEP_DELAY_S",
     "ENV_WORKER",
     "EXIT_REPLACE",
-    "Committed",
     "ControllerMessage",
-    "Failed",
+    "DurableCommitted",
+    "EventReport",
     "Finished",
     "Form",
     "Heartbeat",
@@ -51,11 +53,10 @@ __all__ = [
     "Notify",
     "Published",
     "Requested",
-    "Restore",
+    "RestoreStep",
     "Restored",
     "Saved",
     "Stop",
-    "Unreadable",
     "Warm",
     "WorkerMessage",
     "decode_from_controller",
@@ -180,21 +181,6 @@ class Restored(Message, frozen=True, kw_only=True):
     nbytes: int
 
 
-class Unreadable(Message, frozen=True, kw_only=True):
-    """The worker could not read its shards of ``step`` from ``tier`` ("durable", or its replica files' "shm" or
-    "disk"; ``path``: a missing, truncated or damaged file). Unless another tier gave them (``recovered_from``),
-    the group must restore another step."""
-
-    worker: int
-    generation: int
-    step: int
-    tier: Tier = Tier.DURABLE
-    path: str
-    reason: str
-    # The tier it read the step from instead (None: none did; the group must restore another step).
-    recovered_from: Tier | None = None
-
-
 class Finished(Message, frozen=True, kw_only=True):
     """The worker committed the target ``step``; ``digest`` is a hash of its final state."""
 
@@ -204,18 +190,41 @@ class Finished(Message, frozen=True, kw_only=True):
     digest: str
 
 
-class Failed(Message, frozen=True, kw_only=True):
-    """The user's code failed in this worker (its data or step raised), or the job is one this mode cannot
-    run (``unsupported``: the controller ends the run with ``JobUnsupported``). Not a lost worker: the run ends,
-    nothing is retried."""
+class EventReport(Message, frozen=True, kw_only=True):
+    """A core event only this worker saw in its part of generation ``generation``, built where it happened, for
+    the controller to act on and publish (with its own clock's times and ``source`` "worker-N"):
+
+    - :class:`~runtime.core.events.StepFailed`: the user's code failed in this worker (its data or step raised),
+      or the job is one this mode cannot run (``unsupported``: the controller ends the run with
+      ``JobUnsupported``). Not a lost worker: the run ends, nothing is retried. ``traceback``: the end of the
+      error's traceback, for the run's ``StepError``.
+    - :class:`~runtime.core.events.CheckpointCorrupt`: the worker could not read its shards of the step being
+      restored from ``event.tier`` ("durable", or its replica files' "shm" or "disk"; ``event.path``: a missing,
+      truncated or damaged file). ``recovered_from``: the tier it read the step from instead; None: none did, and
+      the group must restore another step.
+
+    An event of another type or without its step, a tier that is not one of :class:`~runtime.cluster.tiers.Tier`'s
+    names, or a field of the envelope set for the other event does not decode.
+    """
 
     worker: int
     generation: int
-    step: int
-    error_type: str
-    message: str
-    traceback: str = ""
-    unsupported: bool = False
+    event: StepFailed | CheckpointCorrupt
+    traceback: str = ""  # StepFailed only
+    unsupported: bool = False  # StepFailed only
+    recovered_from: Tier | None = None  # CheckpointCorrupt only
+
+    def __post_init__(self) -> None:
+        # On decoding, a ValueError here is msgspec's ValidationError, and so a MalformedMessage.
+        if self.event.step is None:
+            raise ValueError("event.step: a worker's event names the step it is about")
+        if isinstance(self.event, CheckpointCorrupt):
+            if self.event.tier not in Tier.__members__.values():
+                raise ValueError(f"event.tier: {self.event.tier!r} is not a tier ({', '.join(Tier)})")
+            if self.traceback or self.unsupported:
+                raise ValueError("traceback and unsupported belong to a StepFailed, not to a CheckpointCorrupt")
+        elif self.recovered_from is not None:
+            raise ValueError("recovered_from belongs to a CheckpointCorrupt, not to a StepFailed")
 
 
 class Requested(Message, frozen=True, kw_only=True):
@@ -280,7 +289,7 @@ class Form(Message, frozen=True, kw_only=True):
     programs: str = ""
 
 
-class Restore(Message, frozen=True, kw_only=True):
+class RestoreStep(Message, frozen=True, kw_only=True):
     """Restore ``step`` in ``generation`` from slice ``source`` (-1: the initial state); with one process per
     slice, a slice's index is its process id."""
 
@@ -317,7 +326,7 @@ class Stop(Message, frozen=True, kw_only=True):
     at_step: int = -1  # stop after committing this step (a planned drain: the group re-forms there); -1: now
 
 
-class Committed(Message, frozen=True, kw_only=True):
+class DurableCommitted(Message, frozen=True, kw_only=True):
     """The group's durable checkpoint of ``step`` is committed: a worker's replicas pinned for older durable
     steps may go (``ReplicaFiles.committed``)."""
 
@@ -343,9 +352,9 @@ class Notify(Message, frozen=True, kw_only=True):
 
 
 WorkerMessage = Union[  # noqa: UP007 - msgspec needs a Union object
-    Hello, Heartbeat, Joined, Saved, Restored, Unreadable, Finished, Failed, Requested, Published, Noticed, Leaving
+    Hello, Heartbeat, Joined, Saved, Restored, EventReport, Finished, Requested, Published, Noticed, Leaving
 ]
-ControllerMessage = Union[Form, Restore, Warm, Stop, Lease, Committed, Notify]  # noqa: UP007
+ControllerMessage = Union[Form, RestoreStep, Warm, Stop, Lease, DurableCommitted, Notify]  # noqa: UP007
 
 
 class MalformedMessage(ValueError):

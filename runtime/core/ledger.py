@@ -19,11 +19,11 @@ from runtime.core.classify import classify
 from runtime.core.events import Event, Failure, RecoveryFailed, RecoveryStarted, StateRestored, StepFailed
 from runtime.core.recovery import RecoveryTracker
 
-__all__ = ["Committed", "FailureNoted", "StepLedger"]
+__all__ = ["CommitNoted", "FailureNoted", "StepLedger"]
 
 
-class Committed(NamedTuple):
-    """What a commit leaves to do: the events to publish, and the tiers that save the step."""
+class CommitNoted(NamedTuple):
+    """A commit, booked: the events it leaves to publish, and the tiers that save the step."""
 
     events: tuple[Event, ...]  # RecoveryCompleted when the commit ends a recovery
     due: tuple[str, ...]
@@ -88,7 +88,7 @@ class StepLedger:
 
     # --- the loop's milestones -------------------------------------------------------------------------
 
-    def commit(self, step: int, *, data_position: int, mesh_shape: dict[str, int] | None = None) -> Committed:
+    def commit(self, step: int, *, data_position: int, mesh_shape: dict[str, int] | None = None) -> CommitNoted:
         """Step ``step`` is committed; the data of the next one starts at ``data_position``.
 
         The tiers due at it (but those decided at dispatch) count as saved whether the caller writes them or
@@ -102,7 +102,7 @@ class StepLedger:
         self.data_position = data_position
         self.high_water = max(self.high_water, step)
         self.step = step  # last: whoever reads the step finds the rest in place
-        return Committed(events=() if completed is None else (completed,), due=due)
+        return CommitNoted(events=() if completed is None else (completed,), due=due)
 
     def fail(
         self,

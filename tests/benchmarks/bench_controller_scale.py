@@ -7,11 +7,11 @@ For each size N (default 16, 256, 1024, 4096) it starts the real controller in s
 and N simulated workers in this process (``tests/multiprocess/simworkers.py``: the real protocol and handshake,
 0.5 s heartbeats, a step every 0.1 s), then:
 
-- all N connect at once and form (``connect_all_s``, ``form_all_s``: the last ``Restore`` received);
+- all N connect at once and form (``connect_all_s``, ``form_all_s``: the last ``RestoreStep`` received);
 - steady state: the controller's CPU (``controller_cpu``, cores) and memory (``controller_rss_mb``) over
   ``--window`` seconds, and the event log's growth;
 - one worker goes silent: time to detect it after its last heartbeat (``detect_one_s``), until every
-  survivor has its ``Form`` (``form_after_loss_s``) and its ``Restore`` (``restore_after_loss_s``); a
+  survivor has its ``Form`` (``form_after_loss_s``) and its ``RestoreStep`` (``restore_after_loss_s``); a
   replacement joins;
 - 1% go silent at once (a rack): detection of each, ``Form`` at every survivor after the last detection
   (``form_after_rack_s``; after the first: ``form_after_rack_first_s``), and the re-forms it took

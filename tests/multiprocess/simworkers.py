@@ -2,7 +2,7 @@
 
 Each :class:`SimWorker` is one connection to a real controller (``elastic-runtime controller --listen``, the
 service mode): it proves the run's secret (``runtime.cluster.auth``), says ``Hello``, sends a ``Heartbeat`` every
-interval, answers ``Form`` with ``Joined`` and ``Restore`` with ``Restored``, and counts steps on the clock
+interval, answers ``Form`` with ``Joined`` and ``RestoreStep`` with ``Restored``, and counts steps on the clock
 once restored. A :class:`Fleet` runs them all on one asyncio loop: one timer sends every heartbeat (workers
 spread evenly over the interval, by id), so the loop holds no timer per connection. It can lose any set of
 workers at once (:meth:`Fleet.lose`: close the connection, go silent, or stop answering ``Form``), heal a
@@ -39,8 +39,8 @@ from runtime.cluster.protocol import (
     Joined,
     MalformedMessage,
     Message,
-    Restore,
     Restored,
+    RestoreStep,
     Stop,
     decode_from_controller,
     encode,
@@ -155,7 +155,7 @@ class SimWorker(asyncio.Protocol):
                         worker=self.worker, generation=generation, best_step=step, tier=tier, steps=steps, join_s=0.0
                     )
                 )
-            case Restore(generation=generation, step=step):
+            case RestoreStep(generation=generation, step=step):
                 self.record.restores.append(Told(generation, now))
                 if generation != self.generation:
                     return
@@ -166,7 +166,7 @@ class SimWorker(asyncio.Protocol):
                 self.record.stopped, self.record.stopped_at = message, now
                 self.close()
             case _:
-                pass  # Lease, Warm, Committed, Notify: nothing to simulate
+                pass  # Lease, Warm, DurableCommitted, Notify: nothing to simulate
 
     def _handshake(self, line: bytes) -> None:
         try:
@@ -337,7 +337,7 @@ class Fleet:
         return time.monotonic()
 
     def told(self, generation: int, workers: Iterable[int], restore: bool = False) -> bool:
-        """Whether every one of ``workers`` received generation ``generation``'s Form (or Restore)."""
+        """Whether every one of ``workers`` received generation ``generation``'s Form (or RestoreStep)."""
         for worker in workers:
             record = self.workers[worker].record
             if not any(t.generation == generation for t in (record.restores if restore else record.forms)):

@@ -288,6 +288,7 @@ def test_damaged_replica_files_and_a_damaged_durable_step_fall_back_to_the_durab
     events = events_of(result)
     [lost] = {e.worker for e in events if isinstance(e, WorkerLost)}
     corrupt = [e for e in events if isinstance(e, CheckpointCorrupt)]
+    assert all(e.source.startswith("worker-") and e.error_type == "CheckpointInvalid" for e in corrupt), corrupt
     files = [e for e in corrupt if e.tier == "disk"]
     assert files and all(f"/worker-{lost}/" in e.path and e.path.endswith(packed.FILE) for e in files), corrupt
     assert all(e.reason.startswith(REASON[how]) for e in files), files

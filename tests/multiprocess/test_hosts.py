@@ -32,7 +32,7 @@ from test_launcher_recovery import assert_no_committed_step_lost, final_state
 from runtime.cluster.config import LaunchConfig, LaunchError
 from runtime.cluster.controller import Controller
 from runtime.cluster.controller.coordination import free_port
-from runtime.cluster.protocol import Form, Heartbeat, Hello, Joined, Restore, Stop
+from runtime.cluster.protocol import Form, Heartbeat, Hello, Joined, RestoreStep, Stop
 from runtime.cluster.worker import ControllerLink
 from runtime.core.eventlog import read_events
 from runtime.core.events import ConnectionRefused, GroupFormed, ReplicaSkipped, StepCompleted, WorkerLost
@@ -371,7 +371,7 @@ def test_a_step_is_counted_once_and_an_old_generation_s_heartbeats_count_for_not
                 expect(link, Form, 1)
                 link.send(Joined(worker=worker, generation=1, best_step=0, tier="none", join_s=0.0))
             for worker, link in links.items():
-                expect(link, Restore, 1)
+                expect(link, RestoreStep, 1)
                 beats[worker] = (1, 3)
             until("step 3", lambda: controller.group_step == 3)
             beats[1] = None  # cut off: the controller hears nothing more from worker 1
@@ -379,7 +379,7 @@ def test_a_step_is_counted_once_and_an_old_generation_s_heartbeats_count_for_not
             assert form.num_processes == 1 and form.fences == {}  # generation 1 not fenced before its restore
             beats[0] = (2, 3)
             links[0].send(Joined(worker=0, generation=2, best_step=3, tier="ram", join_s=0.0))
-            assert expect(links[0], Restore, 2).step == 3
+            assert expect(links[0], RestoreStep, 2).step == 3
             assert controller.group.fences == {1: 3}
             assert json.loads((tmp_path / "run.json").read_text())["fences"] == {"1": 3}  # before anything steps
             # Generation 1, late: worker 1 (judged lost) says step 9, the survivor's old self says step 6.

@@ -84,6 +84,9 @@ def test_an_error_in_the_users_data_ends_the_run_at_once(tmp_path: Path) -> None
     assert "ValueError: corrupt record at data position 11" in message and "Traceback" in message
     events = read_events(tmp_path / "events.jsonl")
     assert any(isinstance(e, StepFailed) and e.step == 12 for e in events)
+    # The worker's own event, as it classified the error, published as from that worker.
+    failed = [e for e in events if isinstance(e, StepFailed)]
+    assert all(e.source.startswith("worker-") and e.error_type == "ValueError" for e in failed), failed
     assert not any(isinstance(e, WorkerHung) for e in events)  # reported, not waited out as a hang
     assert [e.generation for e in events if isinstance(e, GroupFormed)] == [1]  # nothing re-formed
     [finished] = [e for e in events if isinstance(e, RunFinished)]

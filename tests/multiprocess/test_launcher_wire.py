@@ -16,18 +16,22 @@ import pytest
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.protocol import (
     MAX_LINE,
+    DurableCommitted,
+    EventReport,
     Heartbeat,
     Hello,
     MalformedMessage,
     Restored,
+    RestoreStep,
     Stop,
+    decode_from_controller,
     decode_from_worker,
     encode,
 )
 from runtime.cluster.tiers import Tier
 from runtime.cluster.worker import ControllerLink
-from runtime.core.eventlog import read_events
-from runtime.core.events import ConnectionRefused, MalformedHeartbeat
+from runtime.core.eventlog import encode_event, read_events
+from runtime.core.events import CheckpointCorrupt, ConnectionRefused, MalformedHeartbeat, StepFailed
 from runtime.defaults import default_controller
 
 
@@ -65,6 +69,44 @@ def test_a_tier_is_one_of_its_names_or_the_message_is_malformed() -> None:
     line = encode(restored).replace(b'"neighbour"', b'"file-ish"')
     with pytest.raises(MalformedMessage, match="tier"):
         decode_from_worker(line)
+
+
+def test_a_workers_event_crosses_the_wire_as_the_event_log_encodes_it() -> None:
+    failed = StepFailed(step=7, source="worker", error_type="ValueError", message="bad batch")
+    report = EventReport(worker=1, generation=2, event=failed, traceback="Traceback ...", unsupported=True)
+    line = encode(report)
+    assert encode_event(failed) in line  # the event itself, as the event log writes it
+    decoded = decode_from_worker(line)
+    assert decoded == report and type(decoded) is EventReport and type(decoded.event) is StepFailed
+    corrupt = CheckpointCorrupt(step=10, source="worker", tier=Tier.DURABLE, path="p/0.bin", reason="crc32c")
+    report = EventReport(worker=3, generation=4, event=corrupt, recovered_from=Tier.SHM)
+    decoded = decode_from_worker(encode(report))
+    assert decoded == report and type(decoded.event) is CheckpointCorrupt
+    assert decoded.event.tier == "durable" and decoded.recovered_from is Tier.SHM
+    for message in (RestoreStep(generation=2, step=5, source=0, target_steps=9), DurableCommitted(step=5)):
+        assert decode_from_controller(encode(message)) == message
+
+
+def test_a_malformed_event_in_a_report_is_named() -> None:
+    corrupt = CheckpointCorrupt(step=10, source="worker", tier=Tier.SHM, path="p", reason="crc32c")
+    line = encode(EventReport(worker=3, generation=4, event=corrupt, recovered_from=Tier.DURABLE))
+    with pytest.raises(MalformedMessage, match=r"event\.tier: 'file-ish' is not a tier"):
+        decode_from_worker(line.replace(b'"shm"', b'"file-ish"'))
+    with pytest.raises(MalformedMessage, match=r"missing required field `path` - at `\$\.event`"):
+        decode_from_worker(line.replace(b'"path":"p",', b""))
+    with pytest.raises(MalformedMessage, match=r"Invalid value 'StepCompleted' - at `\$\.event\.type`"):
+        decode_from_worker(line.replace(b'"CheckpointCorrupt"', b'"StepCompleted"'))  # not one a worker reports
+    with pytest.raises(MalformedMessage, match=r"event\.step"):
+        decode_from_worker(line.replace(b'"step":10', b'"step":null'))
+    with pytest.raises(MalformedMessage, match="belong to a StepFailed"):
+        decode_from_worker(line.replace(b'"unsupported":false', b'"unsupported":true'))
+    with pytest.raises(MalformedMessage, match=r"Expected `object`, got `str` - at `\$\.event`"):
+        decode_from_worker(b'{"type":"EventReport","worker":1,"generation":2,"event":"StepFailed"}\n')
+    failed = EventReport(worker=1, generation=2, event=StepFailed(step=3, error_type="E", message="m"))
+    with pytest.raises(MalformedMessage, match="belongs to a CheckpointCorrupt"):
+        decode_from_worker(encode(failed).replace(b'"recovered_from":null', b'"recovered_from":"ram"'))
+    with pytest.raises(MalformedMessage, match=r"Invalid enum value 'file-ish' - at `\$\.recovered_from`"):
+        decode_from_worker(encode(failed).replace(b'"recovered_from":null', b'"recovered_from":"file-ish"'))
 
 
 def test_malformed_heartbeats_and_unknown_ids_do_not_crash_the_controller(

@@ -31,7 +31,7 @@ from runtime.cluster.controller.supervision import (
     WorkerChanged,
 )
 from runtime.cluster.controller.supervisor import Supervisor
-from runtime.cluster.protocol import Finished, Hello, Joined, Message, Restore, Stop
+from runtime.cluster.protocol import Finished, Hello, Joined, Message, RestoreStep, Stop
 from runtime.cluster.tiers import Tier
 from runtime.core.errors import RecoveryError
 from runtime.core.events import Event, GroupFormed, RecoveryCompleted, StateRestored
@@ -139,8 +139,8 @@ class Run:
     def kinds(self) -> list[str]:
         return [type(e).__name__ for e in self.events]
 
-    def restores(self) -> list[tuple[int, Restore]]:
-        return [(w, m) for w, m in self.sent if isinstance(m, Restore)]
+    def restores(self) -> list[tuple[int, RestoreStep]]:
+        return [(w, m) for w, m in self.sent if isinstance(m, RestoreStep)]
 
 
 def started(tmp_path: Path, **overrides: Any) -> Run:

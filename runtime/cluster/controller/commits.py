@@ -12,9 +12,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from runtime.cluster.controller.processes import WorkerProcess
-from runtime.cluster.protocol import Committed, Saved
+from runtime.cluster.protocol import DurableCommitted, Saved
 from runtime.core.errors import CheckpointInvalid, StorageError
-from runtime.core.events import CheckpointCommitted, CheckpointFailed
+from runtime.core.events import CheckpointFailed
 
 if TYPE_CHECKING:
     from runtime.cluster.controller.shell import Controller
@@ -61,16 +61,7 @@ async def commit(controller: Controller, step: int) -> None:
     except (CheckpointInvalid, StorageError) as exc:
         await not_committed(controller, step, exc)
         return
-    controller.durable_newest = max(controller.durable_newest, committed.step)
+    controller.durable_newest = max(controller.durable_newest, step)
     for worker in controller.members:  # their replicas pinned for older durable steps may go
-        await controller.server.send(controller.pool[worker], Committed(step=committed.step))
-    await controller.bus.publish(
-        CheckpointCommitted(
-            step=committed.step,
-            source="controller",
-            tier="durable",
-            path=committed.path,
-            bytes=committed.nbytes,
-            seconds=committed.seconds,
-        )
-    )
+        await controller.server.send(controller.pool[worker], DurableCommitted(step=step))
+    await controller.bus.publish(committed)

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 from runtime.cluster.protocol import Saved
 from runtime.core.errors import StorageError
+from runtime.core.events import CheckpointCommitted
 from storage import sharded
 from storage.manifest import FileEntry, LeafEntry, check_relative
 from storage.sharded import ShardedStore
 
-__all__ = ["Committed", "DurableCommits"]
+__all__ = ["DurableCommits"]
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +31,6 @@ class _Step:
     structure: str = ""
     leaves: tuple[LeafEntry, ...] = ()
     metadata: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Committed:
-    step: int
-    path: str
-    nbytes: int
-    seconds: float
 
 
 class DurableCommits:
@@ -87,8 +80,9 @@ class DurableCommits:
         """Make committed ``step`` invisible: a damaged checkpoint is not offered again (blocking)."""
         self.store.withdraw(step)
 
-    def commit(self, step: int) -> Committed:
-        """Write ``step``'s manifest (blocking: run it in a thread), then delete the checkpoints past ``keep``.
+    def commit(self, step: int) -> CheckpointCommitted:
+        """Write ``step``'s manifest (blocking: run it in a thread), then delete the checkpoints past ``keep``;
+        the event that says so, for the controller to publish.
 
         Raises:
             StorageError: the manifest could not be written; the step stays uncommitted.
@@ -111,4 +105,11 @@ class DurableCommits:
         self.store.prune(self.keep, self.metadata["run_id"])
         for older in [s for s in self._steps if s < step]:
             del self._steps[older]  # never to be whole: a writer skipped it
-        return Committed(step, self.store.where(step), sum(f.size for f in files), time.monotonic() - started)
+        return CheckpointCommitted(
+            step=step,
+            source="controller",
+            tier="durable",
+            path=self.store.where(step),
+            bytes=sum(f.size for f in files),
+            seconds=time.monotonic() - started,
+        )

@@ -7,7 +7,8 @@ bus or handed to the supervisor as an input. Functions over the :class:`~runtime
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import msgspec
@@ -27,7 +28,7 @@ from runtime.cluster.controller.supervision import (
 )
 from runtime.cluster.protocol import (
     EXIT_REPLACE,
-    Failed,
+    EventReport,
     Finished,
     Heartbeat,
     Joined,
@@ -39,7 +40,6 @@ from runtime.cluster.protocol import (
     Restored,
     Saved,
     Stop,
-    Unreadable,
 )
 from runtime.core.errors import BusClosed, JobUnsupported, StepError
 from runtime.core.eventlog import decode_event
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = [
     "end_on_failure",
     "handle_unreadable",
+    "heard",
     "mark_closed",
     "on_message",
     "publish_or_log",
@@ -72,6 +73,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+E = TypeVar("E", bound=Event)
 
 
 async def publish_report(controller: Controller, report: Report) -> None:
@@ -129,12 +132,12 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
             controller.feed(MemberJoined(proc.worker))
         case Saved(generation=gen) if gen == controller.group.generation and controller.durable is not None:
             await add_saved(controller, proc, message)
-        case Unreadable(generation=gen) if gen == controller.group.generation:
-            await handle_unreadable(controller, message)
+        case EventReport(generation=gen, event=CheckpointCorrupt() as corrupt) if gen == controller.group.generation:
+            await handle_unreadable(controller, proc, message, heard(proc, corrupt))
+        case EventReport(generation=gen, event=StepFailed() as failed) if gen == controller.group.generation:
+            await end_on_failure(controller, proc, message, heard(proc, failed))
         case Restored(generation=gen, tier=tier, nbytes=nbytes) if gen == controller.group.generation:
             controller.feed(MemberRestored(tier, nbytes))
-        case Failed(generation=gen) if gen == controller.group.generation:
-            await end_on_failure(controller, proc, message)
         case Requested():
             await controller.relay.requested(message)
         case Published():
@@ -177,24 +180,29 @@ async def take_notice(controller: Controller, proc: WorkerProcess, message: Noti
     await controller.bus.publish(msgspec.structs.replace(event, source=f"metadata@worker-{proc.worker}"))
 
 
-async def handle_unreadable(controller: Controller, message: Unreadable) -> None:
-    """A member found its shards of the step being restored damaged: unless it read them from the next tier,
-    the group re-forms from the next best step. A durable step is withdrawn (its manifest set aside, its
-    files kept for a look); a replica file is never listed again by the member that found it."""
-    log.error("controller: %s step %d unreadable (%s: %s)", message.tier, message.step, message.path, message.reason)
-    await controller.bus.publish(
-        CheckpointCorrupt(
-            step=message.step,
-            source=f"worker-{message.worker}",
-            tier=message.tier,
-            path=message.path,
-            reason=message.reason,
-        )
+def heard(proc: WorkerProcess, event: E) -> E:
+    """A worker's event as the controller publishes it: from ``worker-N`` (the id its connection proved), at the
+    controller's own clocks (a worker's monotonic clock means nothing here, and the event log keeps one)."""
+    return msgspec.structs.replace(
+        event, source=f"worker-{proc.worker}", wall_time=time.time(), mono_time=time.monotonic()
     )
-    if message.tier == "durable" and controller.durable is not None:
-        await anyio.to_thread.run_sync(controller.durable.withdraw, message.step)
-    why = f"{message.tier} step {message.step} unreadable: {message.reason}"
-    controller.feed(RestoreFailed(message.generation, message.step, why, message.recovered_from))
+
+
+async def handle_unreadable(
+    controller: Controller, proc: WorkerProcess, report: EventReport, corrupt: CheckpointCorrupt
+) -> None:
+    """A member found its shards of the step being restored damaged: unless it read them from the next tier
+    (``report.recovered_from``), the group re-forms from the next best step. A durable step is withdrawn (its
+    manifest set aside, its files kept for a look); a replica file is never listed again by the member that
+    found it."""
+    step = corrupt.step
+    assert step is not None  # an EventReport's event names its step, or it does not decode
+    log.error("controller: %s step %d unreadable (%s: %s)", corrupt.tier, step, corrupt.path, corrupt.reason)
+    await controller.bus.publish(corrupt)
+    if corrupt.tier == "durable" and controller.durable is not None:
+        await anyio.to_thread.run_sync(controller.durable.withdraw, step)
+    why = f"{corrupt.tier} step {step} unreadable: {corrupt.reason}"
+    controller.feed(RestoreFailed(report.generation, step, why, report.recovered_from))
 
 
 async def publish_skipped(controller: Controller, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
@@ -208,23 +216,18 @@ async def publish_skipped(controller: Controller, proc: WorkerProcess, skipped: 
             )
 
 
-async def end_on_failure(controller: Controller, proc: WorkerProcess, failed: Failed) -> None:
-    """The user's code failed in a worker, or the job cannot run in this mode: the run ends now. Another
-    group would run the same data and program into the same error, so nothing is replaced or retried."""
-    await controller.bus.publish(
-        StepFailed(
-            step=failed.step,
-            source=f"worker-{proc.worker}",
-            error_type=failed.error_type,
-            message=failed.message,
-        )
-    )
+async def end_on_failure(controller: Controller, proc: WorkerProcess, report: EventReport, failed: StepFailed) -> None:
+    """The user's code failed in a worker, or the job cannot run in this mode (``report.unsupported``): the run
+    ends now. Another group would run the same data and program into the same error, so nothing is replaced or
+    retried."""
+    assert failed.step is not None  # an EventReport's event names its step, or it does not decode
+    await controller.bus.publish(failed)
     where = f"worker {proc.worker} (pid {proc.pid}, log {controller.pool.logs / f'worker-{proc.worker}.log'})"
-    if failed.unsupported:
+    if report.unsupported:
         controller.end(JobUnsupported(f"refused before step 1 by {where}: {failed.message}"))
         return
     text = f"step {failed.step} failed in {where}: {failed.error_type}: {failed.message}"
-    controller.end(StepError(f"{text}\n{failed.traceback}".rstrip(), step=failed.step))
+    controller.end(StepError(f"{text}\n{report.traceback}".rstrip(), step=failed.step))
 
 
 def mark_closed(controller: Controller, proc: WorkerProcess, reason: str) -> None:

@@ -10,7 +10,7 @@ agree on, so a ``ctx.transform_state`` changes every process's shards at the sam
 Which generation: an event of a group that is up goes to that group. From a member's loss (or a
 ``RecoveryStarted``, a ``GroupForming``) until the next ``GroupFormed`` the old group is broken (its members
 leave it without another step boundary), so events are held and sent to the group that forms next, just
-after its ``Restore``: the script's handlers see the failure, the re-forming and the restore, each once per
+after its ``RestoreStep``: the script's handlers see the failure, the re-forming and the restore, each once per
 process, in the new group.
 
 The relay subscribes after every other handler (lowest priority), so it sees each event once it is

@@ -1,5 +1,5 @@
 """The end of forming a generation: every member joined, so the supervisor plans the group's restore from what
-each holds (``Membership.plan_restore``), sends ``Restore`` and publishes ``GroupFormed`` (``RunStarted`` for
+each holds (``Membership.plan_restore``), sends ``RestoreStep`` and publishes ``GroupFormed`` (``RunStarted`` for
 the first group, ``StateRestored`` in a recovery).
 """
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from runtime.cluster.config import Strategy
 from runtime.cluster.controller.membership import JoinReport
 from runtime.cluster.controller.supervision import Action, Phase, Publish, SaveFences, Send, TopUpSpares, WarmSpares
-from runtime.cluster.protocol import Joined, Restore
+from runtime.cluster.protocol import Joined, RestoreStep
 from runtime.core.errors import RecoveryError
 from runtime.core.events import GroupFormed, RunStarted, StateRestored
 
@@ -56,7 +56,7 @@ def send_restore(sup: Supervisor, out: list[Action]) -> None:
         out.append(Publish(sup.completed(gap, 0.0)))
     for worker in members:
         sup.pool[worker].step = plan.step
-    restore = Restore(
+    restore = RestoreStep(
         generation=group.generation,
         step=plan.step,
         source=plan.source,

@@ -12,7 +12,7 @@ the state from its peers) and ``restart`` (every worker process replaced, state 
 ``/dev/shm``), the fallback when a re-forming group does not come together in time.
 
 A run ends early, every worker stopped and ``summary.json`` written, on an error in the user's code (a
-worker's ``Failed``: ``StepError``), a job this mode cannot run (``JobUnsupported``), a spent failure budget
+worker's ``StepFailed``: ``StepError``), a job this mode cannot run (``JobUnsupported``), a spent failure budget
 or a step that keeps failing (``RecoveryError``), or SIGTERM/SIGINT (drained; the run folder resumes it).
 
 This module is the async shell; the decisions live in synchronous parts tested on their own: when and how the

@@ -75,7 +75,7 @@ class MemberJoined:
 
 @dataclass(frozen=True)
 class RestoreFailed:
-    """A member could not read the step being restored (``Unreadable``)."""
+    """A member could not read the step being restored (its ``EventReport`` of a ``CheckpointCorrupt``)."""
 
     generation: int
     step: int

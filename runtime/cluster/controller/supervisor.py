@@ -10,7 +10,7 @@ controller (``runtime/cluster/controller/shell.py``) feeds it, carries its actio
 :class:`Tick` at :attr:`Supervisor.deadline`; its tests drive it alone.
 
 Forming a generation: recruit spares (started if need be) to fill the group around the survivors, seat them
-(``Membership.seat``), send every member ``Form``, wait for every ``Joined``, then send ``Restore`` with the plan
+(``Membership.seat``), send every member ``Form``, wait for every ``Joined``, then send ``RestoreStep`` with the plan
 (``Membership.plan_restore``). A member lost while the group forms drops out of that forming, and nobody else
 is replaced: once a member is in the generation (it joined, or its heartbeat names the generation) every member
 got past JAX's start, so the rest re-form at once as after any loss; before that the others wait in JAX's start
@@ -108,7 +108,7 @@ class Supervisor:
         self.clock = clock
         self.phase = Phase.IDLE
         self.stopped = False  # the run is ending: nothing is replaced or formed any more
-        self.restored = False  # the current generation got its Restore
+        self.restored = False  # the current generation got its RestoreStep
         self.restored_bytes: dict[str, int] = {}  # what the current generation's members restored, per tier
         self.deadline: float | None = None  # when to be handed a Tick
         self.requests: set[int] = set()  # members to replace at the next re-forming

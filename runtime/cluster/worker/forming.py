@@ -79,7 +79,7 @@ def form_group(worker: Worker, form: Form) -> None:
     try:
         worker.mesh = process_mesh.build(devices, slices)
     except MeshUnavailable as exc:
-        worker.report_failure("JobUnsupported", str(exc), "", step=worker.step, unsupported=True)
+        worker.unsupported(str(exc))
         return
     place = (form.process_id, form.num_processes)
     compiler = StepCompiler(worker.job, worker.template, worker.batch_like, programs=worker.programs, place=place)
@@ -96,7 +96,7 @@ def form_group(worker: Worker, form: Form) -> None:
             "replica axis across slices, which shrinks when one is lost: shard the state over the axes inside "
             f"a slice ({', '.join(map(repr, process_mesh.slice_axes))}), which span its processes (launch --slices)"
         )
-        worker.report_failure("JobUnsupported", message, "", step=worker.step, unsupported=True)
+        worker.unsupported(message)
         return
     position, local = form.process_id % form.slice_size, worker.settings.local_devices
     layout = f"position {position} of {form.slice_size} x {local} devices"

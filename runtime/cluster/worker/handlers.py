@@ -29,11 +29,11 @@ import anyio
 import msgspec
 import numpy as np
 
-from runtime.cluster.protocol import Failed, Notify, Published, Requested
+from runtime.cluster.protocol import Notify, Published, Requested
 from runtime.core.bus import EventBus, Subscription
 from runtime.core.errors import UnsupportedInMode
 from runtime.core.eventlog import decode_event, encode_event
-from runtime.core.events import Event, HandlerFailed, StateTransformed
+from runtime.core.events import Event, HandlerFailed, StateTransformed, StepFailed
 
 if TYPE_CHECKING:
     from runtime.cluster.worker import Worker
@@ -253,15 +253,8 @@ class ScriptHandlers:
             except Exception as exc:
                 message = f"ctx.transform_state ({reason}) at step {worker.step}: {type(exc).__name__}: {exc}"
                 log.error("%s", message)
-                failed = Failed(
-                    worker=worker.worker,
-                    generation=worker.generation,
-                    step=worker.step,
-                    error_type=type(exc).__name__,
-                    message=message,
-                    traceback=traceback.format_exc()[-4000:],
-                )
-                worker.link.send(failed)
+                failed = StepFailed(step=worker.step, source="worker", error_type=type(exc).__name__, message=message)
+                worker.report_failure(failed, traceback.format_exc())
                 return None, True
             if worker.process_id == 0:
                 transformed = StateTransformed(

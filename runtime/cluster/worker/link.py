@@ -14,13 +14,13 @@ from collections.abc import Callable
 from runtime.cluster import auth
 from runtime.cluster.protocol import (
     EXIT_REPLACE,
-    Committed,
+    DurableCommitted,
     Form,
     Lease,
     MalformedMessage,
     Message,
     Notify,
-    Restore,
+    RestoreStep,
     Stop,
     Warm,
     decode_from_controller,
@@ -30,7 +30,7 @@ from runtime.cluster.protocol import (
 log = logging.getLogger(__name__)
 
 
-Inbound = Form | Restore | Warm | Stop
+Inbound = Form | RestoreStep | Warm | Stop
 
 # Handshakes the controller may close before a worker gives up (see ``connect``).
 _HANDSHAKE_TRIES = 5
@@ -103,7 +103,7 @@ class ControllerLink:
                     continue
                 if isinstance(message, Lease):
                     self.lease_until = time.monotonic() + message.seconds
-                elif isinstance(message, Committed):
+                elif isinstance(message, DurableCommitted):
                     self.on_committed(message.step)
                 elif isinstance(message, Notify):
                     self.on_notify(message)

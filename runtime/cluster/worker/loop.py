@@ -32,7 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from runtime.cluster.protocol import Failed, Form, Heartbeat, Hello, Message, Restore, Stop, Warm
+from runtime.cluster.protocol import EventReport, Form, Heartbeat, Hello, Message, RestoreStep, Stop, Warm
 from runtime.cluster.tiers import Tier
 from runtime.cluster.worker.durable import final_durable
 from runtime.cluster.worker.forming import form_group, warm_up
@@ -44,6 +44,7 @@ from runtime.cluster.worker.restore import adopt_restored, restore_step
 from runtime.cluster.worker.settings import WorkerSettings
 from runtime.cluster.worker.stepping import await_step
 from runtime.cluster.worker.training import train
+from runtime.core.events import StepFailed
 from runtime.core.initial import abstract_state
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.keys import with_key_data
@@ -171,7 +172,7 @@ class Worker:
             match message:
                 case Form():
                     form_group(self, message)
-                case Restore() if message.generation == self.generation:
+                case RestoreStep() if message.generation == self.generation:
                     # The restore is a collective too: if a peer dies during it, abandon it like a step. Its
                     # thread only returns what it restored; the worker's state is set here, by this thread.
                     abandoned = threading.Event()
@@ -188,7 +189,7 @@ class Worker:
                         # copies of this process's shards for the whole run (docs/multiprocess.md, memory).
                         del outcome, future
                         pending = train(self, message.target_steps)
-                case Restore():
+                case RestoreStep():
                     log.info("stale restore for generation %d ignored", message.generation)
                 case Warm(programs=programs) if not self.initialized:
                     warm_up(self, programs)
@@ -239,17 +240,19 @@ class Worker:
         copies = {"ram": ram.nbytes if ram is not None else 0, "neighbour": neighbour.nbytes if neighbour else 0}
         return resident() | copies | {"batch": self.batch_bytes}
 
-    def report_failure(
-        self, error_type: str, message: str, trace: str, *, step: int, unsupported: bool = False
-    ) -> None:
-        """Tell the controller the run cannot go on; it stops every worker (this one waits for its Stop)."""
-        failed = Failed(
+    def report_failure(self, failed: StepFailed, trace: str = "", *, unsupported: bool = False) -> None:
+        """Tell the controller the run cannot go on (``failed``; ``unsupported``: the job is one this mode cannot
+        run); it publishes the event and stops every worker (this one waits for its Stop)."""
+        report = EventReport(
             worker=self.worker,
             generation=self.generation,
-            step=step,
-            error_type=error_type,
-            message=message,
+            event=failed,
             traceback=trace[-4000:],  # the end of a traceback names the failing line
             unsupported=unsupported,
         )
-        self.link.send(failed)
+        self.link.send(report)
+
+    def unsupported(self, message: str) -> None:
+        """The job is one this mode cannot run: the controller ends the run with ``JobUnsupported``."""
+        failed = StepFailed(step=self.step, source="worker", error_type="JobUnsupported", message=message)
+        self.report_failure(failed, unsupported=True)

@@ -1,6 +1,6 @@
 """A worker's restore: what it holds (the inventory it reports in ``Joined``: RAM, its replica files, the group's
 durable checkpoints) and the group's restore of one step (the read chain over those sources, fastest first,
-each damaged one reported as ``Unreadable``; then the collective that hands every member the source slice's
+each damaged one reported as ``CheckpointCorrupt``; then the collective that hands every member the source slice's
 shards).
 """
 
@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.cluster.protocol import Restore, Restored, Unreadable
+from runtime.cluster.protocol import EventReport, Restored, RestoreStep
 from runtime.cluster.tiers import Tier
 from runtime.core import restore as core_restore
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from runtime.core.events import CheckpointCorrupt
 from runtime.core.initial import initial_program
 from runtime.core.job import PyTree
 from runtime.core.restore import CorruptionListener
@@ -103,7 +104,7 @@ def list_durable_steps(worker: Worker) -> set[int]:
 
 
 def restore_step(
-    worker: Worker, restore: Restore, files: dict[int, list[DiskTier]], abandoned: threading.Event
+    worker: Worker, restore: RestoreStep, files: dict[int, list[DiskTier]], abandoned: threading.Event
 ) -> tuple[Restoration, float]:
     """Read this process's shards of ``restore.step`` (when the source slice needs them) and take part in the
     group's restore. Runs in the step thread and changes nothing of the worker's: ``adopt_restored`` does."""
@@ -145,7 +146,7 @@ def restore_step(
     return Restoration(state, position, boxes, tier, nbytes, spare), 0.0
 
 
-def adopt_restored(worker: Worker, restore: Restore, done: Restoration) -> None:
+def adopt_restored(worker: Worker, restore: RestoreStep, done: Restoration) -> None:
     """The group's restore finished: the worker holds its step (and the neighbour copy of it it kept)."""
     worker.state, worker.neighbour = done.state, done.neighbour
     # Its StateRestored is dropped: the controller publishes the group's, timed there.
@@ -160,10 +161,10 @@ def adopt_restored(worker: Worker, restore: Restore, done: Restoration) -> None:
     worker.heartbeat()
 
 
-def read_own(worker: Worker, restore: Restore, files: dict[int, list[DiskTier]]) -> tuple[Tier, HostSnapshot]:
+def read_own(worker: Worker, restore: RestoreStep, files: dict[int, list[DiskTier]]) -> tuple[Tier, HostSnapshot]:
     """This process's shards of the step, from the fastest tier holding them that verifies (the core's restore
     routine over its RAM replica, its replica files, the durable tier). Each one that fails its checksums is
-    reported (``Unreadable``); when all fail, CheckpointInvalid is raised, and the controller re-forms from
+    reported (``CheckpointCorrupt``); when all fail, CheckpointInvalid is raised, and the controller re-forms from
     another step: never a partial state."""
     step = restore.step
     if worker.ram is not None and worker.ram.step == step:
@@ -217,20 +218,23 @@ class _Holder:
 
 
 def report_unreadable(
-    worker: Worker, restore: Restore, failures: list[tuple[Tier, CheckpointInvalid]], *, recovered_from: Tier | None
+    worker: Worker, restore: RestoreStep, failures: list[tuple[Tier, CheckpointInvalid]], *, recovered_from: Tier | None
 ) -> None:
     for tier, exc in failures:
         log.error("step %d unreadable from %s: %s", restore.step, tier, exc)
-        unreadable = Unreadable(
-            worker=worker.worker,
-            generation=restore.generation,
+        corrupt = CheckpointCorrupt(
             step=restore.step,
+            source="worker",
             tier=tier,
             path=exc.path,
             reason=exc.reason,
-            recovered_from=recovered_from,
+            error_type=type(exc).__name__,
+            message=str(exc),
         )
-        worker.link.send(unreadable)
+        report = EventReport(
+            worker=worker.worker, generation=restore.generation, event=corrupt, recovered_from=recovered_from
+        )
+        worker.link.send(report)
 
 
 def read_durable(worker: Worker, step: int) -> HostSnapshot:

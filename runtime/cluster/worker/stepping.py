@@ -67,10 +67,11 @@ def await_step(
             if worker.link.inbox.empty() or defer_head(worker):
                 continue
         except Exception as exc:
-            if users_code and isinstance(classify(exc, step=worker.step + 1, in_group=True), StepFailed):
+            failure = classify(exc, step=worker.step + 1, in_group=True, source="worker") if users_code else None
+            if isinstance(failure, StepFailed):
                 # The same data and program would fail again in any group: the run ends, not this worker.
                 log.exception("step %d failed in the user's code; reporting it to the controller", worker.step + 1)
-                worker.report_failure(type(exc).__name__, str(exc), traceback.format_exc(), step=worker.step + 1)
+                worker.report_failure(failure, traceback.format_exc())
             else:
                 log.error("%s failed: %s: %s; waiting for the group to re-form", what, type(exc), exc)
             return None
