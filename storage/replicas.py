@@ -41,7 +41,7 @@ from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageE
 from runtime.core.programs import PROGRAMS_PREFIX
 from runtime.core.snapshot import HostSnapshot
 from storage.disk import DiskTier
-from storage.shards import local_copy
+from storage.shards import box_copy, local_copy
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,9 @@ def device_replica(
     generation: int | None = None,
 ) -> HostSnapshot:
     """A replica of ``state`` (jax arrays on the group's devices) whose host copy of this process's boxes
-    (:func:`storage.shards.local_copy`; ``like``: their shapes and dtypes) is made on its first read: by the
-    replica file's writer thread, off the step's critical path, or never for a replica replaced unread. The
+    (:func:`storage.shards.local_copy`; ``like``: their shapes and dtypes) is made on its first read (a restore, a
+    durable write, a worker leaving its group), or never for a replica replaced unread; the replica file's writer
+    copies the boxes into buffers of its own (:meth:`ReplicaFiles._staged`), off the step's critical path. The
     compiled step does not donate its input, so ``state`` stays valid while held; it lives on the group's
     backend, so whoever leaves the group reads the replica first (``runtime.cluster.worker.forming``)."""
     nbytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(like))
@@ -139,6 +140,7 @@ class ReplicaFiles:
         # The steps this folder holds. This process is its one writer, so the list is kept here rather than read
         # back (every manifest parsed) after each write.
         self._held = set(self.tier.steps(timeout=_TIMEOUT_S))
+        self._staging: list[np.ndarray | None] = []  # the writer's host copy of each leaf (``_staged``)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-file")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
@@ -173,7 +175,7 @@ class ReplicaFiles:
 
     def _write(self, snapshot: HostSnapshot) -> None:
         started = time.monotonic()
-        self.tier.save(snapshot, timeout=_TIMEOUT_S)
+        self.tier.save(self._staged(snapshot), timeout=_TIMEOUT_S)
         self._held.add(snapshot.step)
         with self._lock:
             pinned = set(self.pinned)
@@ -182,6 +184,27 @@ class ReplicaFiles:
                 self.tier.delete(step, timeout=_TIMEOUT_S)
                 self._held.discard(step)
         log.debug("replica of step %d written in %.3f s", snapshot.step, time.monotonic() - started)
+
+    def _staged(self, snapshot: HostSnapshot) -> HostSnapshot:
+        """``snapshot`` with its host copy made into this writer's own buffers, used again for every step's file,
+        when no one has made one yet (a replica on the devices, :func:`device_replica`). At 64 MB a process, the
+        kernel zeroing a fresh copy's pages took a sixth of a worker's CPU, more than the copy itself."""
+        tree = snapshot.unread()
+        if tree is None or not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)):
+            return snapshot
+        leaves, structure = jax.tree.flatten(tree)
+        if len(self._staging) != len(leaves):
+            self._staging = [None] * len(leaves)
+        self._staging = [box_copy(leaf, out) for leaf, out in zip(leaves, self._staging, strict=True)]
+        staged = jax.tree.unflatten(structure, self._staging)
+        return HostSnapshot(
+            step=snapshot.step,
+            data_position=snapshot.data_position,
+            tree=staged,
+            nbytes=snapshot.nbytes,
+            seconds=snapshot.seconds,
+            metadata=snapshot.metadata,
+        )
 
     def wait(self) -> None:
         with self._lock:

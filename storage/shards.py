@@ -114,20 +114,25 @@ def _within(index: Box, box: Box, shape: tuple[int, ...]) -> Box:
 
 def local_copy(tree: PyTree) -> PyTree:
     """This process's box of every array of ``tree`` (:func:`local_box`), as numpy arrays in host memory."""
+    return jax.tree.map(box_copy, tree)
 
-    def one(leaf: Any) -> np.ndarray:
-        if not isinstance(leaf, jax.Array):
-            return np.array(leaf)
-        box = local_box(leaf.shape, leaf.sharding)
-        out = np.empty([b.stop - b.start for b in box], leaf.dtype)
-        copied: set[Any] = set()
-        for shard in leaf.addressable_shards:
-            if _key(shard.index) not in copied:  # replicated over this process's devices: copy once
-                copied.add(_key(shard.index))
-                out[_within(shard.index, box, leaf.shape)] = np.asarray(shard.data)
-        return out
 
-    return jax.tree.map(one, tree)
+def box_copy(leaf: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """This process's box of ``leaf`` in host memory: written into ``out`` when it has the box's shape and dtype
+    (a buffer used again: fresh host memory is zeroed by the kernel page by page, which cost a replica writer
+    more than the copy), else into a new array."""
+    if not isinstance(leaf, jax.Array):
+        return np.array(leaf)
+    box = local_box(leaf.shape, leaf.sharding)
+    shape = tuple(b.stop - b.start for b in box)
+    if out is None or out.shape != shape or out.dtype != leaf.dtype:
+        out = np.empty(shape, leaf.dtype)
+    copied: set[Any] = set()
+    for shard in leaf.addressable_shards:
+        if _key(shard.index) not in copied:  # replicated over this process's devices: copy once
+            copied.add(_key(shard.index))
+            out[_within(shard.index, box, leaf.shape)] = np.asarray(shard.data)
+    return out
 
 
 def local_like(template: PyTree, shardings: PyTree) -> PyTree:

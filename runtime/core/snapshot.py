@@ -84,6 +84,12 @@ class HostSnapshot:
                 self._tree = self._assemble(self._unread.pop())
             return self._tree
 
+    def unread(self) -> PyTree | None:
+        """The tree as it was given, while no one has read the snapshot (its host copy not made yet), else None:
+        a writer may then make a copy of its own, into buffers it keeps, without making the snapshot's."""
+        with self._lock:
+            return self._unread[0] if self._unread else None
+
     def __repr__(self) -> str:
         return f"HostSnapshot(step={self.step}, data_position={self.data_position}, nbytes={self.nbytes})"
 

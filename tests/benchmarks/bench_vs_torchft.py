@@ -1,6 +1,6 @@
 """Against TorchFT: the demo MLP on 3 workers, ``kill -9`` of one at step 20, in both systems. Not collected by pytest.
 
-    .venv/bin/python tests/benchmarks/bench_vs_torchft.py [--repeats 5] [--json out.json]
+    .venv/bin/python tests/benchmarks/bench_vs_torchft.py [--repeats 5] [--burners 2] [--json out.json]
     make bench-torchft        # builds .venv-torchft (constraints/torchft.txt), then runs this
 
 The model and data of ``elastic-runtime demo --processes 3`` (runtime/cli/demo_multiprocess.py): an MLP
@@ -24,14 +24,17 @@ Measured in each run, in seconds from the kill: the first step committed by the 
 workers taking part (``full_size``), steps committed before the kill and not kept (``lost_steps``), the final
 state against a fault-free run of the same system (``exact``: bitwise; for TorchFT the largest absolute
 difference too), and the median interval between committed steps 6 to 20 (``step_s``). The three contenders
-run interleaved ``--repeats`` times; the last line printed is a JSON summary with medians and ranges.
+run interleaved ``--repeats`` times, each beside ``--burners`` busy processes (none by default) that spin at
+the same priority for the run's whole length; the last line printed is a JSON summary with medians and ranges.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -42,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -412,9 +416,30 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return summary
 
 
+@contextlib.contextmanager
+def burning(burners: int) -> Iterator[None]:
+    """``burners`` processes spinning at the same priority for as long as the block runs (a loaded host)."""
+    stop = multiprocessing.Event()
+    spinning = [multiprocessing.Process(target=_burn, args=(stop,), daemon=True) for _ in range(burners)]
+    for process in spinning:
+        process.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for process in spinning:
+            process.join(timeout=10)
+
+
+def _burn(stop: Any) -> None:
+    while not stop.is_set():
+        pass
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--repeats", type=int, default=5, help="runs of each contender, interleaved")
+    parser.add_argument("--burners", type=int, default=0, help="busy processes beside each measured run")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--torchft-python", default=".venv-torchft/bin/python", help="a Python with torchft")
     parser.add_argument("--only", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
@@ -440,6 +465,7 @@ def main() -> int:
     results: dict[str, Any] = {
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, python {platform.python_version()}",
         "load_before": load_average(),
+        "burners": args.burners,
     }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.only}
     try:
@@ -450,12 +476,15 @@ def main() -> int:
             for name in args.only:
                 load = load_average()
                 run_dir = root / f"{name}-{repeat}"
+                with burning(args.burners):
+                    if name == "ours":
+                        run = run_ours(run_dir, kill=True)
+                    else:
+                        run = run_torchft(run_dir, python, heartbeat_ms=HEARTBEAT_MS[name], kill=True)
                 if name == "ours":
-                    run = run_ours(run_dir, kill=True)
                     run["exact"] = ours_exact(run_dir, root / "ours-reference") if run["ok"] else None
-                else:
-                    run = run_torchft(run_dir, python, heartbeat_ms=HEARTBEAT_MS[name], kill=True)
                 run |= {"contender": name, "repeat": repeat, "load_before": load, "load_after": load_average()}
+                run["burners"] = args.burners
                 runs[name].append(run)
                 print(json.dumps(run, default=str), flush=True)
         torchft_steps = sorted({r["final_step"] for n, rs in runs.items() if n != "ours" for r in rs if r["ok"]})
