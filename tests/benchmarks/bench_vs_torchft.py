@@ -23,7 +23,9 @@ Measured in each run, in seconds from the kill: the first step committed by the 
 (``next_commit``: a new generation for ours, a new quorum id for TorchFT), the first such step with all 3
 workers taking part (``full_size``), steps committed before the kill and not kept (``lost_steps``), the final
 state against a fault-free run of the same system (``exact``: bitwise; for TorchFT the largest absolute
-difference too), and the median interval between committed steps 6 to 20 (``step_s``). The three contenders
+difference too), and the median interval between committed steps 6 to 20 (``step_s``); for ours, the time from
+the kill to the next commit by phase (``phases_s``: ``detect``, ``form``, the slowest member's own join phases
+``join_*`` within it, ``restore_and_step``; medians in the summary). The three contenders
 run interleaved ``--repeats`` times, each beside ``--burners`` busy processes (none by default) that spin at
 the same priority for the run's whole length; the last line printed is a JSON summary with medians and ranges.
 """
@@ -156,7 +158,7 @@ def run_ours(run_dir: Path, *, kill: bool) -> dict[str, Any]:
     """One run of the demo group through the controller; measured from its event log."""
     from runtime.cli.demo_multiprocess import run_group
     from runtime.core.eventlog import read_events
-    from runtime.core.events import GroupFormed, StepCompleted, WorkerKilled
+    from runtime.core.events import GroupFormed, StepCompleted, WorkerExited, WorkerKilled, WorkerLost
     from runtime.faults.grammar import Fault
 
     faults = [Fault("kill", VICTIM, step=KILL_AT)] if kill else []
@@ -173,9 +175,17 @@ def run_ours(run_dir: Path, *, kill: bool) -> dict[str, Any]:
     killed = next(e for e in events if isinstance(e, WorkerKilled))
     formed = [e for e in events if isinstance(e, GroupFormed) and e.wall_time > killed.wall_time]
     next_commit = full_size = None
+    phases: dict[str, float] = {}
     if formed:
         after = sorted(t for t in commits.values() if t > formed[0].wall_time)
         next_commit = after[0] - killed.wall_time if after else None
+        # From the kill to the next commit: seen (the exit or the silence), the group formed (and the slowest
+        # member's join by its own phases), the restore and the first step.
+        seen = next(e for e in events if isinstance(e, WorkerExited | WorkerLost) and e.wall_time >= killed.wall_time)
+        phases = {"detect": seen.wall_time - killed.wall_time, "form": formed[0].wall_time - seen.wall_time}
+        phases |= {f"join_{name}": seconds for name, seconds in formed[0].phases.items()}
+        if after:
+            phases["restore_and_step"] = after[0] - formed[0].wall_time
         full = [e for e in formed if len(e.members) == NPROCS]
         if full:
             after_full = sorted(t for t in commits.values() if t > full[0].wall_time)
@@ -185,6 +195,7 @@ def run_ours(run_dir: Path, *, kill: bool) -> dict[str, Any]:
         "full_size_s": full_size,
         "lost_steps": sum(r["lost_steps"] for r in result.recoveries),
         "world_size_history": result.world_size_history,
+        "phases_s": {name: round(seconds, 4) for name, seconds in phases.items()},
     }
     return run
 
@@ -409,6 +420,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             summary[f"{name}_max_abs_diff"] = [r.get("max_abs_diff") for r in results]
             summary[f"{name}_next_commit_participants"] = [r.get("next_commit_participants") for r in results]
             summary[f"{name}_degraded_steps"] = [r.get("degraded_steps") for r in results]
+    ours_phases = [r["phases_s"] for r in runs.get("ours", []) if r.get("phases_s")]
+    for phase in sorted({name for phases in ours_phases for name in phases}):
+        summary[f"ours_phase_{phase}_s_median"] = spread([p[phase] for p in ours_phases if phase in p])["median"]
     for name in runs.keys() - {"ours"} if "ours" in runs else ():
         for key in ("next_commit", "full_size", "step"):
             theirs, ours = summary[f"{name}_{key}_s_median"], summary[f"ours_{key}_s_median"]
