@@ -188,7 +188,7 @@ class ReplicaFiles:
     def _staged(self, snapshot: HostSnapshot) -> HostSnapshot:
         """``snapshot`` with its host copy made into this writer's own buffers, used again for every step's file,
         when no one has made one yet (a replica on the devices, :func:`device_replica`). At 64 MB a process, the
-        kernel zeroing a fresh copy's pages took a sixth of a worker's CPU, more than the copy itself."""
+        kernel zeroing a fresh copy's pages took a fifth of a worker's CPU, more than the copy itself."""
         tree = snapshot.unread()
         if tree is None or not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(tree)):
             return snapshot
