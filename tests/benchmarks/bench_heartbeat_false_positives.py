@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_vs_torchft import burning  # (tests/benchmarks/, this script's folder)
 
 from runtime.cli.demo_multiprocess import run_group
 from runtime.core.eventlog import read_events
@@ -34,20 +35,11 @@ NPROCS = 3
 STEP_DELAY_S = 0.05  # the demo's step takes milliseconds: stretched so a run lasts long enough to count
 
 
-def burn(stop_at: float) -> None:
-    while time.monotonic() < stop_at:
-        pass
-
-
 def one(interval_s: float, timeout_s: float, seconds: float, burners: int) -> dict[str, Any]:
     steps = max(50, round(seconds / STEP_DELAY_S))
     run_dir = Path(tempfile.mkdtemp(prefix="bench-heartbeat-"))
-    stop_at = time.monotonic() + seconds * 3  # past the run's end; they are stopped then anyway
-    load = [multiprocessing.Process(target=burn, args=(stop_at,), daemon=True) for _ in range(burners)]
-    for process in load:
-        process.start()
     started = time.monotonic()
-    try:
+    with burning(burners):
         result = run_group(
             processes=NPROCS,
             steps=steps,
@@ -58,9 +50,6 @@ def one(interval_s: float, timeout_s: float, seconds: float, burners: int) -> di
             extra_env={"ELASTIC_STEP_DELAY_S": str(STEP_DELAY_S)},
             start_timeout_s=300.0,
         )
-    finally:
-        for process in load:
-            process.terminate()
     wall = time.monotonic() - started
     events = read_events(run_dir / "events.jsonl")
     completed = [e for e in events if isinstance(e, StepCompleted)]

@@ -169,15 +169,14 @@ def read_own(worker: Worker, restore: RestoreStep, files: dict[int, list[DiskTie
     step = restore.step
     if worker.ram is not None and worker.ram.step == step:
         return Tier.RAM, worker.ram
+    failures: list[tuple[Tier, CheckpointInvalid]] = []
+    listeners: list[CorruptionListener] = [lambda name, _step, exc: failures.append((Tier(name), exc))]
     sources: list[_Holder] = []
     if step in files:
         from_files = lambda: worker.replicas.read(step, files[step], worker.local_like)  # noqa: E731
-        sources.append(_Holder(worker.files_tier, step, from_files))
+        sources.append(_Holder(worker.files_tier, step, from_files, listeners))
     if step in worker.durable_steps:
-        sources.append(_Holder(Tier.DURABLE, step, lambda: read_durable(worker, step)))
-    failures: list[tuple[Tier, CheckpointInvalid]] = []
-    for source in sources:
-        source.corruption_listeners.append(source.failed_to(failures))
+        sources.append(_Holder(Tier.DURABLE, step, lambda: read_durable(worker, step), listeners))
     try:
         holder, snapshot = core_restore.restore_step(sources, step, timeout=_READ_TIMEOUT_S)
     except (CheckpointInvalid, SnapshotUnavailable) as exc:
@@ -200,15 +199,11 @@ class _Holder:
     tier: Tier
     step: int
     read: Callable[[], HostSnapshot]
-    corruption_listeners: list[CorruptionListener] = field(default_factory=list)
-    name: str = field(init=False)
+    corruption_listeners: list[CorruptionListener]
+    name: str = field(init=False)  # the tier's name, as the routine reports a failure
 
     def __post_init__(self) -> None:
         self.name = str(self.tier)
-
-    def failed_to(self, failures: list[tuple[Tier, CheckpointInvalid]]) -> CorruptionListener:
-        """A listener that adds this tier's verification failure to ``failures``."""
-        return lambda _name, _step, exc: failures.append((self.tier, exc))
 
     def steps(self, *, timeout: float) -> list[int]:
         return [self.step]
