@@ -136,3 +136,33 @@ def test_a_worker_a_cluster_started_that_asks_to_leave_is_told_to_exit_for_a_rep
     form = run.forms[-1]
     assert (form.members, form.strategy, form.at_step) == ((0, 2, 3), Strategy.DRAIN, 13)
     assert stops(run, 1)[0].exit_code == EXIT_REPLACE and run.supervisor.recovery.failures == 0
+
+
+def test_a_member_that_ends_before_its_planned_step_is_a_loss_and_the_planned_group_forms_at_once(
+    tmp_path: Path,
+) -> None:
+    # Worker 1 asked to leave at step 13 and was killed at step 11: the others' next collective waits for it in
+    # vain, so step 13 never comes. Its end is a counted loss, and the members still stepping with the old group
+    # (not spare 4, seated already) are told to join the planned generation now.
+    run = training(tmp_path, spares=1, min_nprocs=4)
+    run.feed(LeaveRequested(1, "it got SIGTERM"))
+    planned = run.forms[-1]
+    run.commit(11)
+    run.pool[1].gone = True  # its process ended (the shell marks it gone, then says so)
+    run.feed(WorkerChanged(1))
+    now = run.forms[-1]
+    assert (now.generation, now.members, now.at_step, now.seats) == (planned.generation, (0, 4, 2, 3), -1, (0, 2, 3))
+    assert run.supervisor.recovery.failures == 1 and run.kinds()[-2:] == ["WorkerLost", "RecoveryStarted"]
+    run.join(step=11, tier="ram")
+    formed = [e for e in run.events if isinstance(e, GroupFormed)][-1]
+    assert (formed.members, formed.restore_step) == ((0, 4, 2, 3), 11) and run.ended is None
+
+
+def test_a_member_that_leaves_at_its_planned_step_is_no_loss(tmp_path: Path) -> None:
+    run = training(tmp_path, spares=1, min_nprocs=4)
+    run.feed(LeaveRequested(1, "it got SIGTERM"))
+    forms = len(run.forms)
+    run.commit(13)
+    run.pool[1].step = 13  # its heartbeat at that step came before its connection closed
+    run.feed(WorkerChanged(1))
+    assert len(run.forms) == forms and run.supervisor.recovery.failures == 0 and "WorkerLost" not in run.kinds()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,20 +46,30 @@ def final(folder: Path) -> Any:
     return DiskTier(folder).latest(None).tree
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference")
+    assert run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, faults=[]).ok
+    return run_dir
+
+
+def process_0(run_dir: Path, controller: Any, at_step: int) -> tuple[int, int]:
+    """The worker of process 0 (it writes the result) once the group committed ``at_step``, and its pid."""
+    launched.wait_for_step(run_dir, controller, at_step)
+    events = launched.events_so_far(run_dir)
+    worker = next(e for e in events if isinstance(e, GroupFormed)).members[0]
+    return worker, next(e.pid for e in events if isinstance(e, WorkerStarted) and e.worker == worker)
+
+
 def test_sigterm_to_a_worker_is_a_planned_departure_that_loses_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: Path
 ) -> None:
-    reference = run_group(processes=NPROCS, steps=STEPS, run_dir=tmp_path / "reference", faults=[])
-    assert reference.ok
     # The workers' grace period only guards against a hang here: the machine may be loaded.
     monkeypatch.setenv(ENV_GRACE_S, "300")
     run_dir = tmp_path / "run"
     flags = ("--spares", "1", "--max-failures", "0")
     controller = launched.launch(run_dir, worker_command(STEPS), *flags, nprocs=NPROCS, step_delay_s=0.25)
-    launched.wait_for_step(run_dir, controller, 6)
-    events = launched.events_so_far(run_dir)
-    leaver = next(e for e in events if isinstance(e, GroupFormed)).members[0]  # process 0: it writes the result
-    pid = next(e.pid for e in events if isinstance(e, WorkerStarted) and e.worker == leaver)
+    leaver, pid = process_0(run_dir, controller, 6)
     os.kill(pid, signal.SIGTERM)
     output, _ = controller.communicate(timeout=300)
     assert controller.returncode == 0, output.decode()[-3000:]
@@ -77,6 +88,35 @@ def test_sigterm_to_a_worker_is_a_planned_departure_that_loses_nothing(
     assert exited.returncode == 0
     steps = [e.step for e in events if isinstance(e, StepCompleted)]
     assert sorted(steps) == list(range(1, STEPS + 1)), steps  # every step committed once: none lost, none again
-    match = compare_states(final(run_dir / "final"), final(tmp_path / "reference" / "final"), bitwise=True)
+    match = compare_states(final(run_dir / "final"), final(reference / "final"), bitwise=True)
     assert match["match"], match
     print(f"drained at step {forming[0].step}; load average {os.getloadavg()}")
+
+
+def test_a_worker_killed_before_the_step_it_was_to_leave_at_is_a_loss_the_planned_group_forms_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: Path
+) -> None:
+    # SIGTERM, then SIGKILL a moment later (a grace period cut short): the others wait in a collective with it,
+    # and the step it was to leave at never comes. Its end is one counted loss; the group planned without it
+    # forms at once with the spare in its seat, no survivor replaced, not after a join timeout.
+    monkeypatch.setenv(ENV_GRACE_S, "300")
+    run_dir = tmp_path / "run"
+    flags = ("--spares", "1", "--max-failures", "1")
+    controller = launched.launch(run_dir, worker_command(STEPS), *flags, nprocs=NPROCS, step_delay_s=0.25)
+    leaver, pid = process_0(run_dir, controller, 6)
+    os.kill(pid, signal.SIGTERM)
+    time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    output, _ = controller.communicate(timeout=300)
+    assert controller.returncode == 0, output.decode()[-3000:]
+    summary = json.loads(output.decode().strip().splitlines()[-1])
+    assert summary["ok"] and summary["step"] == STEPS, summary["reason"]
+    assert summary["survivor_restarts"] == 0 and summary["strategies"] == ["start", "drain"], summary
+    [recovery] = summary["recoveries"]
+    assert recovery["lost_steps"] == 0 and f"worker {leaver} ended" in recovery["cause"], recovery
+    events = read_events(run_dir / "events.jsonl")
+    assert [e.worker for e in events if isinstance(e, WorkerLost)] == [leaver]
+    assert not [e for e in events if isinstance(e, WorkerHung)]
+    match = compare_states(final(run_dir / "final"), final(reference / "final"), bitwise=True)
+    assert match["match"], match
+    print(f"recovered in {recovery['recovery_s']:.2f} s; load average {os.getloadavg()}")

@@ -144,10 +144,12 @@ def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recru
     out.append(SendForm(generation, tuple(members), sup.forming, at_step))
     for worker in leaving:
         # It steps with the old group up to ``at_step``, then exits: a replacement may take its place once
-        # its host is back (``Readmitted``). Not watched from now: its leaving is no failure.
+        # its host is back (``Readmitted``). Not watched by heartbeat from now: its leaving is no failure,
+        # but an end before ``at_step`` is (``Supervisor._departed``).
         proc = sup.pool[worker]
         proc.gone = proc.told_to_stop = True
         sup.monitor.forget(worker)
+        sup.departing[worker] = (generation, at_step)
         why = f"drained at step {at_step}: {sup.forming_reason}"
         code = departure_code(sup) if sup.departures.pop(worker, None) is not None else EXIT_REPLACE
         out.append(Send(worker, Stop(reason=why, exit_code=code, at_step=at_step)))

@@ -116,6 +116,8 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
                 taken = Stop(reason=f"worker {worker} was judged lost; its place is taken", exit_code=EXIT_REPLACE)
                 await controller.server.send(proc, taken)
             proc.memory = message.memory or proc.memory
+            if proc.told_to_stop:  # leaving at a planned step: the step it reached says whether it got there
+                proc.step = max(proc.step, step)
             if proc.gone or controller.stopping:
                 return
             try:

@@ -50,14 +50,15 @@ from runtime.cluster.controller.supervision import (
     RegroupRequested,
     RestoreFailed,
     Send,
+    SendForm,
     Start,
     Tick,
     TopUpSpares,
     WorkerChanged,
 )
-from runtime.cluster.protocol import Stop
+from runtime.cluster.protocol import EXIT_REPLACE, Stop
 from runtime.core.errors import ElasticRuntimeError, RecoveryError
-from runtime.core.events import StepCompleted
+from runtime.core.events import StepCompleted, WorkerLost
 from runtime.core.recovery import RecoveryTracker
 
 __all__ = ["Supervisor"]
@@ -134,6 +135,9 @@ class Supervisor:
         self.drains: dict[str, str] = {}  # instance -> why, drains not yet started
         self.leaving: list[int] = []  # members the generation being formed drains
         self.departures: dict[int, str] = {}  # member -> why: members that asked to leave (``LeaveRequested``)
+        # Members drained or let go at a planned step -> (the generation formed without them, that step). Until
+        # then they step with the old group, whose collectives need them: an earlier end is a loss.
+        self.departing: dict[int, tuple[int, int]] = {}
 
     @property
     def done(self) -> bool:
@@ -196,6 +200,8 @@ class Supervisor:
             case Readmitted(instance=instance):
                 self.cordoned.discard(instance)
                 self.drains.pop(instance, None)
+            case WorkerChanged(worker=worker) if worker in self.departing:
+                self._departed(out, worker)
             case WorkerChanged() | MemberJoined() | Tick():
                 pass
         if not self.done:
@@ -235,6 +241,28 @@ class Supervisor:
         self.monitor.forget(worker)
         out.append(Send(worker, Stop(reason=f"spare worker {worker} leaves: {reason}", exit_code=departure_code(self))))
         out.append(TopUpSpares())
+
+    def _departed(self, out: list[Action], worker: int) -> None:
+        """A member that was to leave at a planned step exited or closed its connection. At that step (or with
+        the exit code of a worker that obeyed its Stop) that is its departure; before it, the old group's next
+        collective waits for it in vain and the planned forming would never come: a loss. The generation planned
+        without it forms now: its members that still step with the old group are told to join at once (their
+        step in flight abandoned); those seated from the spares wait in its start already."""
+        generation, at_step = self.departing.pop(worker)
+        proc = self.pool[worker]
+        if proc.step >= at_step or proc.exit_code() in (0, EXIT_REPLACE):
+            return
+        if self.phase != Phase.JOINING or self.group.generation != generation:
+            return  # that forming is over: formed after all, or replaced by another
+        why = f"worker {worker} ended at step {proc.step}, before step {at_step}, where it was to leave"
+        log.warning("%s; the group planned without it forms now", why)
+        lost = WorkerLost(step=self.group.step, source="controller", worker=worker, silent_s=0.0, message=why)
+        out.append(Publish(lost))
+        self.count_failure(out, why)
+        if self.spent(out, why, {worker}):
+            return
+        stepping = tuple(w for w in self.group.members if w in self.survivors)
+        out.append(SendForm(generation, tuple(self.group.members), self.forming, -1, seats=stepping))
 
     def count_failure(self, out: list[Action], cause: str) -> None:
         step = self.group.step
