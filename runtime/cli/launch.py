@@ -70,6 +70,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="each process also keeps the previous process's shards in RAM: a lost process's shards come from there",
     )
+    parser.add_argument(
+        "--no-fork-spares",
+        dest="fork_spares",
+        action="store_false",
+        help="start every worker as a new process (default: later ones are forked from one that imported JAX)",
+    )
     parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
     parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
@@ -183,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         local_devices=args.local_devices,
         slices=args.slices,
         neighbour_replicas=args.neighbour_replicas,
+        fork_spares=args.fork_spares,
         durable_dir=args.durable,
         durable_every=args.durable_every,
         durable_keep=args.durable_keep,

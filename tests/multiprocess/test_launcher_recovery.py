@@ -158,13 +158,15 @@ def test_forced_restart_strategy_restores_from_shm(tmp_path: Path, reference: Pa
 def test_shrink_to_min_nprocs_then_grow_back_at_a_step_boundary(tmp_path: Path, reference: Path) -> None:
     # No warm spare, and too little time to start one: the group goes on with 2 workers (min_nprocs), and
     # grows back to 3 at a planned step boundary once the new process is up.
-    # Steps slowed to 0.25 s so that the new process (2-5 s to import JAX here) is up before the run ends.
+    # Steps slowed to 0.25 s so that the new process (2-5 s to import JAX here) is up before the run ends; a
+    # new process, not forked (a fork is up within the spawn timeout, and the group would not shrink).
     result, events = run(
         tmp_path,
         faults=[Fault("kill", 1, step=5)],
         spares=0,
         min_nprocs=2,
         spawn_timeout_s=0.3,
+        fork_spares=False,
         extra_env={"ELASTIC_STEP_DELAY_S": "0.25"},
     )
     assert result.ok and result.step == STEPS

@@ -146,7 +146,8 @@ def test_rows_follow_a_shrunk_data_axis_and_every_batch_is_read_once(tmp_path: P
     # Worker 1 is killed with no spare: the group goes on with 3 (16 rows each), and grows back to 4 (12 rows
     # each) if its replacement is up before the run ends. Every group is checked, whichever happened.
     steps, reads, final = 12, tmp_path / "reads", tmp_path / "final"
-    extra = {"spares": 0, "min_nprocs": 3, "spawn_timeout_s": 0.3, "result_path": str(final)}
+    # A new process, not forked: a fork is up within the spawn timeout, and the group would not shrink.
+    extra = {"spares": 0, "min_nprocs": 3, "spawn_timeout_s": 0.3, "result_path": str(final), "fork_spares": False}
     args = ("--data", "process", "--reads", str(reads))
     result = launch(tmp_path, "shrink", init="jit", mb=1, slices=4, kill=1, steps=steps, args=args, **extra)
     assert result.world_size_history[:2] == [4, 3], result.world_size_history

@@ -19,13 +19,18 @@ import sys
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def main(argv: list[str]) -> None:
-    parent, command = int(argv[0]), argv[1:]
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent`` (its parent now) dies; exit at once if it is gone already."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent:  # the controller died before the line above: nothing would kill us later
-        sys.exit(f"deathsig: the controller (pid {parent}) is gone; not starting {command[0]}")
+    if os.getppid() != parent:  # it died before the line above: nothing would kill us later
+        sys.exit(f"deathsig: the parent (pid {parent}) is gone; not starting")
+
+
+def main(argv: list[str]) -> None:
+    parent, command = int(argv[0]), argv[1:]
+    die_with_parent(parent)
     os.execvp(command[0], command)
 
 

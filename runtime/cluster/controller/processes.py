@@ -15,6 +15,7 @@ from runtime.cluster import leftovers
 from runtime.cluster.auth import ENV_TOKEN
 from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller.connection import Connection
+from runtime.cluster.controller.forkserver import ForkedProcess, ForkServer, forkable
 from runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
     ENV_CONTROLLER,
@@ -41,7 +42,7 @@ class WorkerProcess:
     """
 
     worker: int
-    popen: subprocess.Popen[bytes] | None
+    popen: subprocess.Popen[bytes] | ForkedProcess | None
     spare: bool = True
     stream: Connection | None = None  # its connection, once its Hello was taken
     hello: Hello | None = None
@@ -158,6 +159,7 @@ class ProcessPool:
         self.procs: dict[int, WorkerProcess] = {}
         self._next_worker = 0
         self.run_dir = run_dir
+        self.forks: ForkServer | None = None
 
     def __getitem__(self, worker: int) -> WorkerProcess:
         return self.procs[worker]
@@ -174,12 +176,15 @@ class ProcessPool:
         self.procs[worker] = proc
         return proc
 
-    def spawn(self) -> WorkerProcess:
-        """Start a new worker process (a spare until seated)."""
-        worker = self._next_worker
-        self._next_worker += 1
-        if self.run_dir is not None and self.config.replica_dir is None:
-            leftovers.claim(self.replica_dir, run_dir=str(self.run_dir))
+    def start_fork_server(self) -> None:
+        """Start the server that forks later workers (``forkserver.py``), if the command allows it. Once it has
+        imported JAX, :meth:`spawn` forks from it; until then, and if it fails, workers start as new processes."""
+        command = list(self.config.command)
+        if self.config.fork_spares and sys.platform == "linux" and forkable(command) and self.forks is None:
+            shared = {k: v for k, v in self._env(-1).items() if k not in (ENV_WORKER, ENV_TOKEN)}
+            self.forks = ForkServer(command, shared, self.logs / "forkserver.log", dying_with_controller)
+
+    def _env(self, worker: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.config.extra_env)
         env.update(
@@ -196,15 +201,28 @@ class ProcessPool:
         )
         if self.config.result_path:
             env[ENV_RESULT] = self.config.result_path
-        logfile = open(self.logs / f"worker-{worker}.log", "wb")  # noqa: SIM115 - child owns it
-        popen = subprocess.Popen(
-            dying_with_controller(list(self.config.command)),
-            env=env,
-            stdout=logfile,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a terminal's Ctrl-C goes to the controller, which stops the workers
-        )
-        logfile.close()
+        return env
+
+    def spawn(self) -> WorkerProcess:
+        """Start a new worker process (a spare until seated): forked when the fork server is ready."""
+        worker = self._next_worker
+        self._next_worker += 1
+        if self.run_dir is not None and self.config.replica_dir is None:
+            leftovers.claim(self.replica_dir, run_dir=str(self.run_dir))
+        env, log_path = self._env(worker), self.logs / f"worker-{worker}.log"
+        command = list(self.config.command)
+        popen: subprocess.Popen[bytes] | ForkedProcess | None = None
+        if self.forks is not None:
+            popen = self.forks.spawn(command, env, log_path)
+        if popen is None:
+            with open(log_path, "wb") as logfile:  # the child has its own copy of the descriptor
+                popen = subprocess.Popen(
+                    dying_with_controller(command),
+                    env=env,
+                    stdout=logfile,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a terminal's Ctrl-C goes to the controller, which stops the workers
+                )
         proc = WorkerProcess(worker=worker, popen=popen)
         self.procs[worker] = proc
         return proc
@@ -246,3 +264,6 @@ class ProcessPool:
             if proc.popen is not None and proc.popen.poll() is None:
                 proc.popen.kill()
                 proc.popen.wait()
+        if self.forks is not None:
+            self.forks.close()
+            self.forks = None

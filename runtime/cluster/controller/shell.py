@@ -295,6 +295,8 @@ class Controller:
                 try:
                     for _ in range(self.config.nprocs + self.config.spares if self.config.starts_workers else 0):
                         spawn(self)
+                    if self.config.starts_workers:
+                        self.pool.start_fork_server()  # after the first workers: they need the CPUs first
                     with self.supervision:  # ended early by end() and by signals
                         await supervise(self)
                     if self._error is not None:
@@ -350,6 +352,8 @@ class Controller:
                             await self.bus.close()
                     tg.cancel_scope.cancel()
         finally:
+            if self.pool.forks is not None:  # the run ended before its workers were stopped
+                self.pool.forks.close()
             self.to_commit.close()
             commit_queue.close()
             self.inputs_in.close()

@@ -1,0 +1,86 @@
+"""The fork server (``runtime/cluster/controller/forkserver.py``), driven alone: a real server process that imported
+JAX forks real workers. Each runs its command as ``python`` would, with the environment of its request (not the
+server's), its output in its own log; its exit code and its death by a signal come back through the server; and
+when the server dies, its children die with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from runtime.cluster.controller.forkserver import ForkServer, forkable
+from runtime.cluster.controller.processes import descends_from, dying_with_controller
+
+SCRIPT = """\
+import os, sys, time
+print("argv", sys.argv[1:], "name", __name__, "var", os.environ.get("FORK_TEST_VAR"), "shared", "jax" in sys.modules)
+sys.stdout.flush()
+if sys.argv[1] == "sleep":
+    time.sleep(600)
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def test_only_python_running_a_module_or_a_script_is_forked() -> None:
+    assert forkable(["/usr/bin/python3", "-m", "runtime.cli.demo_multiprocess", "--worker"])
+    assert forkable([".venv/bin/python", "train.py", "--steps", "3"])
+    assert not forkable(["python", "-u", "train.py"])  # an interpreter option changes how it runs
+    assert not forkable(["python", "-m"]) and not forkable(["python"])
+    assert not forkable(["bash", "-c", "python train.py"]) and not forkable(["./train.py"])
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ForkServer]:
+    forks = ForkServer([sys.executable, "x.py"], dict(os.environ), tmp_path / "server.log", dying_with_controller)
+    deadline = time.monotonic() + 120
+    while not forks.ready:
+        assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+        time.sleep(0.05)
+    yield forks
+    forks.close()
+
+
+def test_a_forked_worker_runs_its_script_with_its_own_environment_and_its_exit_code_comes_back(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    script = tmp_path / "work.py"
+    script.write_text(SCRIPT)
+    env = {"FORK_TEST_VAR": "worker-7", "PATH": os.environ.get("PATH", "")}
+    child = server.spawn([sys.executable, str(script), "exit", "3"], env, tmp_path / "worker.log")
+    assert child is not None and descends_from(child.pid, child.pid)
+    assert child.wait(timeout=60) == 3 and child.poll() == 3
+    log = (tmp_path / "worker.log").read_text()
+    # Its arguments, run as __main__, the request's variable, and JAX imported already (by the server).
+    assert log.startswith("argv ['exit', '3'] name __main__ var worker-7 shared True"), log
+
+
+def test_a_killed_worker_is_reported_as_killed_and_the_servers_death_takes_its_children(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    script = tmp_path / "work.py"
+    script.write_text(SCRIPT)
+    first = server.spawn([sys.executable, str(script), "sleep", "0"], {}, tmp_path / "first.log")
+    second = server.spawn([sys.executable, str(script), "sleep", "0"], {}, tmp_path / "second.log")
+    assert first is not None and second is not None and first.poll() is None
+    first.kill()
+    assert first.wait(timeout=60) == -signal.SIGKILL
+    server.close()
+    assert second.wait(timeout=60) == -signal.SIGKILL
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{second.pid}").exists() and "Z" not in _state(second.pid):
+        assert time.monotonic() < deadline, "the server's child outlived it"
+        time.sleep(0.05)
+    assert server.spawn([sys.executable, str(script), "exit", "0"], {}, tmp_path / "late.log") is None
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return "Z"
