@@ -8,8 +8,9 @@ Each run is ``elastic-runtime launch --nprocs 4 --spares 1`` as a user types it 
 (``runtime/cli/demo_multiprocess.py``) for ``--steps`` steps of at least ``--step-delay`` seconds. The controller
 sends ``kill -9`` once the group has committed ``--kill-at``: to processes 2 and 3 (``--fault kill:2@K --fault
 kill:3@K``, the same instant) or to process 2 alone; the two kinds are interleaved, ``--runs`` of each, and their
-order alternates from one pair to the next. With one warm spare two losses need a second spare, started cold
-then (JAX's import, 2-5 s here): ``--spares 2`` keeps both warm.
+order alternates from one pair to the next. With one warm spare two losses need a second spare, started then:
+forked from the launch's fork server (``runtime/cluster/controller/forkserver.py``), which imported JAX already,
+rather than a new process importing it (2-5 s here); ``--spares 2`` keeps both warm.
 
 Per run, from the run's event log (``events.jsonl``) and the launch's JSON summary:
 
