@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -88,7 +89,9 @@ class ForkServer:
         wrap: how a process is started so that it dies with the controller (``dying_with_controller``).
     """
 
-    def __init__(self, command: list[str], env: dict[str, str], log_path: Path, wrap: Any) -> None:
+    def __init__(
+        self, command: list[str], env: dict[str, str], log_path: Path, wrap: Callable[[list[str]], list[str]]
+    ) -> None:
         with open(log_path, "wb") as log_file:
             self._server = subprocess.Popen(
                 wrap([command[0], "-c", f"from {__name__} import serve; serve()"]),
@@ -137,7 +140,11 @@ class ForkServer:
     def _read(self) -> None:
         assert self._server.stdout is not None
         for line in self._server.stdout:
-            answer = json.loads(line)
+            try:
+                answer = json.loads(line)
+            except ValueError:  # something the server's imports printed, not an answer
+                log.warning("fork server: %s", line.decode(errors="replace").rstrip())
+                continue
             if "ready" in answer:
                 self._ready.set()
             elif "started" in answer:
