@@ -14,7 +14,8 @@ left), and SIGTERM with a durable tier (``sigterm-durable``: a durable checkpoin
 in the drain, then ``--resume`` from it: no step completed twice, bitwise). Correlated losses (``together``: two
 workers killed at the same instant with one warm spare; ``during-recovery``: a second kill while the group
 re-forms) are judged on "no survivor killed" and "one re-form" too. ``leave``: a worker SIGTERMed by its host
-(``term``), a planned departure: no loss, no kill, no recovery.
+(``term``), a planned departure: no loss, no kill, no recovery; ``leave-killed``: the same worker then killed
+0.1 s later, before the step it was to leave at (a grace period cut short), judged as a correlated loss.
 
     .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1] [--cases resume,sigterm,repeat]
 """
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import jax
 import numpy as np
 from attacker import run_under_attack
@@ -41,7 +43,15 @@ from runtime.cli.demo_multiprocess import group_controller, run_group, worker_co
 from runtime.cluster.controller.runfolder import default_replica_dir
 from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, RunFinished, StateRestored, StepCompleted, WorkerKilled, WorkerLost
+from runtime.core.events import (
+    GroupFormed,
+    RunFinished,
+    StateRestored,
+    StepCompleted,
+    WorkerKilled,
+    WorkerLost,
+    WorkerSignalled,
+)
 from runtime.faults.grammar import Fault
 from runtime.testing import launched
 from storage.disk import DiskTier
@@ -53,7 +63,7 @@ STEPS = 40
 # Cases that act on the controller or the job rather than on one worker: run by ``controller_round``.
 CONTROLLER_CASES = ("repeat", "resume", "sigterm", "sigterm-durable")
 # Cases whose losses come together: judged on "no survivor killed" and "one re-form" too.
-CORRELATED_CASES = ("together", "during-recovery")
+CORRELATED_CASES = ("together", "during-recovery", "leave-killed")
 
 
 CASES = (
@@ -69,6 +79,7 @@ CASES = (
     "impostor",
     "flood",
     "leave",
+    "leave-killed",
     *CONTROLLER_CASES,
 )
 
@@ -107,6 +118,8 @@ def plan(rng: random.Random, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
             return {"faults": [], "attack": "flood"}
         case "leave":
             return {"faults": [Fault("term", pid, step=step)], "planned": True}
+        case "leave-killed":
+            return {"faults": [Fault("term", pid, step=step)], "correlated": True, "kill_leaver": True}
         case _:
             return {"faults": [Fault("die-writing-replica", pid, step=step)]}
 
@@ -213,6 +226,12 @@ def planned(run_dir: Path, result: Any) -> list[str]:
     return problems
 
 
+async def killed_before_its_step(event: WorkerSignalled, ctx: Any) -> None:
+    """A grace period cut short: the worker that asked to leave is killed before the step it was to leave at."""
+    await anyio.sleep(0.1)
+    ctx.signal(event.worker, "KILL", "fault injection: the leaver killed before its planned step")
+
+
 def run_round(run_dir: Path, spec: dict[str, Any]) -> tuple[Any, list[str]]:
     """One round; with an ``attack``, what the attacker got through is a problem too; with ``correlated``, a
     survivor killed or more than one re-form; with ``planned``, any loss, kill or recovery."""
@@ -220,8 +239,12 @@ def run_round(run_dir: Path, spec: dict[str, Any]) -> tuple[Any, list[str]]:
     if spec.pop("planned", False):
         result = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec).run()
         return result, planned(run_dir, result)
+    kill_leaver = spec.pop("kill_leaver", False)
     if spec.pop("correlated", False):
-        result = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec).run()
+        controller = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec)
+        if kill_leaver:
+            controller.bus.subscribe(WorkerSignalled, killed_before_its_step)
+        result = controller.run()
         return result, correlated(run_dir, result)
     controller = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec)
     if attack is None:
