@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 from runtime import (
     CheckpointCommitted,
@@ -101,6 +102,7 @@ def committed_disk_steps(run_dir: Path) -> list[int]:
     return [e.step for e in events if isinstance(e, CheckpointCommitted) and e.tier == "disk"]
 
 
+@pytest.mark.timeout(600)  # its own waits bound it (240 s, then 300 s): 33 s quiet, over 120 s at load 10
 def test_a_killed_run_resumes_from_disk_bitwise_equal_to_a_fault_free_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     common = ("--run-dir", str(run_dir), "--steps", "40", "--disk-every", "10", "--lose-slice-at", "0")
