@@ -31,9 +31,6 @@ import contextlib
 import ipaddress
 import logging
 import os
-import shutil
-import subprocess
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from runtime.cluster.auth import ENV_TOKEN, ENV_TOKEN_FILE
+from runtime.cluster.controller import ray_actor
+from runtime.cluster.controller.ray_actor import WorkerActor
 from runtime.cluster.protocol import ENV_CONTROLLER, ENV_HEARTBEAT_S, ENV_LOCAL_DEVICES, ENV_REPLICA_DIR, ENV_WORKER
 from runtime.core.events import WorkerHung, WorkerLost, WorkerStarted
 
@@ -59,53 +58,6 @@ _ENV_LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _EARLY_DEATHS = 3  # actors in a row that die before their worker says hello: replaced, then left alone
 _STOP_TIMEOUT_S = 2.0  # a lost worker's actor gets this long to kill its child before Ray kills the actor
 _OBJECT_STORE_BYTES = 100 * 1024 * 1024  # per node of a local cluster: the workers put nothing in it
-
-
-class WorkerActor:
-    """What runs in each Ray actor: the training command as a child process, started, awaited and stopped.
-
-    Made a Ray actor class by :class:`RayPlacement` (``max_concurrency`` 3: ``stop`` is served while
-    ``wait`` blocks).
-    """
-
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._scratch = ""
-        self._started = threading.Event()
-
-    def start(
-        self, command: Sequence[str], env: Mapping[str, str], log_path: str, cwd: str | None, scratch: str
-    ) -> int:
-        """Start the child with the actor's environment plus ``env``; its output goes to ``log_path`` on this
-        node, and ``scratch`` (a folder; "" for none) is removed when it exits. Returns the child's pid."""
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        self._scratch = scratch
-        with open(log_path, "ab") as log_file:
-            self._proc = subprocess.Popen(
-                list(command),
-                env=dict(os.environ) | dict(env),
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                start_new_session=True,  # outlives the actor: see the module's docstring
-            )
-        self._started.set()
-        return self._proc.pid
-
-    def wait(self) -> int:
-        """Block until the child exits; its exit code. Its scratch folder goes with it."""
-        self._started.wait()
-        assert self._proc is not None
-        code = self._proc.wait()
-        if self._scratch:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-        return code
-
-    def stop(self) -> None:
-        """SIGKILL the child, if it still runs (a hung worker must not come back into a re-formed group)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
 
 
 @dataclass
@@ -274,6 +226,9 @@ class RayPlacement:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if self._actor_class is None:
+            # Sent by value: an actor's process then imports none of this package, nor JAX (seconds per actor,
+            # minutes on a loaded machine), to start a child that imports them itself.
+            ray.cloudpickle.register_pickle_by_value(ray_actor)
             self._actor_class = ray.remote(max_concurrency=3, max_restarts=0, max_task_retries=0)(WorkerActor)
         strategy = NodeAffinitySchedulingStrategy(node, soft=False)
         return self._actor_class.options(num_cpus=self.cpus_per_worker, scheduling_strategy=strategy).remote()
