@@ -205,8 +205,11 @@ def check(run_dir: Path, reference: Path) -> list[str]:
 def correlated(run_dir: Path, result: Any) -> list[str]:
     """Losses that came together: no survivor killed or restarted, and one re-form for them."""
     events = read_events(run_dir / "events.jsonl")
-    problems = [f"worker {e.worker} killed: {e.reason}" for e in events if isinstance(e, WorkerKilled)]
-    problems = [p for p in problems if "fault injection" not in p]
+    killed = [e for e in events if isinstance(e, WorkerKilled)]
+    # A worker a fault killed may be killed again by its WorkerLost handler, if its connection closed before
+    # its exit was seen: that is no survivor.
+    victims = {e.worker for e in killed if e.reason.startswith("fault injection")}
+    problems = [f"worker {e.worker} killed: {e.reason}" for e in killed if e.worker not in victims]
     if result.survivor_restarts:
         problems.append(f"{result.survivor_restarts} survivors restarted")
     formed = [e.generation for e in events if isinstance(e, GroupFormed)]
