@@ -96,7 +96,7 @@ def test_sigterm_to_a_worker_is_a_planned_departure_that_loses_nothing(
 def test_a_worker_killed_before_the_step_it_was_to_leave_at_is_a_loss_the_planned_group_forms_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: Path
 ) -> None:
-    # SIGTERM, then SIGKILL a moment later (a grace period cut short): the others wait in a collective with it,
+    # SIGTERM, then SIGKILL before its step (a grace period cut short): the others wait in a collective with it,
     # and the step it was to leave at never comes. Its end is one counted loss; the group planned without it
     # forms at once with the spare in its seat, no survivor replaced, not after a join timeout.
     monkeypatch.setenv(ENV_GRACE_S, "300")
@@ -105,7 +105,12 @@ def test_a_worker_killed_before_the_step_it_was_to_leave_at_is_a_loss_the_planne
     controller = launched.launch(run_dir, worker_command(STEPS), *flags, nprocs=NPROCS, step_delay_s=0.25)
     leaver, pid = process_0(run_dir, controller, 6)
     os.kill(pid, signal.SIGTERM)
-    time.sleep(0.1)
+    # Killed once its departure is planned (not after a fixed wait, which a loaded machine could outlast or
+    # fall short of): its step comes 3 steps of 0.25 s later.
+    deadline = time.monotonic() + 120
+    while not any(isinstance(e, GroupForming) and e.strategy == "drain" for e in launched.events_so_far(run_dir)):
+        assert time.monotonic() < deadline and controller.poll() is None, "no drain was planned"
+        time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)
     output, _ = controller.communicate(timeout=300)
     assert controller.returncode == 0, output.decode()[-3000:]
