@@ -12,7 +12,12 @@ import json
 import sys
 from typing import Any
 
-from runtime.cli.launch import add_handlers_argument, add_maintenance_arguments, add_timeout_arguments
+from runtime.cli.launch import (
+    add_handlers_argument,
+    add_maintenance_arguments,
+    add_replica_file_argument,
+    add_timeout_arguments,
+)
 from runtime.cluster import auth
 from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
 from runtime.core.errors import AuthenticationFailed, ConfigError, ElasticRuntimeError
@@ -56,6 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="ports for the coordination services, one per group generation (default: any free port)",
     )
     add_timeout_arguments(parser, start=300.0)
+    add_replica_file_argument(parser)
     add_handlers_argument(parser)
     add_maintenance_arguments(parser)
     parser.set_defaults(func=controller_main)
@@ -97,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         form_timeout_s=args.form_timeout,
         spawn_timeout_s=args.spawn_timeout,
         max_failures=args.max_failures,
+        replica_file_every=args.replica_file_every,
         run_dir=args.run_dir,
         resume=args.resume,
         secret=auth.load_secret(),

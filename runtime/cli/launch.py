@@ -114,6 +114,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (runtime.faults.grammar)",
     )
     add_timeout_arguments(parser)
+    add_replica_file_argument(parser)
     add_handlers_argument(parser)
     add_maintenance_arguments(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
@@ -140,6 +141,17 @@ def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = DEF
         type=float,
         default=DEFAULTS["spawn_timeout_s"],
         help=f"seconds a re-forming waits for replacements (default {DEFAULTS['spawn_timeout_s']:g})",
+    )
+
+
+def add_replica_file_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--replica-file-every",
+        type=int,
+        default=DEFAULTS["replica_file_every"],
+        metavar="N",
+        help="steps between a process's replica files where every process holds the whole state and the group "
+        "re-forms in place; every step otherwise (default: %(default)s)",
     )
 
 
@@ -193,6 +205,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         durable_dir=args.durable,
         durable_every=args.durable_every,
         durable_keep=args.durable_keep,
+        replica_file_every=args.replica_file_every,
         grace_s=args.grace_s,
         strategy=args.strategy,
         heartbeat_timeout_s=args.heartbeat_timeout,

@@ -74,6 +74,11 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             processes each write their own shards every ``durable_every`` steps and the controller commits the
             step once all have (``storage/sharded.py``); None: none (the replica files are the only copy).
         durable_every: steps between durable checkpoints.
+        replica_file_every: steps between a process's replica files when every process holds the whole state
+            (one process per slice, two slices or more) and the group re-forms in place (``strategy`` reform,
+            ``max_failures`` > 0): a lost process's state is then in every survivor's memory, and the files
+            matter only when every process is lost (the controller, a whole group); they are also written at
+            every durable step. Otherwise every step: a process's shards may be nowhere else.
         durable_keep: durable checkpoints kept (the newest ones).
         neighbour_replicas: every process also keeps the shards of the process before it in its slice in host
             memory (one collective permute per step), so that a lost process's shards come from its neighbour
@@ -123,6 +128,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     result_path: str | None = None
     durable_dir: str | None = None
     durable_every: Positive = 10
+    replica_file_every: Positive = 10
     durable_keep: Positive = 3
     neighbour_replicas: bool = False
     faults: list[Fault] = []

@@ -38,6 +38,7 @@ __all__ = [
     "ENV_STEP_DELAY_S",
     "ENV_WORKER",
     "EXIT_REPLACE",
+    "STEP_REPORT_S",
     "ControllerMessage",
     "DurableCommitted",
     "EventReport",
@@ -63,6 +64,13 @@ __all__ = [
     "decode_from_worker",
     "encode",
 ]
+
+# A worker reports a committed step in a heartbeat at most this often (the periodic heartbeat says it anyway;
+# the first commit after a restore, the target and a planned re-forming's step go at once). At the demo's 10-20 ms
+# a step, a heartbeat per step was a quarter of the controller's CPU, on the cores the steps run on; the
+# controller plans re-formings far enough ahead to cover the steps not yet reported
+# (``runtime.cluster.controller.forming.planned_step``).
+STEP_REPORT_S = 0.05
 
 # Environment the controller sets for each worker process.
 ENV_CONTROLLER = "ELASTIC_CONTROLLER"  # host:port of the controller
@@ -280,6 +288,8 @@ class Form(Message, frozen=True, kw_only=True):
     slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)
     durable_dir: str = ""  # where the group's durable checkpoints go (storage/sharded.py); "": none
     durable_every: int = 0  # steps between durable checkpoints
+    # Steps between replica files where every process holds the whole state (LaunchConfig.replica_file_every).
+    file_every: int = 1
     neighbour_replicas: bool = False  # keep the previous process's shards in RAM too (storage.shards.NeighbourShift)
     # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
     # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).

@@ -137,7 +137,8 @@ def controller_round(case: str, step: int, run_dir: Path, reference: Path) -> li
         return ["a crash repeating at every attempt did not end the run"]
     durable = ("--durable", str(run_dir.with_name(f"{run_dir.name}-durable")), "--durable-every", "1000")
     durable += ("--grace-s", "120")  # a hang guard: a loaded machine may take a while
-    flags = durable if case == "sigterm-durable" else ()
+    # The resume case checks that at most the step being written runs again: a replica file of every step.
+    flags = durable if case == "sigterm-durable" else ("--replica-file-every", "1") if case == "resume" else ()
     controller = launched.launch(run_dir, worker_command(STEPS), *flags, nprocs=NPROCS, step_delay_s=0.1)
     launched.wait_for_step(run_dir, controller, step)
     pids = launched.worker_pids(run_dir)

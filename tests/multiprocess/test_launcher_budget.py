@@ -152,9 +152,12 @@ def launch(run_dir: Path, *extra: str, step_delay_s: float = 0.0) -> subprocess.
     return launched.launch(run_dir, worker_command(STEPS), *extra, nprocs=NPROCS, step_delay_s=step_delay_s)
 
 
-def test_kill_9_of_the_controller_then_resume_continues_bitwise(tmp_path: Path, reference: Path) -> None:
-    controller = launch(tmp_path, step_delay_s=0.15)
-    wait_for_step(tmp_path, controller, 10)
+@pytest.mark.parametrize("every", [1, 10], ids=["file-every-step", "file-every-10"])
+def test_kill_9_of_the_controller_then_resume_continues_bitwise(tmp_path: Path, reference: Path, every: int) -> None:
+    # Every worker is lost with its controller: the run resumes from their replica files, of every step or of
+    # every 10th (the default where every process holds the whole state).
+    controller = launch(tmp_path, "--replica-file-every", str(every), step_delay_s=0.15)
+    wait_for_step(tmp_path, controller, 10 if every == 1 else 13)  # 13: the file of step 10 is surely written
     pids = worker_pids(tmp_path)
     os.kill(pids[0], signal.SIGSTOP)  # stopped: it cannot notice its controller go
     controller.kill()
@@ -168,7 +171,9 @@ def test_kill_9_of_the_controller_then_resume_continues_bitwise(tmp_path: Path, 
     result = json.loads(output.decode().strip().splitlines()[-1])
     assert result["ok"] and result["step"] == STEPS
     # From the newest replicated step: at most the replica still being written when the controller died.
-    assert committed - 1 <= result["resumed_from"] <= committed + 1, (committed, result["resumed_from"])
+    newest_file = committed // every * every
+    assert newest_file - every <= result["resumed_from"] <= committed + 1, (committed, result["resumed_from"])
+    assert result["resumed_from"] % every == 0
     assert_bitwise_equal(tmp_path / "final", reference / "final")
     assert not Path(default_replica_dir(tmp_path)).exists()
     # The log of both controllers reads back whole, and the second continued where the first stopped.

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from runtime.cluster.config import Strategy
+from runtime.cluster.config import LaunchConfig, Strategy
 from runtime.cluster.controller.coordination import host_service
 from runtime.cluster.controller.runfolder import save_fences
 from runtime.cluster.controller.supervision import (
@@ -141,11 +141,21 @@ async def send_form(controller: Controller, form: SendForm) -> None:
             slice_size=controller.config.slice_size,
             durable_dir=controller.config.durable_dir or "",
             durable_every=controller.config.durable_every,
+            file_every=file_cadence(controller.config, len(members)),
             neighbour_replicas=controller.config.neighbour_replicas,
             fences=dict(controller.group.fences),
             programs=controller.programs,
         )
         await controller.server.send(controller.pool[worker], message)
+
+
+def file_cadence(config: LaunchConfig, members: int) -> int:
+    """Steps between a member's replica files: ``config.replica_file_every`` where a lost member's state is in
+    every survivor's memory (one process per slice, two or more, re-formed in place), else every step (its shards
+    may be nowhere else, the recovery restarts every process, or a loss ends the run)."""
+    in_memory = config.slice_size == 1 and members >= 2 and config.strategy == Strategy.REFORM
+    # With no failure to survive, a loss ends the run, and a rerun resumes from the files.
+    return config.replica_file_every if in_memory and config.max_failures > 0 else 1
 
 
 def save_fences_now(controller: Controller) -> None:

@@ -108,7 +108,11 @@ def form_group(worker: Worker, form: Form) -> None:
     worker.local_like = local_like(worker.template, worker.state_shardings)
     if form.durable_dir and (worker.durable is None or worker.durable.location != form.durable_dir.rstrip("/")):
         worker.durable = ShardedStore(form.durable_dir)
-    worker.ledger.policies = {"durable": EveryN(form.durable_every)} if form.durable_every > 0 else {}
+    # The replica file's cadence (every step unless the controller judged the state held elsewhere), and the
+    # durable tier's. A durable step always gets its file too (``training.train``).
+    worker.ledger.policies = {"file": EveryN(max(1, form.file_every))}
+    if form.durable_every > 0:
+        worker.ledger.policies["durable"] = EveryN(form.durable_every)
     worker.owned = writes(worker.template, worker.state_shardings, form.slice_size)
     worker.compiled = compiler.get(worker.mesh)
     shift = form.neighbour_replicas

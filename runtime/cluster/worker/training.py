@@ -71,7 +71,7 @@ def train(worker: Worker, target: int) -> Inbound | None:
             own = worker.ram.tree
             worker.neighbour = replica(step, position, worker.shift.copy(moved, own), generation=worker.generation)
         leased = worker.link.leased()  # cut off, this worker may have been replaced: its files must not compete
-        if leased:
+        if leased and {"file", "durable"} & set(worker.ledger.due(step)):
             worker.replicas.save(worker.ram)  # after the previous step's file is written
         # Committed, and so named in the heartbeats, only now: a group that counts this step committed then
         # finds the step before it in every member's files. (Counted before the wait, a member killed there
@@ -81,7 +81,7 @@ def train(worker: Worker, target: int) -> Inbound | None:
             worker.replicas.pin(worker.step)
             if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
                 save_durable(worker, final=worker.step == target)
-        worker.heartbeat()
+        worker.committed(target)
     # The gather is a collective: a peer lost now must not leave this worker deaf to the next Form.
     outcome = await_step(worker, worker.step_pool.submit(gather_whole, worker), what="the final gather")
     if isinstance(outcome, Message) or outcome is None:
