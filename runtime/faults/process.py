@@ -77,17 +77,17 @@ class _Worker(Protocol):
 def attach_worker_faults(worker: _Worker, text: str) -> None:
     """Make ``worker`` die or hang at the points ``text`` names (its own faults, from its ``Form``)."""
     for fault in parse_faults(text, kinds=("worker",)):
-        if fault.action == "die-writing-replica":
-            worker.replicas.on_write.append(_at(fault.step, _die))
+        if fault.action == "die-writing-replica":  # the first file at or after its step (files may skip steps)
+            worker.replicas.on_write.append(_at(fault.step, _die, or_later=True))
         elif fault.action == "die-midstep":  # computed but not committed: the new state must not count
             worker.step_checks.append(_at(fault.step, _die))
         else:  # hang: a deadlock in the step; heartbeats go on, progress stops
             worker.step_checks.append(_at(fault.step, lambda: threading.Event().wait()))
 
 
-def _at(step: int | None, act: Callable[[], object]) -> Callable[[int], None]:
+def _at(step: int | None, act: Callable[[], object], *, or_later: bool = False) -> Callable[[int], None]:
     def check(current: int) -> None:
-        if current == step:
+        if current == step or (or_later and step is not None and current > step):
             act()
 
     return check
