@@ -36,6 +36,7 @@ from runtime.core.eventlog import read_events
 from runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
+    GroupFormed,
     StateRestored,
     StepCompleted,
     WorkerExited,

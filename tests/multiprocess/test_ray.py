@@ -103,6 +103,11 @@ def test_launch_runs_on_a_ray_cluster_at_an_address(cluster: Any, tmp_path: Path
     assert sorted(e.worker for e in started) == [0, 1, 2] and {e.source for e in started} == {"ray"}
 
 
+# Long enough (0.4 s a step) for Ray to start the replacement before the run ends on a loaded machine: the group
+# goes on without it (min_nprocs), and at 20 steps a run under load 10 ended first (no WorkerStarted of it).
+STEPS_PAST_A_REPLACEMENT = 40
+
+
 def test_a_crashed_worker_process_is_detected_by_heartbeat_and_ray_replaces_it(cluster: Any, tmp_path: Path) -> None:
     # The other signal: worker 1's process dies, its actor lives on. Ray reports nothing (its actor is fine);
     # the controller sees the connection close first, and the replacement still comes from Ray.
@@ -112,13 +117,13 @@ def test_a_crashed_worker_process_is_detected_by_heartbeat_and_ray_replaces_it(c
             command=[],
             nprocs=NPROCS,
             min_nprocs=NPROCS - 1,
-            target_steps=20,
+            target_steps=STEPS_PAST_A_REPLACEMENT,
             run_dir=str(run_dir),
             secret=auth.new_secret(),
             listen_host=host,
         )
         env = {"ELASTIC_STEP_DELAY_S": "0.4", "ELASTIC_COMPILE_CACHE": str(tmp_path / "xla-cache")}
-        controller, placement = ray_controller(config, worker_command(20), env=env)
+        controller, placement = ray_controller(config, worker_command(STEPS_PAST_A_REPLACEMENT), env=env)
         outcome: dict[str, Any] = {}
         thread = threading.Thread(target=lambda: outcome.update(result=controller.run()), name="controller")
         thread.start()
@@ -139,7 +144,7 @@ def test_a_crashed_worker_process_is_detected_by_heartbeat_and_ray_replaces_it(c
             for path in Path("/dev/shm").glob(f"elastic-runtime-{controller.record.run_id}-*"):
                 shutil.rmtree(path, ignore_errors=True)
     result: LaunchResult = outcome["result"]
-    assert result.ok and result.step == 20, result.reason
+    assert result.ok and result.step == STEPS_PAST_A_REPLACEMENT, result.reason
     history = _events(run_dir)
     [lost] = [e for e in history if isinstance(e, WorkerLost)]
     assert lost.worker == 1 and lost.detected_by == "heartbeat" and lost.source == "heartbeat", lost

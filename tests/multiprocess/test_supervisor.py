@@ -34,7 +34,7 @@ from runtime.cluster.controller.supervisor import Supervisor
 from runtime.cluster.protocol import Finished, Hello, Joined, Message, RestoreStep, Stop
 from runtime.cluster.tiers import Tier
 from runtime.core.errors import RecoveryError
-from runtime.core.events import Event, GroupFormed, RecoveryCompleted, StateRestored
+from runtime.core.events import Event, GroupFormed, RecoveryCompleted, StateRestored, StepCompleted
 from runtime.core.recovery import RecoveryTracker
 
 TARGET = 100
@@ -127,7 +127,7 @@ class Run:
         for worker in self.members:
             self.pool[worker].step = step
             self.monitor.observe(worker, step, 0.1)
-            self.feed(Progress(worker, 0.1))
+            self.feed(Progress(worker, step, 0.1))
 
     def lose(self, worker: int, reason: str = "WorkerLost") -> None:
         self.feed(RegroupRequested(frozenset({worker}), reason))
@@ -244,7 +244,7 @@ def test_a_member_lost_after_the_others_got_past_jaxs_start_drops_out_and_the_re
     run.wait(0.1)
     assert run.forms[-1].members == (0, 2)
     run.pool[0].generation = 2  # worker 0's heartbeat names generation 2: everyone got past JAX's start
-    run.feed(Progress(0))
+    run.feed(Progress(0, run.pool[0].step))
     run.lose(2)
     form = run.forms[-1]
     assert (form.generation, form.members, form.strategy, form.seats) == (3, (0, 3), Strategy.REFORM, ())
@@ -382,3 +382,16 @@ def test_joining_may_take_as_long_as_a_real_compile_and_a_stall_says_how_long_jo
     run.wait(101.0)  # then it is a stall, which names the times (with no budget left, it ends the run)
     assert isinstance(run.ended, RecoveryError)
     assert "not joined within 400.0 s (the slowest join so far took 200.0 s" in str(run.ended), run.ended
+
+
+def test_each_step_gets_the_loss_of_the_heartbeat_that_reported_it_even_when_read_late(tmp_path: Path) -> None:
+    # The shell records a heartbeat's step in the worker's record at once and feeds the supervisor through a
+    # queue: behind it, the supervisor finds the record at a newer step than the heartbeat it handles.
+    run = started(tmp_path)
+    for worker in run.members:
+        run.pool[worker].step = 12
+    for step in (11, 12):
+        for worker in run.members:
+            run.feed(Progress(worker, step, 0.1, loss=step / 100))
+    completed = {e.step: e.loss for e in run.events if isinstance(e, StepCompleted)}
+    assert completed == {11: 0.11, 12: 0.12}

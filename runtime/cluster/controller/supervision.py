@@ -85,11 +85,12 @@ class RestoreFailed:
 
 @dataclass(frozen=True)
 class Progress:
-    """A member's heartbeat: its committed step (in its record), and its recent step time."""
+    """A member's heartbeat: its committed step, its recent step time, and the loss of that step."""
 
     worker: int
+    step: int
     step_time_s: float | None = None
-    loss: float | None = None  # of its committed step
+    loss: float | None = None  # of ``step``
 
 
 @dataclass(frozen=True)

@@ -181,10 +181,10 @@ class Supervisor:
             case MemberRestored(tier=tier, nbytes=nbytes):
                 if nbytes:  # a member that took every shard from the others delivered nothing itself
                     self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
-            case Progress(worker=worker, step_time_s=seconds, loss=loss):
-                if 0 <= self.target_steps <= self.pool[worker].step:  # done: finishing (its last writes) is no hang
+            case Progress(worker=worker, step=step, step_time_s=seconds, loss=loss):
+                if 0 <= self.target_steps <= step:  # done: finishing (its last writes) is no hang
                     self.monitor.expect_progress(worker, False)
-                self._progress(out, worker, seconds, loss)
+                self._progress(out, worker, step, seconds, loss)
             case MemberFinished():
                 members = self.group.members
                 if members and all(self.pool[w].finished is not None for w in members):
@@ -353,11 +353,14 @@ class Supervisor:
             step=step, source="controller", duration_s=seconds, loss=loss, mesh_shape=shape, data_position=step
         )
 
-    def _progress(self, out: list[Action], worker: int, step_time_s: float | None, loss: float | None) -> None:
+    def _progress(
+        self, out: list[Action], worker: int, reported: int, step_time_s: float | None, loss: float | None
+    ) -> None:
+        # ``reported`` is the heartbeat's own step, not the worker's newest: a supervisor behind its queue would
+        # otherwise give this heartbeat's loss to a later step.
         members = self.group.members
         if not self.restored or not members:
             return
-        reported = self.pool[worker].step
         for step in self.group.report(worker, reported):
             # The loss is that of the step the worker reported; the steps before it, counted now, have none here.
             out.append(Publish(self.completed(step, step_time_s or 0.0, loss if step == reported else None)))
