@@ -38,7 +38,6 @@ __all__ = [
     "ENV_STEP_DELAY_S",
     "ENV_WORKER",
     "EXIT_REPLACE",
-    "STEP_REPORT_S",
     "ControllerMessage",
     "DurableCommitted",
     "EventReport",
@@ -64,13 +63,6 @@ __all__ = [
     "decode_from_worker",
     "encode",
 ]
-
-# A worker reports a committed step in a heartbeat at most this often (the periodic heartbeat says it anyway;
-# the first commit after a restore, the target and a planned re-forming's step go at once). At the demo's 10-20 ms
-# a step, a heartbeat per step was a quarter of the controller's CPU, on the cores the steps run on; the
-# controller plans re-formings far enough ahead to cover the steps not yet reported
-# (``runtime.cluster.controller.forming.planned_step``).
-STEP_REPORT_S = 0.05
 
 # Environment the controller sets for each worker process.
 ENV_CONTROLLER = "ELASTIC_CONTROLLER"  # host:port of the controller

@@ -14,18 +14,18 @@ and number of processes:
 - ``every_step``: the same with a replica file of every step (``replica_file_every=1``; on an older runtime
   without that setting, ``snapshot_every=1`` where it has that one, else the defaults again).
 
-A contender's step time is its mean step after the warm-up: from the warm-up's last step to the run's last,
-over the steps between (the runtime's: its committed steps in the controller's event log, which the workers
-report a few at a time; the bare loop's: its process 0's steps). Each repeat runs the contenders one after
-another (A, B, C, A, B, C...), and each ratio is the median over the repeats of the contender's time over the
-bare loop's *of the same repeat*: the shared machine's speed drifts by more than the effects measured.
-Two sizes: the multi-process demo's model, and the demo MLP scaled to about ``--mb`` MB of state per
-process (as ``bench_slices.py``), on ``--big-nprocs`` processes.
+A contender's step time is the median interval between consecutive steps after the warm-up (the runtime's:
+between its committed steps in the event log; the bare loop's: between its process 0's steps). Each repeat
+runs the contenders one after another (A, B, C, A, B, C...), and each ratio is the median over the repeats
+of the contender's time over the bare loop's *of the same repeat*: the shared machine's speed drifts by
+more than the effects measured. Two sizes: the multi-process demo's model, and the demo MLP scaled to
+about ``--mb`` MB of state per process (as ``bench_slices.py``), on ``--big-nprocs`` processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -143,11 +143,8 @@ def run_runtime(root: Path, nprocs: int, steps: int, size: tuple[int, int], ever
 
 
 def step_time(times: list[float], warmup: int) -> float:
-    """The mean step time after the first ``warmup`` steps: the time from that step to the last over the steps
-    between. Not the median interval: the runtime's workers report their steps a few at a time (at most every
-    ``STEP_REPORT_S``), so the controller logs them in bursts."""
-    window = times[warmup:]
-    return (window[-1] - window[0]) / (len(window) - 1)
+    """The median interval between consecutive steps after the first ``warmup``."""
+    return statistics.median(b - a for a, b in itertools.pairwise(times[warmup:]))
 
 
 def measure(

@@ -36,7 +36,6 @@ from runtime.core.eventlog import read_events
 from runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
-    GroupFormed,
     StateRestored,
     StepCompleted,
     WorkerExited,
@@ -207,11 +206,9 @@ def test_only_the_lost_process_shards_come_from_the_durable_tier(lost: tuple[Pat
     (recovery,) = result.recoveries
     assert recovery["restored_from"] == "durable+file", recovery
     events = events_of(result)
-    # Back to that durable step from the group's newest committed step: the newest the controller had heard of
-    # when the group re-formed (a step committed just before the loss may be reported just after it: members
-    # report their steps at most every STEP_REPORT_S).
-    formed = next(e for e in events if isinstance(e, GroupFormed) and e.generation == 2)
-    newest = max(e.step or 0 for e in events if isinstance(e, StepCompleted) and e.mono_time <= formed.mono_time)
+    # Back to that durable step from the group's newest committed step when the worker was lost.
+    lost_at = next(e for e in events if isinstance(e, WorkerLost))
+    newest = max(e.step or 0 for e in events if isinstance(e, StepCompleted) and e.mono_time <= lost_at.mono_time)
     assert restored_steps(events) == [second] and recovery["lost_steps"] == newest - second, (newest, recovery)
     whole = whole_state_bytes()
     by_tier = recovery["bytes_by_tier"]

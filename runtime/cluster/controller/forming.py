@@ -7,8 +7,6 @@ over the :class:`~runtime.cluster.controller.supervisor.Supervisor`'s state, syn
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from runtime.cluster.config import LaunchError, Strategy
@@ -26,7 +24,7 @@ from runtime.cluster.controller.supervision import (
     SendForm,
     Spawn,
 )
-from runtime.cluster.protocol import EXIT_REPLACE, STEP_REPORT_S, Stop
+from runtime.cluster.protocol import EXIT_REPLACE, Stop
 from runtime.core.events import GroupForming
 
 if TYPE_CHECKING:
@@ -39,7 +37,6 @@ __all__ = [
     "departure_code",
     "form_generation",
     "join_timeout",
-    "planned_step",
     "recruit",
     "seat_members",
     "seatable",
@@ -49,19 +46,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# A planned re-forming (growing, draining) happens this many steps after the newest step a member reported,
-# beside the steps it may have committed since (``planned_step``).
+# A planned re-forming (growing, draining) happens this many steps after the newest step a member committed.
 PLANNED_AHEAD = 3
-
-
-def planned_step(sup: Supervisor, workers: Sequence[int]) -> int:
-    """The step a planned re-forming of ``workers`` happens after: ``PLANNED_AHEAD`` past the newest step one
-    reported, and past the steps one may have committed but not reported yet (workers report a step at most
-    every ``STEP_REPORT_S``; twice that, for the Form's way to them), by the fastest member's step time."""
-    newest = max(sup.pool[w].step for w in workers)
-    step_s = sup.monitor.fastest_step_s(workers)
-    unreported = math.ceil(2 * STEP_REPORT_S / step_s) if step_s else 0
-    return newest + PLANNED_AHEAD + unreported
 
 
 def form_generation(sup: Supervisor, out: list[Action], strategy: Strategy, reason: str) -> None:
@@ -154,7 +140,7 @@ def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recru
     planned = sup.forming in (Strategy.GROW, Strategy.DRAIN) and survivors
     leaving = sup.leaving if sup.forming == Strategy.DRAIN else []
     sup.leaving = []
-    at_step = planned_step(sup, [*survivors, *leaving]) if planned else -1
+    at_step = max(sup.pool[w].step for w in [*survivors, *leaving]) + PLANNED_AHEAD if planned else -1
     out.append(SendForm(generation, tuple(members), sup.forming, at_step))
     for worker in leaving:
         # It steps with the old group up to ``at_step``, then exits: a replacement may take its place once

@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -234,11 +234,6 @@ class HeartbeatMonitor:
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
         return entry
-
-    def fastest_step_s(self, workers: Iterable[int]) -> float | None:
-        """The shortest mean step time among ``workers`` (over their newest reports); None before any has three."""
-        entries = [self._workers[w] for w in workers if w in self._workers]
-        return min((statistics.fmean(e.step_times) for e in entries if len(e.step_times) >= 3), default=None)
 
     def _stragglers(self, now: float) -> list[Straggling]:
         means = {w: statistics.fmean(e.step_times) for w, e in self._workers.items() if len(e.step_times) >= 3}

@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from runtime.cluster.config import Strategy
-from runtime.cluster.controller.forming import cordoned, form_generation, planned_step, seatable
+from runtime.cluster.controller.forming import PLANNED_AHEAD, cordoned, form_generation, seatable
 from runtime.cluster.controller.supervision import Action, Spawn
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ def drain(sup: Supervisor, out: list[Action]) -> None:
         return
     staying = [w for w in members if w not in leaving]
     ready = [p.worker for p in sup.pool if seatable(sup, p)]
-    ahead = planned_step(sup, members)
+    ahead = max(sup.pool[w].step for w in members) + PLANNED_AHEAD
     if 0 <= sup.target_steps <= ahead + 1:
         log.warning("not draining workers %s (%s): the run ends first", leaving, reason)
         sup.departures.clear()

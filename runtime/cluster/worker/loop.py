@@ -32,17 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from runtime.cluster.protocol import (
-    STEP_REPORT_S,
-    EventReport,
-    Form,
-    Heartbeat,
-    Hello,
-    Message,
-    RestoreStep,
-    Stop,
-    Warm,
-)
+from runtime.cluster.protocol import EventReport, Form, Heartbeat, Hello, Message, RestoreStep, Stop, Warm
 from runtime.cluster.tiers import Tier
 from runtime.cluster.worker.durable import final_durable
 from runtime.cluster.worker.forming import form_group, warm_up
@@ -159,8 +149,6 @@ class Worker:
         self.durable_last = -1  # the step of the newest durable write started
         self.held = False  # told to stop stepping (``Stop.hold``): the run is draining
         self.stopped_by: Stop | None = None  # the Stop it exits on
-        self.reported_at = 0.0  # when a heartbeat last said the step (monotonic)
-        self.report_next = False  # the next commit is reported at once: the first after a restore ends a recovery
 
     @property
     def step(self) -> int:
@@ -228,19 +216,10 @@ class Worker:
             due = time.monotonic() + self.settings.heartbeat_s
             time.sleep(self.settings.heartbeat_s)
 
-    def committed(self, target: int) -> None:
-        """Report a committed step when it matters now (the first after a restore, the target, a planned
-        re-forming's step) or the last report is ``STEP_REPORT_S`` old."""
-        planned = self.deferred is not None and self.step >= self.deferred.at_step
-        if self.report_next or planned or self.step >= target or time.monotonic() - self.reported_at >= STEP_REPORT_S:
-            self.report_next = False
-            self.heartbeat()
-
     def heartbeat(self, *, memory: bool = False) -> None:
         """Tell the controller the step it holds. The memory report (read from ``/proc``) rides on the periodic
         beats only: the one sent with every committed step would repeat it on the step's critical path (the
         controller keeps the newest report it got)."""
-        self.reported_at = time.monotonic()
         self.link.send(
             Heartbeat(
                 worker=self.worker,

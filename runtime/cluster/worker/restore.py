@@ -159,7 +159,6 @@ def adopt_restored(worker: Worker, restore: RestoreStep, done: Restoration) -> N
     )
     worker.link.send(restored)
     worker.heartbeat()
-    worker.report_next = True
 
 
 def read_own(worker: Worker, restore: RestoreStep, files: dict[int, list[DiskTier]]) -> tuple[Tier, HostSnapshot]:

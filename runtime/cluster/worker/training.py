@@ -81,7 +81,7 @@ def train(worker: Worker, target: int) -> Inbound | None:
             worker.replicas.pin(worker.step)
             if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
                 save_durable(worker, final=worker.step == target)
-        worker.committed(target)
+        worker.heartbeat()
     # The gather is a collective: a peer lost now must not leave this worker deaf to the next Form.
     outcome = await_step(worker, worker.step_pool.submit(gather_whole, worker), what="the final gather")
     if isinstance(outcome, Message) or outcome is None:
