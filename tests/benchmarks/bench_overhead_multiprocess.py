@@ -14,8 +14,9 @@ and number of processes:
 - ``every_step``: the same with a replica file of every step (``replica_file_every=1``; on an older runtime
   without that setting, ``snapshot_every=1`` where it has that one, else the defaults again).
 
-A contender's step time is the median interval between consecutive steps after the warm-up (the runtime's:
-between its committed steps in the event log; the bare loop's: between its process 0's steps). Each repeat
+A contender's step time is its mean step after the warm-up, from the warm-up's last step to the run's last
+(the runtime's: its committed steps in the event log; the bare loop's: its process 0's steps; not the median
+interval, which would leave out what comes every few steps only, like a replica file). Each repeat
 runs the contenders one after another (A, B, C, A, B, C...), and each ratio is the median over the repeats
 of the contender's time over the bare loop's *of the same repeat*: the shared machine's speed drifts by
 more than the effects measured. Two sizes: the multi-process demo's model, and the demo MLP scaled to
@@ -25,7 +26,6 @@ about ``--mb`` MB of state per process (as ``bench_slices.py``), on ``--big-npro
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import platform
@@ -143,8 +143,10 @@ def run_runtime(root: Path, nprocs: int, steps: int, size: tuple[int, int], ever
 
 
 def step_time(times: list[float], warmup: int) -> float:
-    """The median interval between consecutive steps after the first ``warmup``."""
-    return statistics.median(b - a for a, b in itertools.pairwise(times[warmup:]))
+    """The mean step after the first ``warmup``: from that step to the last, over the steps between. Not the
+    median interval, which leaves out what comes every few steps only (a replica file every 10th step)."""
+    window = times[warmup:]
+    return (window[-1] - window[0]) / (len(window) - 1)
 
 
 def measure(
