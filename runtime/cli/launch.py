@@ -151,7 +151,8 @@ def add_replica_file_argument(parser: argparse.ArgumentParser) -> None:
         default=DEFAULTS["replica_file_every"],
         metavar="N",
         help="steps between a process's replica files where every process holds the whole state and the group "
-        "re-forms in place; every step otherwise (default: %(default)s)",
+        "re-forms in place (a whole group lost then goes back up to N-1 steps); every step otherwise "
+        "(default: %(default)s)",
     )
 
 

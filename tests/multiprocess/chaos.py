@@ -137,8 +137,7 @@ def controller_round(case: str, step: int, run_dir: Path, reference: Path) -> li
         return ["a crash repeating at every attempt did not end the run"]
     durable = ("--durable", str(run_dir.with_name(f"{run_dir.name}-durable")), "--durable-every", "1000")
     durable += ("--grace-s", "120")  # a hang guard: a loaded machine may take a while
-    # The resume case checks that at most the step being written runs again: a replica file of every step.
-    flags = durable if case == "sigterm-durable" else ("--replica-file-every", "1") if case == "resume" else ()
+    flags = durable if case == "sigterm-durable" else ()
     controller = launched.launch(run_dir, worker_command(STEPS), *flags, nprocs=NPROCS, step_delay_s=0.1)
     launched.wait_for_step(run_dir, controller, step)
     pids = launched.worker_pids(run_dir)

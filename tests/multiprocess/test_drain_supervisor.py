@@ -174,9 +174,11 @@ def test_a_replica_file_of_every_step_only_where_a_lost_process_state_may_be_now
     def config(**overrides: Any) -> LaunchConfig:
         return LaunchConfig(command=["python", "train.py"], nprocs=4, **overrides)
 
-    assert file_cadence(config(), members=4) == 10  # every process holds the whole state, re-formed in place
-    assert file_cadence(config(replica_file_every=3), members=4) == 3
-    assert file_cadence(config(slices=2), members=4) == 1  # a state sharded over a slice of 2
-    assert file_cadence(config(), members=1) == 1  # a group of one
-    assert file_cadence(config(strategy=Strategy.RESTART), members=4) == 1  # every process restarted
-    assert file_cadence(config(max_failures=0), members=4) == 1  # a loss ends the run; a rerun reads the files
+    assert file_cadence(config(), members=4) == 1  # the default: every step
+    # Every process holds the whole state, re-formed in place: the cadence asked for.
+    assert file_cadence(config(replica_file_every=10), members=4) == 10
+    assert file_cadence(config(replica_file_every=10, slices=2), members=4) == 1  # sharded over a slice of 2
+    assert file_cadence(config(replica_file_every=10), members=1) == 1  # a group of one
+    # Every process restarted; a loss that ends the run (a rerun reads the files).
+    assert file_cadence(config(replica_file_every=10, strategy=Strategy.RESTART), members=4) == 1
+    assert file_cadence(config(replica_file_every=10, max_failures=0), members=4) == 1

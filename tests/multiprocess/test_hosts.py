@@ -82,7 +82,6 @@ def service_run(
     min_nprocs: int | None = None,
     replica_dirs: Path | None = None,
     nprocs: int = NPROCS,
-    replica_file_every: int | None = None,
 ) -> Iterator[ServiceRun]:
     """Start ``elastic-runtime controller`` in the root namespace (secret from a token file) and one worker on
     each of the first ``nprocs`` hosts; the controller is killed on the way out if it still runs. With
@@ -100,7 +99,6 @@ def service_run(
     command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", address]
     command += ["--nprocs", str(nprocs), "--steps", str(STEPS)]
     command += [] if min_nprocs is None else ["--min-nprocs", str(min_nprocs)]
-    command += [] if replica_file_every is None else ["--replica-file-every", str(replica_file_every)]
     command += ["--run-dir", str(run_dir), "--coordinator-ports", f"{low}-{low + 20}"]
     with open(tmp_path / "controller.log", "wb") as log:
         controller = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log)
@@ -204,12 +202,9 @@ def test_a_worker_cut_off_from_the_controller_alone_stops_in_its_lease_and_its_l
     # the path is back it is told to exit; each step is committed once; the result is the fault-free run's.
     replicas = tmp_path / "replicas"
     lease_s = 2.0 * 0.75  # --heartbeat-timeout's default x the controller's lease share
-    every = 1  # host 1's worker has a replica file of its own by step 5, to be written past its fence as by it
     with (
         SimulatedHosts(NPROCS) as hosts,
-        service_run(
-            hosts, tmp_path, step_delay_s=0.5, min_nprocs=NPROCS - 1, replica_dirs=replicas, replica_file_every=every
-        ) as run,
+        service_run(hosts, tmp_path, step_delay_s=0.5, min_nprocs=NPROCS - 1, replica_dirs=replicas) as run,
     ):
         controller, run_dir, worker_env, worker = run.controller, run.run_dir, run.worker_env, run.worker
 

@@ -105,8 +105,7 @@ def test_kill_mid_step_after_compute_before_commit(tmp_path: Path, reference: Pa
 
 
 def test_kill_mid_replica_file_write(tmp_path: Path, reference: Path) -> None:
-    # Process 1 is killed -9 half-way through writing its /dev/shm replica file of step 8, or of the first step
-    # after it that gets one (step 10: with one process a slice, a file every 10 steps by default).
+    # Process 1 is killed -9 half-way through writing its /dev/shm replica file of step 8.
     result, events = run(tmp_path, faults=parse_faults("die-writing-replica:1@8"))
     assert result.ok and result.strategies == ["start", "reform"]
     assert_no_committed_step_lost(events)
