@@ -12,6 +12,10 @@ its batch's sum is exact (small integers), so every layout computes the same bit
 
 from __future__ import annotations
 
+from memory_limit import confine
+
+confine()  # first, before anything large is allocated: nothing when the test sets no limit
+
 import argparse
 import json
 import os
