@@ -1,0 +1,174 @@
+"""Goodput of a multi-process job under one fault a minute: the runtime against checkpoint-and-restart of
+every worker, same model, same schedule. Not collected by pytest.
+
+    .venv/bin/python tests/benchmarks/bench_goodput_multiprocess.py [--steps 5000] [--fault-every 60]
+        [--rounds 3] [--durable-every 100] [--json]
+
+Both jobs train the multi-process demo model (``runtime.cli.demo_multiprocess``) as ``elastic-runtime launch
+--nprocs 4`` (2 CPU devices a process, gloo on loopback) for ``--steps`` steps, and this script sends
+``SIGKILL`` to one member worker (a different one each time) every ``--fault-every`` seconds of wall time:
+
+- ``runtime``: ``launch`` with its defaults (a warm spare, the group re-formed in place from the survivors'
+  RAM replicas and the replica files);
+- ``checkpoint_restart``: ``launch --max-failures 0 --spares 0 --durable DIR --durable-every N``: the first
+  loss stops every worker, and this script starts a new ``launch`` (new controller, new workers, new JAX
+  processes, fresh replica files) which restores every process from the newest durable checkpoint in
+  ``DIR``, as a job restarted by its scheduler from its checkpoint would; detection and rescheduling are left
+  out in its favour.
+
+Two goodputs per job, from the wall time between the first ``launch`` and the end of the last:
+
+- ``goodput``: steps x the bare step / wall, where the bare step is the mean step of a plain
+  ``jax.distributed`` loop of the same step on the same mesh (``bench_overhead_multiprocess.py``'s ``bare``),
+  run before and after each job (the mean of the two: the shared machine's speed drifts). Every other cost is
+  charged to the job: start-up, the runtime's per-step work (replicas, heartbeats; ``docs/benchmarks.md``,
+  "Multi-process steady state"), checkpoints, restarts, recoveries, re-done steps;
+- ``goodput_own_step``: steps x the job's own median committed-step interval / wall: what the faults and the
+  starts cost, with the per-step overhead counted as productive (as ``ml-goodput-measurement`` counts a step).
+
+Every process shares JAX's persistent compilation cache (as a production job would set it: a restarted job
+loads its programs). With ``--rounds N`` each job runs N times in turn; figures are medians over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, worker_command
+from runtime.core.eventlog import decode_event, read_events
+from runtime.core.events import GroupFormed, RecoveryCompleted, StepCompleted, WorkerStarted
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_overhead_multiprocess import run_bare, say, step_time
+
+NPROCS = 4
+BARE_STEPS, BARE_WARMUP = 600, 100
+JOBS = ("runtime", "checkpoint_restart")
+
+
+def live_events(log: Path) -> list[Any]:
+    """The events of a log being written (its last line may be half written)."""
+    written = log.read_bytes() if log.exists() else b""
+    return [decode_event(line) for line in written[: written.rfind(b"\n") + 1].splitlines() if line.strip()]
+
+
+def members(events: list[Any]) -> list[int]:
+    """The pids of the newest formed group's members, in worker order ([] before the first group forms)."""
+    pids = {e.worker: e.pid for e in events if isinstance(e, WorkerStarted)}
+    formed = [e for e in events if isinstance(e, GroupFormed)]
+    return [pids[w] for w in sorted(formed[-1].members)] if formed else []
+
+
+def launch(run_dir: Path, replicas: Path, steps: int, extra: list[str]) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "runtime.cli", "launch", "--nprocs", str(NPROCS), "--run-dir", str(run_dir)]
+    command += ["--replica-dir", str(replicas), *extra, "--", *worker_command(steps)]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir.parent / "launch.out", "ab") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+
+def run_job(job: str, root: Path, shm: Path, steps: int, fault_every: float, durable_every: int) -> dict[str, Any]:
+    """One job under the kill schedule; checkpoint-and-restart is launched again (``--resume``, fresh replica
+    files: only the durable checkpoints hold its state) after each loss stopped it."""
+    run_dir, log = root / "run", root / "run" / "events.jsonl"
+    extra = [] if job == "runtime" else ["--max-failures", "0", "--spares", "0", "--durable", str(root / "durable")]
+    extra += [] if job == "runtime" else ["--durable-every", str(durable_every)]
+    started = time.monotonic()
+    next_fault, kills, launches, lost, newest = started + fault_every, 0, 0, 0, 0
+    while True:
+        formed_before = len([e for e in live_events(log) if isinstance(e, GroupFormed)])
+        proc = launch(run_dir, shm / f"{job}-{launches}", steps, [*extra, *(["--resume"] if launches else [])])
+        launches += 1
+        killed_here = False
+        while proc.poll() is None:
+            if time.monotonic() >= next_fault and (pids := members(live_events(log))):
+                os.kill(pids[kills % len(pids)], signal.SIGKILL)
+                say(f"{job}: killed a worker at {time.monotonic() - started:.0f} s")
+                kills, killed_here, next_fault = kills + 1, True, next_fault + fault_every
+            time.sleep(0.05)
+        if launches > 1:  # the steps this launch computed again: from its restored step to the last one's newest
+            restored = [e.restore_step for e in read_events(log) if isinstance(e, GroupFormed)][formed_before]
+            lost += max(0, newest - restored)
+        if proc.returncode == 0:
+            break
+        if job == "runtime" or not killed_here:
+            raise RuntimeError(f"{job} launch exited with {proc.returncode}: see {root / 'launch.out'}")
+        newest = max(e.step or 0 for e in read_events(log) if isinstance(e, StepCompleted))
+    wall = time.monotonic() - started
+    events = read_events(log)
+    commits = [e.mono_time for e in events if isinstance(e, StepCompleted)]
+    return {
+        "wall_s": wall,
+        "kills": kills,
+        "launches": launches,
+        "own_step_s": statistics.median(b - a for a, b in itertools.pairwise(commits) if b > a),
+        "lost_steps": lost + sum(e.lost_steps for e in events if isinstance(e, RecoveryCompleted)),
+    }
+
+
+def bare_step() -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        times = run_bare(NPROCS, BARE_STEPS, (FEATURES, HIDDEN), Path(tmp) / "bare.log")
+    return step_time(times, BARE_WARMUP)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--fault-every", type=float, default=60.0)
+    parser.add_argument("--durable-every", type=int, default=100, help="checkpoint-and-restart's save cadence")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    runs: dict[str, list[dict[str, Any]]] = {job: [] for job in JOBS}
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = f"{tmp}/compile-cache"  # read by every child process
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        before = bare_step()
+        for round_number in range(args.rounds):
+            for job in JOBS:
+                root = Path(tmp) / f"{job}-{round_number}"
+                run = run_job(job, root, Path(shm), args.steps, args.fault_every, args.durable_every)
+                after = bare_step()
+                run["bare_step_s"], before = (before + after) / 2, after
+                run["goodput"] = args.steps * run["bare_step_s"] / run["wall_s"]
+                run["goodput_own_step"] = args.steps * run["own_step_s"] / run["wall_s"]
+                runs[job].append(run)
+                load.append(os.getloadavg()[0])
+                say(f"round {round_number + 1}/{args.rounds} {job}: goodput {run['goodput']:.1%}, by its own step "
+                    f"{run['goodput_own_step']:.1%}, wall {run['wall_s']:.1f} s, {run['kills']} kills")  # fmt: skip
+                shutil.rmtree(root, ignore_errors=True)
+    result: dict[str, Any] = {
+        "nprocs": NPROCS,
+        "steps": args.steps,
+        "fault_every_s": args.fault_every,
+        "durable_every": args.durable_every,
+        "rounds": args.rounds,
+        "load_average_range": [min(load), max(load)],
+    }
+    for job, rounds in runs.items():
+        result[job] = {
+            key: round(statistics.median(run[key] for run in rounds), 4)
+            for key in ("goodput", "goodput_own_step", "wall_s", "own_step_s", "bare_step_s", "lost_steps")
+        }
+        result[job]["goodput_each_round"] = [round(run["goodput"], 4) for run in rounds]
+        result[job]["kills"] = [run["kills"] for run in rounds]
+        result[job]["launches"] = [run["launches"] for run in rounds]
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
