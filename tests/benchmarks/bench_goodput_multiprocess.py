@@ -26,6 +26,10 @@ Two goodputs per job, from the wall time between the first ``launch`` and the en
 - ``goodput_own_step``: steps x the job's own median committed-step interval / wall: what the faults and the
   starts cost, with the per-step overhead counted as productive (as ``ml-goodput-measurement`` counts a step).
 
+And where each job's wall time went, from its event log: ``first_commit_s`` (start-up: imports, the first
+group, compiles), ``stalls_s`` (gaps of more than 10 steps between two commits: recoveries, relaunches),
+``stepping_s`` (every other interval between commits) and ``after_last_commit_s``.
+
 Every process shares JAX's persistent compilation cache (as a production job would set it: a restarted job
 loads its programs). With ``--rounds N`` each job runs N times in turn; figures are medians over rounds.
 """
@@ -106,15 +110,25 @@ def run_job(job: str, root: Path, shm: Path, steps: int, fault_every: float, dur
         if job == "runtime" or not killed_here:
             raise RuntimeError(f"{job} launch exited with {proc.returncode}: see {root / 'launch.out'}")
         newest = max(e.step or 0 for e in read_events(log) if isinstance(e, StepCompleted))
-    wall = time.monotonic() - started
+    ended = time.monotonic()
     events = read_events(log)
     commits = [e.mono_time for e in events if isinstance(e, StepCompleted)]
+    intervals = [b - a for a, b in itertools.pairwise(commits)]
+    own_step = statistics.median(i for i in intervals if i > 0)
+    # Where the wall time went (the controller's clock is this one: CLOCK_MONOTONIC): before the first commit,
+    # after the last, the gaps between commits of more than 10 steps (recoveries, relaunches), the steps.
+    stalls = [i for i in intervals if i > 10 * own_step]
     return {
-        "wall_s": wall,
+        "wall_s": ended - started,
         "kills": kills,
         "launches": launches,
-        "own_step_s": statistics.median(b - a for a, b in itertools.pairwise(commits) if b > a),
+        "own_step_s": own_step,
         "lost_steps": lost + sum(e.lost_steps for e in events if isinstance(e, RecoveryCompleted)),
+        "first_commit_s": commits[0] - started,
+        "after_last_commit_s": ended - commits[-1],
+        "stalls_s": sum(stalls),
+        "stalls": len(stalls),
+        "stepping_s": sum(i for i in intervals if i <= 10 * own_step),
     }
 
 
@@ -162,7 +176,18 @@ def main() -> None:
     for job, rounds in runs.items():
         result[job] = {
             key: round(statistics.median(run[key] for run in rounds), 4)
-            for key in ("goodput", "goodput_own_step", "wall_s", "own_step_s", "bare_step_s", "lost_steps")
+            for key in (
+                "goodput",
+                "goodput_own_step",
+                "wall_s",
+                "own_step_s",
+                "bare_step_s",
+                "lost_steps",
+                "first_commit_s",
+                "after_last_commit_s",
+                "stalls_s",
+                "stepping_s",
+            )
         }
         result[job]["goodput_each_round"] = [round(run["goodput"], 4) for run in rounds]
         result[job]["kills"] = [run["kills"] for run in rounds]

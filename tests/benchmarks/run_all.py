@@ -74,6 +74,14 @@ BENCHMARKS = [
         lambda r: max(r["runtime"]["goodput"], r["runtime_young_daly"]["goodput"]) >= 0.95,
     ),
     Benchmark(
+        "goodput_multiprocess",
+        "Multi-process goodput under one fault per minute",
+        "bench_goodput_multiprocess.py",
+        ("--steps", "5000", "--rounds", "3"),
+        "runtime goodput >= 95%, checkpoint-and-restart of every worker reported beside it",
+        lambda r: r["runtime"]["goodput"] >= 0.95,
+    ),
+    Benchmark(
         "checkpoint",
         "Checkpointing",
         "bench_checkpoint.py",
