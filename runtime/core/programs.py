@@ -16,6 +16,12 @@ a serialized executable is a pickle, and loading one runs code.
 
 Where the time goes (``seconds``: tracing and lowering, XLA's compile, loading) is kept for the events: the
 report separates it from restoring.
+
+A program that JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``) gave instead of compiling it
+is not kept: serialized again, such an executable lacks part of its code on CPU (jax 0.10: it loads, and its
+first run fails with ``NOT_FOUND: Function ... not found``; ``tests/test_programs_cache.py``). A group whose
+kept restore program came from the cache gave up its run after a re-form. The next generation traces it and
+loads it from that cache again.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -41,6 +48,16 @@ __all__ = ["PROGRAMS_PREFIX", "ProgramStore", "compile_kept"]
 PROGRAMS_PREFIX = "programs-"  # the folders of kept programs, in the run's replica folder
 
 _SIGNATURE = 32  # bytes of HMAC-SHA256 before the payload
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # recorded by JAX in the thread whose compile the cache served
+_cache_hits = threading.local()
+
+
+def _count_cache_hit(event: str, **_: Any) -> None:
+    if event == _CACHE_HIT:
+        _cache_hits.count = getattr(_cache_hits, "count", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hit)
 
 
 class ProgramStore:
@@ -88,11 +105,15 @@ class ProgramStore:
         started = time.perf_counter()
         lowered = lower()
         traced = time.perf_counter()
+        hits = getattr(_cache_hits, "count", 0)
         program = lowered.compile()
         self.seconds["trace"] += traced - started
         self.seconds["compile"] += time.perf_counter() - traced
         self.traced.append(name)
         if not self._keep:
+            return program
+        if getattr(_cache_hits, "count", 0) != hits:
+            log.info("the %s came from JAX's persistent compilation cache: not kept (see programs.py)", name)
             return program
         try:
             payload = pickle.dumps(serialize_executable.serialize(program))

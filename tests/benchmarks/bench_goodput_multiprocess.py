@@ -93,7 +93,7 @@ def run_job(job: str, root: Path, shm: Path, steps: int, fault_every: float, dur
     next_fault, kills, launches, lost, newest = started + fault_every, 0, 0, 0, 0
     while True:
         formed_before = len([e for e in live_events(log) if isinstance(e, GroupFormed)])
-        proc = launch(run_dir, shm / f"{job}-{launches}", steps, [*extra, *(["--resume"] if launches else [])])
+        proc = launch(run_dir, shm / f"{root.name}-{launches}", steps, [*extra, *(["--resume"] if launches else [])])
         launches += 1
         killed_here = False
         while proc.poll() is None:
@@ -108,7 +108,9 @@ def run_job(job: str, root: Path, shm: Path, steps: int, fault_every: float, dur
         if proc.returncode == 0:
             break
         if job == "runtime" or not killed_here:
-            raise RuntimeError(f"{job} launch exited with {proc.returncode}: see {root / 'launch.out'}")
+            kept = Path(tempfile.mkdtemp(prefix=f"goodput-failed-{job}-"))
+            shutil.copytree(root, kept, dirs_exist_ok=True)  # the run folder goes with the temporary one
+            raise RuntimeError(f"{job} launch exited with {proc.returncode}: see {kept / 'launch.out'}")
         newest = max(e.step or 0 for e in read_events(log) if isinstance(e, StepCompleted))
     ended = time.monotonic()
     events = read_events(log)
@@ -144,16 +146,17 @@ def main() -> None:
     parser.add_argument("--fault-every", type=float, default=60.0)
     parser.add_argument("--durable-every", type=int, default=100, help="checkpoint-and-restart's save cadence")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--jobs", nargs="+", choices=JOBS, default=list(JOBS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    runs: dict[str, list[dict[str, Any]]] = {job: [] for job in JOBS}
+    runs: dict[str, list[dict[str, Any]]] = {job: [] for job in args.jobs}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = f"{tmp}/compile-cache"  # read by every child process
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         before = bare_step()
         for round_number in range(args.rounds):
-            for job in JOBS:
+            for job in args.jobs:
                 root = Path(tmp) / f"{job}-{round_number}"
                 run = run_job(job, root, Path(shm), args.steps, args.fault_every, args.durable_every)
                 after = bare_step()
