@@ -30,8 +30,10 @@ And where each job's wall time went, from its event log: ``first_commit_s`` (sta
 group, compiles), ``stalls_s`` (gaps of more than 10 steps between two commits: recoveries, relaunches),
 ``stepping_s`` (every other interval between commits) and ``after_last_commit_s``.
 
-Every process shares JAX's persistent compilation cache (as a production job would set it: a restarted job
-loads its programs). With ``--rounds N`` each job runs N times in turn; figures are medians over rounds.
+The workers cache their compiles in their replica folder (``<replica-dir>/xla-cache``, the launcher's
+default). Checkpoint-and-restart relaunches keep that folder and lose everything else in it (replica files,
+kept programs): each loads its compiled programs from the cache, as a job restarted with a persistent cache
+would. With ``--rounds N`` each job runs N times in turn; figures are medians over rounds.
 """
 
 from __future__ import annotations
@@ -93,7 +95,13 @@ def run_job(job: str, root: Path, shm: Path, steps: int, fault_every: float, dur
     next_fault, kills, launches, lost, newest = started + fault_every, 0, 0, 0, 0
     while True:
         formed_before = len([e for e in live_events(log) if isinstance(e, GroupFormed)])
-        proc = launch(run_dir, shm / f"{root.name}-{launches}", steps, [*extra, *(["--resume"] if launches else [])])
+        replicas = shm / root.name
+        for kept in replicas.glob("*") if replicas.exists() else []:  # a relaunch keeps only the compile cache
+            if kept.is_dir() and kept.name != "xla-cache":
+                shutil.rmtree(kept)
+            elif kept.is_file():
+                kept.unlink()
+        proc = launch(run_dir, replicas, steps, [*extra, *(["--resume"] if launches else [])])
         launches += 1
         killed_here = False
         while proc.poll() is None:
@@ -152,8 +160,6 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {job: [] for job in args.jobs}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = f"{tmp}/compile-cache"  # read by every child process
-        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         before = bare_step()
         for round_number in range(args.rounds):
             for job in args.jobs:
