@@ -100,4 +100,4 @@ def _field(path: Path, name: str) -> int:
         key, _, value = line.partition(" ")
         if key == name:
             return int(value)
-    return 0
+    raise RuntimeError(f"{path} has no {name} line: this kernel does not count OOM kills there")
