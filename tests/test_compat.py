@@ -141,18 +141,36 @@ def test_a_missing_storage_session_is_named_with_the_version(monkeypatch: pytest
         cloud_storage_compat.authorized_session(_client())
 
 
-def test_xla_cpu_collective_timeout_is_raised_unless_the_user_set_it() -> None:
-    from runtime.compat.xla import FLAG, SECONDS, raise_cpu_collective_timeout
+def test_xla_cpu_collective_timeouts_are_set_unless_the_user_set_them() -> None:
+    from runtime.compat.xla import COLLECTIVE_FLAG, ENV_COLLECTIVE_TIMEOUT, FLAG, SECONDS, set_flags
 
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    assert raise_cpu_collective_timeout(environ)
+    set_flags(environ)  # outside a worker: only the terminate timeout, raised
     assert environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {FLAG}={SECONDS}"
-    mine = {"XLA_FLAGS": f"{FLAG}=5"}
-    assert not raise_cpu_collective_timeout(mine) and mine["XLA_FLAGS"] == f"{FLAG}=5"
+    worker = {ENV_COLLECTIVE_TIMEOUT: "20.0"}  # a worker its controller started
+    set_flags(worker)
+    assert worker["XLA_FLAGS"] == f"{FLAG}={SECONDS} {COLLECTIVE_FLAG}=20"
+    mine = {"XLA_FLAGS": f"{FLAG}=5 {COLLECTIVE_FLAG}=600", ENV_COLLECTIVE_TIMEOUT: "20"}
+    set_flags(mine)
+    assert mine["XLA_FLAGS"] == f"{FLAG}=5 {COLLECTIVE_FLAG}=600"
     # In a new process, importing the package is enough (XLA reads the flags when its first backend starts).
     import subprocess
     import sys
 
     code = "import os, runtime, jax; jax.devices(); print(os.environ['XLA_FLAGS'])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={})
-    assert f"{FLAG}={SECONDS}" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={ENV_COLLECTIVE_TIMEOUT: "45"}
+    )
+    assert f"{FLAG}={SECONDS}" in out.stdout and f"{COLLECTIVE_FLAG}=45" in out.stdout
+
+
+def test_a_workers_collective_timeout_follows_the_hang_and_forming_timeouts() -> None:
+    from runtime.cluster.config import LaunchConfig
+
+    def timeout(**settings: float) -> float:
+        return LaunchConfig(command=["python", "train.py"], nprocs=2, **settings).collective_timeout_s
+
+    assert timeout() == 30.0  # the defaults: 5 s hang, 20 s forming
+    assert timeout(hang_timeout_s=60.0) == 120.0
+    assert timeout(form_timeout_s=90.0) == 90.0
+    assert timeout(hang_timeout_s=600.0) == 240.0  # below XLA's 300 s abort

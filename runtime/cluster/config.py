@@ -157,6 +157,14 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return self.nprocs // self.slices
 
     @property
+    def collective_timeout_s(self) -> float:
+        """How long a worker's gloo operation waits for its peers before it fails (``runtime/compat/xla.py``).
+        Past the hang timeout the controller has replaced a member whose step does not move, so a longer wait
+        is one abandoned after a peer died; the group forming (restores included) may take its own timeout.
+        At least 30 s, at most 240 s: XLA aborts the process at 300 s (the terminate timeout)."""
+        return min(240.0, max(30.0, 2 * self.hang_timeout_s, self.form_timeout_s))
+
+    @property
     def starts_workers(self) -> bool:
         """Whether the controller starts its workers (``launch``) or only coordinates them (the service mode)."""
         return bool(self.command)

@@ -7,6 +7,7 @@ demo model. Every recovery here keeps the group at full size, so the final state
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
 
 from runtime.cli.demo_multiprocess import run_group
+from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 from runtime.core.eventlog import read_events
 from runtime.core.events import (
     GroupFormed,
@@ -85,6 +87,31 @@ def test_kill_9_a_worker_mid_run_reforms_in_process(tmp_path: Path, reference: P
     assert any(isinstance(e, WorkerLost) for e in events)
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)
+
+
+def test_a_step_abandoned_in_a_collective_with_a_lost_peer_ends(tmp_path: Path) -> None:
+    """A survivor's step blocked in a collective with the lost peer is abandoned when the group re-forms, and must
+    then end: gloo fails it at the collective timeout the controller puts in the workers' XLA flags. One that
+    never ended (XLA's own timeout is 30 minutes) kept the old group's backend alive, its gloo thread polling: a
+    survivor carried one more after each loss, and steps slowed by half (docs/benchmarks.md)."""
+    # Four processes: in gloo's ring the survivors next to the killed one fail at once, the one across waits on
+    # them. A collective timeout of 5 s, past the loss's detection, and 20 steps of 0.4 s after it: the abandoned
+    # step ends inside the run. (No fault-free reference of 4 processes here: the other tests compare bitwise.)
+    result = run_group(
+        processes=4,
+        steps=STEPS,
+        run_dir=tmp_path,
+        faults=[Fault("kill", 1, step=10)],
+        extra_env={ENV_COLLECTIVE_TIMEOUT: "5", "ELASTIC_STEP_DELAY_S": "0.4"},
+    )
+    assert result.ok and result.strategies == ["start", "reform"] and result.survivor_restarts == 0
+    logs = "".join(path.read_text() for path in (tmp_path / "workers").glob("worker-*.log"))
+    abandoned = re.findall(r"abandoning (step \d+), blocked in a collective", logs)
+    ended = re.findall(r"the abandoned (step \d+) ended: JaxRuntimeError: (.*)", logs)
+    assert abandoned, "no survivor's step was blocked in a collective with the lost peer"
+    assert sorted(step for step, _ in ended) == sorted(abandoned), (abandoned, ended)
+    assert all("Gloo" in why for _, why in ended), ended
+    assert_no_committed_step_lost(read_events(tmp_path / "events.jsonl"))
 
 
 def test_kill_9_process_0_which_would_host_the_coordination_service(tmp_path: Path, reference: Path) -> None:

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from runtime.compat.xla import set_flags as set_xla_flags
+
 __all__ = ["ForkServer", "ForkedProcess", "forkable"]
 
 log = logging.getLogger(__name__)
@@ -244,6 +246,7 @@ def _run_child(request: dict[str, Any]) -> int | str | None:
     os.close(out)
     os.environ.clear()
     os.environ.update(request["env"])
+    set_xla_flags()  # read by XLA when this worker's first backend starts, from its own environment
     argv: list[str] = request["argv"]
     try:
         if argv[0] == "-m":

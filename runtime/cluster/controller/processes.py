@@ -29,6 +29,7 @@ from runtime.cluster.protocol import (
     Hello,
     Joined,
 )
+from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 
 __all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail"]
 
@@ -201,6 +202,7 @@ class ProcessPool:
         )
         if self.config.result_path:
             env[ENV_RESULT] = self.config.result_path
+        env.setdefault(ENV_COLLECTIVE_TIMEOUT, str(self.config.collective_timeout_s))  # the user's own wins
         return env
 
     def spawn(self) -> WorkerProcess:

@@ -42,6 +42,7 @@ from runtime.cluster.auth import ENV_TOKEN, ENV_TOKEN_FILE
 from runtime.cluster.controller import ray_actor
 from runtime.cluster.controller.ray_actor import WorkerActor
 from runtime.cluster.protocol import ENV_CONTROLLER, ENV_HEARTBEAT_S, ENV_LOCAL_DEVICES, ENV_REPLICA_DIR, ENV_WORKER
+from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 from runtime.core.events import WorkerHung, WorkerLost, WorkerStarted
 
 if TYPE_CHECKING:
@@ -248,6 +249,7 @@ class RayPlacement:
                 ENV_WORKER: str(worker),
                 ENV_LOCAL_DEVICES: str(config.local_devices),
                 ENV_HEARTBEAT_S: str(config.heartbeat_interval_s),
+                ENV_COLLECTIVE_TIMEOUT: str(config.collective_timeout_s),
                 # By default one folder per worker: on a test cluster all nodes share this machine's /dev/shm, and a
                 # replacement must start as empty as on a new host.
                 ENV_REPLICA_DIR: self.replica_dir or f"/dev/shm/elastic-runtime-{controller.record.run_id}-{worker}",

@@ -81,13 +81,20 @@ def await_step(
         try:
             return future.result(timeout=_ABANDON_GRACE_S)
         except FutureTimeout:
-            # Blocked in a collective with a dead peer: gloo never returns. Leave the thread behind.
+            # Blocked in a collective with a dead peer. Leave the thread behind: its gloo operation fails at the
+            # collective timeout (runtime/compat/xla.py), which frees the old group's backend it holds.
             log.warning("abandoning %s, blocked in a collective; re-forming", what)
+            future.add_done_callback(lambda done: log.info("the abandoned %s ended: %s", what, _outcome(done)))
             worker.step_pool.shutdown(wait=False)
             worker.step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
             return worker.link.inbox.get()
         except Exception:
             return worker.link.inbox.get()
+
+
+def _outcome(done: Future[Any]) -> str:
+    error = done.exception()
+    return "it finished" if error is None else f"{type(error).__name__}: {str(error)[:200]}"
 
 
 def defer(worker: Worker, message: Inbound) -> bool:
