@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # How long a new group waits for an abandoned restore that may still be reading its shards.
 _RESTORE_SETTLE_S = 2.0
+# Steps after a re-forming until a full garbage collection. The old group's backend can stay behind in reference
+# cycles (a failed step's, found by `bench_after_loss.py`), with its gloo thread polling (a third of a step on 2
+# cores), and Python's full collections come rarely; one takes about 0.1 s, so not on the recovery's path.
+COLLECT_AFTER_STEPS = 20
 
 
 def form_group(worker: Worker, form: Form) -> None:
@@ -60,6 +64,7 @@ def form_group(worker: Worker, form: Form) -> None:
         leave_group()
         jax.extend.backend.clear_backends()
         worker.state = None  # it lived on the old backend
+        worker.collect_in = COLLECT_AFTER_STEPS
     left = time.monotonic()
     join_group(form, worker.settings)
     if jax.process_count() != form.num_processes:

@@ -146,6 +146,8 @@ class Worker:
         # A restore left running when the group re-formed: it may still be reading, and must not build arrays on
         # the next group's backend (see ``forming.form_group``).
         self.abandoned_restore: Future[Any] | None = None
+        # Steps until a full garbage collection after leaving a group (runtime/cluster/worker/forming.py).
+        self.collect_in: int | None = None
         self.durable_last = -1  # the step of the newest durable write started
         self.held = False  # told to stop stepping (``Stop.hold``): the run is draining
         self.stopped_by: Stop | None = None  # the Stop it exits on

@@ -6,6 +6,7 @@ controller is heard again.
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import traceback
@@ -77,6 +78,9 @@ def await_step(
                 worker.report_failure(failure, traceback.format_exc())
             else:
                 log.error("%s failed: %s: %s; waiting for the group to re-form", what, type(exc), exc)
+            # Its traceback holds the failed step's frames, whose arrays hold the old group's backend, in a cycle
+            # through this frame's ``future``: freed only by a full collection, which rarely comes.
+            exc.__traceback__ = None
             return None
         try:
             return future.result(timeout=_ABANDON_GRACE_S)
@@ -88,13 +92,18 @@ def await_step(
             worker.step_pool.shutdown(wait=False)
             worker.step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
             return worker.link.inbox.get()
-        except Exception:
+        except Exception as exc:  # failed within the grace: the group re-forms all the same
+            exc.__traceback__ = None
             return worker.link.inbox.get()
 
 
 def _outcome(done: Future[Any]) -> str:
     error = done.exception()
-    return "it finished" if error is None else f"{type(error).__name__}: {str(error)[:200]}"
+    if error is None:
+        return "it finished"
+    error.__traceback__ = None  # as in await_step: the abandoned step's frames hold the old backend
+    gc.collect()  # and so may cycles (runtime/cluster/worker/forming.py); this thread is off the steps' path
+    return f"{type(error).__name__}: {str(error)[:200]}"
 
 
 def defer(worker: Worker, message: Inbound) -> bool:

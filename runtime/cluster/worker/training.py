@@ -6,6 +6,7 @@ and at the target gather the final state's digest for ``Finished``.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import time
@@ -82,6 +83,11 @@ def train(worker: Worker, target: int) -> Inbound | None:
             if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
                 save_durable(worker, final=worker.step == target)
         worker.heartbeat()
+        if worker.collect_in is not None:
+            worker.collect_in -= 1
+            if worker.collect_in <= 0:  # the old group's backend, if cycles still hold it (forming.py)
+                worker.collect_in = None
+                gc.collect()
     # The gather is a collective: a peer lost now must not leave this worker deaf to the next Form.
     outcome = await_step(worker, worker.step_pool.submit(gather_whole, worker), what="the final gather")
     if isinstance(outcome, Message) or outcome is None:
