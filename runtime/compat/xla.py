@@ -14,7 +14,7 @@ Two limits, two opposite reasons:
   peers before it fails with a ``JaxRuntimeError``. A worker's step abandoned in a collective when a peer died
   (``runtime/cluster/worker/stepping.py``) waits that long, and until it ends the old group's backend stays
   alive in the survivor, its gloo thread polling without end: after each loss a survivor carried one more, and
-  steps slowed by half (``docs/benchmarks.md``, "A re-formed group's abandoned steps"). So a worker started by a
+  steps slowed by half (``docs/benchmarks.md``, "Step time after a loss"). So a worker started by a
   controller gets the controller's limit (``ELASTIC_COLLECTIVE_TIMEOUT_S``, from the hang timeout:
   :meth:`runtime.cluster.config.LaunchConfig.collective_timeout_s`), unless the user set the flag.
 
