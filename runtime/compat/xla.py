@@ -14,7 +14,8 @@ Two limits, two opposite reasons:
   peers before it fails with a ``JaxRuntimeError``. A worker's step abandoned in a collective when a peer died
   (``runtime/cluster/worker/stepping.py``) waits that long, and until it ends the old group's backend stays
   alive in the survivor, its gloo thread polling without end: after each loss a survivor carried one more, and
-  steps slowed by half (``docs/benchmarks.md``, "Step time after a loss"). So a worker started by a
+  steps slowed by half (``docs/benchmarks.md``, "Step time after a loss"; the worker's garbage collections after
+  a re-forming usually end it sooner, ``runtime/cluster/worker/forming.py``). So a worker started by a
   controller gets the controller's limit (``ELASTIC_COLLECTIVE_TIMEOUT_S``, from the hang timeout:
   :meth:`runtime.cluster.config.LaunchConfig.collective_timeout_s`), unless the user set the flag.
 
@@ -34,13 +35,11 @@ COLLECTIVE_FLAG = "--xla_cpu_collective_timeout_seconds"
 ENV_COLLECTIVE_TIMEOUT = "ELASTIC_COLLECTIVE_TIMEOUT_S"
 
 
-def add_flag(environ: MutableMapping[str, str], flag: str, seconds: int) -> bool:
-    """Add ``flag=seconds`` to ``XLA_FLAGS`` unless the flag is there; True if it was added."""
+def add_flag(environ: MutableMapping[str, str], flag: str, seconds: int) -> None:
+    """Add ``flag=seconds`` to ``XLA_FLAGS`` unless the flag is there (the user's own)."""
     flags = environ.get("XLA_FLAGS", "")
-    if flag in flags:
-        return False
-    environ["XLA_FLAGS"] = f"{flags} {flag}={seconds}".strip()
-    return True
+    if flag not in flags:
+        environ["XLA_FLAGS"] = f"{flags} {flag}={seconds}".strip()
 
 
 def set_flags(environ: MutableMapping[str, str] = os.environ) -> None:

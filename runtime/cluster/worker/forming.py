@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 
 # How long a new group waits for an abandoned restore that may still be reading its shards.
 _RESTORE_SETTLE_S = 2.0
-# Steps after a re-forming until a full garbage collection. The old group's backend can stay behind in reference
-# cycles (a failed step's, found by `bench_after_loss.py`), with its gloo thread polling (a third of a step on 2
-# cores), and Python's full collections come rarely; one takes about 0.1 s, so not on the recovery's path.
+# Steps after a re-forming until a full garbage collection. A survivor whose step failed kept the old group's
+# backend, its gloo thread polling (a third of a step on 2 cores; bench_after_loss.py), until one came, and
+# Python's come rarely (with the step's traceback dropped too: stepping.py). One takes about 0.1 s: not on the
+# recovery's path.
 COLLECT_AFTER_STEPS = 20
 
 

@@ -78,15 +78,18 @@ def await_step(
                 worker.report_failure(failure, traceback.format_exc())
             else:
                 log.error("%s failed: %s: %s; waiting for the group to re-form", what, type(exc), exc)
-            # Its traceback holds the failed step's frames, whose arrays hold the old group's backend, in a cycle
-            # through this frame's ``future``: freed only by a full collection, which rarely comes.
+            # Its traceback holds the failed step's frames, whose arrays hold the old group's backend: without
+            # this, a survivor whose step failed kept that backend after the re-forming, and the collection that
+            # follows it (forming.py) did not free it (bench_after_loss.py; which references close the loop is
+            # not known).
             exc.__traceback__ = None
             return None
         try:
             return future.result(timeout=_ABANDON_GRACE_S)
         except FutureTimeout:
-            # Blocked in a collective with a dead peer. Leave the thread behind: its gloo operation fails at the
-            # collective timeout (runtime/compat/xla.py), which frees the old group's backend it holds.
+            # Blocked in a collective with a dead peer. Leave the thread behind: its gloo operation fails once
+            # another survivor's old backend is freed (its sockets close), or at the latest at the collective
+            # timeout (runtime/compat/xla.py); the old group's backend it holds goes with it.
             log.warning("abandoning %s, blocked in a collective; re-forming", what)
             future.add_done_callback(lambda done: log.info("the abandoned %s ended: %s", what, _outcome(done)))
             worker.step_pool.shutdown(wait=False)
