@@ -344,6 +344,7 @@ def _is_loopback(address: str) -> bool:
 
 
 _HEAD_ATTEMPTS = 3
+_SLOW_HEAD = ("timed out during startup", "Timed out waiting for file")  # Ray's words for the two
 
 
 @contextlib.contextmanager
@@ -371,9 +372,10 @@ def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
             )
             break
         except Exception as exc:
-            # Ray gives its head's raylet a fixed 30 s to register; on a busy machine it once did not
-            # (CI, the whole suite on 2 cores). Tried again, on new ports; the last failure is raised.
-            if "timed out during startup" not in str(exc) or attempt == _HEAD_ATTEMPTS:
+            # Ray gives its head's raylet 30 s to register, and its GCS server 30 s to write its port's file; on
+            # a busy machine each once did not (the whole suite on 2 cores). Tried again, on new ports; the
+            # last failure is raised.
+            if not any(slow in str(exc) for slow in _SLOW_HEAD) or attempt == _HEAD_ATTEMPTS:
                 raise
             log.warning("the Ray head did not start (attempt %d): %s; trying again", attempt, exc)
     try:
