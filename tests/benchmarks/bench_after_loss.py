@@ -37,13 +37,12 @@ from runtime.core.eventlog import read_events
 from runtime.core.events import StepCompleted, WorkerKilled
 from runtime.faults.grammar import Fault
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_overhead_multiprocess import say
+
 NPROCS = 4
 SETTLE_S = 35.0
 CONTENDERS = {"xla_default": "--xla_cpu_collective_timeout_seconds=1800", "runtime": ""}
-
-
-def say(message: str) -> None:
-    print(f"[load {os.getloadavg()[0]:.1f}] {message}", file=sys.stderr, flush=True)
 
 
 def mean_step(commits: list[tuple[int, float]]) -> float | None:

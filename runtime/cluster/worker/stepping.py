@@ -91,7 +91,7 @@ def await_step(
             # another survivor's old backend is freed (its sockets close), or at the latest at the collective
             # timeout (runtime/compat/xla.py); the old group's backend it holds goes with it.
             log.warning("abandoning %s, blocked in a collective; re-forming", what)
-            future.add_done_callback(lambda done: log.info("the abandoned %s ended: %s", what, _outcome(done)))
+            future.add_done_callback(lambda done: _abandoned_ended(what, done))
             worker.step_pool.shutdown(wait=False)
             worker.step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
             return worker.link.inbox.get()
@@ -100,13 +100,15 @@ def await_step(
             return worker.link.inbox.get()
 
 
-def _outcome(done: Future[Any]) -> str:
+def _abandoned_ended(what: str, done: Future[Any]) -> None:
+    """In the abandoned thread, as it ends: log how, and free the old group's backend its frames held."""
     error = done.exception()
     if error is None:
-        return "it finished"
-    error.__traceback__ = None  # as in await_step: the abandoned step's frames hold the old backend
+        log.info("the abandoned %s ended: it finished", what)
+        return
+    log.info("the abandoned %s ended: %s: %s", what, type(error).__name__, str(error)[:200])
+    error.__traceback__ = None  # as in await_step: the step's frames hold the old backend
     gc.collect()  # and so may cycles (runtime/cluster/worker/forming.py); this thread is off the steps' path
-    return f"{type(error).__name__}: {str(error)[:200]}"
 
 
 def defer(worker: Worker, message: Inbound) -> bool:
