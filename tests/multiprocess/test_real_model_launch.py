@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
+from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, StepCompleted
+from runtime.core.events import CheckpointCommitted, GroupFormed, StepCompleted
 from runtime.faults.grammar import Fault
 from runtime.testing.compare import compare_states
 from storage.disk import DiskTier
@@ -28,21 +29,45 @@ SCRIPT = Path(__file__).with_name("keyed_train.py")
 
 
 def run(
-    tmp_path: Path, name: str, *, slices: int, kill: int | None, wipe: bool = False, **extra: Any
+    tmp_path: Path,
+    name: str,
+    *,
+    slices: int,
+    kill: int | None,
+    wipe: bool = False,
+    after_durable: bool = False,
+    **extra: Any,
 ) -> tuple[Any, list[Any]]:
+    """Run the job; ``kill`` is killed at step 10, or with ``after_durable`` once a durable step is committed
+    and the group is 2 steps past it (the workers write the durable tier in the background: on a loaded
+    machine step 10 can come before any durable step is whole)."""
     log = tmp_path / f"{name}.traces.jsonl"
     controller = group_controller(
         processes=4,
         slices=slices,
         steps=STEPS,
         run_dir=tmp_path / name,
-        faults=[] if kill is None else [Fault("kill", kill, step=10)],
+        faults=[] if kill is None or after_durable else [Fault("kill", kill, step=10)],
         replica_dir=str(tmp_path / name / "replicas"),
         command=[sys.executable, str(SCRIPT), "--steps", str(STEPS), "--trace-log", str(log)],
         **extra,
     )
     if wipe:  # the lost worker's replica files go with it: its shards (keys included) come from elsewhere
         wipe_lost_replicas(controller)
+    if kill is not None and after_durable:
+        committed: list[int] = []
+        killed: list[int] = []
+
+        async def note(event: CheckpointCommitted, ctx: Any) -> None:
+            committed.append(event.step or 0)
+
+        async def lose(event: StepCompleted, ctx: Any) -> None:
+            if committed and (event.step or 0) >= committed[0] + 2 and not killed:
+                killed.append(event.step or 0)
+                ctx.signal(ctx.members[kill], "KILL", "test: its host is lost")
+
+        controller.bus.subscribe(CheckpointCommitted, note)
+        controller.bus.subscribe(StepCompleted, lose)
     result = controller.run()
     return result, [json.loads(line) for line in log.read_text().splitlines()]
 
@@ -83,7 +108,17 @@ def test_keys_and_own_axes_under_launch_with_two_slices(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_keys_through_the_durable_tier_with_one_slice(tmp_path: Path) -> None:
     durable = tmp_path / "durable"
-    result, _ = run(tmp_path, "run", slices=1, kill=1, wipe=True, durable_dir=str(durable), durable_every=5)
+    result, _ = run(
+        tmp_path,
+        "run",
+        slices=1,
+        kill=1,
+        wipe=True,
+        after_durable=True,
+        durable_dir=str(durable),
+        durable_every=5,
+        extra_env={ENV_STEP_DELAY_S: "0.2"},  # room for a durable step to commit before the run ends
+    )
     assert result.ok and result.step == STEPS, result.reason
     (recovery,) = result.recoveries
     assert "durable" in recovery["restored_from"], recovery
