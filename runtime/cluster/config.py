@@ -78,10 +78,11 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (one process per slice, two slices or more) and the group re-forms in place (``strategy`` reform,
             ``max_failures`` > 0); they are also written at every durable step. A lost process's state is then
             in every survivor's memory, and the files matter only when every process is lost: the controller
-            killed, every worker crashing, a deadlock for which every member is judged hung. Those then go back
-            up to ``replica_file_every - 1`` steps. At the demo's size, 10 took a fifth off each step. Default 1
-            (nothing committed is lost in any of those); with a state sharded over a slice, always every step:
-            a process's shards may be nowhere else.
+            killed (its workers go with it) or every worker crashing at once goes back up to
+            ``replica_file_every - 1`` steps. A deadlock loses none: a step running ``hang_timeout_s / 2`` gets
+            the step before it written, before any member is judged hung. At the demo's size, 10 took a third
+            off the workers' CPU a step. With a state sharded over a slice, always every step: a process's
+            shards may be nowhere else.
         durable_keep: durable checkpoints kept (the newest ones).
         neighbour_replicas: every process also keeps the shards of the process before it in its slice in host
             memory (one collective permute per step), so that a lost process's shards come from its neighbour
@@ -131,7 +132,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     result_path: str | None = None
     durable_dir: str | None = None
     durable_every: Positive = 10
-    replica_file_every: Positive = 1
+    replica_file_every: Positive = 10
     durable_keep: Positive = 3
     neighbour_replicas: bool = False
     faults: list[Fault] = []

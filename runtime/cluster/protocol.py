@@ -282,6 +282,9 @@ class Form(Message, frozen=True, kw_only=True):
     durable_every: int = 0  # steps between durable checkpoints
     # Steps between replica files where every process holds the whole state (LaunchConfig.replica_file_every).
     file_every: int = 1
+    # A step still running after this many seconds gets the step before it written to the replica file, if the
+    # cadence skipped it: the controller may judge every member hung and replace them all (0: never).
+    file_after_s: float = 0.0
     neighbour_replicas: bool = False  # keep the previous process's shards in RAM too (storage.shards.NeighbourShift)
     # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
     # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).

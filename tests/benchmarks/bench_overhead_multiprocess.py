@@ -10,9 +10,9 @@ and number of processes:
   local coordinator and run the runtime's own compiled step (``StepCompiler``) in a loop: the batch put on
   the mesh, the step, its result awaited; no snapshot, no controller;
 - ``defaults``: the demo job under ``elastic-runtime launch`` (the Controller API, fault-free) with every
-  default (a RAM replica and a replica file of each step, heartbeats);
-- ``files_every_10``: the same with a replica file every 10th step (``replica_file_every=10``; where the
-  runtime has no such setting, the defaults again).
+  default (a RAM replica of each step, a replica file of every 10th, heartbeats);
+- ``files_every_step``: the same with a replica file of every step (``replica_file_every=1``, the default
+  before 2026-12-03).
 
 A contender's step time is its mean step after the warm-up, from the warm-up's last step to the run's last
 (the runtime's: its committed steps in the event log; the bare loop's: its process 0's steps; not the median
@@ -39,13 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN, group_controller, worker_command
 from runtime.core.eventlog import read_events
 from runtime.core.events import StepCompleted
 
-CONTENDERS = ("bare", "defaults", "files_every_10")
+CONTENDERS = ("bare", "defaults", "files_every_step")
 _STARTED = time.monotonic()
 
 
@@ -122,12 +120,8 @@ def run_bare(nprocs: int, steps: int, size: tuple[int, int], log: Path) -> list[
     return [float(t) for t in json.loads(line[len("TIMES ") :])]
 
 
-def run_runtime(root: Path, nprocs: int, steps: int, size: tuple[int, int], sparse_files: bool) -> list[float]:
-    from runtime.cluster.config import LaunchConfig
-
-    extra: dict[str, Any] = {}
-    if sparse_files and "replica_file_every" in {f.name for f in msgspec.structs.fields(LaunchConfig)}:
-        extra["replica_file_every"] = 10
+def run_runtime(root: Path, nprocs: int, steps: int, size: tuple[int, int], file_every_step: bool) -> list[float]:
+    extra: dict[str, Any] = {"replica_file_every": 1} if file_every_step else {}
     command = worker_command(steps, features=size[0], hidden=size[1])
     # Wider timeouts than the defaults: a 256 MB step on 2 busy cores is no hang (no fault is injected here).
     timeouts = {"heartbeat_timeout_s": 60.0, "hang_timeout_s": 120.0, "spawn_timeout_s": 300.0}
@@ -157,7 +151,7 @@ def measure(
             if contender == "bare":
                 times = run_bare(nprocs, steps, size, run_dir / "bare.log")
             else:
-                times = run_runtime(run_dir, nprocs, steps, size, sparse_files=contender == "files_every_10")
+                times = run_runtime(run_dir, nprocs, steps, size, file_every_step=contender == "files_every_step")
             samples[contender].append(step_time(times, warmup))
             shutil.rmtree(run_dir, ignore_errors=True)  # replica files and the final state of 256 MB runs
             say(f"{label} repeat {repeat + 1}/{repeats} {contender}: {samples[contender][-1] * 1000:.2f} ms/step")

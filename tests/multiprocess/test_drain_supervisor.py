@@ -174,7 +174,8 @@ def test_a_replica_file_of_every_step_only_where_a_lost_process_state_may_be_now
     def config(**overrides: Any) -> LaunchConfig:
         return LaunchConfig(command=["python", "train.py"], nprocs=4, **overrides)
 
-    assert file_cadence(config(), members=4) == 1  # the default: every step
+    assert file_cadence(config(), members=4) == 10  # the default: every 10th step
+    assert file_cadence(config(slices=2), members=4) == 1
     # Every process holds the whole state, re-formed in place: the cadence asked for.
     assert file_cadence(config(replica_file_every=10), members=4) == 10
     assert file_cadence(config(replica_file_every=10, slices=2), members=4) == 1  # sharded over a slice of 2

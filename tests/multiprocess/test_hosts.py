@@ -82,11 +82,13 @@ def service_run(
     min_nprocs: int | None = None,
     replica_dirs: Path | None = None,
     nprocs: int = NPROCS,
+    file_every: int | None = None,
 ) -> Iterator[ServiceRun]:
     """Start ``elastic-runtime controller`` in the root namespace (secret from a token file) and one worker on
     each of the first ``nprocs`` hosts; the controller is killed on the way out if it still runs. With
     ``replica_dirs`` host K's workers keep their replica files in ``replica_dirs/hostK`` (a folder that
-    outlives them, as a host's disk would), not in their own ``/dev/shm``."""
+    outlives them, as a host's disk would), not in their own ``/dev/shm``; ``file_every``: the controller's
+    ``--replica-file-every``."""
     secret = os.urandom(32).hex()
     token = tmp_path / "token"
     token.write_text(secret)
@@ -99,6 +101,7 @@ def service_run(
     command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", address]
     command += ["--nprocs", str(nprocs), "--steps", str(STEPS)]
     command += [] if min_nprocs is None else ["--min-nprocs", str(min_nprocs)]
+    command += [] if file_every is None else ["--replica-file-every", str(file_every)]
     command += ["--run-dir", str(run_dir), "--coordinator-ports", f"{low}-{low + 20}"]
     with open(tmp_path / "controller.log", "wb") as log:
         controller = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=log)
@@ -204,7 +207,10 @@ def test_a_worker_cut_off_from_the_controller_alone_stops_in_its_lease_and_its_l
     lease_s = 2.0 * 0.75  # --heartbeat-timeout's default x the controller's lease share
     with (
         SimulatedHosts(NPROCS) as hosts,
-        service_run(hosts, tmp_path, step_delay_s=0.5, min_nprocs=NPROCS - 1, replica_dirs=replicas) as run,
+        # A file of every step: the cut-off worker's own newest file, read at step 5, is copied for its late write.
+        service_run(
+            hosts, tmp_path, step_delay_s=0.5, min_nprocs=NPROCS - 1, replica_dirs=replicas, file_every=1
+        ) as run,
     ):
         controller, run_dir, worker_env, worker = run.controller, run.run_dir, run.worker_env, run.worker
 

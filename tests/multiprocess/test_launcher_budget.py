@@ -154,8 +154,8 @@ def launch(run_dir: Path, *extra: str, step_delay_s: float = 0.0) -> subprocess.
 
 @pytest.mark.parametrize("every", [1, 10], ids=["file-every-step", "file-every-10"])
 def test_kill_9_of_the_controller_then_resume_continues_bitwise(tmp_path: Path, reference: Path, every: int) -> None:
-    # Every worker is lost with its controller: the run resumes from their replica files, of every step (the
-    # default) or of every 10th (``--replica-file-every 10``).
+    # Every worker is lost with its controller: the run resumes from their replica files, of every step or of
+    # every 10th (``--replica-file-every 10``, the default).
     controller = launch(tmp_path, "--replica-file-every", str(every), step_delay_s=0.15)
     wait_for_step(tmp_path, controller, 10 if every == 1 else 13)  # 13: the file of step 10 is surely written
     pids = worker_pids(tmp_path)

@@ -220,6 +220,22 @@ def test_a_deadlocked_step_is_detected_as_a_hang(tmp_path: Path, reference: Path
     assert_same_final_state(tmp_path, reference)
 
 
+def test_every_member_hung_restores_the_newest_committed_step_from_sparse_replica_files(
+    tmp_path: Path, reference: Path
+) -> None:
+    # Every member's step 12 blocks: each is judged hung and replaced, and the new group can only restore from the
+    # replica files, which the default cadence writes every 10th step. A step running half the hang timeout got
+    # the step before it (11) written: the group goes on from 11, not from 10.
+    faults = ",".join(f"hang:{process}@12" for process in range(NPROCS))
+    result, events = run(tmp_path, faults=parse_faults(faults), hang_timeout_s=2.0)
+    assert result.ok and result.step == STEPS
+    assert len({e.worker for e in events if isinstance(e, WorkerHung)}) == NPROCS  # worker ids, not process ids
+    restored = [e for e in events if isinstance(e, StateRestored)]
+    assert restored and restored[0].step == 11, restored
+    assert_no_committed_step_lost(events)
+    assert_same_final_state(tmp_path, reference)
+
+
 def test_an_ordinary_elastic_runtime_script_runs_under_the_launcher(tmp_path: Path, reference: Path) -> None:
     # examples/multiprocess_train.py is a single-process ElasticRuntime script; launched, each process is a
     # worker. Same model and data as the reference, so the result is bitwise the same, kill included.

@@ -142,6 +142,7 @@ async def send_form(controller: Controller, form: SendForm) -> None:
             durable_dir=controller.config.durable_dir or "",
             durable_every=controller.config.durable_every,
             file_every=file_cadence(controller.config, len(members)),
+            file_after_s=controller.config.hang_timeout_s / 2,  # written before the hang verdict
             neighbour_replicas=controller.config.neighbour_replicas,
             fences=dict(controller.group.fences),
             programs=controller.programs,

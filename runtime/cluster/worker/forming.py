@@ -117,6 +117,7 @@ def form_group(worker: Worker, form: Form) -> None:
     # The replica file's cadence (every step unless the controller judged the state held elsewhere), and the
     # durable tier's. A durable step always gets its file too (``training.train``).
     worker.ledger.policies = {"file": EveryN(max(1, form.file_every))}
+    worker.file_after_s = form.file_after_s
     if form.durable_every > 0:
         worker.ledger.policies["durable"] = EveryN(form.durable_every)
     worker.owned = writes(worker.template, worker.state_shardings, form.slice_size)

@@ -108,6 +108,7 @@ class Worker:
         self.step_time_s: float | None = None
         self.loss: float | None = None  # of the newest committed step
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
+        self.file_after_s = 0.0  # a step running this long gets the RAM replica's file (Form.file_after_s)
         # With neighbour replicas: the previous process's shards of the same step, and the permute that moves them.
         self.neighbour: HostSnapshot | None = None
         self.shift: NeighbourShift | None = None

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import queue
+import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -61,6 +63,7 @@ def await_step(
     the future does, for the log (default: the next step)."""
     what = what or f"step {worker.step + 1}"
     lapsed = False
+    long_after = time.monotonic() + worker.file_after_s if users_code and worker.file_after_s > 0 else math.inf
     while True:
         try:
             return future.result(timeout=0.02)
@@ -68,6 +71,9 @@ def await_step(
             if not worker.link.leased() and not lapsed:
                 lapsed = True  # a step blocked in a collective cannot be stopped; its replica is not written
                 log.warning("worker %d: no lease from the controller during step %d", worker.worker, worker.step + 1)
+            elif time.monotonic() >= long_after:
+                long_after = math.inf
+                _write_held_step(worker)
             if worker.link.inbox.empty() or defer_head(worker):
                 continue
         except Exception as exc:
@@ -98,6 +104,20 @@ def await_step(
         except Exception as exc:  # failed within the grace: the group re-forms all the same
             exc.__traceback__ = None
             return worker.link.inbox.get()
+
+
+def _write_held_step(worker: Worker) -> None:
+    """A step runs long (``Form.file_after_s``): write the committed step before it to the replica file, if the
+    cadence skipped it. Stuck in a deadlock, every member may be judged hung and replaced; the group then
+    restores from the files, and a sparse cadence would have sent it back up to ``file_every - 1`` steps. The
+    main thread is free, and the step's arrays are whole: only the step thread is blocked."""
+    held = worker.ram
+    if held is None or held.step <= worker.replicas.submitted or not worker.link.leased():
+        return
+    log.info(
+        "worker %d: step %d runs long; writing step %d to its replica file", worker.worker, held.step + 1, held.step
+    )
+    worker.replicas.save(held)
 
 
 def _abandoned_ended(what: str, done: Future[Any]) -> None:
