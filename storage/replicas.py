@@ -144,7 +144,7 @@ class ReplicaFiles:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replica-file")
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
-        self.submitted = -1  # the newest step given to :meth:`save`
+        self.submitted = -1  # the step of the last :meth:`save` (older after a rollback)
         self.skipped: list[str] = []  # what the last :meth:`newest` would not restore, "PATH: why"
         self.unreadable: set[Path] = set()  # replicas that failed verification: never listed again
         self.pinned: list[int] = []  # steps kept beside the newest ones (:meth:`pin`)
@@ -159,7 +159,7 @@ class ReplicaFiles:
         self.wait()
         with self._lock:
             self._pending = self._pool.submit(self._write, snapshot)
-            self.submitted = max(self.submitted, snapshot.step)
+            self.submitted = snapshot.step
 
     def pin(self, step: int) -> None:
         """Keep the replica of ``step`` (once written) beside the ``keep`` newest, until :meth:`committed`

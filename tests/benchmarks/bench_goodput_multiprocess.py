@@ -106,7 +106,11 @@ def run_job(job: str, root: Path, shm: Path, steps: int, fault_every: float, dur
         killed_here = False
         while proc.poll() is None:
             if time.monotonic() >= next_fault and (pids := members(live_events(log))):
-                os.kill(pids[kills % len(pids)], signal.SIGKILL)
+                try:
+                    os.kill(pids[kills % len(pids)], signal.SIGKILL)
+                except ProcessLookupError:  # it exited: the run is ending (or its loss is not in the log yet)
+                    time.sleep(0.05)
+                    continue
                 say(f"{job}: killed a worker at {time.monotonic() - started:.0f} s")
                 kills, killed_here, next_fault = kills + 1, True, next_fault + fault_every
             time.sleep(0.05)

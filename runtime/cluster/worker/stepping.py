@@ -112,7 +112,7 @@ def _write_held_step(worker: Worker) -> None:
     restores from the files, and a sparse cadence would have sent it back up to ``file_every - 1`` steps. The
     main thread is free, and the step's arrays are whole: only the step thread is blocked."""
     held = worker.ram
-    if held is None or held.step <= worker.replicas.submitted or not worker.link.leased():
+    if held is None or held.step == worker.replicas.submitted or not worker.link.leased():
         return
     log.info(
         "worker %d: step %d runs long; writing step %d to its replica file", worker.worker, held.step + 1, held.step
