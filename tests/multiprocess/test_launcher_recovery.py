@@ -225,13 +225,17 @@ def test_every_member_hung_restores_the_newest_committed_step_from_sparse_replic
 ) -> None:
     # Every member's step 12 blocks: each is judged hung and replaced, and the new group can only restore from the
     # replica files, which the default cadence writes every 10th step. A step running half the hang timeout got
-    # the step before it (11) written: the group goes on from 11, not from 10.
+    # the step before it (11) written: the group goes on from 11, not from 10. (The every-member deadlock that
+    # test_a_deadlocked_step_is_detected_as_a_hang may or may not reach, made certain.)
     faults = ",".join(f"hang:{process}@12" for process in range(NPROCS))
     result, events = run(tmp_path, faults=parse_faults(faults), hang_timeout_s=2.0)
     assert result.ok and result.step == STEPS
-    assert len({e.worker for e in events if isinstance(e, WorkerHung)}) == NPROCS  # worker ids, not process ids
+    hung = {e.worker for e in events if isinstance(e, WorkerHung)}  # worker ids, not process ids
     restored = [e for e in events if isinstance(e, StateRestored)]
-    assert restored and restored[0].step == 11, restored
+    # Their last progress was the same step: all are judged hung together, and the new group has only the files
+    # (with the write switched off it restored 10 from them). On a loaded machine one might be re-formed first
+    # instead, holding step 11 in memory. Either way: 11.
+    assert restored and restored[0].step == 11, (hung, restored)
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)
 
