@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from launch_support import lose_after_durable
 
 from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.eventlog import read_events
-from runtime.core.events import CheckpointCommitted, GroupFormed, StepCompleted
+from runtime.core.events import GroupFormed, StepCompleted
 from runtime.faults.grammar import Fault
 from runtime.testing.compare import compare_states
 from storage.disk import DiskTier
@@ -38,9 +39,7 @@ def run(
     after_durable: bool = False,
     **extra: Any,
 ) -> tuple[Any, list[Any]]:
-    """Run the job; ``kill`` is killed at step 10, or with ``after_durable`` once a durable step is committed
-    and the group is 2 steps past it (the workers write the durable tier in the background: on a loaded
-    machine step 10 can come before any durable step is whole)."""
+    """Run the job; ``kill`` is killed at step 10, or with ``after_durable`` as ``lose_after_durable`` says."""
     log = tmp_path / f"{name}.traces.jsonl"
     controller = group_controller(
         processes=4,
@@ -55,19 +54,7 @@ def run(
     if wipe:  # the lost worker's replica files go with it: its shards (keys included) come from elsewhere
         wipe_lost_replicas(controller)
     if kill is not None and after_durable:
-        committed: list[int] = []
-        killed: list[int] = []
-
-        async def note(event: CheckpointCommitted, ctx: Any) -> None:
-            committed.append(event.step or 0)
-
-        async def lose(event: StepCompleted, ctx: Any) -> None:
-            if committed and (event.step or 0) >= committed[0] + 2 and not killed:
-                killed.append(event.step or 0)
-                ctx.signal(ctx.members[kill], "KILL", "test: its host is lost")
-
-        controller.bus.subscribe(CheckpointCommitted, note)
-        controller.bus.subscribe(StepCompleted, lose)
+        lose_after_durable(controller, kill)
     result = controller.run()
     return result, [json.loads(line) for line in log.read_text().splitlines()]
 

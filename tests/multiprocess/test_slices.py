@@ -12,10 +12,10 @@ from typing import Any
 
 import jax
 import pytest
+from launch_support import lose_after_durable
 
 from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, run_group, wipe_lost_replicas
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
-from runtime.core.events import CheckpointCommitted, StepCompleted
 from runtime.faults.grammar import Fault, parse_faults
 from runtime.testing.compare import compare_states
 from runtime.testing.demo_model import init_state
@@ -112,22 +112,7 @@ def test_with_neighbour_replicas_a_lost_host_shards_come_from_its_neighbour_not_
             neighbour_replicas=True,
             extra_env={ENV_STEP_DELAY_S: "0.3"},  # uploads to the emulator take a few steps
         )
-        committed: list[int] = []
-        killed: list[int] = []
-
-        async def note(event: CheckpointCommitted, ctx: Any) -> None:
-            committed.append(event.step)
-
-        async def lose_process_0(event: StepCompleted, ctx: Any) -> None:
-            # Once GCS holds a step to go back to, and the group is 2 steps past it (at the commit itself the
-            # processes' newest steps, and their neighbours' copies, may differ by one; the group then goes back
-            # to the durable step), process 0's host is lost: its RAM and /dev/shm with it.
-            if committed and (event.step or 0) >= committed[0] + 2 and not killed:
-                killed.append(event.step or 0)
-                ctx.signal(ctx.members[0], "KILL", "test: its host is lost")
-
-        controller.bus.subscribe(CheckpointCommitted, note)
-        controller.bus.subscribe(StepCompleted, lose_process_0)
+        committed = lose_after_durable(controller, 0)  # process 0's host: its RAM and /dev/shm with it
         wipe_lost_replicas(controller)
         result = controller.run()
     assert result.ok and result.step == STEPS, result.reason

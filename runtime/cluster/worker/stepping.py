@@ -71,7 +71,7 @@ def await_step(
             if not worker.link.leased() and not lapsed:
                 lapsed = True  # a step blocked in a collective cannot be stopped; its replica is not written
                 log.warning("worker %d: no lease from the controller during step %d", worker.worker, worker.step + 1)
-            elif time.monotonic() >= long_after:
+            if time.monotonic() >= long_after:
                 long_after = math.inf
                 _write_held_step(worker)
             if worker.link.inbox.empty() or defer_head(worker):
