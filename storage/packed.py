@@ -27,6 +27,7 @@ LAYOUT = "packed"
 FILE = "state.bin"
 _ALIGN = 64
 _ZEROS = bytes(_ALIGN)
+_FLUSH_BYTES = 64 << 20
 
 
 def _padding(offset: int) -> int:
@@ -34,24 +35,44 @@ def _padding(offset: int) -> int:
 
 
 def write_tree(directory: Path, tree: Any, *, sync: bool) -> list[FileEntry]:
-    """Write the leaves of ``tree`` into ``directory/state.bin`` (fsynced if ``sync``); returns its manifest entry."""
+    """Write the leaves of ``tree`` into ``directory/state.bin`` (fsynced if ``sync``); returns its manifest entry.
+
+    With ``sync``, every ``_FLUSH_BYTES`` are synced and dropped from the page cache as the write goes: a worker's
+    dirty pages are charged to its memory cgroup, and reclaim at the cgroup's limit waits on their writeback (a
+    worker of a state near its limit stalled 50 s, past the heartbeat timeout). Synced in pieces, the write also
+    took 0.6 s for 800 MB where one fsync at the end took 2.3-7 s (``/tmp``, this machine)."""
     crc = 0
     size = 0
+    unsynced = 0
     fd = os.open(directory / FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb", closefd=False) as out:
             for leaf in jax.tree.leaves(tree):
                 pad = _ZEROS[: _padding(size)]
-                data = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
                 out.write(pad)
-                out.write(data.data)
-                crc = mf.crc32c(data, mf.crc32c(pad, crc))
-                size += len(pad) + data.size
+                crc = mf.crc32c(pad, crc)
+                size += len(pad)
+                data = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)
+                for start in range(0, data.size, _FLUSH_BYTES):
+                    piece = data[start : start + _FLUSH_BYTES]
+                    out.write(piece.data)
+                    crc = mf.crc32c(piece, crc)
+                    size += piece.size
+                    unsynced += piece.size
+                    if sync and unsynced >= _FLUSH_BYTES:
+                        out.flush()
+                        _sync_and_drop(fd)
+                        unsynced = 0
         if sync:
-            os.fsync(fd)
+            _sync_and_drop(fd)
     finally:
         os.close(fd)
     return [FileEntry(path=FILE, size=size, crc32c=int(crc))]
+
+
+def _sync_and_drop(fd: int) -> None:
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean now: dropping them frees the writer's cgroup
 
 
 def read_arrays(directory: Path, manifest: Manifest) -> dict[tuple[KeyPart, ...], np.ndarray]:
@@ -76,6 +97,7 @@ def read_arrays(directory: Path, manifest: Manifest) -> dict[tuple[KeyPart, ...]
             size = 0
             while size < data.size and (n := f.readinto(data.data[size:])):
                 size += n
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # a second copy, charged to the reader
     except OSError as exc:
         raise invalid(f"cannot be read ({exc})") from exc
     # The reasons are the Orbax layout's (``check_entry``): a size apart, or a CRC32C apart.

@@ -15,6 +15,7 @@ from tests_storage_helpers import snapshot
 
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from storage import manifest as mf
+from storage import packed as packed_layout
 from storage.disk import DiskTier
 from storage.gcs import GcsTier
 from storage.tier import CheckpointTier
@@ -30,12 +31,17 @@ def same(a: object, b: object) -> None:
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.fixture(params=["disk", "gcs", "shm"])
-def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[CheckpointTier, Corrupt]]:
-    if request.param in ("disk", "shm"):
+@pytest.fixture(params=["disk", "gcs", "shm", "packed-on-disk"])
+def tier(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[CheckpointTier, Corrupt]]:
+    if request.param != "gcs":
         # shm: the /dev/shm mirror's tier, every array in one file (storage.packed), nothing fsynced.
-        shm = request.param == "shm"
-        disk = DiskTier(tmp_path / "ckpt", name=request.param, packed=shm, sync=not shm)
+        # packed-on-disk: replica files on a disk, synced and dropped from the page cache every few bytes here (every
+        # 64 MiB in use), so that a leaf is written in pieces.
+        packed, sync = request.param != "disk", request.param != "shm"
+        monkeypatch.setattr(packed_layout, "_FLUSH_BYTES", 100)
+        disk = DiskTier(tmp_path / "ckpt", name=request.param, packed=packed, sync=sync)
 
         def corrupt_disk(step: int, rel: str, how: Callable[[bytes], bytes]) -> None:
             path = disk.path_of(step) / rel
