@@ -4,18 +4,17 @@ A host snapshot is a tree of numpy arrays, and the layout ``PyTreeCheckpointHand
 use_compression=False)`` gives it is simple: per array a zarr v2 directory named by its key path joined with
 dots, holding ``.zarray`` and one chunk file with the array's raw C-order bytes; ``_METADATA`` lists the tree;
 ``_CHECKPOINT_METADATA`` says which handler reads it. Writing those files ourselves costs one sequential write
-per array and one concurrent round of fsyncs (no event loop, no temporary directory, no per-chunk locks), and
-the CRC32C of each file comes from the array in memory rather than from reading the file back. Plain
-``orbax.checkpoint`` restores the result (a test compares it with what the installed Orbax writes). Trees this
-writer does not cover (exotic dtypes, empty arrays, keys with dots or slashes) go through Orbax itself.
+per array and a concurrent round of fsyncs every 64 MiB (``storage.pagecache``; no event loop, no temporary
+directory, no per-chunk locks), and the CRC32C of each file comes from the array in memory rather than from
+reading the file back. Plain ``orbax.checkpoint`` restores the result (a test compares it with what the
+installed Orbax writes). Trees this writer does not cover (exotic dtypes, empty arrays, keys with dots or
+slashes) go through Orbax itself.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,9 @@ import numpy as np
 from runtime.compat import orbax as orbax_compat
 from storage import manifest as mf
 from storage.manifest import FileEntry, KeyPart, key_of
+from storage.pagecache import SyncedFiles
 
 PyTree = Any
-_WRITE_CHUNK = 64 << 20
 # Dtypes whose zarr v2 spelling is numpy's own type string; JAX's extra types are spelled by name.
 _PLAIN_KINDS = frozenset("biufc")
 _NAMED = frozenset({"bfloat16"})
@@ -62,42 +61,6 @@ def covers(tree: PyTree) -> bool:
 def array_dirname(key: tuple[KeyPart, ...]) -> str:
     """Orbax names an array's directory by its key path joined with dots."""
     return ".".join(str(k) for k in key)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    at = 0
-    while at < len(data):
-        at += os.write(fd, data[at : at + _WRITE_CHUNK])
-
-
-def _write_file(path: Path, data: bytes | memoryview) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        _write_all(fd, memoryview(data))
-    finally:
-        os.close(fd)
-    return len(data)
-
-
-def fsync_all(paths: list[Path], *, workers: int = 16) -> None:
-    """fsync files and directories concurrently.
-
-    One after another, each fsync waits for its own journal commit (hundreds of arrays would cost seconds);
-    issued together, the file system folds them into a few group commits.
-    """
-
-    def sync(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    if not paths:
-        return
-    with ThreadPoolExecutor(max_workers=min(workers, len(paths)), thread_name_prefix="fsync") as pool:
-        for future in [pool.submit(sync, p) for p in paths]:
-            future.result()
 
 
 _COMMIT_NAME = "commit_success.txt"
@@ -191,10 +154,11 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path, sync: bool = True) 
     """
     state_dir.mkdir()
     entries: list[FileEntry] = []
-    written: list[Path] = [state_dir.parent, state_dir]
+    files = SyncedFiles(sync=sync)
+    directories: list[Path] = [state_dir.parent, state_dir]
 
-    def add(path: Path, size: int, crc: int) -> None:
-        written.append(path)
+    def add(path: Path, data: bytes | memoryview, crc: int) -> None:
+        size = files.write_file(path, data)
         entries.append(FileEntry(path=path.relative_to(root).as_posix(), size=size, crc32c=crc))
 
     tree_metadata: dict[str, Any] = {}
@@ -205,15 +169,14 @@ def write_tree(state_dir: Path, tree: PyTree, *, root: Path, sync: bool = True) 
         directory = state_dir / array_dirname(key)
         directory.mkdir()
         meta = zarray(array.shape, array.shape, array.dtype)
-        add(directory / ".zarray", _write_file(directory / ".zarray", meta), mf.crc32c(meta))
+        add(directory / ".zarray", meta, mf.crc32c(meta))
         chunk = directory / (".".join("0" for _ in array.shape) or "0")
         crc = mf.crc32c(array)
-        add(chunk, _write_file(chunk, memoryview(array.reshape(-1).view(np.uint8).data)), crc)
-        written.append(directory)
+        add(chunk, array.reshape(-1).view(np.uint8).data, crc)
+        directories.append(directory)
         name, node = array_entry(key)
         tree_metadata[name] = node
     for name, data in metadata_files(tree, tree_metadata, state_dir):
-        add(state_dir / name, _write_file(state_dir / name, data), mf.crc32c(data))
-    if sync:  # every file and every directory entry is durable before the manifest is written
-        fsync_all(written)
+        add(state_dir / name, data, mf.crc32c(data))
+    files.finish(directories)  # every file and every directory entry is durable before the manifest is written
     return entries

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ from storage.checked_read import LAYOUT, STATE_DIR
 from storage.disk import DiskTier, write_manifest
 from storage.gcs import GcsTier
 from storage.manifest import FileEntry, LeafEntry, Manifest
+from storage.pagecache import SyncedFiles
 from storage.shards import Box, _dtype, local_box, per_leaf
 
 __all__ = ["ShardedStore", "manifest_of", "read_local", "write_part", "writes"]
@@ -84,18 +84,11 @@ def write_part(
     state_dir = step_dir / STATE_DIR
     state_dir.mkdir(parents=True, exist_ok=True)
     entries: list[FileEntry] = []
-    written: list[Path] = []
+    files = SyncedFiles(sync=True)
+    directories: list[Path] = []
 
     def write(path: Path, data: bytes | memoryview, crc: int) -> None:
-        view = memoryview(data)
-        size = view.nbytes
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        written.append(path)
+        size = files.write_file(path, data, replace=True)
         entries.append(FileEntry(path=path.relative_to(step_dir).as_posix(), size=size, crc32c=crc))
 
     def write_bytes(path: Path, data: bytes) -> None:
@@ -120,11 +113,11 @@ def write_part(
             chunk = ".".join(str(b.start // c) for b, c in zip(box, chunks, strict=True)) or "0"
             # The chunk's CRC32C from the array in memory, without a copy of its bytes.
             write(directory / chunk, array.reshape(-1).view(np.uint8).data, mf.crc32c(array))
-        written.append(directory)
+        directories.append(directory)
     if lead:
         for name, data in orbax_layout.metadata_files(template, tree_metadata, state_dir):
             write_bytes(state_dir / name, data)
-    orbax_layout.fsync_all([*written, state_dir, step_dir])
+    files.finish([*directories, state_dir, step_dir])
     return entries
 
 

@@ -15,7 +15,7 @@ from tests_storage_helpers import snapshot
 
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from storage import manifest as mf
-from storage import packed as packed_layout
+from storage import pagecache
 from storage.disk import DiskTier
 from storage.gcs import GcsTier
 from storage.tier import CheckpointTier
@@ -37,10 +37,10 @@ def tier(
 ) -> Iterator[tuple[CheckpointTier, Corrupt]]:
     if request.param != "gcs":
         # shm: the /dev/shm mirror's tier, every array in one file (storage.packed), nothing fsynced.
-        # packed-on-disk: replica files on a disk, synced and dropped from the page cache every few bytes here (every
-        # 64 MiB in use), so that a leaf is written in pieces.
+        # packed-on-disk: replica files on a disk. Files are synced and dropped from the page cache every 100 bytes
+        # here (64 MiB in use), so that a leaf's file is written in pieces.
         packed, sync = request.param != "disk", request.param != "shm"
-        monkeypatch.setattr(packed_layout, "_FLUSH_BYTES", 100)
+        monkeypatch.setattr(pagecache, "FLUSH_BYTES", 100)
         disk = DiskTier(tmp_path / "ckpt", name=request.param, packed=packed, sync=sync)
 
         def corrupt_disk(step: int, rel: str, how: Callable[[bytes], bytes]) -> None:

@@ -116,8 +116,18 @@ def test_a_state_larger_than_each_worker_memory_limit_trains_loses_a_worker_and_
                 env.setenv(name, value)
             # Recovered by restarting every worker: re-formed in place, a survivor's step blocked in a collective
             # with the dead peer is abandoned still holding its input and output shards (two more copies of them).
+            # A 10 s heartbeat timeout: what this test watches is memory, and a loaded machine has stalled a worker
+            # here for 1.3 s; a stall in reclaim (above) lasted 50-270 s and would still be a second loss.
             result = launch(
-                tmp_path, "run", init="jit", mb=STATE_MB, slices=1, kill=1, steps=6, strategy=Strategy.RESTART
+                tmp_path,
+                "run",
+                init="jit",
+                mb=STATE_MB,
+                slices=1,
+                kill=1,
+                steps=6,
+                strategy=Strategy.RESTART,
+                heartbeat_timeout_s=10.0,
             )
         usage = confinement.usage()
     finally:
