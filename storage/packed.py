@@ -74,7 +74,6 @@ def read_arrays(directory: Path, manifest: Manifest) -> dict[tuple[KeyPart, ...]
             size = 0
             while size < data.size and (n := f.readinto(data.data[size:])):
                 size += n
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # a second copy, charged to the reader
     except OSError as exc:
         raise invalid(f"cannot be read ({exc})") from exc
     # The reasons are the Orbax layout's (``check_entry``): a size apart, or a CRC32C apart.

@@ -37,10 +37,11 @@ def tier(
 ) -> Iterator[tuple[CheckpointTier, Corrupt]]:
     if request.param != "gcs":
         # shm: the /dev/shm mirror's tier, every array in one file (storage.packed), nothing fsynced.
-        # packed-on-disk: replica files on a disk. Files are synced and dropped from the page cache every 100 bytes
-        # here (64 MiB in use), so that a leaf's file is written in pieces.
+        # packed-on-disk: replica files on a disk. What is written is synced every 300 bytes here, in pieces of
+        # 100 (256 and 64 MiB in use, storage/pagecache.py), so that a leaf's file is written in pieces.
         packed, sync = request.param != "disk", request.param != "shm"
-        monkeypatch.setattr(pagecache, "FLUSH_BYTES", 100)
+        monkeypatch.setattr(pagecache, "PIECE_BYTES", 100)
+        monkeypatch.setattr(pagecache, "FLUSH_BYTES", 300)
         disk = DiskTier(tmp_path / "ckpt", name=request.param, packed=packed, sync=sync)
 
         def corrupt_disk(step: int, rel: str, how: Callable[[bytes], bytes]) -> None:

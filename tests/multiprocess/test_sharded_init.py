@@ -98,9 +98,9 @@ def test_init_under_jit_and_a_host_init_give_bitwise_equal_runs_under_launch_wit
 STATE_MB = 3072  # a worker: its fixed ~300 MB, its shards (a quarter) and 2 copies of them, below 0.95 of this
 LIMIT_OF_STATE = float(os.environ.get("ELASTIC_TEST_LIMIT_OF_STATE", "0.95"))  # each worker's hard limit / the state
 # The replica files are on disk (``launch``'s replica_dir): in /dev/shm their pages would be charged to the writer's
-# cgroup and never reclaimed (no swap), S / P more per file. On disk the writer syncs and drops its pages every
-# 64 MiB (``storage.packed.write_tree``): when a whole file's dirty pages were left to the kernel, a worker at its
-# limit stalled in reclaim for 50-270 s (past the heartbeat timeout: a second re-forming), every cgroup at its limit.
+# cgroup and never reclaimed (no swap), S / P more per file. On disk the writer syncs what it wrote every 256 MiB
+# (``storage/pagecache.py``): when a whole file's dirty pages were left to the kernel, a worker at its limit stalled
+# in reclaim for 50-270 s (past the heartbeat timeout: a second re-forming).
 
 
 @pytest.mark.timeout(900)
