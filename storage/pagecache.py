@@ -30,7 +30,7 @@ def _load_sync_file_range() -> Callable[[int], None]:
     if function is None:
         return lambda fd: None
     function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return lambda fd: function(fd, 0, 0, 2)
+    return lambda fd: function(fd, 0, 0, 2)  # advisory: the syncs that follow report any write error
 
 
 start_writeback = _load_sync_file_range()
