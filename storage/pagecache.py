@@ -11,7 +11,6 @@ Clean pages stay in the page cache (reclaimed cheaply; a restore on the same hos
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ def _load_sync_file_range() -> Callable[[int], None]:
     """``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)``: start the writeback of a file's dirty pages without
     waiting for it, and without dropping them from the page cache (Linux; elsewhere a no-op: the syncs every
     ``FLUSH_BYTES`` still bound the dirty pages)."""
-    function = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), "sync_file_range", None)
+    function = getattr(ctypes.CDLL(None), "sync_file_range", None)  # the process's own symbols: libc's among them
     if function is None:
         return lambda fd: None
     function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
