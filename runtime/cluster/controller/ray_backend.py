@@ -343,8 +343,12 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-_HEAD_ATTEMPTS = 3
-_SLOW_HEAD = ("timed out during startup", "Timed out waiting for file")  # Ray's words for the two
+_START_ATTEMPTS = 3
+_SLOW_START = ("timed out during startup", "Timed out waiting for file")  # Ray's words for the two
+
+
+def _slow_start(exc: Exception) -> bool:
+    return any(slow in str(exc) for slow in _SLOW_START)
 
 
 @contextlib.contextmanager
@@ -359,7 +363,7 @@ def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
     _keep_loopback()
     from ray.cluster_utils import Cluster
 
-    for attempt in range(1, _HEAD_ATTEMPTS + 1):
+    for attempt in range(1, _START_ATTEMPTS + 1):
         try:
             cluster = Cluster(
                 initialize_head=True,
@@ -375,7 +379,7 @@ def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
             # Ray gives its head's raylet 30 s to register, and its GCS server 30 s to write its port's file; on
             # a busy machine each once did not (the whole suite on 2 cores). Tried again, on new ports; the
             # last failure is raised.
-            if not any(slow in str(exc) for slow in _SLOW_HEAD) or attempt == _HEAD_ATTEMPTS:
+            if not _slow_start(exc) or attempt == _START_ATTEMPTS:
                 raise
             log.warning("the Ray head did not start (attempt %d): %s; trying again", attempt, exc)
     try:
@@ -387,8 +391,18 @@ def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
 
 
 def add_node(cluster: Any, *, cpus: int = 1) -> Any:
-    """Add a worker node to a :func:`local_cluster` (127.0.0.1, ``cpus`` CPUs, a 100 MB object store)."""
-    return cluster.add_node(num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES, node_ip_address="127.0.0.1")
+    """Add a worker node to a :func:`local_cluster` (127.0.0.1, ``cpus`` CPUs, a 100 MB object store). A node
+    whose raylet did not register within Ray's 30 s (a busy machine: once in the whole suite on 2 cores) is
+    started again, as the head is; the last failure is raised."""
+    attempt = 1
+    while True:
+        try:
+            return cluster.add_node(num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES, node_ip_address="127.0.0.1")
+        except Exception as exc:
+            if not _slow_start(exc) or attempt == _START_ATTEMPTS:
+                raise
+            log.warning("a Ray node did not start (attempt %d): %s; trying again", attempt, exc)
+            attempt += 1
 
 
 @contextlib.contextmanager
