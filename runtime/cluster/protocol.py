@@ -34,6 +34,7 @@ __all__ = [
     "ENV_METADATA_HOST",
     "ENV_REPLICA_DIR",
     "ENV_RESULT",
+    "ENV_RETURN_FREED_MEMORY",
     "ENV_RUN_ID",
     "ENV_STEP_DELAY_S",
     "ENV_WORKER",
@@ -84,6 +85,8 @@ ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room t
 ENV_GRACE_S = "ELASTIC_GRACE_S"
 # "0": trace and compile every program again at each re-forming (runtime/core/programs.py; for comparisons)
 ENV_KEEP_PROGRAMS = "ELASTIC_KEEP_PROGRAMS"
+# "0": leave glibc's malloc as it is (runtime/core/memory.py): faster steps on CPU devices, more resident memory
+ENV_RETURN_FREED_MEMORY = "ELASTIC_RETURN_FREED_MEMORY"
 
 # The exit code of a worker that stops before the run is over: its place was taken (judged lost, or every worker
 # replaced by the restart strategy), its controller is gone, or it left as it asked (SIGTERM) and the cluster is

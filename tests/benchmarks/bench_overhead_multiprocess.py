@@ -12,7 +12,9 @@ and number of processes:
 - ``defaults``: the demo job under ``elastic-runtime launch`` (the Controller API, fault-free) with every
   default (a RAM replica of each step, a replica file of every 10th, heartbeats);
 - ``files_every_step``: the same with a replica file of every step (``replica_file_every=1``, the default
-  before 2026-12-03).
+  before 2026-12-03);
+- ``malloc_kept``: the defaults with ``ELASTIC_RETURN_FREED_MEMORY=0`` in the workers' environment (glibc's
+  malloc left as it is: ``runtime/core/memory.py``).
 
 A contender's step time is its mean step after the warm-up, from the warm-up's last step to the run's last
 (the runtime's: its committed steps in the event log; the bare loop's: its process 0's steps; not the median
@@ -43,7 +45,13 @@ from runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN, group_
 from runtime.core.eventlog import read_events
 from runtime.core.events import StepCompleted
 
-CONTENDERS = ("bare", "defaults", "files_every_step")
+CONTENDERS = ("bare", "defaults", "files_every_step", "malloc_kept")
+# What each runtime contender changes in the launch config.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "files_every_step": {"replica_file_every": 1},
+    "malloc_kept": {"extra_env": {"ELASTIC_RETURN_FREED_MEMORY": "0"}},
+}
 _STARTED = time.monotonic()
 
 
@@ -120,8 +128,7 @@ def run_bare(nprocs: int, steps: int, size: tuple[int, int], log: Path) -> list[
     return [float(t) for t in json.loads(line[len("TIMES ") :])]
 
 
-def run_runtime(root: Path, nprocs: int, steps: int, size: tuple[int, int], file_every_step: bool) -> list[float]:
-    extra: dict[str, Any] = {"replica_file_every": 1} if file_every_step else {}
+def run_runtime(root: Path, nprocs: int, steps: int, size: tuple[int, int], extra: dict[str, Any]) -> list[float]:
     command = worker_command(steps, features=size[0], hidden=size[1])
     # Wider timeouts than the defaults: a 256 MB step on 2 busy cores is no hang (no fault is injected here).
     timeouts = {"heartbeat_timeout_s": 60.0, "hang_timeout_s": 120.0, "spawn_timeout_s": 300.0}
@@ -151,7 +158,7 @@ def measure(
             if contender == "bare":
                 times = run_bare(nprocs, steps, size, run_dir / "bare.log")
             else:
-                times = run_runtime(run_dir, nprocs, steps, size, file_every_step=contender == "files_every_step")
+                times = run_runtime(run_dir, nprocs, steps, size, CONFIGS[contender])
             samples[contender].append(step_time(times, warmup))
             shutil.rmtree(run_dir, ignore_errors=True)  # replica files and the final state of 256 MB runs
             say(f"{label} repeat {repeat + 1}/{repeats} {contender}: {samples[contender][-1] * 1000:.2f} ms/step")

@@ -81,7 +81,8 @@ class Worker:
     ) -> None:
         # The job as it runs: typed PRNG keys in its state held as key data (runtime.core.keys).
         self.job, self.keys = with_key_data(job)
-        return_freed_memory()
+        if settings.return_freed_memory:
+            return_freed_memory()
         # The training script's own handlers, run at step boundaries (runtime/cluster/worker/handlers.py).
         self.script = script
         if script is not None:

@@ -27,6 +27,7 @@ from runtime.cluster.protocol import (
     ENV_METADATA_HOST,
     ENV_REPLICA_DIR,
     ENV_RESULT,
+    ENV_RETURN_FREED_MEMORY,
     ENV_RUN_ID,
     ENV_STEP_DELAY_S,
     ENV_WORKER,
@@ -52,6 +53,7 @@ _VARIABLES = {
     "connect_s": ENV_CONNECT_S,
     "step_delay_s": ENV_STEP_DELAY_S,
     "keep_programs": ENV_KEEP_PROGRAMS,
+    "return_freed_memory": ENV_RETURN_FREED_MEMORY,
     "instance": ENV_INSTANCE,
     "metadata_host": ENV_METADATA_HOST,
     "grace_s": ENV_GRACE_S,
@@ -77,6 +79,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     connect_s: Seconds = 120.0  # how long to try to reach the controller
     step_delay_s: SecondsOrZero = 0.0  # extra sleep per step (tests: room to kill mid-run)
     keep_programs: bool = True  # load compiled programs kept from earlier generations (runtime/core/programs.py)
+    return_freed_memory: bool = True  # glibc maps large blocks apart and returns them (runtime/core/memory.py)
     instance: str = ""  # the instance (host) it runs on; "": found by runtime/cluster/worker/instance.py
     metadata_host: str = ""  # host:port of a metadata server to ask for the instance's name; "": none
     # After SIGTERM/SIGINT, how long to wait for the controller's Stop before exiting unasked (Kubernetes gives

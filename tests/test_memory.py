@@ -1,0 +1,49 @@
+"""``runtime.core.memory.return_freed_memory``: what glibc does with a block once it is told, and the worker setting
+that skips it (``ELASTIC_RETURN_FREED_MEMORY=0``). Each check runs in a process of its own: malloc's settings
+are the whole process's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from runtime.cluster.protocol import ENV_CONTROLLER, ENV_RETURN_FREED_MEMORY, ENV_WORKER
+from runtime.cluster.worker.settings import WorkerSettings
+from runtime.core.errors import ConfigError
+
+# A 4 MiB block freed raises glibc's own threshold past it: a 1 MiB block then comes from the heap, unless the
+# threshold was fixed at 128 KB, which gives it a mapping of its own (returned to the kernel when freed).
+_PROBE = """
+import ctypes, sys
+from runtime.core.memory import return_freed_memory
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+if sys.argv[1] == "told":
+    return_freed_memory()
+libc.free(libc.malloc(4 << 20))
+block = libc.malloc(1 << 20)
+heap = next(line for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]"))
+low, high = (int(x, 16) for x in heap.split()[0].split("-"))
+print("heap" if low <= block < high else "mapped")
+"""
+
+
+def where_a_block_goes(told: bool) -> str:
+    argv = [sys.executable, "-c", _PROBE, "told" if told else "default"]
+    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc/self/maps")
+def test_a_block_once_told_is_mapped_on_its_own_and_by_default_comes_from_the_heap() -> None:
+    assert where_a_block_goes(told=True) == "mapped"
+    assert where_a_block_goes(told=False) == "heap"
+
+
+def test_workers_return_freed_memory_unless_their_environment_says_0() -> None:
+    base = {ENV_CONTROLLER: "127.0.0.1:1", ENV_WORKER: "0"}
+    assert WorkerSettings.from_env(base).return_freed_memory
+    assert not WorkerSettings.from_env(base | {ENV_RETURN_FREED_MEMORY: "0"}).return_freed_memory
+    with pytest.raises(ConfigError, match=ENV_RETURN_FREED_MEMORY):
+        WorkerSettings.from_env(base | {ENV_RETURN_FREED_MEMORY: "sometimes"})
