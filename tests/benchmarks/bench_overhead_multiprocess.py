@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN, group_controller, worker_command
+from runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY
 from runtime.core.eventlog import read_events
 from runtime.core.events import StepCompleted
 
@@ -50,7 +51,7 @@ CONTENDERS = ("bare", "defaults", "files_every_step", "malloc_kept")
 CONFIGS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "files_every_step": {"replica_file_every": 1},
-    "malloc_kept": {"extra_env": {"ELASTIC_RETURN_FREED_MEMORY": "0"}},
+    "malloc_kept": {"extra_env": {ENV_RETURN_FREED_MEMORY: "0"}},
 }
 _STARTED = time.monotonic()
 

@@ -24,10 +24,11 @@ from typing import Any
 from bench_real_recovery import command
 
 from runtime.cli.demo_multiprocess import group_controller
+from runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY
 from runtime.core.eventlog import read_events
 from runtime.core.events import StepCompleted
 
-MODES = {"defaults": {}, "malloc_kept": {"ELASTIC_RETURN_FREED_MEMORY": "0"}}
+MODES = {"defaults": {}, "malloc_kept": {ENV_RETURN_FREED_MEMORY: "0"}}
 
 
 def step_time(model: str, env: dict[str, str], steps: int, warmup: int) -> float:

@@ -31,12 +31,13 @@ import contextlib
 import ipaddress
 import logging
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 from runtime.cluster.auth import ENV_TOKEN, ENV_TOKEN_FILE
 from runtime.cluster.controller import ray_actor
@@ -347,8 +348,26 @@ _START_ATTEMPTS = 3
 _SLOW_START = ("timed out during startup", "Timed out waiting for file")  # Ray's words for the two
 
 
-def _slow_start(exc: Exception) -> bool:
+def _slow_start(exc: BaseException) -> bool:
     return any(slow in str(exc) for slow in _SLOW_START)
+
+
+def _started(what: str, start: Callable[[], Any]) -> Any:
+    """``start()``, tried again when Ray gave up waiting for it: Ray gives a raylet 30 s to register and its GCS
+    server 30 s to write its port's file, and on a busy machine each once did not (the whole suite on 2 cores).
+    Each try is on new ports; the last failure is raised."""
+
+    def again(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        log.warning("%s did not start (attempt %d): %s; trying again", what, state.attempt_number, error)
+
+    retrying = Retrying(
+        stop=stop_after_attempt(_START_ATTEMPTS),
+        retry=retry_if_exception(_slow_start),
+        before_sleep=again,
+        reraise=True,
+    )
+    return retrying(start)
 
 
 @contextlib.contextmanager
@@ -363,25 +382,13 @@ def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
     _keep_loopback()
     from ray.cluster_utils import Cluster
 
-    for attempt in range(1, _START_ATTEMPTS + 1):
-        try:
-            cluster = Cluster(
-                initialize_head=True,
-                head_node_args={
-                    "num_cpus": 0,
-                    "include_dashboard": False,
-                    "object_store_memory": _OBJECT_STORE_BYTES,
-                    "node_ip_address": "127.0.0.1",
-                },
-            )
-            break
-        except Exception as exc:
-            # Ray gives its head's raylet 30 s to register, and its GCS server 30 s to write its port's file; on
-            # a busy machine each once did not (the whole suite on 2 cores). Tried again, on new ports; the
-            # last failure is raised.
-            if not _slow_start(exc) or attempt == _START_ATTEMPTS:
-                raise
-            log.warning("the Ray head did not start (attempt %d): %s; trying again", attempt, exc)
+    head = {
+        "num_cpus": 0,
+        "include_dashboard": False,
+        "object_store_memory": _OBJECT_STORE_BYTES,
+        "node_ip_address": "127.0.0.1",
+    }
+    cluster = _started("the Ray head", lambda: Cluster(initialize_head=True, head_node_args=head))
     try:
         for _ in range(nodes):
             add_node(cluster, cpus=cpus_per_node)
@@ -391,18 +398,12 @@ def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
 
 
 def add_node(cluster: Any, *, cpus: int = 1) -> Any:
-    """Add a worker node to a :func:`local_cluster` (127.0.0.1, ``cpus`` CPUs, a 100 MB object store). A node
-    whose raylet did not register within Ray's 30 s (a busy machine: once in the whole suite on 2 cores) is
-    started again, as the head is; the last failure is raised."""
-    attempt = 1
-    while True:
-        try:
-            return cluster.add_node(num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES, node_ip_address="127.0.0.1")
-        except Exception as exc:
-            if not _slow_start(exc) or attempt == _START_ATTEMPTS:
-                raise
-            log.warning("a Ray node did not start (attempt %d): %s; trying again", attempt, exc)
-            attempt += 1
+    """Add a worker node to a :func:`local_cluster` (127.0.0.1, ``cpus`` CPUs, a 100 MB object store); one Ray
+    gave up waiting for is started again, as the head is."""
+    return _started(
+        "a Ray node",
+        lambda: cluster.add_node(num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES, node_ip_address="127.0.0.1"),
+    )
 
 
 @contextlib.contextmanager
