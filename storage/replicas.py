@@ -95,13 +95,16 @@ def device_replica(
     identity: dict[str, str] | None = None,
     *,
     generation: int | None = None,
+    on_unread: Callable[[PyTree], None] | None = None,
 ) -> HostSnapshot:
     """A replica of ``state`` (jax arrays on the group's devices) whose host copy of this process's boxes
     (:func:`storage.shards.local_copy`; ``like``: their shapes and dtypes) is made on its first read (a restore, a
     durable write, a worker leaving its group), or never for a replica replaced unread; the replica file's writer
     copies the boxes into buffers of its own (:meth:`ReplicaFiles._staged`), off the step's critical path. The
-    compiled step does not donate its input, so ``state`` stays valid while held; it lives on the group's
-    backend, so whoever leaves the group reads the replica first (``runtime.cluster.worker.forming``)."""
+    compiled step does not donate its input, so ``state`` stays valid while held; once the replica is dropped
+    unread, ``on_unread`` gets ``state`` (a later step may write into it: ``runtime.cluster.worker.spares``). It
+    lives on the group's backend, so whoever leaves the group reads the replica first
+    (``runtime.cluster.worker.forming``)."""
     nbytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(like))
     return HostSnapshot(
         step=step,
@@ -111,6 +114,7 @@ def device_replica(
         seconds=0.0,
         metadata=_metadata(identity, generation),
         assemble=local_copy,
+        on_unread=on_unread,
     )
 
 

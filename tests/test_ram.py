@@ -147,7 +147,7 @@ def test_the_fused_step_writes_its_host_copy_into_the_buffers_it_is_given() -> N
     compiler = StepCompiler(job, initial, job.data.batch(0), host_copy=True)
     state = jax.device_put(initial, compiler.state_shardings(mesh))
     batch = jax.device_put(job.data.batch(0), compiler.batch_shardings(mesh))
-    buffers = compiler.host_buffers(mesh)
+    buffers = compiler.fresh_buffers(mesh)
     before = pointers(buffers)
     new_state, _, host = compiler.get(mesh)(state, batch, buffers)
     assert pointers(host) == before  # donated: no new host memory
@@ -169,7 +169,7 @@ def test_what_a_snapshot_on_a_new_mesh_needs_is_compiled_ahead_with_its_step(
     ram.prepare(compiler.state_abstract(mesh))
     state = jax.device_put(job.init(), compiler.state_shardings(mesh))
     compiles.clear()
-    copied = compiler.host_buffers(mesh) if fused else ram.dispatch_copy(state, step=1)
+    copied = compiler.fresh_buffers(mesh) if fused else ram.dispatch_copy(state, step=1)
     assert compiles == []
     assert copied is not None
     assert jax.tree.map(lambda x: x.sharding, copied) == compiler.host_shardings(mesh)
@@ -192,5 +192,5 @@ def test_a_spec_for_a_whole_subtree_gives_each_leaf_its_own_host_layout() -> Non
             assert sharding == host_sharding(NamedSharding(mesh, spec), leaf.shape)
     state = jax.device_put(job.init(), compiler.state_shardings(mesh))
     batch = jax.device_put(job.data.batch(0), compiler.batch_shardings(mesh))
-    new_state, _, copy = compiler.get(mesh)(state, batch, compiler.host_buffers(mesh))
+    new_state, _, copy = compiler.get(mesh)(state, batch, compiler.fresh_buffers(mesh))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(copy), jax.device_get(new_state))

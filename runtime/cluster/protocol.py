@@ -36,6 +36,7 @@ __all__ = [
     "ENV_RESULT",
     "ENV_RETURN_FREED_MEMORY",
     "ENV_RUN_ID",
+    "ENV_SPARE_STATES",
     "ENV_STEP_DELAY_S",
     "ENV_WORKER",
     "EXIT_REPLACE",
@@ -87,6 +88,8 @@ ENV_GRACE_S = "ELASTIC_GRACE_S"
 ENV_KEEP_PROGRAMS = "ELASTIC_KEEP_PROGRAMS"
 # "0": leave glibc's malloc as it is (runtime/core/memory.py): faster steps on CPU devices, more resident memory
 ENV_RETURN_FREED_MEMORY = "ELASTIC_RETURN_FREED_MEMORY"
+# "0": every step's new state in fresh memory, not in a replaced one's (runtime/cluster/worker/spares.py)
+ENV_SPARE_STATES = "ELASTIC_SPARE_STATES"
 
 # The exit code of a worker that stops before the run is over: its place was taken (judged lost, or every worker
 # replaced by the restart strategy), its controller is gone, or it left as it asked (SIGTERM) and the cluster is

@@ -7,7 +7,11 @@ compile is under way waits for that compile instead of starting a second one.
 With ``host_copy`` the compiled step takes a third argument and returns a third output: host-memory arrays
 of the state's layout (``host_shardings``), donated, and the new state written into them (see
 ``runtime.core.snapshot``). The RAM snapshot of every step is then made by XLA inside the step, into the buffers of
-a snapshot that is no longer needed (or fresh ones, ``host_buffers``), so no new host memory is taken.
+a snapshot that is no longer needed (or fresh ones, ``fresh_buffers``), so no new host memory is taken.
+
+With ``into_spare`` the compiled step takes a third argument of the state's own layout, donated, and writes the new
+state into it: a state no one holds any more (the multi-process worker's, ``runtime.cluster.worker.spares``), so
+that a step takes no fresh memory. The state it reads is not donated: a step that fails leaves it whole.
 """
 
 from __future__ import annotations
@@ -55,11 +59,15 @@ class StepCompiler:
         batch_example: PyTree,
         *,
         host_copy: bool = False,
+        into_spare: bool = False,
         programs: ProgramStore | None = None,
         place: Hashable = (),
     ) -> None:
         self.job = job
+        if host_copy and into_spare:
+            raise ValueError("a step writes into host buffers (host_copy) or a spare state (into_spare), not both")
         self.host_copy = host_copy
+        self.into_spare = into_spare
         # Where compiled programs are kept to be loaded on a new backend (runtime.core.programs), keyed by the
         # mesh and ``place`` (under launch: this process's place in the group); None: compiled each time.
         self.programs = programs
@@ -70,7 +78,7 @@ class StepCompiler:
         self._compiled: dict[Any, Future[Any]] = {}
         self._batch_shardings: dict[Any, PyTree] = {}
         self._host_shardings: dict[Any, PyTree] = {}
-        self._host_buffers: dict[Any, Any] = {}
+        self._fresh_buffers: dict[Any, Any] = {}
 
     def state_shardings(self, mesh: Mesh) -> PyTree:
         return shardings_for(self.job.state_specs, mesh)
@@ -84,13 +92,14 @@ class StepCompiler:
             shardings = self._host_shardings[key] = host_shardings(state, self._state_abstract)
         return shardings
 
-    def host_buffers(self, mesh: Mesh) -> PyTree:
-        """Fresh host-memory arrays for the fused copy to write into, when no spare one is at hand (their
-        maker is compiled with the step for ``mesh``, which this compiles first if need be)."""
+    def fresh_buffers(self, mesh: Mesh) -> PyTree:
+        """Fresh arrays for the step's third argument to be written into (``host_copy``: host memory for the fused
+        copy; ``into_spare``: the new state), when no spare one is at hand (their maker is compiled with the step
+        for ``mesh``, which this compiles first if need be)."""
         key = mesh_key(mesh)
-        if key not in self._host_buffers:
+        if key not in self._fresh_buffers:
             self.get(mesh)
-        return self._host_buffers[key]()
+        return self._fresh_buffers[key]()
 
     def state_abstract(self, mesh: Mesh) -> PyTree:
         """The state's shapes and dtypes with its shardings on ``mesh``: enough to compile for its layout."""
@@ -166,28 +175,29 @@ class StepCompiler:
         inputs: tuple[Any, ...] = (state_sharding, self.batch_shardings(mesh))
         outputs: tuple[Any, ...] = (state_sharding, NamedSharding(mesh, PartitionSpec()))
         args: tuple[Any, ...] = (self._state_abstract, self._batch_abstract)
-        if not self.host_copy:
-            jitted = self._plain(mesh)
-        else:
-            host = self.host_shardings(mesh)
+        if not (self.host_copy or self.into_spare):
+            return self._build("step", mesh, lambda: self._plain(mesh).lower(*args))
+        if self.host_copy:
+            buffers = self.host_shardings(mesh)
             step = _with_host_copy(self.job.step_on(mesh), state_sharding)
-            # keep_unused: jit would otherwise drop the unread buffers argument, and its donation with it.
-            jitted = jax.jit(
-                step,
-                in_shardings=(*inputs, host),
-                out_shardings=(*outputs, host),
-                donate_argnums=2,
-                keep_unused=True,
-            )
-            args += (self._state_abstract,)
+            outputs += (buffers,)
+        else:
+            buffers = state_sharding
+            step = _into_spare(self.job.step_on(mesh))
+        # keep_unused: jit would otherwise drop an unread buffers argument, and its donation with it.
+        jitted = jax.jit(
+            step, in_shardings=(*inputs, buffers), out_shardings=outputs, donate_argnums=2, keep_unused=True
+        )
+        args += (self._state_abstract,)
 
-            def zeros() -> PyTree:
-                return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._state_abstract)
+        def zeros() -> PyTree:
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._state_abstract)
 
-            # Compiled now, with the step: on a new mesh its first step needs fresh buffers, and a compile
-            # there would hold up the first step after a recovery.
-            maker = jax.jit(zeros, out_shardings=host)
-            self._host_buffers[mesh_key(mesh)] = self._build("host buffers", mesh, maker.lower)
+        # Compiled now, with the step: on a new mesh its first step needs fresh buffers, and a compile there
+        # would hold up the first step after a recovery.
+        maker = jax.jit(zeros, out_shardings=buffers)
+        name = "host buffers" if self.host_copy else "spare state"
+        self._fresh_buffers[mesh_key(mesh)] = self._build(name, mesh, maker.lower)
         return self._build("step", mesh, lambda: jitted.lower(*args))
 
     def _build(self, name: str, mesh: Mesh, lower: Callable[[], Any]) -> Any:
@@ -206,3 +216,14 @@ def _with_host_copy(step: Any, state_sharding: PyTree) -> Any:
         return new_state, metrics, new_state
 
     return step_and_copy
+
+
+def _into_spare(step: Any) -> Any:
+    """``step`` with a third argument, ``spare``, of the state's shapes and layout, donated, for XLA to write the new
+    state into (jit pairs a donated input with an output of its shape and layout)."""
+
+    def step_into(state: PyTree, batch: PyTree, spare: PyTree) -> tuple[PyTree, Any]:
+        del spare
+        return step(state, batch)
+
+    return step_into

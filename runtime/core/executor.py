@@ -572,7 +572,7 @@ class StepExecutor:
         host = None
         if compiler.host_copy:  # the copy is written into a replaced snapshot's buffers, or fresh ones
             buffers = self.ram.take_spare(compiler.host_shardings(mesh))
-            buffers = compiler.host_buffers(mesh) if buffers is None else buffers
+            buffers = compiler.fresh_buffers(mesh) if buffers is None else buffers
             new_state, metrics, host = compiled(state, batch, buffers)
         else:
             new_state, metrics = compiled(state, batch)

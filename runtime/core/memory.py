@@ -39,12 +39,13 @@ def return_freed_memory(threshold: int = 128 * 1024) -> None:
     and stay resident once freed: measured, a worker's memory grew by a copy of its shards per step for steps.
     Nothing happens where the C library is not glibc.
 
-    The cost falls on CPU devices, whose arrays are malloc's too: every step's new state is then fresh pages,
-    faulted in and zeroed by the kernel. Measured (docs/benchmarks.md, "Multi-process steady state"): at 64 MB
-    of state a process, the step 1.51x the bare loop's with it, 1.07x without (MaxText's 0.86x of its own);
-    without it the peak memory per byte of state doubled (``rss_slope`` 0.75 -> 1.69). Workers skip it with
-    ``ELASTIC_RETURN_FREED_MEMORY=0``. On GPUs and TPUs the arrays are not malloc's, and only the host copies
-    are affected."""
+    The cost falls on CPU devices, whose arrays are malloc's too: every fresh array is then pages faulted in
+    and zeroed by the kernel. A worker's step writes its new state into a replaced one
+    (``runtime/cluster/worker/spares.py``), and what is left is mostly the step's temporaries. Measured
+    (docs/benchmarks.md, "Multi-process steady state"): at 64 MB of state a process, the step 1.23x the bare
+    loop's with it, 0.98x without, for a peak memory per byte of state of 0.87 against 0.91 at 4 processes a
+    slice and 1.46 against 1.82 at 2 (``rss_slope``). Workers skip it with ``ELASTIC_RETURN_FREED_MEMORY=0``.
+    On GPUs and TPUs the arrays are not malloc's, and only the host copies are affected."""
     try:
         ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, threshold)
     except (OSError, AttributeError) as exc:

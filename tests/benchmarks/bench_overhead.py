@@ -69,7 +69,7 @@ def bare_loop(steps: int, host_copy: bool = False, pipelined: bool = False) -> f
     for position in range(WARMUP + steps):
         batch = jax.device_put(job.data.batch(position), batch_sharding)
         if host_copy:
-            buffers = compiler.host_buffers(mesh) if spare is None else spare
+            buffers = compiler.fresh_buffers(mesh) if spare is None else spare
             state, metrics, *host = step(state, batch, buffers)
         else:
             state, metrics, *host = step(state, batch)

@@ -10,11 +10,12 @@ and number of processes:
   local coordinator and run the runtime's own compiled step (``StepCompiler``) in a loop: the batch put on
   the mesh, the step, its result awaited; no snapshot, no controller;
 - ``defaults``: the demo job under ``elastic-runtime launch`` (the Controller API, fault-free) with every
-  default (a RAM replica of each step, a replica file of every 10th, heartbeats);
-- ``files_every_step``: the same with a replica file of every step (``replica_file_every=1``, the default
-  before 2026-12-03);
+  default (a RAM replica of each step, a replica file of every 10th, heartbeats, each step's state written into
+  a replaced one's buffers: ``runtime/cluster/worker/spares.py``);
 - ``malloc_kept``: the defaults with ``ELASTIC_RETURN_FREED_MEMORY=0`` in the workers' environment (glibc's
-  malloc left as it is: ``runtime/core/memory.py``).
+  malloc left as it is: ``runtime/core/memory.py``);
+- ``fresh_states`` and ``fresh_states_malloc_kept``: the same two with ``ELASTIC_SPARE_STATES=0`` (each step's
+  state in fresh memory, the default before 2026-12-03's spare states).
 
 A contender's step time is its mean step after the warm-up, from the warm-up's last step to the run's last
 (the runtime's: its committed steps in the event log; the bare loop's: its process 0's steps; not the median
@@ -42,16 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN, group_controller, worker_command
-from runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY
+from runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY, ENV_SPARE_STATES
 from runtime.core.eventlog import read_events
 from runtime.core.events import StepCompleted
 
-CONTENDERS = ("bare", "defaults", "files_every_step", "malloc_kept")
+CONTENDERS = ("bare", "defaults", "malloc_kept", "fresh_states", "fresh_states_malloc_kept")
 # What each runtime contender changes in the launch config.
 CONFIGS: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "files_every_step": {"replica_file_every": 1},
     "malloc_kept": {"extra_env": {ENV_RETURN_FREED_MEMORY: "0"}},
+    "fresh_states": {"extra_env": {ENV_SPARE_STATES: "0"}},
+    "fresh_states_malloc_kept": {"extra_env": {ENV_SPARE_STATES: "0", ENV_RETURN_FREED_MEMORY: "0"}},
 }
 _STARTED = time.monotonic()
 

@@ -1,12 +1,13 @@
 """Steady step time of a real model under ``launch --nprocs 4 --slices 2``, fault-free: the workers' defaults
-against ``ELASTIC_RETURN_FREED_MEMORY=0`` (glibc's malloc left as it is, ``runtime/core/memory.py``), the two
-alternating. Not collected by pytest.
+against ``ELASTIC_RETURN_FREED_MEMORY=0`` (glibc's malloc left as it is, ``runtime/core/memory.py``) and
+``ELASTIC_SPARE_STATES=0`` (each step's state in fresh memory, ``runtime/cluster/worker/spares.py``), in turn.
+Not collected by pytest.
 
     .venv-maxtext/bin/python tests/benchmarks/bench_real_steady.py [--models flax maxtext] [--repeats 2]
         [--steps 60] [--warmup 15] [--json]
 
 A run's step time is its mean committed step from step ``--warmup`` to the last (the controller's event log).
-The last line is JSON: per model, each mode's times and the median of the paired ratios (kept / defaults).
+The last line is JSON: per model, each mode's times and the median of its paired ratios to the defaults.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from typing import Any
 from bench_real_recovery import command
 
 from runtime.cli.demo_multiprocess import group_controller
-from runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY
+from runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY, ENV_SPARE_STATES
 from runtime.core.eventlog import read_events
 from runtime.core.events import StepCompleted
 
-MODES = {"defaults": {}, "malloc_kept": {ENV_RETURN_FREED_MEMORY: "0"}}
+MODES = {"defaults": {}, "malloc_kept": {ENV_RETURN_FREED_MEMORY: "0"}, "fresh_states": {ENV_SPARE_STATES: "0"}}
 
 
 def step_time(model: str, env: dict[str, str], steps: int, warmup: int) -> float:
@@ -77,9 +78,12 @@ def main() -> None:
                         file=sys.stderr,
                         flush=True,
                     )
-        ratios = [k / d for k, d in zip(samples["malloc_kept"], samples["defaults"], strict=True)]
         summary[model] = {mode: [round(t, 5) for t in ts] for mode, ts in samples.items()} | {
-            "malloc_kept_over_defaults": round(statistics.median(ratios), 3)
+            f"{mode}_over_defaults": round(
+                statistics.median(t / d for t, d in zip(samples[mode], samples["defaults"], strict=True)), 3
+            )
+            for mode in MODES
+            if mode != "defaults"
         }
     summary["loadavg_end"] = os.getloadavg()
     print(json.dumps(summary))

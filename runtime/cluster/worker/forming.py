@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -88,7 +89,11 @@ def form_group(worker: Worker, form: Form) -> None:
         worker.unsupported(str(exc))
         return
     place = (form.process_id, form.num_processes)
-    compiler = StepCompiler(worker.job, worker.template, worker.batch_like, programs=worker.programs, place=place)
+    # With neighbour replicas every replica is read (the neighbour's copy is made from it): none is a spare.
+    spare = worker.settings.spare_states and not form.neighbour_replicas
+    compiler = StepCompiler(
+        worker.job, worker.template, worker.batch_like, into_spare=spare, programs=worker.programs, place=place
+    )
     worker.state_shardings = compiler.state_shardings(worker.mesh)
     worker.batch_shardings = compiler.batch_shardings(worker.mesh)
     worker.batch_rows = local_rows(worker.batch_shardings, worker.batch_like)  # this mesh's rows (process_data.py)
@@ -122,6 +127,7 @@ def form_group(worker: Worker, form: Form) -> None:
         worker.ledger.policies["durable"] = EveryN(form.durable_every)
     worker.owned = writes(worker.template, worker.state_shardings, form.slice_size)
     worker.compiled = compiler.get(worker.mesh)
+    worker.spares.reset(form.generation, partial(compiler.fresh_buffers, worker.mesh) if spare else None)
     shift = form.neighbour_replicas
     kept = worker.programs
     worker.shift = (

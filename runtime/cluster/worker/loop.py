@@ -42,6 +42,7 @@ from runtime.cluster.worker.leaving import leave_on_signal
 from runtime.cluster.worker.link import ControllerLink, Inbound
 from runtime.cluster.worker.restore import adopt_restored, restore_step
 from runtime.cluster.worker.settings import WorkerSettings
+from runtime.cluster.worker.spares import SpareStates
 from runtime.cluster.worker.stepping import await_step
 from runtime.cluster.worker.training import train
 from runtime.core.events import StepFailed
@@ -137,6 +138,7 @@ class Worker:
         self.fences: dict[int, int] = {}  # superseded generations' fences, from the newest Form
         self.mesh: Any = None
         self.compiled: Any = None
+        self.spares = SpareStates()  # states the step may write its new one into (spares.py)
         self.state_shardings: Any = None
         self.batch_shardings: Any = None
         self.state: Any = None

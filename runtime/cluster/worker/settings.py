@@ -29,6 +29,7 @@ from runtime.cluster.protocol import (
     ENV_RESULT,
     ENV_RETURN_FREED_MEMORY,
     ENV_RUN_ID,
+    ENV_SPARE_STATES,
     ENV_STEP_DELAY_S,
     ENV_WORKER,
 )
@@ -54,6 +55,7 @@ _VARIABLES = {
     "step_delay_s": ENV_STEP_DELAY_S,
     "keep_programs": ENV_KEEP_PROGRAMS,
     "return_freed_memory": ENV_RETURN_FREED_MEMORY,
+    "spare_states": ENV_SPARE_STATES,
     "instance": ENV_INSTANCE,
     "metadata_host": ENV_METADATA_HOST,
     "grace_s": ENV_GRACE_S,
@@ -80,6 +82,7 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     step_delay_s: SecondsOrZero = 0.0  # extra sleep per step (tests: room to kill mid-run)
     keep_programs: bool = True  # load compiled programs kept from earlier generations (runtime/core/programs.py)
     return_freed_memory: bool = True  # glibc maps large blocks apart and returns them (runtime/core/memory.py)
+    spare_states: bool = True  # a step writes its new state into a replaced one (runtime/cluster/worker/spares.py)
     instance: str = ""  # the instance (host) it runs on; "": found by runtime/cluster/worker/instance.py
     metadata_host: str = ""  # host:port of a metadata server to ask for the instance's name; "": none
     # After SIGTERM/SIGINT, how long to wait for the controller's Stop before exiting unasked (Kubernetes gives

@@ -67,7 +67,10 @@ def train(worker: Worker, target: int) -> Inbound | None:
         # Its host copy is made by the replica file's writer, not here: the next step need not wait for it.
         metadata = worker.identity | worker.layout
         generation = worker.generation
-        worker.ram = device_replica(step, position, new_state, worker.local_like, metadata, generation=generation)
+        back = worker.spares.hand_back(generation) if worker.spares.on else None
+        worker.ram = device_replica(
+            step, position, new_state, worker.local_like, metadata, generation=generation, on_unread=back
+        )
         if worker.shift is not None:
             own = worker.ram.tree
             worker.neighbour = replica(step, position, worker.shift.copy(moved, own), generation=worker.generation)
@@ -122,7 +125,10 @@ def run_step(worker: Worker, state: PyTree, position: int, step: int) -> tuple[t
     batch, worker.batch_bytes = place_batch(
         worker.job.data, position, worker.batch_shardings, worker.batch_like, worker.batch_rows
     )
-    new_state, metrics = worker.compiled(state, batch)
+    if worker.spares.on:  # the new state is written into a spare state's buffers
+        new_state, metrics = worker.compiled(state, batch, worker.spares.take(state))
+    else:
+        new_state, metrics = worker.compiled(state, batch)
     jax.block_until_ready(new_state)
     loss = worker.job.loss(metrics)
     for check in worker.step_checks:
