@@ -39,8 +39,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--heartbeat-interval", type=float, default=0.2, help="seconds between lease renewals (the workers' interval)"
     )
-    parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
-    parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
     parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
     parser.add_argument("--run-dir", default=None, help="event log and summary.json (default: a new temp dir)")
     parser.add_argument(
@@ -98,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         strategy=args.strategy,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        heartbeat_start_timeout_s=args.heartbeat_start_timeout,
         hang_timeout_s=args.hang_timeout,
         start_timeout_s=args.start_timeout,
         form_timeout_s=args.form_timeout,

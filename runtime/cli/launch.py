@@ -77,8 +77,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="start every worker as a new process (default: later ones are forked from one that imported JAX)",
     )
     parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
-    parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence = lost")
-    parser.add_argument("--hang-timeout", type=float, default=5.0, help="seconds without progress = hung")
     parser.add_argument(
         "--run-dir",
         default=None,
@@ -123,9 +121,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = DEFAULTS["start_timeout_s"]) -> None:
-    """How long forming may take, as ``launch`` and ``controller`` take it. Joining a group compiles the step (a
-    real model: a minute or more on CPU): the first group gets ``--start-timeout``, a re-formed one
-    ``--form-timeout`` or twice the slowest join seen so far, whichever is longer."""
+    """When a worker is lost or hung, and how long forming may take, as ``launch`` and ``controller`` take it.
+    Joining a group compiles the step (a real model: a minute or more on CPU): the first group gets
+    ``--start-timeout``, a re-formed one ``--form-timeout`` or twice the slowest join seen so far, whichever is
+    longer."""
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=DEFAULTS["heartbeat_timeout_s"],
+        help=f"seconds of silence = lost, for a worker that trains (default {DEFAULTS['heartbeat_timeout_s']:g})",
+    )
+    parser.add_argument(
+        "--heartbeat-start-timeout",
+        type=float,
+        default=DEFAULTS["heartbeat_start_timeout_s"],
+        help="seconds of silence = lost, before a worker's first step in its group: start-up, restore, compile "
+        f"(default {DEFAULTS['heartbeat_start_timeout_s']:g})",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=DEFAULTS["hang_timeout_s"],
+        help=f"seconds without progress = hung (default {DEFAULTS['hang_timeout_s']:g})",
+    )
     parser.add_argument(
         "--start-timeout", type=float, default=start, help=f"seconds for the first group to form (default {start:g})"
     )
@@ -210,6 +228,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         grace_s=args.grace_s,
         strategy=args.strategy,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        heartbeat_start_timeout_s=args.heartbeat_start_timeout,
         hang_timeout_s=args.hang_timeout,
         start_timeout_s=args.start_timeout,
         form_timeout_s=args.form_timeout,

@@ -51,7 +51,11 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             ``nprocs // slices`` processes holding one copy of the state, sharded over its processes (the
             ``model`` axis); slices replicate each other (``data``). Losing a process loses its slice until a
             replacement takes the process's place; ``min_nprocs`` then counts whole slices.
-        heartbeat_interval_s, heartbeat_timeout_s, hang_timeout_s: see :class:`HeartbeatMonitor`.
+        heartbeat_interval_s, heartbeat_timeout_s, heartbeat_start_timeout_s, hang_timeout_s: see
+            :class:`HeartbeatMonitor`. 1 s of silence loses a training worker (under the chaos loop's load its
+            longest silence was 0.29 s); 2 s (never less than the first) one that has not stepped in its group
+            yet: joining, restoring, compiling, where long silences were seen (a first compile starved of CPU
+            at load 2.5: 2.03 s). docs/benchmarks.md, *Heartbeat timeouts under load*, has the figures.
         strategy: "reform" (in-process re-forming, falling back to "restart") or "restart" always.
         form_timeout_s: how long a new group may take to form before its stragglers are replaced.
         spawn_timeout_s: how long a re-forming waits for replacements before going on with ``min_nprocs``.
@@ -119,7 +123,8 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     local_devices: Positive = 2
     slices: NonNegative = 0
     heartbeat_interval_s: Seconds = 0.2
-    heartbeat_timeout_s: Seconds = 2.0
+    heartbeat_timeout_s: Seconds = 1.0
+    heartbeat_start_timeout_s: Seconds = 2.0
     hang_timeout_s: Seconds = 5.0
     strategy: Strategy = Strategy.REFORM
     form_timeout_s: Seconds = 20.0
@@ -239,4 +244,5 @@ class LaunchResult:
     resumed_from: int = -1  # the step a resumed run continued from; -1 when it did not resume
     drain_s: float | None = None  # stopped by a signal: from the signal until every worker was gone
     drain_checkpoint: int = -1  # stopped by a signal: the durable step committed for --resume; -1: none
-    longest_heartbeat_gap_s: float = 0.0  # the longest silence of a watched worker (the heartbeat timeout's margin)
+    longest_heartbeat_gap_s: float = 0.0  # the longest silence of a watched worker (the start timeout's margin)
+    longest_training_heartbeat_gap_s: float = 0.0  # ... of a training one (the heartbeat timeout's margin)

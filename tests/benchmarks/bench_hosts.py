@@ -14,12 +14,12 @@ Each repeat runs the multi-host demo twice, the order alternating between repeat
   host start again, the lost host's on the fifth host, from the newest replica each worker wrote to a folder
   on disk (one per host; not ``/dev/shm``, which a host loses with its processes).
 
-Both detect the loss the same way (2 s without heartbeats) and both are timed by the demo from the moment
-the link went down to the first step the group trains and commits after it; the demo's ``--verify``
-compares each run's final parameters with a fault-free run of the same 4-process group on loopback
-(bitwise where every group had 4 hosts, as in the full restart; else within 1e-5 relative). Once per
-invocation, before the pairs, the demo also runs fault-free on the 4 hosts (``--no-fault``: bitwise). The
-phases come from the event log.
+Both detect the loss the same way (the controller's heartbeat timeout: 1 s without heartbeats) and both are
+timed by the demo from the moment the link went down to the first step the group trains and commits after
+it; the demo's ``--verify`` compares each run's final parameters with a fault-free run of the same 4-process
+group on loopback (bitwise where every group had 4 hosts, as in the full restart; else within 1e-5
+relative). Once per invocation, before the pairs, the demo also runs fault-free on the 4 hosts
+(``--no-fault``: bitwise). The phases come from the event log.
 """
 
 from __future__ import annotations

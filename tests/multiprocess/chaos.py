@@ -202,6 +202,15 @@ def check(run_dir: Path, reference: Path) -> list[str]:
     return problems
 
 
+def false_alarms(run_dir: Path, spec: dict[str, Any]) -> list[str]:
+    """Workers found lost by their silence though no fault silenced them: on one machine only a ``stop``
+    (SIGSTOP) does; a kill closes the connection, a hang keeps the heartbeats going."""
+    stopped = sum(fault.action == "stop" for fault in spec.get("faults", []))
+    events = read_events(run_dir / "events.jsonl")
+    silent = [e for e in events if isinstance(e, WorkerLost) and e.message.startswith("no heartbeat")]
+    return [f"false alarm: worker {e.worker} lost after {e.silent_s:.2f} s of silence" for e in silent[stopped:]]
+
+
 def correlated(run_dir: Path, result: Any) -> list[str]:
     """Losses that came together: no survivor killed or restarted, and one re-form for them."""
     events = read_events(run_dir / "events.jsonl")
@@ -270,6 +279,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="chaos-mp-"))
     print(f"chaos: {args.rounds} rounds, seed {args.seed}", flush=True)
     failures = 0
+    longest_gap_s = 0.0  # the longest silence of a training worker in any round: the heartbeat timeout's margin
     try:
         reference = run_group(processes=NPROCS, steps=STEPS, run_dir=root / "reference", faults=[])
         assert reference.ok
@@ -285,11 +295,16 @@ def main() -> int:
                     result, problems = run_round(run_dir, dict(spec))
                     problems += [] if result.ok else [f"run failed: {result.reason}"]
                     problems += check(run_dir, root / "reference" / "final")
+                    problems += false_alarms(run_dir, spec)
+                    longest_gap_s = max(longest_gap_s, result.longest_training_heartbeat_gap_s)
             except Exception as exc:
                 problems = [f"{type(exc).__name__}: {exc}"]
                 result = None
             failures += bool(problems)
-            summary = "" if result is None else f"{result.strategies} recoveries={len(result.recoveries)}"
+            summary = ""
+            if result is not None:
+                summary = f"{result.strategies} recoveries={len(result.recoveries)}"
+                summary += f" longest training silence {result.longest_training_heartbeat_gap_s} s"
             verdict = "FAIL " + "; ".join(problems) if problems else "ok"
             print(f"round {i}: {spec} {summary} {time.monotonic() - started:.1f} s: {verdict}", flush=True)
             if not problems:
@@ -299,7 +314,7 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
         else:
             print(f"kept the failed rounds' run directories under {root}")
-    print(f"chaos: {args.rounds - failures}/{args.rounds} rounds ok")
+    print(f"chaos: {args.rounds - failures}/{args.rounds} rounds ok; longest training silence {longest_gap_s} s")
     return 1 if failures else 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor, Hung, Lost, Straggling, UnknownWorker, verdict_event
@@ -57,6 +59,79 @@ def test_the_longest_silence_between_heartbeats_is_kept_and_a_lost_worker_s_sile
     clock.advance(10.0)
     m.observe(2, 3)  # a late heartbeat of a lost worker is no gap of the run's
     assert m.longest_gap_s == pytest.approx(1.5)
+
+
+def test_a_worker_that_has_not_stepped_in_its_group_gets_the_start_timeout(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=1.0, start_timeout_s=2.0)
+    clock.advance(1.5)  # starting (no group yet): 1.5 s of silence is no loss
+    assert m.check() == []
+    for worker in (0, 1, 2):
+        m.observe(worker, 5)
+        m.expect_progress(worker, from_step=5)  # the group formed and restored step 5
+    clock.advance(1.5)
+    m.observe(0, 5)  # restored, still compiling its first step: starting
+    m.observe(1, 6)  # committed step 6: training
+    assert m.check() == []  # worker 2 silent 1.5 s, but starting too
+    clock.advance(0.6)
+    m.observe(0, 5)
+    m.observe(2, 6)
+    clock.advance(0.5)  # worker 1 silent 1.1 s while training: lost; worker 0 (0.5 s, starting) is not
+    assert [(v.worker, round(v.silent_s, 1)) for v in m.check()] == [(1, 1.1)]  # type: ignore[union-attr]
+    clock.advance(1.0)  # worker 2 (training) silent 1.5 s, worker 0 (starting) 1.5 s
+    assert [v.worker for v in m.check()] == [2]
+    clock.advance(0.6)
+    assert [v.worker for v in m.check()] == [0]
+
+
+def test_a_worker_seated_in_a_new_group_goes_back_to_the_start_timeout(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=1.0, start_timeout_s=3.0)
+    for worker in (0, 1, 2):
+        m.expect_progress(worker, from_step=0)
+        m.observe(worker, 1)  # training
+    clock.advance(0.5)
+    for worker in (0, 1, 2):
+        m.expect_progress(worker, False)  # the group settles: still the training timeout
+    m.observe(2, 1)
+    clock.advance(0.6)
+    assert [v.worker for v in m.check()] == [0, 1]  # 1.1 s: lost (found in the settling, not after it)
+    m.starting(2)  # seated in the new group
+    clock.advance(2.0)
+    assert m.check() == []  # 2.6 s of silence while joining: within the start timeout
+    clock.advance(0.5)
+    assert [v.worker for v in m.check()] == [2]  # 3.1 s
+
+
+def test_the_next_silence_due_is_the_oldest_one_s_timeout(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=1.0, start_timeout_s=2.0)
+    assert m.next_silence_due() == pytest.approx(102.0)  # all three starting since 100.0
+    m.expect_progress(0, from_step=0)
+    clock.advance(0.5)
+    m.observe(0, 1)  # training: due 1 s after this heartbeat, before the starting ones
+    assert m.next_silence_due() == pytest.approx(101.5)
+    clock.advance(2.0)
+    m.check()
+    for worker in (1, 2):
+        m.forget(worker)
+    assert m.next_silence_due() == math.inf  # worker 0 got its verdict; nobody is watched
+
+
+def test_the_start_timeout_is_never_shorter_than_the_timeout(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=2.0, start_timeout_s=1.0)
+    clock.advance(1.5)
+    assert m.check() == [] and m.start_timeout_s == 2.0
+
+
+def test_the_longest_training_silence_counts_only_training_workers(clock: FakeClock) -> None:
+    m = monitor(clock, timeout_s=1.0, start_timeout_s=5.0)
+    m.expect_progress(0, from_step=0)
+    clock.advance(0.3)
+    m.observe(0, 1)  # training from here
+    clock.advance(0.4)
+    m.observe(0, 2)
+    clock.advance(3.0)
+    m.observe(1, 0)  # starting: 3.7 s since it was registered
+    assert m.longest_training_gap_s == pytest.approx(0.4)
+    assert m.longest_gap_s == pytest.approx(3.7)
 
 
 def test_a_verdict_is_given_once_until_the_worker_is_registered_again(clock: FakeClock) -> None:

@@ -170,7 +170,7 @@ def test_a_lost_host_is_detected_by_heartbeat_and_its_replacement_joins(
     assert result["ok"] and result["step"] == STEPS
     [lost] = [e for e in history if isinstance(e, WorkerLost)]
     assert lost.worker == 1 and lost.message.startswith("no heartbeat for "), lost  # not a closed connection
-    assert lost.silent_s >= 2.0  # the heartbeat timeout
+    assert lost.silent_s >= 1.0  # the heartbeat timeout (the worker trained)
     assert result["strategies"] == ["start", "reform", "grow"]
     assert result["world_size_history"] == [NPROCS, NPROCS - 1, NPROCS]
     assert result["survivor_restarts"] == 0
@@ -204,7 +204,7 @@ def test_a_worker_cut_off_from_the_controller_alone_stops_in_its_lease_and_its_l
     # already keeps it from writing) is found by its replacement on the same host and never restored; once
     # the path is back it is told to exit; each step is committed once; the result is the fault-free run's.
     replicas = tmp_path / "replicas"
-    lease_s = 2.0 * 0.75  # --heartbeat-timeout's default x the controller's lease share
+    lease_s = 1.0 * 0.75  # --heartbeat-timeout's default x the controller's lease share
     with (
         SimulatedHosts(NPROCS) as hosts,
         # A file of every step: the cut-off worker's own newest file, read at step 5, is copied for its late write.

@@ -54,6 +54,7 @@ def write_summary(controller: Controller, reason: str) -> None:
     controller.result.target_steps = controller.target_steps
     controller.result.reason = controller.result.reason or reason
     controller.result.longest_heartbeat_gap_s = round(controller.monitor.longest_gap_s, 3)
+    controller.result.longest_training_heartbeat_gap_s = round(controller.monitor.longest_training_gap_s, 3)
     (controller.run_dir / "summary.json").write_text(json.dumps(controller.result.__dict__, default=str))
 
 

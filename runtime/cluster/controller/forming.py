@@ -126,6 +126,7 @@ def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recru
         if worker not in seated:  # in a slice short of a process: it waits, as a spare, for a replacement
             sup.pool[worker].spare = True
             sup.monitor.expect_progress(worker, False)
+            sup.monitor.starting(worker)
     sup.requests.clear()
     generation = sup.group.new_generation(members)
     out.append(SaveFences())  # a resumed controller numbers its generations after this one
@@ -135,6 +136,7 @@ def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recru
         proc = sup.pool[worker]
         proc.spare, proc.joined, proc.finished = False, None, None
         sup.monitor.expect_progress(worker, False)
+        sup.monitor.starting(worker)  # it joins, restores and compiles: the longer timeout until it trains
     # Growing is planned: every member re-forms after committing the same step, so no collective is cut
     # off; after a failure the group re-forms now (in-flight steps are abandoned).
     planned = sup.forming in (Strategy.GROW, Strategy.DRAIN) and survivors
@@ -247,6 +249,7 @@ def substitute(sup: Supervisor, out: list[Action], lost: list[int]) -> None:
         proc = sup.pool[spare]
         proc.spare, proc.joined, proc.finished = False, None, None
         sup.monitor.expect_progress(spare, False)
+        sup.monitor.starting(spare)
         seated.append(spare)
         log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
     if seated:

@@ -4,8 +4,10 @@ The core, :class:`HeartbeatMonitor`, is synchronous and reads time only from an 
 tests run without waiting. :func:`watch` is the thin async shell the controller runs: it calls
 :meth:`HeartbeatMonitor.check` every ``interval`` seconds and publishes the verdicts as events.
 
-- lost: no heartbeat for ``timeout_s`` (kill -9, lost host), or the controller saw the worker's connection or
-  process end (:meth:`HeartbeatMonitor.mark_gone`), which it reports at the next check without waiting;
+- lost: no heartbeat for ``timeout_s`` while the worker trains (kill -9, lost host), or for ``start_timeout_s``
+  before it has committed a step in its group (starting, joining, restoring, compiling: where long silences
+  were seen), or the controller saw the worker's connection or process end (:meth:`HeartbeatMonitor.mark_gone`),
+  which it reports at the next check without waiting;
 - hung: heartbeats still arrive but the committed step has not moved for ``hang_timeout_s`` while progress is
   expected (a stuck collective, a deadlock);
 - straggler: the worker's recent step time is ``straggler_factor`` times the group median or more.
@@ -72,6 +74,9 @@ class _Worker:
     step: int = -1
     progress_at: float = 0.0  # when ``step`` last changed, or progress was (re-)expected
     expect_progress: bool = False
+    # Not yet past ``start_step`` since it was registered or its group formed: watched with the start timeout.
+    starting: bool = True
+    start_step: int = -1
     gone: str = ""  # why the controller knows it is gone, if it does
     gone_by: str = "heartbeat"  # which signal said so first
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=8))
@@ -83,7 +88,9 @@ class HeartbeatMonitor:
     """Tracks the liveness and progress of every registered worker.
 
     Args:
-        timeout_s: silence after which a worker is lost (JAX's own default is 100 s; ours is 2 s).
+        timeout_s: silence after which a training worker is lost (JAX's own default is 100 s; the controller's 1 s).
+        start_timeout_s: the same for a worker that has not committed a step in its group yet; never shorter
+            than ``timeout_s``; None: ``timeout_s``.
         hang_timeout_s: how long a worker that still sends heartbeats may make no step progress.
         straggler_factor: a recent mean step time this many times the group median marks a straggler.
         straggler_min_s: ... and only when it exceeds the median by at least this much (noise floor).
@@ -98,6 +105,7 @@ class HeartbeatMonitor:
         self,
         *,
         timeout_s: float = 2.0,
+        start_timeout_s: float | None = None,
         hang_timeout_s: float = 5.0,
         straggler_factor: float = 3.0,
         straggler_min_s: float = 0.05,
@@ -109,22 +117,26 @@ class HeartbeatMonitor:
         if straggler_factor <= 1:
             raise ValueError(f"straggler_factor must be > 1, got {straggler_factor}")
         self.timeout_s = timeout_s
+        self.start_timeout_s = max(start_timeout_s or timeout_s, timeout_s)
         self.hang_timeout_s = hang_timeout_s
         self.straggler_factor = straggler_factor
         self.straggler_min_s = straggler_min_s
         self.straggler_every_s = straggler_every_s
         self.clock = clock
         self._workers: dict[int, _Worker] = {}
-        # Watched workers (no verdict yet) by their last heartbeat, oldest first; those expected to progress by
-        # their last progress; those the controller knows are gone.
+        # Watched workers (no verdict yet) by their last heartbeat, oldest first, training and starting apart
+        # (each with its timeout); those expected to progress by their last progress; those known to be gone.
         self._by_seen: OrderedDict[int, None] = OrderedDict()
+        self._starting_by_seen: OrderedDict[int, None] = OrderedDict()
         self._by_progress: OrderedDict[int, None] = OrderedDict()
         self._gone: dict[int, None] = {}
         self._lost: set[int] = set()  # found lost, not forgotten (nor registered) since
         self._stragglers_due = -math.inf
         # The longest silence between two heartbeats of a watched worker: how close the run came to a false
-        # "lost" (the timeout's margin, for choosing it), whether or not a verdict followed.
+        # "lost" (the timeout's margin, for choosing it), whether or not a verdict followed; and the same for
+        # training workers only (``timeout_s``'s margin).
         self.longest_gap_s = 0.0
+        self.longest_training_gap_s = 0.0
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -133,8 +145,9 @@ class HeartbeatMonitor:
     def register(self, worker: int) -> None:
         """Start watching ``worker`` (its silence is timed from now)."""
         self._workers[worker] = _Worker(last_seen=self.clock())
-        self._by_seen[worker] = None
-        self._by_seen.move_to_end(worker)
+        self._by_seen.pop(worker, None)
+        self._starting_by_seen[worker] = None
+        self._starting_by_seen.move_to_end(worker)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
         self._lost.discard(worker)
@@ -143,16 +156,29 @@ class HeartbeatMonitor:
         """Stop watching ``worker`` (it was replaced or finished). Unknown ids are ignored."""
         self._workers.pop(worker, None)
         self._by_seen.pop(worker, None)
+        self._starting_by_seen.pop(worker, None)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
         self._lost.discard(worker)
 
-    def expect_progress(self, worker: int, expected: bool = True) -> None:
-        """Whether ``worker`` should be committing steps now (not while its group re-forms or after it ends)."""
+    def starting(self, worker: int) -> None:
+        """``worker`` joins a new group (or ends its run): its silences are judged against the start timeout
+        until it reports a step past the one its group restored (:meth:`expect_progress`'s ``from_step``)."""
+        entry = self._workers.get(worker)
+        if entry is not None:
+            self._set_starting(worker, entry, True)
+
+    def expect_progress(self, worker: int, expected: bool = True, *, from_step: int | None = None) -> None:
+        """Whether ``worker`` should be committing steps now (not while its group re-forms or after it ends).
+
+        ``from_step``: the step its group restored (None: the step it reported last); a starting worker
+        trains once it reports a step past it.
+        """
         entry = self._workers.get(worker)
         if entry is not None:
             entry.expect_progress = expected
             entry.progress_at = self.clock()
+            entry.start_step = entry.step if from_step is None else from_step
             self._by_progress.pop(worker, None)
             if expected and not entry.reported:
                 self._by_progress[worker] = None  # the newest progress_at: last in order
@@ -163,11 +189,15 @@ class HeartbeatMonitor:
         if entry is None:
             raise UnknownWorker(worker)
         now = self.clock()
-        if worker in self._by_seen:
+        watched = self._starting_by_seen if entry.starting else self._by_seen
+        if worker in watched:
             self.longest_gap_s = max(self.longest_gap_s, now - entry.last_seen)
+            if not entry.starting:
+                self.longest_training_gap_s = max(self.longest_training_gap_s, now - entry.last_seen)
+            watched.move_to_end(worker)
         entry.last_seen = now
-        if worker in self._by_seen:
-            self._by_seen.move_to_end(worker)
+        if entry.starting and entry.expect_progress and step > entry.start_step:
+            self._set_starting(worker, entry, False)  # it trains: the short timeout from now on
         if step != entry.step:
             entry.step = step
             entry.progress_at = now
@@ -190,8 +220,36 @@ class HeartbeatMonitor:
         still on its way to the supervisor), or a watched one has sent nothing for ``silent_s`` or more. O(1)."""
         if self._lost:
             return True
-        oldest = next(iter(self._by_seen), None)
-        return oldest is not None and self.clock() - self._workers[oldest].last_seen >= silent_s
+        now = self.clock()
+        for watched in (self._by_seen, self._starting_by_seen):
+            oldest = next(iter(watched), None)
+            if oldest is not None and now - self._workers[oldest].last_seen >= silent_s:
+                return True
+        return False
+
+    def next_silence_due(self) -> float:
+        """When the oldest silence comes to its timeout (clock time; infinity when none is watched): the watch
+        checks then rather than up to its interval later."""
+        due = math.inf
+        for watched, timeout_s in ((self._by_seen, self.timeout_s), (self._starting_by_seen, self.start_timeout_s)):
+            oldest = next(iter(watched), None)
+            if oldest is not None:
+                due = min(due, self._workers[oldest].last_seen + timeout_s)
+        return due
+
+    def _set_starting(self, worker: int, entry: _Worker, starting: bool) -> None:
+        """Move ``worker`` between the training and the starting order (if watched). A move appends it: to
+        the training order when it was just heard from (its place), to the starting order when it joins a new
+        group, where the workers heard from after it pass it within a heartbeat interval, so that a verdict on
+        it comes at most that late."""
+        if entry.starting == starting:
+            return
+        entry.starting = starting
+        training, start = self._by_seen, self._starting_by_seen
+        source, target = (training, start) if starting else (start, training)
+        if worker in source:
+            del source[worker]
+            target[worker] = None
 
     def check(self) -> list[Verdict]:
         """Verdicts that became true since the last check, at most one lost-or-hung per worker.
@@ -206,14 +264,15 @@ class HeartbeatMonitor:
             entry = self._report(worker)
             self._lost.add(worker)
             verdicts.append(Lost(worker, now - entry.last_seen, entry.gone, entry.gone_by))
-        while self._by_seen:
-            worker = next(iter(self._by_seen))
-            silent = now - self._workers[worker].last_seen
-            if silent < self.timeout_s:
-                break
-            self._report(worker)
-            self._lost.add(worker)
-            verdicts.append(Lost(worker, silent, f"no heartbeat for {silent:.2f} s"))
+        for watched, timeout_s in ((self._by_seen, self.timeout_s), (self._starting_by_seen, self.start_timeout_s)):
+            while watched:
+                worker = next(iter(watched))
+                silent = now - self._workers[worker].last_seen
+                if silent < timeout_s:
+                    break
+                self._report(worker)
+                self._lost.add(worker)
+                verdicts.append(Lost(worker, silent, f"no heartbeat for {silent:.2f} s"))
         while self._by_progress:
             worker = next(iter(self._by_progress))
             entry = self._workers[worker]
@@ -231,6 +290,7 @@ class HeartbeatMonitor:
         entry = self._workers[worker]
         entry.reported = True
         self._by_seen.pop(worker, None)
+        self._starting_by_seen.pop(worker, None)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
         return entry
@@ -282,8 +342,9 @@ async def watch(
     *,
     interval: float = 0.05,
 ) -> None:
-    """Check ``monitor`` every ``interval`` seconds and hand each verdict to ``publish``. Runs until cancelled."""
+    """Check ``monitor`` every ``interval`` seconds, and when a silence comes to its timeout, and hand each verdict
+    to ``publish``. Runs until cancelled."""
     while True:
         for verdict in monitor.check():
             await publish(verdict)
-        await anyio.sleep(interval)
+        await anyio.sleep(min(interval, max(0.0, monitor.next_silence_due() - monitor.clock())))

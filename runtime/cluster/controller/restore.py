@@ -66,7 +66,7 @@ def send_restore(sup: Supervisor, out: list[Action]) -> None:
     out.extend(Send(worker, restore) for worker in members)
     sup.restored = True
     for worker in members:
-        sup.monitor.expect_progress(worker, True)
+        sup.monitor.expect_progress(worker, True, from_step=plan.step)
     out.append(WarmSpares())
     sup.result.world_size_history.append(len(members))
     sup.result.strategies.append(strategy)

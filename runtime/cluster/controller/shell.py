@@ -122,7 +122,11 @@ class Controller:
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
         self.relay = EventRelay(self)
         self.relay.attach(self.bus)
-        self.monitor = HeartbeatMonitor(timeout_s=config.heartbeat_timeout_s, hang_timeout_s=config.hang_timeout_s)
+        self.monitor = HeartbeatMonitor(
+            timeout_s=config.heartbeat_timeout_s,
+            start_timeout_s=config.heartbeat_start_timeout_s,
+            hang_timeout_s=config.hang_timeout_s,
+        )
         # Never logged, never on a command line: the workers get it in their environment.
         self.secret = config.secret or auth.new_secret()
         self.pool = ProcessPool(

@@ -184,6 +184,7 @@ class Supervisor:
             case Progress(worker=worker, step=step, step_time_s=seconds, loss=loss):
                 if 0 <= self.target_steps <= step:  # done: finishing (its last writes) is no hang
                     self.monitor.expect_progress(worker, False)
+                    self.monitor.starting(worker)  # nor judged by the training timeout
                 self._progress(out, worker, step, seconds, loss)
             case MemberFinished():
                 members = self.group.members
