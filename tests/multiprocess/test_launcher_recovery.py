@@ -167,7 +167,7 @@ def test_sigstop_hang_is_detected_and_the_worker_replaced(tmp_path: Path, refere
     [hung] = [e for e in events if isinstance(e, WorkerHung)]
     assert "stopped" in hung.message
     [detected] = result.detected_after_s
-    assert 1.5 <= detected < 3.0  # the heartbeat timeout (2 s) plus one check interval
+    assert 0.75 <= detected < 2.0  # the heartbeat timeout of a training worker (1 s) less a beat interval, or more
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)
 
