@@ -11,8 +11,9 @@ selection).
 A gap is a tick's lateness: the time between two ticks less the sleep between them. A heartbeat is lost when
 the gap passes the controller's timeout (by default 2 s before a worker's first step, 1 s after). On a loaded
 machine most of a gap can be waiting for a CPU, which no change to this process removes; the kernel counts
-that wait for the ticking thread (``/proc/thread-self/schedstat``), and the rest of the gap, ``gil``, is the thread's wait for the GIL (and for
-the sleep's end): the part another thread of this process holding the GIL causes.
+that wait for the ticking thread (``/proc/thread-self/schedstat``), and the rest of the gap, ``gil``, is the
+thread's wait for the GIL (and for the sleep's end): the part another thread of this process holding the GIL
+causes.
 
     nice -n 19 .venv/bin/python tests/benchmarks/bench_heartbeat_gap.py --mb 384 [--leaves 16] [--dir /dev/shm]
 
