@@ -65,8 +65,10 @@ async def renew_leases(controller: Controller) -> None:
     partition can cut off while they still run; see ``Lease``)."""
     lease = Lease(seconds=controller.config.heartbeat_timeout_s * _LEASE_SHARE)
     while True:
+        departing = controller.supervisor.departing  # drained: they step on with the old group to a planned step
         for proc in controller.pool:
-            if proc.stream is not None and not proc.gone and not proc.closed and not controller.stopping:
+            live = not proc.gone or proc.worker in departing
+            if proc.stream is not None and live and not proc.closed and not controller.stopping:
                 await controller.server.send(proc, lease)
         await anyio.sleep(controller.config.heartbeat_interval_s)
 
