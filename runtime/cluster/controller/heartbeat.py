@@ -126,7 +126,7 @@ class HeartbeatMonitor:
         self._workers: dict[int, _Worker] = {}
         # Watched workers (no verdict yet) by their last heartbeat, oldest first, training and starting apart
         # (each with its timeout); those expected to progress by their last progress; those known to be gone.
-        self._by_seen: OrderedDict[int, None] = OrderedDict()
+        self._training_by_seen: OrderedDict[int, None] = OrderedDict()
         self._starting_by_seen: OrderedDict[int, None] = OrderedDict()
         self._by_progress: OrderedDict[int, None] = OrderedDict()
         self._gone: dict[int, None] = {}
@@ -145,7 +145,7 @@ class HeartbeatMonitor:
     def register(self, worker: int) -> None:
         """Start watching ``worker`` (its silence is timed from now)."""
         self._workers[worker] = _Worker(last_seen=self.clock())
-        self._by_seen.pop(worker, None)
+        self._training_by_seen.pop(worker, None)
         self._starting_by_seen[worker] = None
         self._starting_by_seen.move_to_end(worker)
         self._by_progress.pop(worker, None)
@@ -155,7 +155,7 @@ class HeartbeatMonitor:
     def forget(self, worker: int) -> None:
         """Stop watching ``worker`` (it was replaced or finished). Unknown ids are ignored."""
         self._workers.pop(worker, None)
-        self._by_seen.pop(worker, None)
+        self._training_by_seen.pop(worker, None)
         self._starting_by_seen.pop(worker, None)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
@@ -189,7 +189,7 @@ class HeartbeatMonitor:
         if entry is None:
             raise UnknownWorker(worker)
         now = self.clock()
-        watched = self._starting_by_seen if entry.starting else self._by_seen
+        watched = self._starting_by_seen if entry.starting else self._training_by_seen
         if worker in watched:
             self.longest_gap_s = max(self.longest_gap_s, now - entry.last_seen)
             if not entry.starting:
@@ -221,7 +221,7 @@ class HeartbeatMonitor:
         if self._lost:
             return True
         now = self.clock()
-        for watched in (self._by_seen, self._starting_by_seen):
+        for watched, _ in self._silence_orders():
             oldest = next(iter(watched), None)
             if oldest is not None and now - self._workers[oldest].last_seen >= silent_s:
                 return True
@@ -231,11 +231,15 @@ class HeartbeatMonitor:
         """When the oldest silence comes to its timeout (clock time; infinity when none is watched): the watch
         checks then rather than up to its interval later."""
         due = math.inf
-        for watched, timeout_s in ((self._by_seen, self.timeout_s), (self._starting_by_seen, self.start_timeout_s)):
+        for watched, timeout_s in self._silence_orders():
             oldest = next(iter(watched), None)
             if oldest is not None:
                 due = min(due, self._workers[oldest].last_seen + timeout_s)
         return due
+
+    def _silence_orders(self) -> tuple[tuple[OrderedDict[int, None], float], ...]:
+        """The watched workers by last heartbeat, each order with the timeout of its silences."""
+        return (self._training_by_seen, self.timeout_s), (self._starting_by_seen, self.start_timeout_s)
 
     def _set_starting(self, worker: int, entry: _Worker, starting: bool) -> None:
         """Move ``worker`` between the training and the starting order (if watched). A move appends it: to
@@ -245,7 +249,7 @@ class HeartbeatMonitor:
         if entry.starting == starting:
             return
         entry.starting = starting
-        training, start = self._by_seen, self._starting_by_seen
+        training, start = self._training_by_seen, self._starting_by_seen
         source, target = (training, start) if starting else (start, training)
         if worker in source:
             del source[worker]
@@ -264,7 +268,7 @@ class HeartbeatMonitor:
             entry = self._report(worker)
             self._lost.add(worker)
             verdicts.append(Lost(worker, now - entry.last_seen, entry.gone, entry.gone_by))
-        for watched, timeout_s in ((self._by_seen, self.timeout_s), (self._starting_by_seen, self.start_timeout_s)):
+        for watched, timeout_s in self._silence_orders():
             while watched:
                 worker = next(iter(watched))
                 silent = now - self._workers[worker].last_seen
@@ -289,7 +293,7 @@ class HeartbeatMonitor:
         """``worker`` gets its verdict: it is watched no more for loss or hang."""
         entry = self._workers[worker]
         entry.reported = True
-        self._by_seen.pop(worker, None)
+        self._training_by_seen.pop(worker, None)
         self._starting_by_seen.pop(worker, None)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
