@@ -5,12 +5,15 @@ a worker that asked to leave (SIGTERM) goes the same way and is told to exit 0 (
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, cast
 
+import anyio
 from test_supervisor import TARGET, Run
 
 from runtime.cluster.config import LaunchConfig, Strategy
 from runtime.cluster.controller.actions import file_cadence
+from runtime.cluster.controller.processes import WorkerProcess
 from runtime.cluster.controller.supervision import (
     DrainRequested,
     LeaveRequested,
@@ -19,8 +22,13 @@ from runtime.cluster.controller.supervision import (
     TopUpSpares,
     WorkerChanged,
 )
-from runtime.cluster.protocol import EXIT_REPLACE, Hello, Stop
+from runtime.cluster.controller.workers import renew_leases
+from runtime.cluster.protocol import EXIT_REPLACE, Hello, Lease, Message, Stop
 from runtime.core.events import GroupFormed
+
+if TYPE_CHECKING:
+    from runtime.cluster.controller.connection import Connection
+    from runtime.cluster.controller.shell import Controller
 
 
 def hello(run: Run, worker: int, instance: str) -> None:
@@ -183,3 +191,42 @@ def test_a_replica_file_of_every_step_only_where_a_lost_process_state_may_be_now
     # Every process restarted; a loss that ends the run (a rerun reads the files).
     assert file_cadence(config(replica_file_every=10, strategy=Strategy.RESTART), members=4) == 1
     assert file_cadence(config(replica_file_every=10, max_failures=0), members=4) == 1
+
+
+def leases_sent(run: Run) -> list[int]:
+    """The workers one round of the controller's ``renew_leases`` sends a lease to (each that said hello is
+    connected)."""
+    sent: list[int] = []
+
+    class Server:
+        async def send(self, proc: WorkerProcess, message: Message) -> None:
+            assert isinstance(message, Lease) and message.seconds == run.supervisor.config.heartbeat_timeout_s * 0.75
+            sent.append(proc.worker)
+
+    for proc in run.pool:
+        if proc.hello is not None:
+            proc.stream = proc.stream or cast("Connection", object())
+    controller = SimpleNamespace(config=run.supervisor.config, supervisor=run.supervisor, pool=run.pool)
+    controller.server, controller.stopping = Server(), False
+
+    async def one_round() -> None:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(renew_leases, cast("Controller", controller))
+            await anyio.wait_all_tasks_blocked()  # sent to each, now asleep for the heartbeat interval
+            tasks.cancel_scope.cancel()
+
+    anyio.run(one_round)
+    return sorted(sent)
+
+
+def test_a_drained_member_keeps_its_lease_until_it_leaves_at_its_planned_step(tmp_path: Path) -> None:
+    # Judged gone at the Form, it still steps with the old group to step 13: a lease that ran out before would
+    # stop it short, and its peers would wait for it in that step's collectives.
+    run = training(tmp_path)
+    run.feed(DrainRequested("host2", "maintenance of host2"))
+    assert run.pool[2].gone and 2 in run.supervisor.departing
+    assert leases_sent(run) == [0, 1, 2, 3]
+    run.commit(13)
+    run.pool[2].step = 13
+    run.feed(WorkerChanged(2))  # it left at its planned step
+    assert 2 not in run.supervisor.departing and leases_sent(run) == [0, 1, 3]
