@@ -30,9 +30,6 @@ from handlers import (
 from handlers.drain_host import HostDrains, save_when_asked
 from handlers.regroup import log_straggler, regroup_on_worker_failure
 from runtime.cluster.config import LaunchConfig
-from runtime.cluster.controller import Controller
-from runtime.cluster.controller.named_handlers import subscribe_named
-from runtime.cluster.controller.ray_backend import RayPlacement
 from runtime.cluster.worker import is_worker, run_worker
 from runtime.core.bus import EventBus
 from runtime.core.config import RuntimeConfig
@@ -61,6 +58,8 @@ from runtime.maintenance.source import BusContext
 from storage.cascade import TieredCheckpointer
 
 if TYPE_CHECKING:
+    from runtime.cluster.controller import Controller
+    from runtime.cluster.controller.ray_backend import RayPlacement
     from runtime.maintenance.pubsub import PubSubListener
 
 __all__ = [
@@ -133,6 +132,9 @@ def default_controller(config: LaunchConfig) -> Controller:
     Raises:
         ConfigError: a handler ``config.handlers`` names cannot be loaded (before any worker starts).
     """
+    from runtime.cluster.controller import Controller  # the controller (and GCS) only where a controller runs
+    from runtime.cluster.controller.named_handlers import subscribe_named
+
     controller = Controller(config)
     if config.faults:
         ProcessFaults(config.faults).attach(controller.bus)
@@ -171,6 +173,8 @@ def ray_controller(
     running ``command``; a lost one is replaced on another node (:class:`RayPlacement` says what ``env`` and
     ``replica_dir`` do). Connect to Ray first (``runtime.cluster.controller.ray_backend.ray_session``); after
     ``controller.run()``, ``placement.close()``."""
+    from runtime.cluster.controller.ray_backend import RayPlacement
+
     controller = default_controller(config)
     placement = RayPlacement(
         command, nprocs=config.nprocs, logs=controller.run_dir / "workers", env=env, replica_dir=replica_dir

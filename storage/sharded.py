@@ -25,7 +25,7 @@ import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -35,10 +35,12 @@ from storage import manifest as mf
 from storage import orbax_layout
 from storage.checked_read import LAYOUT, STATE_DIR
 from storage.disk import DiskTier, write_manifest
-from storage.gcs import GcsTier
 from storage.manifest import FileEntry, LeafEntry, Manifest
 from storage.pagecache import SyncedFiles
 from storage.shards import Box, _dtype, local_box, per_leaf
+
+if TYPE_CHECKING:
+    from storage.gcs import GcsTier
 
 __all__ = ["ShardedStore", "manifest_of", "read_local", "write_part", "writes"]
 
@@ -209,8 +211,11 @@ class ShardedStore:
 
     def __init__(self, location: str, *, staging: str | None = None) -> None:
         self.location = location.rstrip("/")
-        # Few parallel transfers: every process of a slice uploads at once.
-        self.gcs = GcsTier(location, name="durable", workers=2) if location.startswith("gs://") else None
+        self.gcs: GcsTier | None = None
+        if location.startswith("gs://"):
+            from storage.gcs import GcsTier  # google-cloud-storage only where a run uses GCS
+
+            self.gcs = GcsTier(location, name="durable", workers=2)  # few transfers: a slice's processes upload at once
         self.disk = DiskTier(location, name="durable", check_space=False) if self.gcs is None else None
         self.staging = staging
 
