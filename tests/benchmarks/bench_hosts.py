@@ -14,7 +14,7 @@ Each repeat runs the multi-host demo twice, the order alternating between repeat
   host start again, the lost host's on the fifth host, from the newest replica each worker wrote to a folder
   on disk (one per host; not ``/dev/shm``, which a host loses with its processes).
 
-Both detect the loss the same way (the controller's heartbeat timeout: 1 s without heartbeats) and both are
+Both detect the loss the same way (the controller's heartbeat timeout: 0.8 s without heartbeats) and both are
 timed by the demo from the moment the link went down to the first step the group trains and commits after
 it; the demo's ``--verify`` compares each run's final parameters with a fault-free run of the same 4-process
 group on loopback (bitwise where every group had 4 hosts, as in the full restart; else within 1e-5
@@ -42,7 +42,7 @@ from runtime.core.events import GroupFormed, GroupForming, RunFinished, WorkerLo
 
 HOSTS = 4
 LOSE_AT = 20
-GOALS = {"detected_after_s": 2.5, "recovered_after_s": 5.0}
+GOALS = {"detected_after_s": 1.0, "recovered_after_s": 5.0}  # detection: issue 34's goal; next commit: issue 18's
 
 
 MODES = {"reform": [], "full_restart": ["--full-restart"], "fault_free": ["--no-fault"]}
@@ -183,7 +183,7 @@ def main() -> int:
     reform = results["reform"]["recovered_after_s"]["median"]
     results["ratio"] = round(results["full_restart"]["recovered_after_s"]["median"] / reform, 2)
     results["goals_met"] = {
-        "detection <= 2.5 s": results["reform"]["detected_after_s"]["max"] <= GOALS["detected_after_s"],
+        "detection <= 1 s": results["reform"]["detected_after_s"]["max"] <= GOALS["detected_after_s"],
         "next commit <= 5 s": results["reform"]["recovered_after_s"]["max"] <= GOALS["recovered_after_s"],
         "0 committed steps lost": set(results["reform"]["lost_steps"]) == {0},
         "0 survivor / controller restarts": set(results["reform"]["survivor_restarts"]) == {0}

@@ -20,6 +20,7 @@ from launch_support import STEPS, fault_free_final
 from test_hosts import _WAIT_S, events, service_run, wait_for
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
+from runtime.cli.launch import DEFAULTS
 from runtime.core.events import (
     GroupFormed,
     GroupForming,
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.timeout(300)
 
 HOSTS = 4
 RACK = (1, 2)
-HEARTBEAT_TIMEOUT_S = 1.0  # the controller's default (--heartbeat-timeout)
+HEARTBEAT_TIMEOUT_S = DEFAULTS["heartbeat_timeout_s"]  # the controller's default (--heartbeat-timeout)
 # Detection was 1.86-2.06 s after the cut at load 7.6-21 (2 cores) with the earlier 2 s default: printed, not
 # asserted (a loaded machine delays the monitor); that the silence, not something later, found them is asserted.
 

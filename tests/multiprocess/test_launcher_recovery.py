@@ -18,6 +18,7 @@ import pytest
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
 
 from runtime.cli.demo_multiprocess import run_group
+from runtime.cli.launch import DEFAULTS
 from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 from runtime.core.eventlog import read_events
 from runtime.core.events import (
@@ -167,7 +168,8 @@ def test_sigstop_hang_is_detected_and_the_worker_replaced(tmp_path: Path, refere
     [hung] = [e for e in events if isinstance(e, WorkerHung)]
     assert "stopped" in hung.message
     [detected] = result.detected_after_s
-    assert 0.75 <= detected < 2.0  # the heartbeat timeout of a training worker (1 s) less a beat interval, or more
+    timeout = DEFAULTS["heartbeat_timeout_s"]  # of a training worker: less a beat interval, or more (under load)
+    assert timeout - 0.25 <= detected < 2.0
     assert_no_committed_step_lost(events)
     assert_same_final_state(tmp_path, reference)
 
