@@ -79,7 +79,7 @@ def test_the_worker_fails_with_the_compat_error_not_an_attribute_error(monkeypat
     form = Form(generation=1, coordinator="127.0.0.1:1", process_id=0, num_processes=1)
     entry_point = "jax._src.lib._jax.get_distributed_runtime_client"
     with pytest.raises(IncompatibleVersion, match=_names("jaxlib", entry_point) + "is missing; .* supports jaxlib"):
-        join_group(form, WorkerSettings.from_env({ENV_CONTROLLER: "127.0.0.1:1", ENV_WORKER: "0"}))
+        join_group(form, WorkerSettings.from_env({ENV_CONTROLLER: "127.0.0.1:1", ENV_WORKER: "0"}), lambda: False)
 
 
 def test_the_controller_fails_with_the_compat_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -123,7 +123,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     local_devices: Positive = 2
     slices: NonNegative = 0
     heartbeat_interval_s: Seconds = 0.2
-    heartbeat_timeout_s: Seconds = 1.0
+    heartbeat_timeout_s: Seconds = 0.8
     heartbeat_start_timeout_s: Seconds = 2.0
     hang_timeout_s: Seconds = 5.0
     strategy: Strategy = Strategy.REFORM

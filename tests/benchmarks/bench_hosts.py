@@ -14,7 +14,7 @@ Each repeat runs the multi-host demo twice, the order alternating between repeat
   host start again, the lost host's on the fifth host, from the newest replica each worker wrote to a folder
   on disk (one per host; not ``/dev/shm``, which a host loses with its processes).
 
-Both detect the loss the same way (the controller's heartbeat timeout: 1 s without heartbeats) and both are
+Both detect the loss the same way (the controller's heartbeat timeout: 0.8 s without heartbeats) and both are
 timed by the demo from the moment the link went down to the first step the group trains and commits after
 it; the demo's ``--verify`` compares each run's final parameters with a fault-free run of the same 4-process
 group on loopback (bitwise where every group had 4 hosts, as in the full restart; else within 1e-5

@@ -14,6 +14,7 @@ from runtime.cluster.controller.processes import ProcessPool
 from runtime.cluster.controller.supervision import (
     Action,
     EndRun,
+    FillSeats,
     Finish,
     Input,
     Kill,
@@ -64,6 +65,7 @@ class Run:
         self.forms: list[SendForm] = []
         self.events: list[Event] = []
         self.killed: list[int] = []
+        self.filled: list[FillSeats] = []
         self.ended: BaseException | None = None
         self.finished = False
         self.next_worker = 0
@@ -94,6 +96,8 @@ class Run:
                 case SendForm():
                     self.forms.append(action)
                     self.supervisor.hosted(action.generation, f"127.0.0.1:{1000 + action.generation}")
+                case FillSeats():
+                    self.filled.append(action)
                 case Publish(event=published):
                     self.events.append(published)
                 case EndRun(error=error):
@@ -251,6 +255,48 @@ def test_a_member_lost_after_the_others_got_past_jaxs_start_drops_out_and_the_re
     run.join(step=10, tier="ram")
     run.commit(11)
     assert run.killed == [] and run.supervisor.recovery.failures == 2 and run.ended is None
+
+
+def serving_four(tmp_path: Path, min_nprocs: int) -> Run:
+    """A run of 4 workers, no spare, trained to step 10, its controller in service mode from then on."""
+    run = Run(tmp_path, nprocs=4, spares=0, min_nprocs=min_nprocs)
+    run.spawn(4)
+    run.feed(Start())
+    run.hello(0, 1, 2, 3)
+    run.join()
+    run.commit(10)
+    run.service_mode()
+    return run
+
+
+def test_in_service_mode_a_member_lost_before_anyone_got_past_jaxs_start_drops_out_at_once(tmp_path: Path) -> None:
+    # No spare of the controller's and none ready: the others would wait in JAX's start for the lost seat until
+    # the form timeout, and then be told to exit, which in service mode nobody replaces (a rack lost over half a
+    # second, test_hosts_rack.py). They re-form without it at once; stand-ins fill its seat once they all went on.
+    run = serving_four(tmp_path, min_nprocs=2)
+    run.lose(1)
+    run.wait(0.1)
+    assert (run.forms[-1].generation, run.forms[-1].members) == (2, (0, 2, 3))
+    run.lose(2)  # before anyone is in generation 2
+    form = run.forms[-1]
+    assert (form.generation, form.members, form.strategy, form.seats) == (3, (0, 3), Strategy.REFORM, ())
+    assert run.killed == [] and not [m for _, m in run.sent if isinstance(m, Stop)]
+    for worker in (0, 3):
+        assert run.filled == []  # worker 3 may still wait in generation 2's start: its connect must not return
+        run.pool[worker].generation = 3  # its heartbeat names generation 3: it left generation 2's start
+        run.feed(Progress(worker, run.pool[worker].step))
+    assert run.filled == [FillSeats(2, "127.0.0.1:1002", (1,))]  # worker 2's seat in (0, 2, 3)
+    run.join(step=10, tier="ram")
+    run.commit(11)
+    assert run.supervisor.recovery.failures == 2 and run.result.survivor_restarts == 0 and run.ended is None
+    assert run.result.strategies == [Strategy.START, Strategy.REFORM] and run.filled == [run.filled[0]]
+
+    # Too few to go on (min_nprocs 3): the seat waits for a replacement, as when the controller starts spares.
+    short = serving_four(tmp_path / "short", min_nprocs=3)
+    short.lose(1)
+    short.wait(0.1)
+    short.lose(2)
+    assert [f.generation for f in short.forms] == [1, 2] and short.filled == [] and short.killed == []
 
 
 def test_a_failed_restore_reforms_the_same_members_once_and_a_step_read_from_the_next_tier_does_not(

@@ -3,9 +3,10 @@
 ``shell`` is the async shell (the ``Controller``; its parts ``actions``, ``messages``, ``admission``, ``commits``,
 ``workers``, ``ending``), ``supervisor`` the synchronous decisions it carries out (inputs, actions and phases in
 ``supervision``; forming a generation in ``forming``, its restore in ``restore``, draining and growing in
-``planned``), ``membership`` the group, ``heartbeat`` the liveness verdicts, ``processes`` and ``server`` the
-workers' processes and connections, ``durable`` the durable commits, ``relay`` the group's events to the
-script's handlers, ``ray_backend`` Ray as the scheduler.
+``planned``), ``standin`` the process that fills a given-up generation's lost seats, ``membership`` the group,
+``heartbeat`` the liveness verdicts, ``processes`` and ``server`` the workers' processes and connections,
+``durable`` the durable commits, ``relay`` the group's events to the script's handlers, ``ray_backend`` Ray as
+the scheduler.
 """
 
 from runtime.cluster.controller.shell import Controller

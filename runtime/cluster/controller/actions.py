@@ -6,17 +6,20 @@ send its ``Form``, publish events, end the run).
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import time
 from typing import TYPE_CHECKING
 
 import anyio
 
 from runtime.cluster.config import LaunchConfig, Strategy
-from runtime.cluster.controller.coordination import host_service
+from runtime.cluster.controller.coordination import ENV_SIMULATED, host_service
 from runtime.cluster.controller.runfolder import save_fences
 from runtime.cluster.controller.supervision import (
     Action,
     EndRun,
+    FillSeats,
     Finish,
     Input,
     Kill,
@@ -37,7 +40,7 @@ from runtime.faults.process import worker_faults_text
 if TYPE_CHECKING:
     from runtime.cluster.controller.shell import Controller
 
-__all__ = ["carry_out", "save_fences_now", "send_form", "supervise", "tick_at"]
+__all__ = ["carry_out", "fill_seats", "save_fences_now", "send_form", "supervise", "tick_at"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,8 @@ async def carry_out(controller: Controller, actions: list[Action]) -> None:
                 await controller.server.send(controller.pool[worker], message)
             case SendForm():
                 await send_form(controller, action)
+            case FillSeats():
+                fill_seats(controller, action)
             case SaveFences():
                 save_fences_now(controller)
             case WarmSpares():
@@ -148,6 +153,20 @@ async def send_form(controller: Controller, form: SendForm) -> None:
             programs=controller.programs,
         )
         await controller.server.send(controller.pool[worker], message)
+
+
+def fill_seats(controller: Controller, action: FillSeats) -> None:
+    """Start the stand-ins for a given-up generation's lost seats (``standin.py``); they end by themselves."""
+    # Imported here: ``python -m`` runs the module, which must not be imported with this package before.
+    from runtime.cluster.controller.standin import command as standin_command
+
+    if os.environ.get(ENV_SIMULATED) == "1":
+        return  # simulated workers wait in no JAX start
+    path = controller.pool.logs / f"standin-{action.generation}.log"
+    log.info("generation %d: stand-ins fill seats %s (log %s)", action.generation, action.seats, path)
+    with open(path, "ab") as out:
+        command = standin_command(action.coordinator, action.seats)
+        controller.standins.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT))
 
 
 def file_cadence(config: LaunchConfig, members: int) -> int:

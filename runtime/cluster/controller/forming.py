@@ -1,12 +1,14 @@
 """Forming a generation, the supervisor's longest decision: recruit spares (started if need be) around the
 survivors, seat them, send every member ``Form`` and wait for every ``Joined``; a member lost meanwhile drops out
-(the rest re-form) or has its seat taken by a spare, and a group that does not form in time restarts. Functions
-over the :class:`~runtime.cluster.controller.supervisor.Supervisor`'s state, synchronous like it.
+(the rest re-form), has its seat taken by a spare, or gives the generation up (the rest re-form without it at
+once), and a group that does not form in time restarts. Functions over the
+:class:`~runtime.cluster.controller.supervisor.Supervisor`'s state, synchronous like it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runtime.cluster.config import LaunchError, Strategy
@@ -14,6 +16,7 @@ from runtime.cluster.controller.processes import WorkerProcess
 from runtime.cluster.controller.restore import send_restore
 from runtime.cluster.controller.supervision import (
     Action,
+    FillSeats,
     Input,
     Kill,
     MemberJoined,
@@ -32,12 +35,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PLANNED_AHEAD",
+    "GivenUp",
     "await_joins",
     "cordoned",
     "departure_code",
     "form_generation",
+    "give_up",
     "join_timeout",
     "recruit",
+    "release_given_up",
     "seat_members",
     "seatable",
     "started_jax",
@@ -198,6 +204,9 @@ def await_joins(sup: Supervisor, out: list[Action], due: bool, event: Input) -> 
         log.warning("generation %d: %s lost while forming; re-forming without", sup.group.generation, lost)
         form_generation(sup, out, sup.config.strategy, sup.forming_reason)
         return
+    if lost and not due and can_give_up(sup, procs):
+        give_up(sup, out, lost)
+        return
     if lost and not due:
         substitute(sup, out, lost)  # the others wait in JAX's start for those seats: spares take them
         return
@@ -230,6 +239,47 @@ def started_jax(sup: Supervisor, procs: list[WorkerProcess]) -> bool:
     waits for every seat, so then every member got past it."""
     generation = sup.group.generation
     return any(p.joined is not None or (p.generation == generation and not p.gone) for p in procs)
+
+
+@dataclass
+class GivenUp:
+    """A generation given up before it formed: its service, the lost members' seats in it, and the members
+    still waiting in its start (until their heartbeats name a later generation)."""
+
+    coordinator: str
+    seats: tuple[int, ...]
+    waiting: set[int]
+
+
+def can_give_up(sup: Supervisor, procs: list[WorkerProcess]) -> bool:
+    """Whether the rest of a generation that lost members before it formed should re-form without them now:
+    where the controller starts no workers (the orchestrator replaces them, when it does), no spare is ready
+    for the seats, and the rest are enough (``min_nprocs``) and all seated again (no slice short)."""
+    if sup.config.starts_workers or not sup.coordinator or any(seatable(sup, p) for p in sup.pool):
+        return False
+    rest = [p.worker for p in procs if not p.gone]
+    assert sup.config.min_nprocs is not None
+    return len(rest) >= sup.config.min_nprocs and sup.group.seat(rest, []) == rest
+
+
+def give_up(sup: Supervisor, out: list[Action], lost: list[int]) -> None:
+    """Give the generation being formed up and form the next without ``lost``: its other members wait in JAX's
+    start for the lost seats, and a later Form frees them (``runtime/cluster/worker/group.py``); once they all
+    went on, stand-ins fill those seats so that their waiting ends too (``release_given_up``)."""
+    generation, members = sup.group.generation, sup.group.members
+    seats = tuple(members.index(worker) for worker in lost)
+    sup.given_up[generation] = GivenUp(sup.coordinator, seats, {w for w in members if w not in lost})
+    log.warning("generation %d: %s lost before it formed; given up, re-forming without", generation, lost)
+    form_generation(sup, out, sup.config.strategy, sup.forming_reason)
+
+
+def release_given_up(sup: Supervisor, out: list[Action]) -> None:
+    """Fill the lost seats of each given-up generation whose members all went on (or were lost since)."""
+    for generation, given in list(sup.given_up.items()):
+        given.waiting = {w for w in given.waiting if not sup.pool[w].gone and sup.pool[w].generation <= generation}
+        if not given.waiting:
+            del sup.given_up[generation]
+            out.append(FillSeats(generation, given.coordinator, given.seats))
 
 
 def substitute(sup: Supervisor, out: list[Action], lost: list[int]) -> None:

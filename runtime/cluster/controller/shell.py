@@ -31,6 +31,7 @@ import logging
 import math
 import secrets
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -195,6 +196,7 @@ class Controller:
         # Every generation's coordination service stays up until the run ends: stopping one while a live
         # worker's client is still attached makes that client terminate its process.
         self.services: list[Any] = []
+        self.standins: list[subprocess.Popen[bytes]] = []  # filling given-up generations' seats (``standin.py``)
         self.spares_dead_before_hello = 0  # in a row: reset by any Hello
         # Ending the run early: an error that ends it (a worker's StepError, JobUnsupported) or a signal
         # (SIGTERM, SIGINT) cancels the supervision, and the run drains like any other end.
@@ -337,6 +339,9 @@ class Controller:
                         # that would be neither served nor counted.
                         await listener.aclose()
                         await self.server.flush()
+                        for standin in self.standins:  # past its timeout, or its service is going now
+                            standin.kill()
+                            await anyio.to_thread.run_sync(standin.wait)
                         for service in self.services:
                             await anyio.to_thread.run_sync(service.shutdown)
                         finished = RunFinished(

@@ -17,6 +17,7 @@ __all__ = [
     "Action",
     "DrainRequested",
     "EndRun",
+    "FillSeats",
     "Finish",
     "Input",
     "Kill",
@@ -201,6 +202,16 @@ class SendForm:
 
 
 @dataclass(frozen=True)
+class FillSeats:
+    """Fill the lost members' ``seats`` of generation ``generation``, given up before it formed, with stand-ins
+    (``standin.py``): every member left it for a later one, and its start still waits for those seats."""
+
+    generation: int
+    coordinator: str
+    seats: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SaveFences:
     """Write the generation and fences to the run folder (a resumed controller goes on from them)."""
 
@@ -227,7 +238,7 @@ class Finish:
     """Every member finished: the run ends well."""
 
 
-Action = Spawn | TopUpSpares | Kill | Send | SendForm | SaveFences | WarmSpares | Publish | EndRun | Finish
+Action = Spawn | TopUpSpares | Kill | Send | SendForm | FillSeats | SaveFences | WarmSpares | Publish | EndRun | Finish
 
 
 class Phase(Enum):

@@ -14,8 +14,10 @@ Forming a generation: recruit spares (started if need be) to fill the group arou
 (``Membership.plan_restore``). A member lost while the group forms drops out of that forming, and nobody else
 is replaced: once a member is in the generation (it joined, or its heartbeat names the generation) every member
 got past JAX's start, so the rest re-form at once as after any loss; before that the others wait in JAX's start
-for the lost one's seat, so a spare takes that seat in the same generation (started if none is ready). Only a
-group that does not form in time (``form_timeout_s``) restarts with every worker replaced. Its inputs, actions
+for the lost one's seat, so a spare takes that seat in the same generation (started if none is ready), or,
+where the controller starts none and none is ready, the generation is given up and the rest re-form without it at
+once (``forming.give_up``). Only a group that does not form in time (``form_timeout_s``) restarts with every
+worker replaced. Its inputs, actions
 and phases are in ``supervision.py``; forming a generation is in ``forming.py``, its restore in ``restore.py``,
 the planned re-formings (draining a host or a member that asked to leave, growing back) in ``planned.py``:
 functions over this class's state.
@@ -28,7 +30,14 @@ import time
 from collections.abc import Callable
 
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
-from runtime.cluster.controller.forming import await_joins, departure_code, form_generation, recruit
+from runtime.cluster.controller.forming import (
+    GivenUp,
+    await_joins,
+    departure_code,
+    form_generation,
+    recruit,
+    release_given_up,
+)
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor
 from runtime.cluster.controller.membership import Membership
 from runtime.cluster.controller.planned import can_grow, drain
@@ -138,6 +147,7 @@ class Supervisor:
         # Members drained or let go at a planned step -> (the generation formed without them, that step). Until
         # then they step with the old group, whose collectives need them: an earlier end is a loss.
         self.departing: dict[int, tuple[int, int]] = {}
+        self.given_up: dict[int, GivenUp] = {}  # generation -> what stays to do for it (``forming.give_up``)
 
     @property
     def done(self) -> bool:
@@ -205,6 +215,8 @@ class Supervisor:
                 self._departed(out, worker)
             case WorkerChanged() | MemberJoined() | Tick():
                 pass
+        if self.given_up:  # for seconds after a give-up: a heartbeat names a later generation, a loss is counted
+            release_given_up(self, out)
         if not self.done:
             self._advance(out, event, frequent)
         return out

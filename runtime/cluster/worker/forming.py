@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.cluster.protocol import Form, Joined
+from runtime.cluster.protocol import Form, Joined, Stop
 from runtime.cluster.worker.group import join_group, leave_group
 from runtime.cluster.worker.restore import best_local, local_steps
 from runtime.core.cadence import EveryN
@@ -68,7 +68,9 @@ def form_group(worker: Worker, form: Form) -> None:
         worker.state = None  # it lived on the old backend
         worker.collect_in = COLLECT_AFTER_STEPS
     left = time.monotonic()
-    join_group(form, worker.settings)
+    if not join_group(form, worker.settings, partial(given_up, worker)):
+        log.warning("worker %d: generation %d given up before it formed", worker.worker, form.generation)
+        return
     if jax.process_count() != form.num_processes:
         # Another thread asked JAX between leaving the old group and joining this one, which brought up a
         # backend outside any group: drop it, so the next call brings up the group's.
@@ -178,6 +180,12 @@ def form_group(worker: Worker, form: Form) -> None:
             mesh_shape={str(name): int(size) for name, size in worker.mesh.shape.items()},
         )
     )
+
+
+def given_up(worker: Worker) -> bool:
+    """Whether the controller gave up the group being joined: a later Form, or a Stop, waits in the inbox."""
+    with worker.link.inbox.mutex:
+        return any(isinstance(m, Form) or (isinstance(m, Stop) and not m.hold) for m in worker.link.inbox.queue)
 
 
 def keep_host_copies(worker: Worker) -> None:

@@ -3,21 +3,37 @@
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
+from typing import Any
 
 from runtime.cluster.protocol import Form
 from runtime.cluster.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
+# How often a worker waiting in the group's start looks whether the controller gave that group up.
+_GIVEN_UP_POLL_S = 0.02
 
-def join_group(form: Form, settings: WorkerSettings) -> None:
-    """Connect this process to the group's coordination service, which the controller hosts.
+
+def join_group(form: Form, settings: WorkerSettings, given_up: Callable[[], bool]) -> bool:
+    """Connect this process to the group's coordination service, which the controller hosts; False when
+    ``given_up()`` turned true first.
 
     ``jax.distributed.initialize`` would start the service inside process 0; measured here, when process 0
     is then killed every survivor's coordination client polls an error and terminates its process (and a
     Python error callback cannot stand in: jaxlib 0.10.2 aborts casting its status). With the service in
     the never-restarted controller, any worker, process 0 included, can die without taking the others down.
     This uses the same private entry points ``initialize`` uses, through :mod:`runtime.compat.jax`.
+
+    The connect waits for every seat of the group. When a member is lost before it took its seat and the
+    controller forms the next generation without it, the connect can neither be cancelled nor be left to fail
+    (a client that fails to connect terminates its process): it goes on in its thread, and the controller
+    fills the lost seats with stand-ins (``standin.py``) once every member has left the group, so that it
+    returns and is shut down.
     """
     from runtime.compat import jax as jax_compat
 
@@ -32,11 +48,41 @@ def join_group(form: Form, settings: WorkerSettings) -> None:
         heartbeat_timeout=settings.jax_heartbeat_s,
         shutdown_timeout=settings.jax_shutdown_s,
     )
-    client.connect()
+    connecting: Future[None] = Future()
+
+    def connect() -> None:
+        try:
+            client.connect()
+            connecting.set_result(None)
+        except BaseException as exc:  # raised in the caller's thread, or logged once given up
+            connecting.set_exception(exc)
+
+    threading.Thread(target=connect, name=f"join-{form.generation}", daemon=True).start()
+    while True:
+        try:
+            connecting.result(timeout=_GIVEN_UP_POLL_S)
+            break
+        except FutureTimeout:
+            if given_up():
+                connecting.add_done_callback(partial(_leave_given_up, client, form.generation))
+                return False
     state.client = client
     state.coordinator_address = form.coordinator
     state.process_id = form.process_id
     state.num_processes = form.num_processes
+    return True
+
+
+def _leave_given_up(client: Any, generation: int, connecting: Future[None]) -> None:
+    """In the connect's thread as it returns (the lost seats filled by stand-ins): leave the given-up group."""
+    if connecting.exception() is not None:
+        log.warning("generation %d, given up, ended: %s", generation, connecting.exception())
+        return
+    try:
+        client.shutdown()
+    except Exception as exc:  # a group given up before it formed: its shutdown may complain
+        log.warning("leaving generation %d, given up: %s: %s", generation, type(exc).__name__, exc)
+    log.info("left generation %d, given up before it formed", generation)
 
 
 def leave_group() -> None:
