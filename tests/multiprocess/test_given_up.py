@@ -5,17 +5,26 @@ ends at JAX's initialization timeout by terminating the member's process."""
 from __future__ import annotations
 
 import logging
+import queue
 import subprocess
 import time
+import types
+from typing import TYPE_CHECKING, cast
 
+import msgspec
 import pytest
 
 from runtime.cluster.controller.coordination import free_port, start_coordination_service
 from runtime.cluster.controller.standin import command
-from runtime.cluster.protocol import ENV_CONTROLLER, ENV_WORKER, Form
+from runtime.cluster.protocol import ENV_CONTROLLER, ENV_WORKER, Form, Lease, Stop
+from runtime.cluster.worker.forming import given_up
 from runtime.cluster.worker.group import join_group
+from runtime.cluster.worker.link import Inbound
 from runtime.cluster.worker.settings import WorkerSettings
 from runtime.compat import jax as jax_compat
+
+if TYPE_CHECKING:
+    from runtime.cluster.worker.loop import Worker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,3 +55,18 @@ def test_a_member_leaves_a_generation_given_up_and_stand_ins_end_its_wait(caplog
             time.sleep(0.05)
     finally:
         service.shutdown()
+
+
+def test_what_in_the_inbox_gives_a_generation_up() -> None:
+    inbox: queue.Queue[Inbound] = queue.Queue()
+    worker = cast("Worker", types.SimpleNamespace(link=types.SimpleNamespace(inbox=inbox)))
+    form = Form(generation=2, coordinator="127.0.0.1:1", process_id=0, num_processes=3)
+    inbox.put(Lease(seconds=0.6))
+    inbox.put(form)  # the same generation's Form, sent again
+    inbox.put(Stop(reason="maintenance", hold=True))
+    assert not given_up(worker, 2)
+    inbox.put(msgspec.structs.replace(form, generation=3))
+    assert given_up(worker, 2) and not given_up(worker, 3)
+    assert inbox.qsize() == 4  # looked at, not taken: the loop handles them next
+    inbox.put(Stop(reason="run over"))
+    assert given_up(worker, 3)

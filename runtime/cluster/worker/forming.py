@@ -68,7 +68,7 @@ def form_group(worker: Worker, form: Form) -> None:
         worker.state = None  # it lived on the old backend
         worker.collect_in = COLLECT_AFTER_STEPS
     left = time.monotonic()
-    if not join_group(form, worker.settings, partial(given_up, worker)):
+    if not join_group(form, worker.settings, partial(given_up, worker, form.generation)):
         log.warning("worker %d: generation %d given up before it formed", worker.worker, form.generation)
         return
     if jax.process_count() != form.num_processes:
@@ -182,10 +182,14 @@ def form_group(worker: Worker, form: Form) -> None:
     )
 
 
-def given_up(worker: Worker) -> bool:
-    """Whether the controller gave up the group being joined: a later Form, or a Stop, waits in the inbox."""
+def given_up(worker: Worker, generation: int) -> bool:
+    """Whether the controller gave up ``generation``, being joined: a later one's Form, or a Stop, waits in the
+    inbox. (A Form of the same generation, sent again, is no reason to leave it.)"""
     with worker.link.inbox.mutex:
-        return any(isinstance(m, Form) or (isinstance(m, Stop) and not m.hold) for m in worker.link.inbox.queue)
+        waiting = list(worker.link.inbox.queue)
+    return any(
+        (isinstance(m, Form) and m.generation > generation) or (isinstance(m, Stop) and not m.hold) for m in waiting
+    )
 
 
 def keep_host_copies(worker: Worker) -> None:
