@@ -17,10 +17,9 @@ got past JAX's start, so the rest re-form at once as after any loss; before that
 for the lost one's seat, so a spare takes that seat in the same generation (started if none is ready), or,
 where the controller starts none and none is ready, the generation is given up and the rest re-form without it at
 once (``forming.give_up``). Only a group that does not form in time (``form_timeout_s``) restarts with every
-worker replaced. Its inputs, actions
-and phases are in ``supervision.py``; forming a generation is in ``forming.py``, its restore in ``restore.py``,
-the planned re-formings (draining a host or a member that asked to leave, growing back) in ``planned.py``:
-functions over this class's state.
+worker replaced. Its inputs, actions and phases are in ``supervision.py``; forming a generation is in
+``forming.py``, its restore in ``restore.py``, the planned re-formings (draining a host or a member that asked to
+leave, growing back) in ``planned.py``: functions over this class's state.
 """
 
 from __future__ import annotations
