@@ -199,6 +199,33 @@ def test_under_launch_the_first_forming_is_start_up_and_a_reforming_is_split_by_
     assert sum(failure.phases.values()) == pytest.approx(failure.recovery_s)
 
 
+def test_a_forming_given_up_for_another_is_its_own_phase() -> None:
+    """As above, but a second worker is lost while generation 2 forms (at 9.0): generation 3 is asked to form at
+    9.1 and forms at 9.6; step 5 commits at 10.4. The 1.1 s between the two formings is ``forming_again``, not
+    recruiting; the phases still add up to the recovery."""
+    joined = {"connect": 0.1, "load": 0.2}
+    events = [
+        *group(1, 0.0, 5.0, {"trace": 1.0, "compile": 3.0}),
+        RunStarted(step=0, mono_time=5.1, target_steps=5, mesh_shape=SHAPE8, devices=tuple(range(8))),
+        *(commit(step, 6.0 + 0.5 * (step - 1)) for step in range(1, 5)),
+        WorkerLost(step=5, mono_time=7.8, worker=1, silent_s=0.8),
+        group(2, 8.0, 8.0, {})[0],  # its GroupForming only: it never formed
+        WorkerLost(step=5, mono_time=9.0, worker=2, silent_s=2.0),
+        *group(3, 9.1, 9.6, joined),
+        commit(5, 10.4),
+        RecoveryCompleted(
+            step=5, mono_time=10.4, cause="WorkerLost", failed_step=5, recovery_s=2.6, lost_steps=0,
+            restored_from="ram", mesh_shape=SHAPE8,
+        ),
+        RunFinished(step=5, mono_time=10.4, ok=True),
+    ]  # fmt: skip
+    (failure,) = goodput(events).failures
+    assert failure.phases == pytest.approx(
+        {"recruit": 0.2, "forming_again": 1.1, **joined, "join_other": 0.2, "first_step": 0.5, "restore": 0.3}
+    )
+    assert sum(failure.phases.values()) == pytest.approx(failure.recovery_s)
+
+
 def test_a_failure_never_recovered_is_reported_as_such() -> None:
     events = [*two_failure_run()[:9], RunFinished(step=4, mono_time=5.0, ok=False, reason="gave up")]
     report = goodput(events)

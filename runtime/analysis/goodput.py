@@ -72,8 +72,9 @@ class FailureRecord:
     restored_from: str
     compile_wait_s: float = 0.0  # of the recovery, waiting for the new mesh's programs to trace and compile
     # Under launch, the recovery by phase, adding up to ``recovery_s``: recruit (until the new group was asked
-    # to form), the slowest member's join (wait, leave, connect, trace, compile, load, read, and ``join_other``), and
-    # the restore and first step after the group formed.
+    # to form), forming_again (when a member lost meanwhile made it form again without it), the slowest member's
+    # join (wait, leave, connect, trace, compile, load, read, and ``join_other``), and the restore and first step
+    # after the group formed.
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -274,11 +275,14 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
 def _reform_phases(failure: Failure, done: RecoveryCompleted, window: list[Event], rerun: float) -> dict[str, float]:
     """A multi-process recovery by phase (see :attr:`FailureRecord.phases`), or {} when no group re-formed in
     ``window`` (one process: the restore and compile wait are in the events as they are)."""
-    forming = next((e for e in reversed(window) if isinstance(e, GroupForming)), None)
+    formings = [e for e in window if isinstance(e, GroupForming)]
     formed = next((e for e in reversed(window) if isinstance(e, GroupFormed)), None)
-    if forming is None or formed is None or formed.mono_time < forming.mono_time:
+    if not formings or formed is None or formed.mono_time < formings[-1].mono_time:
         return {}
-    phases = {"recruit": forming.mono_time - failure.mono_time}
+    forming = formings[-1]
+    phases = {"recruit": formings[0].mono_time - failure.mono_time}
+    if len(formings) > 1:  # a member lost while the group formed: it formed again without (given up, or dropped)
+        phases["forming_again"] = forming.mono_time - formings[0].mono_time
     joined = formed.mono_time - forming.mono_time
     member = {k: v for k, v in formed.phases.items() if v > 0}
     scale = min(1.0, joined / sum(member.values())) if member else 1.0  # the slowest member, clipped to the wait
