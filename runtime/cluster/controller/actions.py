@@ -157,11 +157,11 @@ async def send_form(controller: Controller, form: SendForm) -> None:
 
 def fill_seats(controller: Controller, action: FillSeats) -> None:
     """Start the stand-ins for a given-up generation's lost seats (``standin.py``); they end by themselves."""
+    if os.environ.get(ENV_SIMULATED) == "1":
+        return  # simulated workers wait in no JAX start
     # Imported here: ``python -m`` runs the module, which must not be imported with this package before.
     from runtime.cluster.controller.standin import command as standin_command
 
-    if os.environ.get(ENV_SIMULATED) == "1":
-        return  # simulated workers wait in no JAX start
     path = controller.pool.logs / f"standin-{action.generation}.log"
     log.info("generation %d: stand-ins fill seats %s (log %s)", action.generation, action.seats, path)
     with open(path, "ab") as out:

@@ -78,10 +78,7 @@ def _leave_given_up(client: Any, generation: int, connecting: Future[None]) -> N
     if connecting.exception() is not None:
         log.warning("generation %d, given up, ended: %s", generation, connecting.exception())
         return
-    try:
-        client.shutdown()
-    except Exception as exc:  # a group given up before it formed: its shutdown may complain
-        log.warning("leaving generation %d, given up: %s: %s", generation, type(exc).__name__, exc)
+    _shut_down(client, f"generation {generation}, given up")
     log.info("left generation %d, given up before it formed", generation)
 
 
@@ -92,7 +89,12 @@ def leave_group() -> None:
     state = jax_compat.distributed_state()
     client, state.client = state.client, None
     if client is not None:
-        try:
-            client.shutdown()
-        except Exception as exc:  # the old group is broken by design here; its shutdown may complain
-            log.warning("leaving the old group: %s: %s", type(exc).__name__, exc)
+        _shut_down(client, "the old group")
+
+
+def _shut_down(client: Any, group: str) -> None:
+    """Disconnect ``client``: its group is broken or was never formed, so its shutdown may complain (logged)."""
+    try:
+        client.shutdown()
+    except Exception as exc:
+        log.warning("leaving %s: %s: %s", group, type(exc).__name__, exc)
