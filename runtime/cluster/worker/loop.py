@@ -61,9 +61,10 @@ from storage.shards import NeighbourShift, SliceRestore
 
 log = logging.getLogger(__name__)
 
-# A heartbeat this late is logged: the controller's timeout is 2 s by default, and the log then says whether a
-# worker declared silent had stopped sending (its heartbeat thread waited for the GIL or a CPU) or was read late.
-_LATE_BEAT_S = 1.0
+# A heartbeat this late is logged: with the 0.2 s interval its silence is then past half the controller's 0.8 s
+# default timeout, and the log says whether a worker declared silent had stopped sending (its heartbeat thread
+# waited for the GIL or a CPU) or was read late.
+_LATE_BEAT_S = 0.2
 
 
 class Worker:
