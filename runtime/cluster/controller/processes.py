@@ -117,7 +117,8 @@ def log_tail(path: Path, limit: int = 3000) -> str:
     except OSError as exc:
         return f"(no log: {exc})"
     start = text.rfind("Traceback (most recent call last)")
-    tail = text[start:] if start >= 0 else "\n".join(text.strip().splitlines()[-5:])
+    # Without a traceback (a C++ abort), enough lines to show the generation it was in.
+    tail = text[start:] if start >= 0 else "\n".join(text.strip().splitlines()[-20:])
     return tail.strip()[-limit:]
 
 
