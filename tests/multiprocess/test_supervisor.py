@@ -10,7 +10,7 @@ import msgspec
 from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor, Hung
 from runtime.cluster.controller.membership import Membership
-from runtime.cluster.controller.processes import ProcessPool
+from runtime.cluster.controller.processes import ProcessPool, log_tail
 from runtime.cluster.controller.supervision import (
     Action,
     EndRun,
@@ -441,3 +441,15 @@ def test_each_step_gets_the_loss_of_the_heartbeat_that_reported_it_even_when_rea
             run.feed(Progress(worker, step, 0.1, loss=step / 100))
     completed = {e.step: e.loss for e in run.events if isinstance(e, StepCompleted)}
     assert completed == {11: 0.11, 12: 0.12}
+
+
+def test_a_failed_workers_log_is_quoted_from_its_last_traceback_or_else_by_its_last_20_lines(tmp_path: Path) -> None:
+    log = tmp_path / "worker-2.log"
+    lines = [f"line {i}" for i in range(30)]
+    # A C++ abort leaves no traceback: the 20 lines before it say which generation the worker was in.
+    abort = "terminate called after throwing an instance of 'gloo::EnforceNotMet'"
+    log.write_text("\n".join([*lines, abort]))
+    assert log_tail(log).splitlines() == [*lines[-19:], abort]
+    log.write_text("\n".join([*lines, "Traceback (most recent call last):", '  File "x.py"', "ValueError: bad"]))
+    assert log_tail(log) == 'Traceback (most recent call last):\n  File "x.py"\nValueError: bad'
+    assert log_tail(tmp_path / "missing.log").startswith("(no log:")
