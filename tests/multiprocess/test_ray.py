@@ -84,6 +84,10 @@ def test_launch_takes_the_ray_backend_and_refuses_what_it_cannot_do() -> None:
 def cluster() -> Iterator[Any]:
     """The test cluster: a head without CPUs and NPROCS + 1 nodes of one CPU, all on 127.0.0.1 (~10 s)."""
     with local_cluster(NPROCS + 1) as made:
+        from ray._common.usage import usage_lib
+
+        # A test reaches no address outside the machine: Ray's usage reporting (to usage-stats.ray.io) is off.
+        assert not usage_lib.usage_stats_enabled()
         yield made
 
 

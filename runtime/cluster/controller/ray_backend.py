@@ -380,6 +380,9 @@ def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
         RuntimeError (Ray's own errors, unwrapped): Ray cannot start.
     """
     _keep_loopback()
+    # Ray's usage reporting sends to usage-stats.ray.io from the head's dashboard: a cluster on loopback reaches no
+    # other address (a user may still opt in through the variable).
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from ray.cluster_utils import Cluster
 
     head = {
