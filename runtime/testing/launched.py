@@ -38,7 +38,7 @@ def wait_for_step(run_dir: Path, controller: subprocess.Popen[bytes], step: int)
     """Until the group committed ``step``. Raises RuntimeError (with the controller's output) if it exited."""
     while not any(isinstance(e, StepCompleted) and (e.step or 0) >= step for e in events_so_far(run_dir)):
         if controller.poll() is not None:
-            output = controller.stdout.read().decode() if controller.stdout else ""
+            output = (controller.communicate()[0] or b"").decode()  # and closes its pipe
             raise RuntimeError(f"the controller exited with {controller.returncode} before step {step}: {output}")
         time.sleep(0.1)
 

@@ -134,6 +134,35 @@ def test_the_longest_training_silence_counts_only_training_workers(clock: FakeCl
     assert m.longest_gap_s == pytest.approx(3.7)
 
 
+def test_a_silent_worker_whose_process_runs_is_late_not_lost_until_the_hang_timeout(clock: FakeClock) -> None:
+    running = {0, 1, 2}  # the processes the controller sees running (started on its machine)
+    m = HeartbeatMonitor(timeout_s=1.0, hang_timeout_s=5.0, alive=running.__contains__, clock=clock)
+    for worker in (0, 1, 2):
+        m.register(worker)
+        m.expect_progress(worker, from_step=0)
+        m.observe(worker, 1)  # training
+    clock.advance(1.5)
+    m.observe(0, 2)
+    assert m.check() == []  # 1 and 2 silent 1.5 s, their processes run: late
+    clock.advance(0.5)
+    m.observe(1, 2)  # heard from after 2.0 s: watched again, and that silence is the run's longest
+    assert m.longest_training_gap_s == pytest.approx(2.0)
+    running.discard(2)  # worker 2's process exited (or was stopped): its silence is a loss at once
+    [lost] = m.check()
+    assert isinstance(lost, Lost) and lost.worker == 2 and lost.reason == "no heartbeat for 2.00 s", lost
+    m.observe(0, 3)
+    clock.advance(1.2)
+    m.observe(0, 4)
+    assert m.check() == []  # worker 1 late again (1.2 s)
+    clock.advance(3.9)
+    m.observe(0, 5)
+    [lost] = m.check()  # 5.1 s of silence though its process runs: lost
+    assert isinstance(lost, Lost) and lost.worker == 1 and lost.reason.endswith("though its process runs"), lost
+    running.clear()  # nothing known to run (a worker on another host): silence alone decides
+    clock.advance(1.1)
+    assert [v.worker for v in m.check()] == [0]
+
+
 def test_a_verdict_is_given_once_until_the_worker_is_registered_again(clock: FakeClock) -> None:
     m = monitor(clock, timeout_s=1.0)
     clock.advance(1.5)

@@ -7,7 +7,10 @@ tests run without waiting. :func:`watch` is the thin async shell the controller 
 - lost: no heartbeat for ``timeout_s`` while the worker trains (kill -9, lost host), or for ``start_timeout_s``
   before it has committed a step in its group (starting, joining, restoring, compiling: where long silences
   were seen), or the controller saw the worker's connection or process end (:meth:`HeartbeatMonitor.mark_gone`),
-  which it reports at the next check without waiting;
+  which it reports at the next check without waiting. A silent worker whose process the controller sees
+  running (``alive``: it started it on this machine) is late, not lost, until ``hang_timeout_s`` of silence:
+  on one machine a lost worker is an exited process or a closed connection, and a loaded machine delays a
+  live one's heartbeats past a short timeout (seen on CI);
 - hung: heartbeats still arrive but the committed step has not moved for ``hang_timeout_s`` while progress is
   expected (a stuck collective, a deadlock);
 - straggler: the worker's recent step time is ``straggler_factor`` times the group median or more.
@@ -95,6 +98,8 @@ class HeartbeatMonitor:
         straggler_factor: a recent mean step time this many times the group median marks a straggler.
         straggler_min_s: ... and only when it exceeds the median by at least this much (noise floor).
         straggler_every_s: report the same straggler at most this often.
+        alive: whether a silent worker's process is known to run (and is not stopped); None: nothing is known,
+            silence alone decides.
         clock: monotonic seconds; injected in tests.
 
     Raises:
@@ -110,6 +115,7 @@ class HeartbeatMonitor:
         straggler_factor: float = 3.0,
         straggler_min_s: float = 0.05,
         straggler_every_s: float = 30.0,
+        alive: Callable[[int], bool] | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         if timeout_s <= 0 or hang_timeout_s <= 0:
@@ -122,6 +128,7 @@ class HeartbeatMonitor:
         self.straggler_factor = straggler_factor
         self.straggler_min_s = straggler_min_s
         self.straggler_every_s = straggler_every_s
+        self.alive = alive
         self.clock = clock
         self._workers: dict[int, _Worker] = {}
         # Watched workers (no verdict yet) by their last heartbeat, oldest first, training and starting apart
@@ -130,6 +137,7 @@ class HeartbeatMonitor:
         self._starting_by_seen: OrderedDict[int, None] = OrderedDict()
         self._by_progress: OrderedDict[int, None] = OrderedDict()
         self._gone: dict[int, None] = {}
+        self._late: dict[int, None] = {}  # silent past their timeout, but their process runs (``alive``)
         self._lost: set[int] = set()  # found lost, not forgotten (nor registered) since
         self._stragglers_due = -math.inf
         # The longest silence between two heartbeats of a watched worker: how close the run came to a false
@@ -150,6 +158,7 @@ class HeartbeatMonitor:
         self._starting_by_seen.move_to_end(worker)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
+        self._late.pop(worker, None)
         self._lost.discard(worker)
 
     def forget(self, worker: int) -> None:
@@ -159,6 +168,7 @@ class HeartbeatMonitor:
         self._starting_by_seen.pop(worker, None)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
+        self._late.pop(worker, None)
         self._lost.discard(worker)
 
     def starting(self, worker: int) -> None:
@@ -190,6 +200,9 @@ class HeartbeatMonitor:
             raise UnknownWorker(worker)
         now = self.clock()
         watched = self._starting_by_seen if entry.starting else self._training_by_seen
+        if worker in self._late:  # heard from again: watched again, last in its order
+            del self._late[worker]
+            watched[worker] = None
         if worker in watched:
             self.longest_gap_s = max(self.longest_gap_s, now - entry.last_seen)
             if not entry.starting:
@@ -235,6 +248,8 @@ class HeartbeatMonitor:
             oldest = next(iter(watched), None)
             if oldest is not None:
                 due = min(due, self._workers[oldest].last_seen + timeout_s)
+        for worker in self._late:
+            due = min(due, self._workers[worker].last_seen + self.hang_timeout_s)
         return due
 
     def _silence_orders(self) -> tuple[tuple[OrderedDict[int, None], float], ...]:
@@ -274,9 +289,23 @@ class HeartbeatMonitor:
                 silent = now - self._workers[worker].last_seen
                 if silent < timeout_s:
                     break
+                if self.alive is not None and silent < self.hang_timeout_s and self.alive(worker):
+                    del watched[worker]
+                    self._late[worker] = None
+                    continue
                 self._report(worker)
                 self._lost.add(worker)
                 verdicts.append(Lost(worker, silent, f"no heartbeat for {silent:.2f} s"))
+        for worker in list(self._late):  # few: a late heartbeat is rare
+            silent = now - self._workers[worker].last_seen
+            assert self.alive is not None  # only ``alive`` makes a worker late
+            runs = self.alive(worker)
+            if runs and silent < self.hang_timeout_s:
+                continue
+            self._report(worker)
+            self._lost.add(worker)
+            why = f"no heartbeat for {silent:.2f} s" + (" though its process runs" if runs else "")
+            verdicts.append(Lost(worker, silent, why))
         while self._by_progress:
             worker = next(iter(self._by_progress))
             entry = self._workers[worker]
@@ -297,6 +326,7 @@ class HeartbeatMonitor:
         self._starting_by_seen.pop(worker, None)
         self._by_progress.pop(worker, None)
         self._gone.pop(worker, None)
+        self._late.pop(worker, None)
         return entry
 
     def _stragglers(self, now: float) -> list[Straggling]:

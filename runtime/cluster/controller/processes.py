@@ -80,6 +80,10 @@ class WorkerProcess:
         """Started here and stopped (SIGSTOP); a worker not started here may be on another host: never."""
         return self.popen is not None and self.popen.poll() is None and is_stopped(self.popen.pid)
 
+    def runs_here(self) -> bool:
+        """Started here, running and not stopped: its silence is lateness (a loaded machine), not a loss."""
+        return self.popen is not None and self.popen.poll() is None and not is_stopped(self.popen.pid)
+
     @property
     def ready_spare(self) -> bool:
         """A spare that said hello and can be seated at once."""
@@ -171,6 +175,11 @@ class ProcessPool:
 
     def get(self, worker: int) -> WorkerProcess | None:
         return self.procs.get(worker)
+
+    def runs_here(self, worker: int) -> bool:
+        """Whether ``worker`` was started here and still runs (:meth:`WorkerProcess.runs_here`)."""
+        proc = self.procs.get(worker)
+        return proc is not None and proc.runs_here()
 
     def admit(self, worker: int) -> WorkerProcess:
         """Track a worker the controller did not start (it said hello on its own), as a spare."""

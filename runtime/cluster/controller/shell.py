@@ -123,11 +123,6 @@ class Controller:
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
         self.relay = EventRelay(self)
         self.relay.attach(self.bus)
-        self.monitor = HeartbeatMonitor(
-            timeout_s=config.heartbeat_timeout_s,
-            start_timeout_s=config.heartbeat_start_timeout_s,
-            hang_timeout_s=config.hang_timeout_s,
-        )
         # Never logged, never on a command line: the workers get it in their environment.
         self.secret = config.secret or auth.new_secret()
         self.pool = ProcessPool(
@@ -137,6 +132,14 @@ class Controller:
             self.secret,
             run_id=self.record.run_id,
             run_dir=self.run_dir,
+        )
+        # A worker started here is lost when its process exits or its connection closes; its silence alone says
+        # only that the machine is loaded, until the hang timeout (the heartbeat's docstring).
+        self.monitor = HeartbeatMonitor(
+            timeout_s=config.heartbeat_timeout_s,
+            start_timeout_s=config.heartbeat_start_timeout_s,
+            hang_timeout_s=config.hang_timeout_s,
+            alive=self.pool.runs_here,
         )
         # A resumed run's generations go on from its record, its fences with them (see Membership.fences).
         self.group = Membership(
