@@ -129,7 +129,8 @@ def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = DEF
         "--heartbeat-timeout",
         type=float,
         default=DEFAULTS["heartbeat_timeout_s"],
-        help=f"seconds of silence = lost, for a worker that trains (default {DEFAULTS['heartbeat_timeout_s']:g})",
+        help=f"seconds of silence = lost, for a worker that trains (default {DEFAULTS['heartbeat_timeout_s']:g}); "
+        "one started here whose process still runs is lost at --hang-timeout instead",
     )
     parser.add_argument(
         "--heartbeat-start-timeout",
