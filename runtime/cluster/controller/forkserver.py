@@ -101,7 +101,7 @@ class ForkServer:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
-                start_new_session=True,
+                process_group=0,  # as a worker: Ctrl-C spares it, and no autogroup of its own (processes.py)
             )
         self._ready = threading.Event()
         self._answers: queue.Queue[int] = queue.Queue()
@@ -235,7 +235,7 @@ def _run_child(request: dict[str, Any]) -> int | str | None:
 
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    os.setsid()
+    os.setpgid(0, 0)  # a group of its own, as a worker started without the fork server (processes.py)
     die_with_parent(os.getppid())
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)

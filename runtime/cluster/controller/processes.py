@@ -231,9 +231,13 @@ class ProcessPool:
                 popen = subprocess.Popen(
                     dying_with_controller(command),
                     env=env,
+                    stdin=subprocess.DEVNULL,
                     stdout=logfile,
                     stderr=subprocess.STDOUT,
-                    start_new_session=True,  # a terminal's Ctrl-C goes to the controller, which stops the workers
+                    # A group of its own: a terminal's Ctrl-C goes to the controller, which stops the workers. Not
+                    # a session of its own: Linux's autogroups share the CPU out by session, and a worker alone in
+                    # one stepped about 1.25x slower on 2 busy cores (docs/benchmarks.md).
+                    process_group=0,
                 )
         proc = WorkerProcess(worker=worker, popen=popen)
         self.procs[worker] = proc
