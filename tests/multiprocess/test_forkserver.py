@@ -84,3 +84,30 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_workers_get_a_process_group_of_their_own_in_the_controller_s_session(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    # A group of its own keeps a terminal's Ctrl-C off it; a session of its own would also give it an autogroup
+    # of its own, which made the steps 1.25x slower on 2 busy cores (docs/benchmarks.md).
+    from runtime.cluster.config import LaunchConfig
+    from runtime.cluster.controller.processes import ProcessPool
+
+    script = tmp_path / "work.py"
+    script.write_text(SCRIPT)
+    forked = server.spawn([sys.executable, str(script), "sleep", "0"], dict(os.environ), tmp_path / "forked.log")
+    config = LaunchConfig(command=[sys.executable, str(script), "sleep", "0"], nprocs=1, fork_spares=False)
+    started = ProcessPool(config, tmp_path, str(tmp_path), "secret").spawn().popen
+    assert forked is not None and started is not None
+    try:
+        for child in (forked, started):
+            deadline = time.monotonic() + 60
+            while os.getpgid(child.pid) != child.pid:  # a fork sets its group itself, just after it starts
+                assert time.monotonic() < deadline, "no process group of its own"
+                time.sleep(0.05)
+            assert os.getsid(child.pid) == os.getsid(0)
+    finally:
+        for child in (forked, started):
+            child.kill()
+            child.wait(timeout=60)
