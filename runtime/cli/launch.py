@@ -74,7 +74,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--no-fork-spares",
         dest="fork_spares",
         action="store_false",
-        help="start every worker as a new process (default: later ones are forked from one that imported JAX)",
+        help="start every worker as a new process (default: forked from one process that imported JAX once)",
     )
     parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
     parser.add_argument(

@@ -111,7 +111,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             maintenance notices and drains a host's workers before its window (``handlers/drain_host.py``);
             notices about another project's instances (not P) are ignored. None: no notices.
         drain_lead_s: drain a host's workers this long before its maintenance window starts.
-        fork_spares: workers started after the first ones are forked from a process that imported JAX already
+        fork_spares: workers, the first ones and the spares, are forked from a process that imported JAX already
             (``runtime/cluster/controller/forkserver.py``), ready without JAX's import; False: each is a new
             process. Only for a command that runs Python with ``-m module`` or a script.
     """

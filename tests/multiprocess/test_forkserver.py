@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from runtime.cli.demo_multiprocess import group_controller
 from runtime.cluster.controller.forkserver import ForkServer, forkable
 from runtime.cluster.controller.processes import descends_from, dying_with_controller
+from runtime.core.events import WorkerStarted
 
 SCRIPT = """\
 import os, sys, time
@@ -84,6 +86,30 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
     except OSError:
         return "Z"
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[1])
+    except OSError:
+        return None
+
+
+@pytest.mark.timeout(300)
+def test_a_launch_forks_its_first_workers_too(tmp_path: Path) -> None:
+    # One JAX import on the machine for the whole group, not one a worker (docs/benchmarks.md, "Start-up"): the
+    # controller waits for the server's imports before it starts the first workers, so their parent is the server.
+    controller = group_controller(processes=2, steps=3, run_dir=tmp_path, faults=[], spares=0)
+    parents: dict[int, int | None] = {}
+
+    async def note_parent(event: WorkerStarted, ctx: object) -> None:
+        parents[event.worker] = _parent(event.pid)
+
+    controller.bus.subscribe(WorkerStarted, note_parent)
+    result = controller.run()
+    assert result.ok, result.reason
+    assert sorted(parents) == [0, 1]
+    assert all(parent is not None and parent != os.getpid() for parent in parents.values()), parents
 
 
 def test_workers_get_a_process_group_of_their_own_in_the_controller_s_session(

@@ -1,10 +1,14 @@
 """Worker processes forked from one that has imported JAX already, so that a spare started after a loss is ready
-in a fraction of a second instead of after JAX's import (about 2 s on a quiet machine, several under load).
+in a fraction of a second instead of after JAX's import (about 2 s on a quiet machine, several under load), and
+the first workers of a run share one import instead of making one each.
 
 Two losses against one warm spare used to wait for that import: the second seat's spare was started cold. The
-server (:func:`serve` in ``python -c``, started by the controller through ``deathsig.py``)
+controller also waits for the server before it starts the first workers (``shell.py``): on 2 cores a run's first
+step came 1.9 s sooner (docs/benchmarks.md, "Start-up").
+
+The server (:func:`serve` in ``python -c``, started by the controller through ``deathsig.py``)
 imports JAX and the runtime's worker side once, creates no JAX backend and starts no thread, then reads one request
-a line on stdin: a command, its environment and its log file. It forks; the child starts a session of its own,
+a line on stdin: a command, its environment and its log file. It forks; the child takes a process group of its own,
 dies with the server (``PR_SET_PDEATHSIG``; the server dies with the controller), writes to its log, takes the
 environment whole and runs the command as ``python`` would (``-m module`` or a script). The server answers each
 child's pid, and each exit code as it reaps the child, a JSON line each on stdout.
@@ -104,6 +108,7 @@ class ForkServer:
                 process_group=0,  # as a worker: Ctrl-C spares it, and no autogroup of its own (processes.py)
             )
         self._ready = threading.Event()
+        self._settled = threading.Event()  # ready, or gone before it was
         self._answers: queue.Queue[int] = queue.Queue()
         self._children: dict[int, ForkedProcess] = {}
         self._early: dict[int, int] = {}  # exit codes of children reaped before their pid was answered
@@ -115,6 +120,12 @@ class ForkServer:
     @property
     def ready(self) -> bool:
         return self._ready.is_set() and self._server.poll() is None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the server to have imported JAX; False if it is not ready by then
+        (gone, or slower)."""
+        self._settled.wait(timeout)
+        return self.ready
 
     def spawn(self, command: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess | None:
         """A forked worker running ``command``; None when the server cannot fork it (not ready, or gone)."""
@@ -149,6 +160,7 @@ class ForkServer:
                 continue
             if "ready" in answer:
                 self._ready.set()
+                self._settled.set()
             elif "started" in answer:
                 self._answers.put(answer["started"])
             else:
@@ -160,6 +172,7 @@ class ForkServer:
                 if child is not None:
                     child.exited(code)
         self._ready.clear()
+        self._settled.set()
         # The server is gone, and its children with it (their death signal): none is reaped by anyone now.
         with self._lock:
             orphans = [c for c in self._children.values() if c.returncode is None]

@@ -72,6 +72,10 @@ __all__ = ["Controller"]
 
 log = logging.getLogger(__name__)
 
+# How long the first workers wait for the fork server's imports (2-5 s here, more under load) before they start as
+# new processes instead: a bound on what a slow server costs, far above what a working one takes.
+_FORK_SERVER_WAIT_S = 60.0
+
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or ``localhost``) is reachable from this machine only."""
@@ -302,10 +306,17 @@ class Controller:
                 tg.start_soon(run_bus)
                 tg.start_soon(run_helpers)
                 try:
+                    if self.config.starts_workers:
+                        # The first workers too are forked once the server has imported JAX: one import on the
+                        # machine, not one a worker (docs/benchmarks.md, "Start-up"). A server gone or slower
+                        # than that, and they start as new processes.
+                        self.pool.start_fork_server()
+                        if self.pool.forks is not None:
+                            await anyio.to_thread.run_sync(
+                                self.pool.forks.wait_ready, _FORK_SERVER_WAIT_S, abandon_on_cancel=True
+                            )
                     for _ in range(self.config.nprocs + self.config.spares if self.config.starts_workers else 0):
                         spawn(self)
-                    if self.config.starts_workers:
-                        self.pool.start_fork_server()  # after the first workers: they need the CPUs first
                     with self.supervision:  # ended early by end() and by signals
                         await supervise(self)
                     if self._error is not None:
