@@ -1,0 +1,80 @@
+"""A launched run's start-up: seconds from ``elastic-runtime launch`` to the group's first step, with the workers
+forked from the fork server (the default: one JAX import on the machine) against every worker started as a new
+process (``--no-fork-spares``: one import each). Not collected by pytest.
+
+    .venv/bin/python tests/benchmarks/bench_startup.py [--pairs 5] [--nprocs 4] [--json]
+
+Each pair runs the multi-process demo model (``runtime.cli.demo_multiprocess``, 200 steps, one warm spare) once
+each way, in alternating order; every run has an empty replica folder, so its compiles are cold. Per run, from
+the launch's start: ``started`` (the first ``WorkerStarted``), ``forming`` (the first ``GroupForming``: the
+first workers have said hello), ``first_step`` (the first ``StepCompleted``). Medians over the pairs; the last
+line with ``--json`` holds them and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from runtime.cli.demo_multiprocess import worker_command
+from runtime.core.eventlog import read_events
+from runtime.core.events import GroupForming, StepCompleted, WorkerStarted
+
+MODES = {"forked": [], "new_processes": ["--no-fork-spares"]}
+STEPS = 200
+
+
+def run_once(root: Path, nprocs: int, extra: list[str]) -> dict[str, float]:
+    run_dir, replicas = root / "run", Path(tempfile.mkdtemp(dir="/dev/shm", prefix="bench-startup-"))
+    command = [sys.executable, "-m", "runtime.cli", "launch", "--nprocs", str(nprocs), "--run-dir", str(run_dir)]
+    command += ["--replica-dir", str(replicas), *extra, "--", *worker_command(STEPS)]
+    began = time.time()
+    try:
+        subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    finally:
+        shutil.rmtree(replicas, ignore_errors=True)
+    events = read_events(run_dir / "events.jsonl")
+
+    def first(kind: type) -> float:
+        return next(e.wall_time for e in events if isinstance(e, kind)) - began
+
+    return {"started": first(WorkerStarted), "forming": first(GroupForming), "first_step": first(StepCompleted)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--nprocs", type=int, default=4)
+    parser.add_argument("--json", action="store_true", help="print the medians as JSON on the last line")
+    args = parser.parse_args()
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in range(args.pairs):
+            for mode in list(MODES) if pair % 2 == 0 else list(MODES)[::-1]:
+                loads.append(os.getloadavg()[0])
+                run = run_once(Path(tmp) / f"{mode}-{pair}", args.nprocs, MODES[mode])
+                runs[mode].append(run)
+                print(f"pair {pair + 1}/{args.pairs} {mode}: " + ", ".join(f"{k} {v:.2f} s" for k, v in run.items()))
+    out: dict[str, Any] = {"nprocs": args.nprocs, "pairs": args.pairs, "load_average_range": [min(loads), max(loads)]}
+    for mode, rows in runs.items():
+        out[mode] = {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}
+    out["first_step_ratio"] = round(out["forked"]["first_step"] / out["new_processes"]["first_step"], 3)
+    out["forming_ratio"] = round(out["forked"]["forming"] / out["new_processes"]["forming"], 3)
+    for mode in MODES:
+        print(f"{mode}: " + ", ".join(f"{k} {v:.2f} s" for k, v in out[mode].items()))
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
