@@ -32,12 +32,16 @@ def resident(status: Path = Path("/proc/self/status")) -> dict[str, int]:
     return out
 
 
-def return_freed_memory(threshold: int = 128 * 1024) -> None:
+def return_freed_memory(threshold: int = 1024 * 1024) -> None:
     """Have glibc give every allocation of ``threshold`` bytes or more its own mapping, returned to the kernel when
     freed. By default the threshold grows to the largest block freed (up to 32 MB), after which a worker's host
     copies of its shards (a new one each step, freed a step later, from several threads) come from malloc's heaps
     and stay resident once freed: measured, a worker's memory grew by a copy of its shards per step for steps.
     Nothing happens where the C library is not glibc.
+
+    1 MiB, not the 128 KiB glibc starts from (the value here before): a small model's arrays (the demo's are 256
+    KiB) were fresh pages every step too, its step 1.06x the bare loop's, 0.96x at 1 MiB (two runs in turn), and
+    the peak memory was no higher with larger shards (docs/benchmarks.md, "Multi-process steady state").
 
     The cost falls on CPU devices, whose arrays are malloc's too: every fresh array is then pages faulted in
     and zeroed by the kernel. A worker's step writes its new state into a replaced one

@@ -4,7 +4,7 @@ the first workers of a run share one import instead of making one each.
 
 Two losses against one warm spare used to wait for that import: the second seat's spare was started cold. The
 controller also waits for the server before it starts the first workers (``shell.py``): on 2 cores a run's first
-step came 1.9 s sooner (docs/benchmarks.md, "Start-up").
+step came 2.0 s sooner (docs/benchmarks.md, "Start-up").
 
 The server (:func:`serve` in ``python -c``, started by the controller through ``deathsig.py``)
 imports JAX and the runtime's worker side once, creates no JAX backend and starts no thread, then reads one request
