@@ -40,8 +40,9 @@ def return_freed_memory(threshold: int = 1024 * 1024) -> None:
     Nothing happens where the C library is not glibc.
 
     1 MiB, not the 128 KiB glibc starts from (the value here before): a small model's arrays (the demo's are 256
-    KiB) were fresh pages every step too, its step 1.06x the bare loop's, 0.96x at 1 MiB (two runs in turn), and
-    the peak memory was no higher with larger shards (docs/benchmarks.md, "Multi-process steady state").
+    KiB) were fresh pages every step too; its fresh states stepped at 1.11-1.22x the bare loop's at 128 KiB,
+    0.94-1.05x at 1 MiB, and the peak memory was no higher with larger shards (docs/benchmarks.md, "Multi-process
+    steady state").
 
     The cost falls on CPU devices, whose arrays are malloc's too: every fresh array is then pages faulted in
     and zeroed by the kernel. A worker's step writes its new state into a replaced one
