@@ -250,7 +250,7 @@ def test_attacks_by_a_local_process_are_refused_and_training_is_unaffected(
     assert_same_final_state(tmp_path, reference)
     # The secret went to the workers by their environment only: not on a command line, not in any record.
     secret = controller.secret
-    assert len(command_lines) == NPROCS + 1 and all(secret not in line for line in command_lines)
+    assert len(command_lines) >= NPROCS + 1 and all(secret not in line for line in command_lines)
     for path in [tmp_path / "events.jsonl", tmp_path / "summary.json", *(tmp_path / "workers").iterdir()]:
         assert secret not in path.read_text(errors="replace"), path
     assert secret not in caplog.text and secret not in repr(controller.config)
