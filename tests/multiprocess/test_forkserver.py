@@ -16,7 +16,7 @@ import pytest
 
 from runtime.cli.demo_multiprocess import group_controller
 from runtime.cluster.controller.forkserver import ForkServer, forkable
-from runtime.cluster.controller.processes import descends_from, dying_with_controller
+from runtime.cluster.controller.processes import descends_from, dying_with_controller, parent_of
 from runtime.core.events import WorkerStarted
 
 SCRIPT = """\
@@ -88,13 +88,6 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[1])
-    except OSError:
-        return None
-
-
 @pytest.mark.timeout(300)
 def test_a_launch_forks_its_first_workers_too(tmp_path: Path) -> None:
     # One JAX import on the machine for the whole group, not one a worker (docs/benchmarks.md, "Start-up"): the
@@ -103,7 +96,7 @@ def test_a_launch_forks_its_first_workers_too(tmp_path: Path) -> None:
     parents: dict[int, int | None] = {}
 
     async def note_parent(event: WorkerStarted, ctx: object) -> None:
-        parents[event.worker] = _parent(event.pid)
+        parents[event.worker] = parent_of(event.pid)
 
     controller.bus.subscribe(WorkerStarted, note_parent)
     result = controller.run()

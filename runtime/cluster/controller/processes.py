@@ -31,7 +31,7 @@ from runtime.cluster.protocol import (
 )
 from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 
-__all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail"]
+__all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail", "parent_of"]
 
 
 @dataclass
@@ -99,18 +99,24 @@ def is_stopped(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
 
 
+def parent_of(pid: int) -> int | None:
+    """The pid of ``pid``'s parent; None when ``pid`` is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[-1].split()[1])  # the name before ")" may hold spaces
+
+
 def descends_from(pid: int, ancestor: int) -> bool:
     """Whether ``pid`` is ``ancestor`` or a descendant of it (a worker command may be a wrapper, ``sh -c ...``)."""
     for _ in range(64):  # a process tree deeper than this is no worker's
         if pid == ancestor:
             return True
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
+        parent = parent_of(pid)
+        if parent is None or parent <= 1:
             return False
-        pid = int(stat.rsplit(")", 1)[-1].split()[1])  # the parent's pid; the name before ")" may hold spaces
-        if pid <= 1:
-            return False
+        pid = parent
     return False
 
 
