@@ -98,6 +98,7 @@ class ForkServer:
     def __init__(
         self, command: list[str], env: dict[str, str], log_path: Path, wrap: Callable[[list[str]], list[str]]
     ) -> None:
+        self._log_path = log_path
         with open(log_path, "wb") as log_file:
             self._server = subprocess.Popen(
                 wrap([command[0], "-c", f"from {__name__} import serve; serve()"]),
@@ -121,11 +122,16 @@ class ForkServer:
     def ready(self) -> bool:
         return self._ready.is_set() and self._server.poll() is None
 
-    def wait_ready(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the server to have imported JAX; False if it is not ready by then
-        (gone, or slower)."""
+    def wait_ready(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the server to have imported JAX; a server gone or slower by then is
+        logged (workers then start as new processes until it is ready)."""
         self._settled.wait(timeout)
-        return self.ready
+        if not self.ready:
+            log.warning(
+                "the fork server is not ready after %.0f s (%s): workers start as new processes until it is",
+                timeout,
+                self._log_path,
+            )
 
     def spawn(self, command: list[str], env: dict[str, str], log_path: Path) -> ForkedProcess | None:
         """A forked worker running ``command``; None when the server cannot fork it (not ready, or gone)."""

@@ -311,17 +311,12 @@ class Controller:
                         # machine, not one a worker (docs/benchmarks.md, "Start-up"). A server gone or slower
                         # than that, and they start as new processes.
                         self.pool.start_fork_server()
-                        forks = self.pool.forks
-                        if forks is not None and not await anyio.to_thread.run_sync(
-                            forks.wait_ready, _FORK_SERVER_WAIT_S, abandon_on_cancel=True
-                        ):
-                            log.warning(
-                                "the fork server is not ready after %.0f s (%s): the first workers start as new ones",
-                                _FORK_SERVER_WAIT_S,
-                                self.pool.logs / "forkserver.log",
+                        if self.pool.forks is not None:
+                            await anyio.to_thread.run_sync(
+                                self.pool.forks.wait_ready, _FORK_SERVER_WAIT_S, abandon_on_cancel=True
                             )
-                    for _ in range(self.config.nprocs + self.config.spares if self.config.starts_workers else 0):
-                        spawn(self)
+                        for _ in range(self.config.nprocs + self.config.spares):
+                            spawn(self)
                     with self.supervision:  # ended early by end() and by signals
                         await supervise(self)
                     if self._error is not None:
