@@ -2,13 +2,13 @@
 forked from the fork server (the default: one JAX import on the machine) against every worker started as a new
 process (``--no-fork-spares``: one import each). Not collected by pytest.
 
-    .venv/bin/python tests/benchmarks/bench_startup.py [--pairs 5] [--nprocs 4] [--json]
+    .venv/bin/python tests/benchmarks/bench_startup.py [--pairs 5] [--json]
 
-Each pair runs the multi-process demo model (``runtime.cli.demo_multiprocess``, 200 steps, one warm spare) once
-each way, in alternating order; every run has an empty replica folder, so its compiles are cold. Per run, from
-the launch's start: ``started`` (the first ``WorkerStarted``), ``forming`` (the first ``GroupForming``: the
-first workers have said hello), ``first_step`` (the first ``StepCompleted``). Medians over the pairs; the last
-line with ``--json`` holds them and their ratios.
+Each pair runs the multi-process demo model on 4 processes (``bench_goodput_multiprocess.launch``, 200 steps, one
+warm spare) once each way, in alternating order; every run has an empty replica folder, so its compiles are
+cold. Per run, from the launch's start: ``started`` (the first ``WorkerStarted``), ``forming`` (the first
+``GroupForming``: the first workers have said hello), ``first_step`` (the first ``StepCompleted``). Medians over
+the pairs; the last line with ``--json`` holds them and their ratios.
 """
 
 from __future__ import annotations
@@ -18,31 +18,32 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import worker_command
 from runtime.core.eventlog import read_events
 from runtime.core.events import GroupForming, StepCompleted, WorkerStarted
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_goodput_multiprocess import NPROCS, launch
 
 MODES = {"forked": [], "new_processes": ["--no-fork-spares"]}
 STEPS = 200
 
 
-def run_once(root: Path, nprocs: int, extra: list[str]) -> dict[str, float]:
-    run_dir, replicas = root / "run", Path(tempfile.mkdtemp(dir="/dev/shm", prefix="bench-startup-"))
-    command = [sys.executable, "-m", "runtime.cli", "launch", "--nprocs", str(nprocs), "--run-dir", str(run_dir)]
-    command += ["--replica-dir", str(replicas), *extra, "--", *worker_command(STEPS)]
+def run_once(root: Path, extra: list[str]) -> dict[str, float]:
+    replicas = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="bench-startup-"))
     began = time.time()
     try:
-        subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        code = launch(root / "run", replicas, STEPS, extra).wait()
     finally:
         shutil.rmtree(replicas, ignore_errors=True)
-    events = read_events(run_dir / "events.jsonl")
+    if code != 0:
+        raise SystemExit(f"launch exited with {code}:\n{(root / 'launch.out').read_text()[-3000:]}")
+    events = read_events(root / "run" / "events.jsonl")
 
     def first(kind: type) -> float:
         return next(e.wall_time for e in events if isinstance(e, kind)) - began
@@ -53,7 +54,6 @@ def run_once(root: Path, nprocs: int, extra: list[str]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--nprocs", type=int, default=4)
     parser.add_argument("--json", action="store_true", help="print the medians as JSON on the last line")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
@@ -62,10 +62,10 @@ def main() -> None:
         for pair in range(args.pairs):
             for mode in list(MODES) if pair % 2 == 0 else list(MODES)[::-1]:
                 loads.append(os.getloadavg()[0])
-                run = run_once(Path(tmp) / f"{mode}-{pair}", args.nprocs, MODES[mode])
+                run = run_once(Path(tmp) / f"{mode}-{pair}", MODES[mode])
                 runs[mode].append(run)
                 print(f"pair {pair + 1}/{args.pairs} {mode}: " + ", ".join(f"{k} {v:.2f} s" for k, v in run.items()))
-    out: dict[str, Any] = {"nprocs": args.nprocs, "pairs": args.pairs, "load_average_range": [min(loads), max(loads)]}
+    out: dict[str, Any] = {"nprocs": NPROCS, "pairs": args.pairs, "load_average_range": [min(loads), max(loads)]}
     for mode, rows in runs.items():
         out[mode] = {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}
     out["first_step_ratio"] = round(out["forked"]["first_step"] / out["new_processes"]["first_step"], 3)
