@@ -27,12 +27,15 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import anyio
 
-from runtime.core.context import RuntimeContext
 from runtime.core.errors import MeshUnavailable
 from runtime.core.events import Drain, MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Preempted
+
+if TYPE_CHECKING:
+    from runtime.core.context import RuntimeContext
 
 __all__ = [
     "DrainScheduler",

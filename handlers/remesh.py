@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from jax.sharding import Mesh
+from typing import TYPE_CHECKING
 
 from handlers.retry import wait_for_mesh
-from runtime.core.context import RuntimeContext
 from runtime.core.errors import MeshUnavailable
 from runtime.core.events import DeviceLost
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from runtime.core.context import RuntimeContext
 
 
 async def remesh_on_device_loss(event: DeviceLost, ctx: RuntimeContext) -> None:

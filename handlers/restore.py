@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from runtime.core.context import RuntimeContext
+from typing import TYPE_CHECKING
+
 from runtime.core.events import MeshChanged
+
+if TYPE_CHECKING:
+    from runtime.core.context import RuntimeContext
 
 
 async def restore_after_remesh(event: MeshChanged, ctx: RuntimeContext) -> None:

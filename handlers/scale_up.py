@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-from runtime.core.context import RuntimeContext
 from runtime.core.events import ScaleUpAvailable
+
+if TYPE_CHECKING:
+    from runtime.core.context import RuntimeContext
 
 
 async def scale_up(event: ScaleUpAvailable, ctx: RuntimeContext) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import google_crc32c
-import jax
 import msgspec
 import numpy as np
 
@@ -177,6 +176,8 @@ def files_under(root: Path) -> list[str]:
 
 def describe_leaves(tree: Any) -> tuple[str, tuple[LeafEntry, ...]]:
     """The structure string and per-leaf key path, shape and dtype of a tree of arrays."""
+    import jax  # here, not above: the controller reads manifests and never imports JAX
+
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = tuple(
         LeafEntry(key=key_of(path), shape=tuple(np.shape(leaf)), dtype=np.dtype(leaf.dtype).name)
@@ -187,6 +188,8 @@ def describe_leaves(tree: Any) -> tuple[str, tuple[LeafEntry, ...]]:
 
 def key_of(path: Sequence[Any]) -> tuple[KeyPart, ...]:
     """A JAX key path as plain dict keys and sequence indices (what the manifest stores)."""
+    import jax
+
     parts: list[KeyPart] = []
     for entry in path:
         if isinstance(entry, jax.tree_util.DictKey):
@@ -202,6 +205,8 @@ def key_of(path: Sequence[Any]) -> tuple[KeyPart, ...]:
 
 def dtype_of(name: str) -> np.dtype[Any]:
     """The numpy dtype a manifest names, including JAX's extra types (bfloat16, float8 ...)."""
+    import jax
+
     try:
         return np.dtype(jax.numpy.dtype(name))
     except TypeError as exc:

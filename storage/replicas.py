@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
-from runtime.core.programs import PROGRAMS_PREFIX
+from runtime.core.folders import PROGRAMS_PREFIX
 from runtime.core.snapshot import HostSnapshot
 from storage.disk import DiskTier
 from storage.shards import box_copy, local_copy

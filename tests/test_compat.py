@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import types
 from importlib import metadata
 from pathlib import Path
 
 import jax
+import jaxlib._jax
 import numpy as np
 import pytest
 
@@ -83,8 +85,9 @@ def test_the_worker_fails_with_the_compat_error_not_an_attribute_error(monkeypat
 
 
 def test_the_controller_fails_with_the_compat_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jax._src.lib, "_jax", jaxlib_without_entry_points())
-    entry_point = "jax._src.lib._jax.get_distributed_runtime_service"
+    # The controller takes the service from jaxlib's extension itself (it never imports JAX).
+    monkeypatch.setitem(sys.modules, "jaxlib._jax", jaxlib_without_entry_points())
+    entry_point = "jaxlib._jax.get_distributed_runtime_service"
     with pytest.raises(IncompatibleVersion, match=_names("jaxlib", entry_point) + "is missing"):
         start_coordination_service("127.0.0.1", free_port(), 2)
 
@@ -93,8 +96,8 @@ def test_a_changed_signature_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     def older(address: str, num_nodes: int) -> None:  # a jaxlib whose service takes no keyword arguments
         raise AssertionError("not reached")
 
-    monkeypatch.setattr(jax._src.lib._jax, "get_distributed_runtime_service", older)
-    entry_point = "jax._src.lib._jax.get_distributed_runtime_service"
+    monkeypatch.setattr(jaxlib._jax, "get_distributed_runtime_service", older)
+    entry_point = "jaxlib._jax.get_distributed_runtime_service"
     with pytest.raises(IncompatibleVersion, match=_names("jaxlib", entry_point) + "changed its arguments"):
         start_coordination_service("127.0.0.1", free_port(), 2)
 

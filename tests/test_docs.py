@@ -124,7 +124,7 @@ def test_the_readme_layout_names_only_paths_that_exist() -> None:
     readme = (ROOT / "README.md").read_text()
     layout = readme[readme.index("## Layout") :].split("\n## ")[0]
     paths = named_paths(layout)
-    assert {"runtime/core/", "runtime/defaults.py", "handlers/", "storage/"} <= paths
+    assert {"runtime/core/", "runtime/defaults/", "handlers/", "storage/"} <= paths
     assert sorted(p for p in paths if not (ROOT / p).exists()) == []
 
 

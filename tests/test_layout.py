@@ -15,7 +15,7 @@ def run_python(code: str) -> str:
 @pytest.mark.parametrize("first", ["storage", "storage.disk", "handlers", "handlers.regroup", "runtime", "runtime.cli"])
 def test_each_package_works_as_the_first_import(first: str) -> None:
     out = run_python(f"import {first}\nimport runtime\nprint(runtime.ElasticRuntime.__module__)")
-    assert out.strip() == "runtime.defaults"
+    assert out.strip() == "runtime.defaults.elastic"
 
 
 def test_the_core_loads_no_handler_storage_or_other_runtime_layer() -> None:

@@ -22,7 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
-from runtime.core.programs import PROGRAMS_PREFIX
+from runtime.core.folders import COMPILE_CACHE_FOLDER, PROGRAMS_PREFIX
 
 __all__ = ["OWNER_FILE", "claim", "remove", "sweep", "unneeded"]
 
@@ -90,7 +90,7 @@ def remove(folder: str | os.PathLike[str], name: str) -> None:
     shutil.rmtree(base / name, ignore_errors=True)
     with contextlib.suppress(OSError):
         left = {p.name for p in base.iterdir() if not p.name.startswith(PROGRAMS_PREFIX)}
-        if left <= {OWNER_FILE, "xla-cache"}:  # the last process of the run on this host
+        if left <= {OWNER_FILE, COMPILE_CACHE_FOLDER}:  # the last process of the run on this host
             shutil.rmtree(base, ignore_errors=True)
     log.info("removed the replica folder %s", base / name)
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from runtime.core.folders import COMPILE_CACHE_FOLDER
+
 log = logging.getLogger(__name__)
 
 RUN_DIR, JAX, OFF = "run_dir", "jax", "off"
@@ -33,7 +35,7 @@ def cache_dir(setting: str, run_dir: str | None) -> str | None:
         return None
     if setting == JAX or (setting == RUN_DIR and (current or run_dir is None)):
         return current
-    return str(Path(run_dir or "") / "xla-cache") if setting == RUN_DIR else setting
+    return str(Path(run_dir or "") / COMPILE_CACHE_FOLDER) if setting == RUN_DIR else setting
 
 
 @contextlib.contextmanager

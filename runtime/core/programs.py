@@ -43,9 +43,8 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PROGRAMS_PREFIX", "ProgramStore", "compile_kept"]
+__all__ = ["ProgramStore", "compile_kept"]
 
-PROGRAMS_PREFIX = "programs-"  # the folders of kept programs, in the run's replica folder
 
 _SIGNATURE = 32  # bytes of HMAC-SHA256 before the payload
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"  # recorded by JAX in the thread whose compile the cache served

@@ -30,6 +30,7 @@ from runtime.cluster.protocol import (
     Joined,
 )
 from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
+from runtime.core.folders import COMPILE_CACHE_FOLDER
 
 __all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail", "parent_of"]
 
@@ -212,7 +213,7 @@ class ProcessPool:
                 ENV_RUN_ID: self.run_id,
                 ENV_LOCAL_DEVICES: str(self.config.local_devices),
                 ENV_HEARTBEAT_S: str(self.config.heartbeat_interval_s),
-                ENV_COMPILE_CACHE: str(Path(self.replica_dir) / "xla-cache"),
+                ENV_COMPILE_CACHE: str(Path(self.replica_dir) / COMPILE_CACHE_FOLDER),
                 ENV_TOKEN: self.secret,
             }
         )

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -49,7 +49,6 @@ from runtime.cluster.controller.admission import hello
 from runtime.cluster.controller.commits import commit_durable
 from runtime.cluster.controller.context import ControllerContext
 from runtime.cluster.controller.drain import final_checkpoint
-from runtime.cluster.controller.durable import DurableCommits
 from runtime.cluster.controller.ending import conclude, first_leaf, watch_signals, write_summary
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor, watch
 from runtime.cluster.controller.membership import Membership
@@ -65,8 +64,11 @@ from runtime.core.bus import EventBus
 from runtime.core.errors import BusClosed, ElasticRuntimeError
 from runtime.core.eventlog import EventLog
 from runtime.core.events import Event, RunFinished, WorkerKilled
-from runtime.core.programs import PROGRAMS_PREFIX
+from runtime.core.folders import PROGRAMS_PREFIX
 from runtime.core.recovery import RecoveryTracker
+
+if TYPE_CHECKING:
+    from runtime.cluster.controller.durable import DurableCommits
 
 __all__ = ["Controller"]
 
@@ -182,16 +184,9 @@ class Controller:
             max_pending=max(32, config.nprocs + config.spares),  # all of them may connect at once
         )
         self.port = 0
-        self.durable = (
-            DurableCommits(
-                config.durable_dir,
-                writers=config.slice_size,
-                keep=config.durable_keep,
-                metadata={"run_id": self.record.run_id},
-            )
-            if config.durable_dir
-            else None
-        )
+        # The durable checkpoints' store, opened by ``run`` once the fork server is starting: the storage modules
+        # import JAX, which the controller needs for nothing else, and the server imports it at the same time.
+        self.durable: DurableCommits | None = None
         # Durable steps whose every part is in, committed one after another by ``commits.commit_durable``: a commit
         # (manifest, then pruning, seconds in GCS) awaited where messages are read would hold back the writer's
         # heartbeats, and the monitor would take a healthy worker for lost.
@@ -307,10 +302,12 @@ class Controller:
                 tg.start_soon(run_helpers)
                 try:
                     if self.config.starts_workers:
+                        self.pool.start_fork_server()
+                    self.durable = self.open_durable()
+                    if self.config.starts_workers:
                         # The first workers too are forked once the server has imported JAX: one import on the
                         # machine, not one a worker (docs/benchmarks.md, "Start-up"). A server gone or slower
                         # than that, and they start as new processes.
-                        self.pool.start_fork_server()
                         if self.pool.forks is not None:
                             await anyio.to_thread.run_sync(
                                 self.pool.forks.wait_ready, _FORK_SERVER_WAIT_S, abandon_on_cancel=True
@@ -388,6 +385,16 @@ class Controller:
                 shutil.rmtree(self.replica_dir, ignore_errors=True)
             write_summary(self, reason)  # also when the run failed: summary.json then says why
         return self.result
+
+    def open_durable(self) -> DurableCommits | None:
+        """The store of ``--durable``'s checkpoints, None without one."""
+        config, location = self.config, self.config.durable_dir
+        if not location:
+            return None
+        from runtime.cluster.controller.durable import DurableCommits  # imports JAX: not before the fork server
+
+        metadata = {"run_id": self.record.run_id}
+        return DurableCommits(location, writers=config.slice_size, keep=config.durable_keep, metadata=metadata)
 
     def end(self, error: ElasticRuntimeError | LaunchError) -> None:
         """End the run with ``error`` (the first one wins): every worker is stopped, the run fails with it."""

@@ -1,10 +1,8 @@
-"""The built-in parts, wired in one place: what a runtime or a controller gets unless told otherwise.
-
-The core (``runtime/core``) knows no handler, tier or notice source by name. This module subscribes the
-built-in ones through the same calls a user makes (``subscribe``, ``add_component``): the recovery
-handlers of ``handlers/``, the checkpoint tiers the config names (``storage/``), the maintenance notice
-sources and their handlers (``runtime/maintenance``), and multi-process worker mode (``runtime/cluster``).
-To replace a link, pass ``default_handlers=False`` and subscribe your own.
+"""What a runtime gets unless told otherwise: :class:`ElasticRuntime`, with the recovery handlers of
+``handlers/``, the checkpoint tiers the config names (``storage/``), the maintenance notice sources and their
+handlers (``runtime/maintenance``), and multi-process worker mode (``runtime/cluster/worker``) wired in
+through the same calls a user makes (``subscribe``, ``add_component``). To replace a link, pass
+``default_handlers=False`` and subscribe your own.
 """
 
 from __future__ import annotations
@@ -27,9 +25,7 @@ from handlers import (
     restore_after_remesh,
     scale_up,
 )
-from handlers.drain_host import HostDrains, save_when_asked
-from handlers.regroup import log_straggler, regroup_on_worker_failure
-from runtime.cluster.config import LaunchConfig
+from handlers.drain_host import save_when_asked
 from runtime.cluster.worker import is_worker, run_worker
 from runtime.core.bus import EventBus
 from runtime.core.config import RuntimeConfig
@@ -43,34 +39,20 @@ from runtime.core.events import (
     Preempted,
     SaveCheckpoint,
     ScaleUpAvailable,
-    Straggler,
-    WorkerHung,
-    WorkerLost,
 )
 from runtime.core.executor import RunResult
 from runtime.core.job import TrainJob
 from runtime.core.mesh import MeshPolicy
 from runtime.core.runtime import Runtime
-from runtime.faults.process import ProcessFaults
 from runtime.maintenance.intake import NoticeIntake
 from runtime.maintenance.metadata import MetadataWatcher
 from runtime.maintenance.source import BusContext
 from storage.cascade import TieredCheckpointer
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller import Controller
-    from runtime.cluster.controller.ray_backend import RayPlacement
     from runtime.maintenance.pubsub import PubSubListener
 
-__all__ = [
-    "ElasticRuntime",
-    "Maintenance",
-    "attach_controller_maintenance",
-    "default_controller",
-    "intake_from_config",
-    "ray_controller",
-    "watch_own_host",
-]
+__all__ = ["ElasticRuntime", "Maintenance", "attach_maintenance", "intake_from_config", "watch_own_host"]
 
 log = logging.getLogger(__name__)
 
@@ -123,64 +105,6 @@ class ElasticRuntime(Runtime):
             timeout = self.config.handler_timeout_s
             run_worker(self.job, steps, handlers=mine, handler_timeout=timeout, watch_notices=watch_own_host)
         return super().run(steps, resume=resume)
-
-
-def default_controller(config: LaunchConfig) -> Controller:
-    """A multi-process controller that replaces a lost or hung worker and logs stragglers (and injects the
-    config's process faults, if any), with the handlers ``config.handlers`` names after the built-in ones.
-
-    Raises:
-        ConfigError: a handler ``config.handlers`` names cannot be loaded (before any worker starts).
-    """
-    from runtime.cluster.controller import Controller  # the controller (and GCS) only where a controller runs
-    from runtime.cluster.controller.named_handlers import subscribe_named
-
-    controller = Controller(config)
-    if config.faults:
-        ProcessFaults(config.faults).attach(controller.bus)
-    controller.bus.subscribe(WorkerLost, regroup_on_worker_failure)
-    controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
-    controller.bus.subscribe(Straggler, log_straggler)
-    attach_controller_maintenance(controller)
-    subscribe_named(controller.bus, config.handlers)
-    return controller
-
-
-def attach_controller_maintenance(controller: Controller, *, default_handlers: bool = True) -> HostDrains | None:
-    """The controller's notice source (``config.maintenance_subscription``) and the drain handlers
-    (``handlers/drain_host.py``), which map a notice to the workers on its instance. ``default_handlers=False``
-    leaves the handlers out, for your own on ``controller.bus`` (with ``ctx.drain``, ``ctx.readmit``)."""
-    config = controller.config
-    if config.maintenance_subscription:
-        from runtime.maintenance.pubsub import PubSubListener  # google-cloud-pubsub only when a subscription is named
-
-        project = config.maintenance_subscription.split("/")[1]
-        intake = NoticeIntake(project=project, report_ignored=True)
-        listener = PubSubListener(config.maintenance_subscription, intake)
-        controller.companions.append(lambda: listener.run(BusContext(controller.bus)))
-    if not default_handlers:
-        return None
-    drains = HostDrains()
-    drains.attach(controller.bus)
-    controller.companions.append(lambda: drains.run(controller.context))
-    return drains
-
-
-def ray_controller(
-    config: LaunchConfig, command: list[str], *, env: dict[str, str] | None = None, replica_dir: str | None = None
-) -> tuple[Controller, RayPlacement]:
-    """A service-mode controller (``config.command`` empty) whose workers Ray places, one actor per node, each
-    running ``command``; a lost one is replaced on another node (:class:`RayPlacement` says what ``env`` and
-    ``replica_dir`` do). Connect to Ray first (``runtime.cluster.controller.ray_backend.ray_session``); after
-    ``controller.run()``, ``placement.close()``."""
-    from runtime.cluster.controller.ray_backend import RayPlacement
-
-    controller = default_controller(config)
-    placement = RayPlacement(
-        command, nprocs=config.nprocs, logs=controller.run_dir / "workers", env=env, replica_dir=replica_dir
-    )
-    placement.attach(controller)
-    return controller, placement
 
 
 # --- maintenance notices -----------------------------------------------------------------------------
