@@ -16,7 +16,7 @@ import pytest
 
 from runtime.cli.demo_multiprocess import group_controller
 from runtime.cluster.controller.forkserver import ForkServer, forkable
-from runtime.cluster.controller.processes import descends_from, dying_with_controller, parent_of
+from runtime.cluster.controller.processes import descends_from, dying_with_controller, parent_of, state_of
 from runtime.core.events import WorkerStarted
 
 SCRIPT = """\
@@ -82,10 +82,7 @@ def test_a_killed_worker_is_reported_as_killed_and_the_servers_death_takes_its_c
 
 
 def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return "Z"
+    return state_of(pid) or "Z"
 
 
 @pytest.mark.timeout(300)

@@ -32,7 +32,7 @@ from runtime.cluster.protocol import (
 from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 from runtime.core.folders import COMPILE_CACHE_FOLDER
 
-__all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail", "parent_of"]
+__all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail", "parent_of", "state_of"]
 
 
 @dataclass
@@ -91,22 +91,30 @@ class WorkerProcess:
         return self.spare and not self.gone and not self.closed and self.hello is not None
 
 
+def state_of(pid: int) -> str | None:
+    """``pid``'s one-letter state in ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` ...); None when it is gone."""
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
 def is_stopped(pid: int) -> bool:
     """Whether ``pid`` is stopped (SIGSTOP): alive, silent, and making no progress."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+    return state_of(pid) in ("T", "t")
 
 
 def parent_of(pid: int) -> int | None:
     """The pid of ``pid``'s parent; None when ``pid`` is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after the name (the state first, then the parent), None when ``pid`` is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[-1].split()[1])  # the name before ")" may hold spaces
+    return stat.rsplit(")", 1)[-1].split()  # the name before ")" may hold spaces
 
 
 def descends_from(pid: int, ancestor: int) -> bool:
