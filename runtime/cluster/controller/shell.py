@@ -184,8 +184,7 @@ class Controller:
             max_pending=max(32, config.nprocs + config.spares),  # all of them may connect at once
         )
         self.port = 0
-        # The durable checkpoints' store, opened by ``run`` once the fork server is starting: the storage modules
-        # import JAX, which the controller needs for nothing else, and the server imports it at the same time.
+        # The durable checkpoints' store, opened by ``run`` once the fork server is starting (``open_durable``).
         self.durable: DurableCommits | None = None
         # Durable steps whose every part is in, committed one after another by ``commits.commit_durable``: a commit
         # (manifest, then pruning, seconds in GCS) awaited where messages are read would hold back the writer's
@@ -301,9 +300,8 @@ class Controller:
                 tg.start_soon(run_bus)
                 tg.start_soon(run_helpers)
                 try:
-                    if self.config.starts_workers:
-                        self.pool.start_fork_server()
-                    self.durable = self.open_durable()
+                    self.pool.start_fork_server()  # none without a command of its own to start (service mode)
+                    self.durable = self.open_durable()  # its JAX import runs beside the server's
                     if self.config.starts_workers:
                         # The first workers too are forked once the server has imported JAX: one import on the
                         # machine, not one a worker (docs/benchmarks.md, "Start-up"). A server gone or slower
@@ -387,7 +385,8 @@ class Controller:
         return self.result
 
     def open_durable(self) -> DurableCommits | None:
-        """The store of ``--durable``'s checkpoints, None without one."""
+        """The store of ``--durable``'s checkpoints, None without one. Its storage modules import JAX, which
+        the controller needs for nothing else: opened after the fork server's start, the two imports overlap."""
         config, location = self.config, self.config.durable_dir
         if not location:
             return None
