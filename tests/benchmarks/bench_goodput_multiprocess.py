@@ -85,6 +85,19 @@ def launch(run_dir: Path, replicas: Path, steps: int, extra: list[str]) -> subpr
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 
 
+def launched(root: Path, steps: int, extra: list[str]) -> list[Any]:
+    """The events of one fault-free :func:`launch` under ``root``, with an empty replica folder of its own
+    (cold compiles) removed after it; exits with the launch's output if it failed."""
+    replicas = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="bench-launch-"))
+    try:
+        code = launch(root / "run", replicas, steps, extra).wait()
+    finally:
+        shutil.rmtree(replicas, ignore_errors=True)
+    if code != 0:
+        raise SystemExit(f"launch exited with {code}:\n{(root / 'launch.out').read_text()[-3000:]}")
+    return read_events(root / "run" / "events.jsonl")
+
+
 def run_job(job: str, root: Path, shm: Path, steps: int, fault_every: float, durable_every: int) -> dict[str, Any]:
     """One job under the kill schedule; checkpoint-and-restart is launched again (``--resume``, fresh replica
     files: only the durable checkpoints hold its state) after each loss stopped it."""

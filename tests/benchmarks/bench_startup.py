@@ -14,36 +14,29 @@ the pairs; the last line with ``--json`` holds them and their ratios.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.core.eventlog import read_events
 from runtime.core.events import GroupForming, StepCompleted, WorkerStarted
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_goodput_multiprocess import NPROCS, launch
+from bench_goodput_multiprocess import NPROCS, launched
 
 MODES = {"forked": [], "new_processes": ["--no-fork-spares"]}
 STEPS = 200
 
 
 def run_once(root: Path, extra: list[str]) -> dict[str, float]:
-    replicas = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="bench-startup-"))
     began = time.time()
-    try:
-        code = launch(root / "run", replicas, STEPS, extra).wait()
-    finally:
-        shutil.rmtree(replicas, ignore_errors=True)
-    if code != 0:
-        raise SystemExit(f"launch exited with {code}:\n{(root / 'launch.out').read_text()[-3000:]}")
-    events = read_events(root / "run" / "events.jsonl")
+    events = launched(root, STEPS, extra)
 
     def first(kind: type) -> float:
         return next(e.wall_time for e in events if isinstance(e, kind)) - began
@@ -51,20 +44,32 @@ def run_once(root: Path, extra: list[str]) -> dict[str, float]:
     return {"started": first(WorkerStarted), "forming": first(GroupForming), "first_step": first(StepCompleted)}
 
 
+def alternating(
+    pairs: int, jobs: dict[str, Callable[[Path], dict[str, float]]], unit: str
+) -> tuple[dict[str, list[dict[str, float]]], list[float]]:
+    """Each job run once a pair, the order alternating from pair to pair, each in a folder of its own: every
+    job's figures (printed with ``unit`` as they come) and the load average before each run."""
+    runs: dict[str, list[dict[str, float]]] = {job: [] for job in jobs}
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for pair in range(pairs):
+            for job in list(jobs) if pair % 2 == 0 else list(jobs)[::-1]:
+                loads.append(os.getloadavg()[0])
+                root = Path(tmp) / f"{job}-{pair}"
+                root.mkdir()
+                run = jobs[job](root)
+                runs[job].append(run)
+                print(f"pair {pair + 1}/{pairs} {job}: " + ", ".join(f"{k} {v:.2f} {unit}" for k, v in run.items()))
+    return runs, loads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print the medians as JSON on the last line")
     args = parser.parse_args()
-    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
-    loads = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for pair in range(args.pairs):
-            for mode in list(MODES) if pair % 2 == 0 else list(MODES)[::-1]:
-                loads.append(os.getloadavg()[0])
-                run = run_once(Path(tmp) / f"{mode}-{pair}", MODES[mode])
-                runs[mode].append(run)
-                print(f"pair {pair + 1}/{args.pairs} {mode}: " + ", ".join(f"{k} {v:.2f} s" for k, v in run.items()))
+    jobs = {mode: functools.partial(run_once, extra=extra) for mode, extra in MODES.items()}
+    runs, loads = alternating(args.pairs, jobs, "s")
     out: dict[str, Any] = {"nprocs": NPROCS, "pairs": args.pairs, "load_average_range": [min(loads), max(loads)]}
     for mode, rows in runs.items():
         out[mode] = {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}

@@ -13,23 +13,21 @@ runtime's mean step to the bare loop's (the goodput benchmark's steps are counte
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from runtime.cli.demo_multiprocess import FEATURES, HIDDEN
-from runtime.core.eventlog import read_events
 from runtime.core.events import StepCompleted
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_goodput_multiprocess import NPROCS, launch
+from bench_goodput_multiprocess import NPROCS, launched
 from bench_overhead_multiprocess import run_bare
+from bench_startup import alternating
 
 WARMUP = 50
 
@@ -43,15 +41,7 @@ def spread(times: list[float]) -> dict[str, float]:
 
 
 def runtime_run(root: Path, steps: int) -> dict[str, float]:
-    replicas = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="bench-spread-"))
-    try:
-        code = launch(root / "run", replicas, steps, []).wait()
-    finally:
-        shutil.rmtree(replicas, ignore_errors=True)
-    if code != 0:
-        raise SystemExit(f"launch exited with {code}:\n{(root / 'launch.out').read_text()[-3000:]}")
-    commits = [e.mono_time for e in read_events(root / "run" / "events.jsonl") if isinstance(e, StepCompleted)]
-    return spread(commits)
+    return spread([e.mono_time for e in launched(root, steps, []) if isinstance(e, StepCompleted)])
 
 
 def bare_run(root: Path, steps: int) -> dict[str, float]:
@@ -64,18 +54,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--json", action="store_true", help="print the medians as JSON on the last line")
     args = parser.parse_args()
-    jobs = {"runtime": runtime_run, "bare": bare_run}
-    runs: dict[str, list[dict[str, float]]] = {job: [] for job in jobs}
-    loads = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for pair in range(args.pairs):
-            for job in list(jobs) if pair % 2 == 0 else list(jobs)[::-1]:
-                loads.append(os.getloadavg()[0])
-                root = Path(tmp) / f"{job}-{pair}"
-                root.mkdir()
-                run = jobs[job](root, args.steps)
-                runs[job].append(run)
-                print(f"pair {pair + 1}/{args.pairs} {job}: " + ", ".join(f"{k} {v} ms" for k, v in run.items()))
+    jobs = {
+        job: functools.partial(run, steps=args.steps) for job, run in (("runtime", runtime_run), ("bare", bare_run))
+    }
+    runs, loads = alternating(args.pairs, jobs, "ms")
     out: dict[str, Any] = {"nprocs": NPROCS, "pairs": args.pairs, "steps": args.steps}
     out["load_average_range"] = [min(loads), max(loads)]
     for job, rows in runs.items():
