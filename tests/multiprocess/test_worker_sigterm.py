@@ -37,6 +37,10 @@ from storage.disk import DiskTier
 
 STEPS = 30
 NPROCS = 4
+# What a survivor's log ends with when gloo aborted it after the kill (docs/multiprocess.md, "JAX limits met"):
+# ``std::terminate`` in gloo's transport thread, which no code in the process can catch. Seen in 1 run of this
+# test in 22 here, and in CI.
+GLOO_ABORT = "Received data size doesn't match expected size"
 
 # A minute or more (a reference run, then the run with the departure): in `make test-heavy`.
 pytestmark = [pytest.mark.timeout(400), pytest.mark.heavy]
@@ -99,9 +103,12 @@ def test_a_worker_killed_before_the_step_it_was_to_leave_at_is_a_loss_the_planne
     # SIGTERM, then SIGKILL before its step (a grace period cut short): the others wait in a collective with it,
     # and the step it was to leave at never comes. Its end is one counted loss; the group planned without it
     # forms at once with the spare in its seat, no survivor replaced, not after a join timeout.
+    # One thing the runtime does not prevent: a kill that cuts the step's all-reduce can make gloo abort a survivor
+    # (see GLOO_ABORT): then that survivor is a second loss, counted, in the same recovery, and all else holds.
+    # The budget allows it; any other second loss fails the test.
     monkeypatch.setenv(ENV_GRACE_S, "300")
     run_dir = tmp_path / "run"
-    flags = ("--spares", "1", "--max-failures", "1")
+    flags = ("--spares", "1", "--max-failures", "2")
     controller = launched.launch(run_dir, worker_command(STEPS), *flags, nprocs=NPROCS, step_delay_s=0.25)
     leaver, pid = process_0(run_dir, controller, 6)
     os.kill(pid, signal.SIGTERM)
@@ -116,12 +123,16 @@ def test_a_worker_killed_before_the_step_it_was_to_leave_at_is_a_loss_the_planne
     assert controller.returncode == 0, output.decode()[-3000:]
     summary = json.loads(output.decode().strip().splitlines()[-1])
     assert summary["ok"] and summary["step"] == STEPS, summary["reason"]
+    events = read_events(run_dir / "events.jsonl")
+    lost = [e.worker for e in events if isinstance(e, WorkerLost)]
+    aborted = [w for w in lost[1:] if GLOO_ABORT in (run_dir / "workers" / f"worker-{w}.log").read_text()]
+    assert lost == [leaver, *aborted], lost
+    assert not [e for e in events if isinstance(e, WorkerHung)]
+    # A survivor aborted by gloo joins the recovery under way: it takes a new spare's seat in the planned forming.
     assert summary["survivor_restarts"] == 0 and summary["strategies"] == ["start", "drain"], summary
     [recovery] = summary["recoveries"]
     assert recovery["lost_steps"] == 0 and f"worker {leaver} ended" in recovery["cause"], recovery
-    events = read_events(run_dir / "events.jsonl")
-    assert [e.worker for e in events if isinstance(e, WorkerLost)] == [leaver]
-    assert not [e for e in events if isinstance(e, WorkerHung)]
     match = compare_states(final(run_dir / "final"), final(reference / "final"), bitwise=True)
     assert match["match"], match
-    print(f"recovered in {recovery['recovery_s']:.2f} s; load average {os.getloadavg()}")
+    print(f"recovered in {recovery['recovery_s']:.2f} s; survivors aborted by gloo: {aborted}")
+    print(f"load average {os.getloadavg()}")
