@@ -1,13 +1,14 @@
-"""Probe: does a ``kill -9`` in the middle of a tuple all-reduce make gloo abort a survivor on CPU?
+"""Probe: how often does a ``kill -9`` at a random moment make gloo abort a survivor (a second loss)?
 
-Not collected by pytest. 4 processes x 2 CPU devices join with ``jax.distributed.initialize`` and loop over one
-jitted ``psum`` over the process axis of four arrays the sizes of the demo step's gradients (1 KB, 128 KB, 1 KB,
-4 bytes: XLA combines them into one tuple all-reduce, as in the demo's step). ``--victim`` kills itself with
-SIGKILL at a random moment 0.2-0.5 s into the loop. For each survivor it counts whether its step raised (a
-``JaxRuntimeError``, the recoverable outcome) or gloo aborted it (``gloo::EnforceNotMet``, as seen once in 10 runs
-of ``tests/multiprocess/test_worker_sigterm.py``; docs/multiprocess.md, "JAX limits met").
+Not collected by pytest. Each round launches the demo job (``launch --nprocs 4 --spares 1``, no step delay: the
+steps run back to back, so the kill usually lands inside the step's all-reduce), waits for step 20, sleeps
+0-0.1 s, SIGKILLs a random member other than process 0's, lets the group recover for ``--settle`` seconds and
+stops the run with SIGTERM. A round counts as aborted when a survivor's log ends with gloo's
+``Received data size doesn't match expected size`` (``std::terminate`` in gloo's transport thread;
+docs/multiprocess.md, "JAX limits met"). ``--xla-flags`` alternates rounds between flag sets (comma separated;
+an empty item is the default), to try a change against the default in the same run.
 
-    .venv/bin/python tests/benchmarks/probe_gloo_abort.py [--rounds 6] [--victim 2]
+    .venv/bin/python tests/benchmarks/probe_gloo_abort.py [--rounds 10] [--xla-flags ",--xla_foo=1"]
 """
 
 from __future__ import annotations
@@ -16,85 +17,58 @@ import argparse
 import os
 import random
 import signal
-import socket
 import subprocess
-import sys
-import threading
+import tempfile
+import time
+from pathlib import Path
 
-NPROCS, LOCAL_DEVICES = 4, 2
-SHAPES = [(256,), (256, 128), (1, 256), ()]
+from runtime.cli.demo_multiprocess import worker_command
+from runtime.core.events import GroupFormed, WorkerLost, WorkerStarted
+from runtime.testing import launched
+
+ABORT = "Received data size doesn't match expected size"
 
 
-def child(process_id: int, port: int, victim: int, seed: int) -> None:
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", NPROCS, process_id, heartbeat_timeout_seconds=100)
-    mesh = Mesh(np.array(jax.devices()).reshape(NPROCS, LOCAL_DEVICES), ("data", "model"))
-    spec = PartitionSpec(("data", "model"))
-    summed = jax.jit(
-        jax.shard_map(lambda *xs: jax.lax.psum(xs, "data"), mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
-    )
-
-    def ones(shape: tuple[int, ...]) -> jax.Array:
-        whole = np.ones((NPROCS * LOCAL_DEVICES, *shape), np.float32)
-        return jax.make_array_from_callback(whole.shape, NamedSharding(mesh, spec), lambda index: whole[index])
-
-    inputs = [ones(shape) for shape in SHAPES]
-    jax.block_until_ready(summed(*inputs))
-    if process_id == victim:
-        delay = 0.2 + random.Random(seed).random() * 0.3
-        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+def round_(run_dir: Path, settle_s: float) -> tuple[int, list[int], list[str]]:
+    """One launch and kill: the victim, the workers lost, the logs that end in gloo's abort."""
+    flags = ("--spares", "1", "--max-failures", "3")
+    controller = launched.launch(run_dir, worker_command(10_000), *flags, nprocs=4)
+    launched.wait_for_step(run_dir, controller, 20)
+    events = launched.events_so_far(run_dir)
+    victim = random.choice(next(e for e in events if isinstance(e, GroupFormed)).members[1:])
+    time.sleep(random.random() * 0.1)
+    os.kill(next(e.pid for e in events if isinstance(e, WorkerStarted) and e.worker == victim), signal.SIGKILL)
+    time.sleep(settle_s)
+    controller.send_signal(signal.SIGTERM)
     try:
-        while True:
-            jax.block_until_ready(summed(*inputs))
-    except Exception as error:  # the recoverable outcome: the step raised
-        print(f"raised: {str(error)[:160]}", flush=True)
-        os._exit(0)  # abandoned collectives may be blocked inside XLA: no interpreter shutdown
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        controller.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        controller.kill()
+        controller.communicate()
+    lost = [e.worker for e in launched.events_so_far(run_dir) if isinstance(e, WorkerLost)]
+    aborted = [p.name for p in sorted((run_dir / "workers").glob("worker-*.log")) if ABORT in p.read_text()]
+    return victim, lost, aborted
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--victim", type=int, default=2, help="not 0: process 0 hosts JAX's coordination service")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--settle", type=float, default=8.0, help="seconds between the kill and the run's stop")
+    parser.add_argument("--xla-flags", default="", help="flag sets, comma separated, alternated by round")
     args = parser.parse_args()
-    counts = {"raised": 0, "aborted": 0, "other": 0}
-    for round_ in range(args.rounds):
-        port = free_port()
-        command = [sys.executable, __file__, "--child"]
-        procs = [
-            subprocess.Popen(
-                [*command, str(i), str(port), str(args.victim), str(round_)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            for i in range(NPROCS)
-        ]
-        for i, proc in enumerate(procs):
-            try:
-                _, err = proc.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-            if i == args.victim:
-                continue
-            outcome = "aborted" if b"EnforceNotMet" in err else "raised" if proc.returncode == 0 else "other"
-            counts[outcome] += 1
-            print(f"round {round_}: process {i} {outcome} (exit code {proc.returncode})", flush=True)
-    print(f"survivors: {counts}; load average {os.getloadavg()}")
+    flag_sets = args.xla_flags.split(",")
+    tally: dict[str, list[bool]] = {flags: [] for flags in flag_sets}
+    with tempfile.TemporaryDirectory(prefix="probe-gloo-") as folder:
+        for number in range(args.rounds):
+            flags = flag_sets[number % len(flag_sets)]
+            os.environ["XLA_FLAGS"] = flags
+            victim, lost, aborted = round_(Path(folder) / f"round-{number}", args.settle)
+            tally[flags].append(bool(aborted))
+            print(f"round {number} [{flags or 'default'}]: killed {victim}, lost {lost}, aborted by gloo: {aborted}")
+    for flags, rounds in tally.items():
+        print(f"{flags or 'default'}: a survivor aborted in {sum(rounds)} of {len(rounds)} rounds")
+    print(f"load average {os.getloadavg()}")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
-        child(*map(int, sys.argv[2:6]))
-    else:
-        main()
+    main()
