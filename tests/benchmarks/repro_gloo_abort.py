@@ -1,15 +1,15 @@
 """Reproduction without the runtime of gloo aborting a survivor after a ``kill -9`` (for an upstream report).
 
-Not collected by pytest. Plain ``jax.distributed`` (4 processes x 2 CPU devices, gloo): each process loops over one
-jitted step whose collectives have the demo step's shape: a ``psum`` over the devices inside the process (the
-``model`` axis) whose result feeds a scalar, then one ``psum`` over the processes of 1 KB, 128 KB, 1 KB and that
-scalar (XLA combines them into one tuple all-reduce). One process (never 0, which hosts the coordination
+Not collected by pytest. Plain ``jax.distributed`` (4 processes x 2 CPU devices by default, gloo): each process
+loops over one jitted step whose collectives have the demo step's shape: a ``psum`` over the devices inside the
+process (the ``model`` axis) whose result feeds a scalar, then one ``psum`` over the processes of 1 KB, 128 KB,
+1 KB and that scalar (XLA combines them into one tuple all-reduce). One process (never 0, which hosts the coordination
 service) SIGKILLs itself at a random moment; the survivors catch their step's error and keep their sockets open
 for 2 s, as a survivor does until its group re-forms. Counts the survivors ended by
 ``terminate called after throwing an instance of 'gloo::EnforceNotMet'`` instead (docs/multiprocess.md, "JAX
-limits met"). ``--no-inner`` drops the in-process ``psum``.
+limits met"). ``--no-inner`` drops the in-process ``psum``; ``--devices 1`` leaves one gloo context a process.
 
-    .venv/bin/python tests/benchmarks/repro_gloo_abort.py [--rounds 12] [--recoverable] [--no-inner]
+    .venv/bin/python tests/benchmarks/repro_gloo_abort.py [--rounds 12] [--devices 2] [--recoverable] [--no-inner]
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ import sys
 import threading
 import time
 
-NPROCS, LOCAL_DEVICES, HOLD_S = 4, 2, 2.0
+NPROCS, HOLD_S = 4, 2.0
 
 
-def child(process_id: int, port: int, victim: int, seed: int, recoverable: bool, inner: bool) -> None:
+def child(process_id: int, port: int, victim: int, seed: int, devices: int, recoverable: bool, inner: bool) -> None:
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
+    jax.config.update("jax_num_cpu_devices", devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_recoverability", recoverable)
     jax.distributed.initialize(f"127.0.0.1:{port}", NPROCS, process_id, heartbeat_timeout_seconds=100)
-    mesh = Mesh(np.array(jax.devices()).reshape(NPROCS, LOCAL_DEVICES), ("data", "model"))
+    mesh = Mesh(np.array(jax.devices()).reshape(NPROCS, devices), ("data", "model"))
     spec = PartitionSpec(("data", "model"))
 
     def step(a: jax.Array, b: jax.Array, c: jax.Array, h: jax.Array) -> tuple[jax.Array, ...]:
@@ -47,7 +47,7 @@ def child(process_id: int, port: int, victim: int, seed: int, recoverable: bool,
     compiled = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
     def ones(shape: tuple[int, ...]) -> jax.Array:
-        whole = np.ones((NPROCS * LOCAL_DEVICES, *shape), np.float32)
+        whole = np.ones((NPROCS * devices, *shape), np.float32)
         return jax.make_array_from_callback(whole.shape, NamedSharding(mesh, spec), lambda index: whole[index])
 
     inputs = [ones((256,)), ones((256, 128)), ones((1, 256)), ones((24,))]
@@ -73,13 +73,15 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
     parser.add_argument("--recoverable", action="store_true", help="jax_enable_recoverability on")
     parser.add_argument("--no-inner", action="store_true", help="no psum inside the process")
     args = parser.parse_args()
     survivors = aborted = 0
     for number in range(args.rounds):
         victim = 1 + number % (NPROCS - 1)
-        settings = [str(free_port()), str(victim), str(number), str(int(args.recoverable)), str(int(not args.no_inner))]
+        flags = [args.devices, int(args.recoverable), int(not args.no_inner)]
+        settings = [str(free_port()), str(victim), str(number), *map(str, flags)]
         procs = [
             subprocess.Popen(
                 [sys.executable, __file__, "--child", str(i), *settings],
@@ -104,7 +106,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        process_id, port, victim, seed, recoverable, inner = map(int, sys.argv[2:8])
-        child(process_id, port, victim, seed, bool(recoverable), bool(inner))
+        process_id, port, victim, seed, devices, recoverable, inner = map(int, sys.argv[2:9])
+        child(process_id, port, victim, seed, devices, bool(recoverable), bool(inner))
     else:
         main()
