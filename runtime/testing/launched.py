@@ -7,13 +7,27 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from runtime.core.errors import EventLogError
 from runtime.core.eventlog import read_events
 from runtime.core.events import Event, StepCompleted, WorkerStarted
 
-__all__ = ["alive", "events_so_far", "launch", "wait_for_step", "wait_until_gone", "worker_pids"]
+__all__ = [
+    "GLOO_ABORT",
+    "aborted_by_gloo",
+    "alive",
+    "events_so_far",
+    "launch",
+    "wait_for_step",
+    "wait_until_gone",
+    "worker_pids",
+]
+
+# What a worker's log ends with when gloo aborted it after a peer's kill (``std::terminate`` in gloo's transport
+# thread, which no code in the process can catch; docs/multiprocess.md, "JAX limits met").
+GLOO_ABORT = "Received data size doesn't match expected size"
 
 
 def launch(
@@ -63,3 +77,8 @@ def wait_until_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
     while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.05)
     return [pid for pid in pids if alive(pid)]
+
+
+def aborted_by_gloo(run_dir: Path, workers: Iterable[int]) -> list[int]:
+    """Those of ``workers`` whose log in ``run_dir`` ends with gloo's abort (:data:`GLOO_ABORT`)."""
+    return [w for w in workers if GLOO_ABORT in (run_dir / "workers" / f"worker-{w}.log").read_text()]

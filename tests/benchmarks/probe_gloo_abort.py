@@ -3,8 +3,8 @@
 Not collected by pytest. Each round launches the demo job (``launch --nprocs 4 --spares 1``, no step delay: the
 steps run back to back, so the kill usually lands inside the step's all-reduce), waits for step 20, sleeps
 0-0.1 s, SIGKILLs a random member other than process 0's, lets the group recover for ``--settle`` seconds and
-stops the run with SIGTERM. A round counts as aborted when a survivor's log ends with gloo's
-``Received data size doesn't match expected size`` (``std::terminate`` in gloo's transport thread;
+stops the run with SIGTERM. A round counts as aborted when a lost survivor's log ends with gloo's abort
+(``runtime.testing.launched.GLOO_ABORT``: ``std::terminate`` in gloo's transport thread;
 docs/multiprocess.md, "JAX limits met"). ``--xla-flags`` alternates rounds between flag sets (comma separated;
 an empty item is the default), to try a change against the default in the same run.
 
@@ -26,11 +26,9 @@ from runtime.cli.demo_multiprocess import worker_command
 from runtime.core.events import GroupFormed, WorkerLost, WorkerStarted
 from runtime.testing import launched
 
-ABORT = "Received data size doesn't match expected size"
 
-
-def round_(run_dir: Path, settle_s: float) -> tuple[int, list[int], list[str]]:
-    """One launch and kill: the victim, the workers lost, the logs that end in gloo's abort."""
+def round_(run_dir: Path, settle_s: float) -> tuple[int, list[int], list[int]]:
+    """One launch and kill: the victim, the workers lost, those of them gloo aborted."""
     flags = ("--spares", "1", "--max-failures", "3")
     controller = launched.launch(run_dir, worker_command(10_000), *flags, nprocs=4)
     launched.wait_for_step(run_dir, controller, 20)
@@ -46,8 +44,7 @@ def round_(run_dir: Path, settle_s: float) -> tuple[int, list[int], list[str]]:
         controller.kill()
         controller.communicate()
     lost = [e.worker for e in launched.events_so_far(run_dir) if isinstance(e, WorkerLost)]
-    aborted = [p.name for p in sorted((run_dir / "workers").glob("worker-*.log")) if ABORT in p.read_text()]
-    return victim, lost, aborted
+    return victim, lost, launched.aborted_by_gloo(run_dir, lost)
 
 
 def main() -> None:
