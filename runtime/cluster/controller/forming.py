@@ -108,9 +108,13 @@ def recruit(sup: Supervisor, out: list[Action], now: float, changed: int | None)
     if len(chosen) >= need:
         seat_members(sup, out, survivors, sup.chosen)
         return
-    starting = [p for p in sup.pool if p.spare and not p.gone and p.hello is None] if sup.config.starts_workers else []
-    if sup.config.starts_workers and len(starting) + len(chosen) < need:
-        out.append(Spawn(need - len(starting) - len(chosen)))
+    if sup.config.starts_workers:
+        # On their way: spares starting, and ready ones not chosen yet, whose hello the shell recorded but whose
+        # ``changed`` is still in the supervisor's queue (counted as missing, they had a worker started for them).
+        coming = [p for p in sup.pool if p.spare and not p.gone and p.worker not in chosen]
+        coming = [p for p in coming if p.hello is None or seatable(sup, p)]
+        if len(coming) + len(chosen) < need:
+            out.append(Spawn(need - len(coming) - len(chosen)))
     # Workers the controller does not start are the orchestrator's to replace: after a loss the group goes
     # on without them at once where min_nprocs allows, and grows back when they say hello.
     soon = (not sup.config.starts_workers or sup.forming == Strategy.DRAIN) and bool(survivors)
