@@ -82,7 +82,7 @@ test-slurm: $(STAMP) slurm
 # multi-process groups re-forming (jax.distributed, gloo, shard_map, kept programs, a generation given up). The
 # rest (the bus, events, config, the controller's decisions, notices, docs) is plain Python that `make test`
 # covers once. LATEST_TESTS=tests runs everything.
-LATEST_TESTS ?= tests/test_compat.py tests/test_compiler.py tests/test_compile_cache.py tests/test_real_model_shape.py \
+LATEST_TESTS ?= tests/test_compat.py tests/test_compiler.py tests/test_same_shape.py tests/test_compile_cache.py tests/test_real_model_shape.py \
 	tests/test_ram.py tests/test_spares.py tests/test_flax_lm.py tests/checkpoints \
 	tests/multiprocess/test_real_model_launch.py tests/multiprocess/test_slices.py tests/multiprocess/test_given_up.py
 test-latest: $(LATEST_STAMP)

@@ -112,3 +112,55 @@ def distributed_runtime_service(
         shutdown_timeout=shutdown_timeout,
         recoverable=recoverable,
     )
+
+
+def load_executable_onto(serialized: bytes, in_tree: Any, out_tree: Any, moved: dict[int, Any]) -> Any:
+    """A serialized executable (``jax.experimental.serialize_executable.serialize``) loaded to run on other
+    devices: each device id in it replaced by ``moved[id]``, in the same logical place.
+
+    ``deserialize_and_load`` keeps the device assignment the executable was compiled with: its
+    ``execution_devices`` only looks the same ids up. So this unpickles with JAX's own unpickler, the devices
+    swapped, and hands the executable to the client with compile options that carry the new assignment
+    (``Client.deserialize_executable``'s ``compile_options``).
+
+    Raises:
+        IncompatibleVersion: the unpickler or the client's method is gone or changed.
+    """
+    import io
+
+    import jax
+    import numpy as np
+
+    unpickler: Any = _private("jax.experimental.serialize_executable", "_JaxPjrtUnpickler")
+    xc: Any = _private("jax._src.lib", "xla_client", "jaxlib")
+    devices = list(moved.values())
+    backend = devices[0].client
+
+    class _Executable:  # the executable's bytes, loaded once the device assignment is known
+        def __init__(self, payload: bytes) -> None:
+            self.payload = payload
+
+    class _Onto(unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            if pid[0] == "device":
+                return moved[pid[1]]
+            if pid[0] == "exec":
+                return _Executable(pid[1])
+            return super().persistent_load(pid)
+
+    where = "jax.experimental.serialize_executable._JaxPjrtUnpickler"
+    unloaded, args_info, no_kwargs = _call("jax", where, _Onto, io.BytesIO(serialized), backend, devices).load()
+    assignment = list(unloaded.device_list)  # the executable's devices in their logical order, moved
+    options = xc.CompileOptions()
+    options.num_replicas, options.num_partitions = 1, len(assignment)
+    options.device_assignment = xc.DeviceAssignment.create(np.array([[d.id for d in assignment]]))
+    where = "jaxlib Client.deserialize_executable"
+    unloaded.xla_executable = _call(
+        "jaxlib",
+        where,
+        backend.deserialize_executable,
+        unloaded.xla_executable.payload,
+        xc.DeviceList(tuple(assignment)),
+        compile_options=options,
+    )
+    return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info), out_tree, no_kwargs=no_kwargs)

@@ -7,8 +7,8 @@ unless the program already set ``jax_compilation_cache_dir`` itself (then that o
 The previous setting is put back when the run ends, since JAX's configuration belongs to the whole process.
 
 On GPU, JAX leaves the device assignment out of the cache key, so the step compiled ahead for one degraded
-mesh also serves every other mesh of the same shape (another lost slice). On CPU and TPU each device
-assignment is compiled on its own.
+mesh also serves every other mesh of the same shape (another lost slice). On CPU and TPU it does not; on CPU
+``runtime.core.same_shape`` loads one compile onto the other meshes instead.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Compiled steps per mesh: compile once per device layout, ahead of time where recovery is likely.
+"""Compiled steps per mesh, ahead of time where recovery is likely; one compile per mesh shape on CPU, the other
+meshes of that shape loading it (``runtime.core.same_shape``).
 
 A recovery onto a mesh whose step is already compiled does not wait for XLA. The runtime asks for the
 likely degraded meshes in the background (see ``MeshPolicy.likely_meshes``); a request for a mesh whose
@@ -29,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from runtime.core.job import PyTree, TrainJob
 from runtime.core.mesh import mesh_key
 from runtime.core.programs import ProgramStore, compile_kept
+from runtime.core.same_shape import SameShape
 from runtime.core.snapshot import host_shardings
 
 
@@ -72,6 +74,9 @@ class StepCompiler:
         # mesh and ``place`` (under launch: this process's place in the group); None: compiled each time.
         self.programs = programs
         self.place = place
+        # Without kept programs (one process, where meshes of one shape are compiled ahead one per slice): the
+        # first mesh of a shape is compiled, the others load its executable onto their devices.
+        self.same_shape = SameShape()
         self._state_abstract = abstract(state_example)
         self._batch_abstract = abstract(batch_example)
         self._lock = threading.Lock()
@@ -201,6 +206,8 @@ class StepCompiler:
         return self._build("step", mesh, lambda: jitted.lower(*args))
 
     def _build(self, name: str, mesh: Mesh, lower: Callable[[], Any]) -> Any:
+        if self.programs is None:
+            return self.same_shape.compiled(name, mesh, lower())
         return compile_kept(self.programs, name, (mesh_key(mesh), self.place), lower)
 
 

@@ -43,7 +43,7 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ProgramStore", "compile_kept"]
+__all__ = ["ProgramStore", "compile_kept", "compile_noting_cache", "serialized"]
 
 
 _SIGNATURE = 32  # bytes of HMAC-SHA256 before the payload
@@ -104,20 +104,12 @@ class ProgramStore:
         started = time.perf_counter()
         lowered = lower()
         traced = time.perf_counter()
-        hits = getattr(_cache_hits, "count", 0)
-        program = lowered.compile()
+        program, from_cache = compile_noting_cache(lowered)
         self.seconds["trace"] += traced - started
         self.seconds["compile"] += time.perf_counter() - traced
         self.traced.append(name)
-        if not self._keep:
-            return program
-        if getattr(_cache_hits, "count", 0) != hits:
-            log.info("the %s came from JAX's persistent compilation cache: not kept (see programs.py)", name)
-            return program
-        try:
-            payload = pickle.dumps(serialize_executable.serialize(program))
-        except Exception as exc:  # some programs cannot be serialized (closed-over constants): traced each time
-            log.info("the %s cannot be kept: %s: %s", name, type(exc).__name__, exc)
+        payload = serialized(program, name, from_cache) if self._keep else None
+        if payload is None:
             return program
         self._kept[key] = payload
         self._write(key, payload)
@@ -151,6 +143,26 @@ class ProgramStore:
             os.replace(temporary, self.folder / key)
         except OSError as exc:  # only a speed-up for other processes
             log.warning("could not keep a program in %s: %s", self.folder, exc)
+
+
+def compile_noting_cache(lowered: Any) -> tuple[Any, bool]:
+    """``lowered`` compiled, and whether JAX's persistent compilation cache gave it instead of XLA."""
+    hits = getattr(_cache_hits, "count", 0)
+    program = lowered.compile()
+    return program, getattr(_cache_hits, "count", 0) != hits
+
+
+def serialized(program: Any, name: str, from_cache: bool) -> bytes | None:
+    """``program`` serialized (``serialize_executable.serialize``, pickled), or None where it cannot be: it came
+    from JAX's persistent cache (incomplete on CPU, see above), or it holds what cannot be serialized."""
+    if from_cache:
+        log.info("the %s came from JAX's persistent compilation cache: not kept (see programs.py)", name)
+        return None
+    try:
+        return pickle.dumps(serialize_executable.serialize(program))
+    except Exception as exc:  # some programs cannot be serialized (closed-over constants): traced each time
+        log.info("the %s cannot be kept: %s: %s", name, type(exc).__name__, exc)
+        return None
 
 
 def compile_kept(programs: ProgramStore | None, name: str, layout: Hashable, lower: Callable[[], Any]) -> Any:
