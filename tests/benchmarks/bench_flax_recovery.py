@@ -13,23 +13,29 @@ All on 8 CPU devices, mesh data=4 x model=2, each in-process run with an empty c
 - early: a random slice lost at step 3, while the background compiles run: the recovery compiles its own
   mesh at once (never behind another mesh's compile); ``compile_wait_s`` says how long, and the number of
   ``MeshReady`` events before its ``RecoveryCompleted`` how many other meshes were done first;
+- with ``--compare``, each in-process run again with every mesh compiled on its own (as before
+  ``runtime/core/same_shape.py``, which on CPU compiles the first mesh of a shape and loads it onto the others),
+  alternating, each variant's figures under its own keys (``own_compiles``);
 - restart: a new Python process starts, JAX initialises its devices, the model and optimizer are built, the
   state is restored with plain Orbax (``StandardCheckpointer``) from a checkpoint of the same state on local
   disk onto the 6-device mesh, the step is compiled and run once; from spawning the process to that step's
   result. Failure detection and rescheduling, which a real restart also pays, are left out in its favour.
 
-    .venv/bin/python tests/benchmarks/bench_flax_recovery.py [--repeats 5] [--seed 0] [--no-restart] [--json]
+    .venv/bin/python tests/benchmarks/bench_flax_recovery.py [--repeats 5] [--seed 0] [--no-restart] [--compare]
+        [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +49,7 @@ from runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig
 from runtime.core.compiler import StepCompiler  # noqa: E402
 from runtime.core.events import LikelyMeshesReady, MeshReady  # noqa: E402
 from runtime.core.initial import abstract_state  # noqa: E402
+from runtime.core.same_shape import SameShape  # noqa: E402
 from runtime.testing import FaultInjector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,6 +148,39 @@ def one_compile(job: Any) -> float:
     return time.monotonic() - started
 
 
+@contextlib.contextmanager
+def each_mesh_compiled(own: bool) -> Iterator[None]:
+    """With ``own``, every mesh's programs compiled on their own, none loaded from another mesh's."""
+    shared = SameShape.compiled
+    if own:
+        SameShape.compiled = lambda self, name, mesh, lowered: lowered.compile()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SameShape.compiled = shared  # type: ignore[method-assign]
+        jax.clear_caches()  # nothing compiled in one run serves the next from memory
+
+
+def summary(late: list[dict[str, float]], early: list[dict[str, float]], alone: float) -> dict[str, Any]:
+    goal = late[0]["likely_meshes"] * alone / (os.cpu_count() or 1)  # likely meshes x one mesh's compile / cores
+    return {
+        "after_compiles_recovery_s_median": median(late, "recovery_s"),
+        "after_compiles_recovery_s_max": round(max(run["recovery_s"] for run in late), 4),
+        "after_compiles_compile_wait_s_max": round(max(run["compile_wait_s"] for run in late), 4),
+        "after_compiles_compiles_during_recovery_max": max(int(run["compiles_during_recovery"]) for run in late),
+        "lost_slices": [int(run["slice"]) for run in late],
+        "failed_steps": [int(run["failed_step"]) for run in late],
+        "likely_ready_s": [round(run["likely_ready_s"], 2) for run in late],
+        "likely_ready_s_median": median(late, "likely_ready_s"),
+        "likely_ready_goal_s": round(goal, 3),
+        "likely_ready_over_goal": round(median(late, "likely_ready_s") / goal, 2),
+        "early_recovery_s_median": median(early, "recovery_s"),
+        "early_compile_wait_s_median": median(early, "compile_wait_s"),
+        "early_meshes_ready_before_recovery": [int(run["meshes_ready_before_recovery"]) for run in early],
+        "early_lost_slices": [int(run["slice"]) for run in early],
+    }
+
+
 def median(runs: list[dict[str, float]], key: str) -> float:
     return round(float(np.median([run[key] for run in runs])), 4)
 
@@ -150,47 +190,42 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0, help="chooses each run's lost slice and step")
     parser.add_argument("--no-restart", action="store_true", help="skip the Orbax restart baseline")
+    parser.add_argument("--compare", action="store_true", help="each run again with every mesh compiled on its own")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     job = flax_lm.make_job(flax_lm.ModelConfig(), global_batch=GLOBAL_BATCH)
     rng = random.Random(args.seed)
     alone = one_compile(job)
-    late: list[dict[str, float]] = []
-    early: list[dict[str, float]] = []
+    variants = [False, True] if args.compare else [False]  # own compiles: False is the runtime as it is
+    late: dict[bool, list[dict[str, float]]] = {own: [] for own in variants}
+    early: dict[bool, list[dict[str, float]]] = {own: [] for own in variants}
     restarts: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "ckpt"
         write_checkpoint(checkpoint, job)
         for i in range(args.repeats):
-            late.append(in_process(job, f"{tmp}/late-{i}", late=True, rng=rng))
-            early.append(in_process(job, f"{tmp}/early-{i}", late=False, rng=rng))
+            draw = rng.getstate()
+            for own in variants:
+                rng.setstate(draw)  # the same slices and steps for both variants
+                with each_mesh_compiled(own):
+                    late[own].append(in_process(job, f"{tmp}/late-{i}-{own}", late=True, rng=rng))
+                with each_mesh_compiled(own):
+                    early[own].append(in_process(job, f"{tmp}/early-{i}-{own}", late=False, rng=rng))
+                print(
+                    json.dumps({"own_compiles": own, "late": late[own][-1], "early": early[own][-1]}), file=sys.stderr
+                )
             if not args.no_restart:
                 restarts.append(restart(checkpoint, RESTART))
-            print(json.dumps({"late": late[-1], "early": early[-1]}), file=sys.stderr, flush=True)
-    cores = os.cpu_count() or 1
-    goal = late[0]["likely_meshes"] * alone / cores  # likely meshes x one mesh's compile / cores
-    result = {
-        "after_compiles_recovery_s_median": median(late, "recovery_s"),
-        "after_compiles_recovery_s_max": round(max(run["recovery_s"] for run in late), 4),
-        "after_compiles_compile_wait_s_max": round(max(run["compile_wait_s"] for run in late), 4),
-        "after_compiles_compiles_during_recovery_max": max(int(run["compiles_during_recovery"]) for run in late),
-        "lost_slices": [int(run["slice"]) for run in late],
-        "failed_steps": [int(run["failed_step"]) for run in late],
-        "one_mesh_compile_s": round(alone, 3),
-        "likely_ready_s_median": median(late, "likely_ready_s"),
-        "likely_ready_goal_s": round(goal, 3),
-        "likely_ready_over_goal": round(median(late, "likely_ready_s") / goal, 2),
-        "early_recovery_s_median": median(early, "recovery_s"),
-        "early_compile_wait_s_median": median(early, "compile_wait_s"),
-        "early_meshes_ready_before_recovery": [int(run["meshes_ready_before_recovery"]) for run in early],
-        "early_lost_slices": [int(run["slice"]) for run in early],
-        "repeats": args.repeats,
-        "load_average": round(os.getloadavg()[0], 2),
-    }
+    result: dict[str, Any] = {"one_mesh_compile_s": round(alone, 3), **summary(late[False], early[False], alone)}
+    if args.compare:
+        result["own_compiles"] = summary(late[True], early[True], alone)
+    result.update(repeats=args.repeats, load_average=round(os.getloadavg()[0], 2))
     if restarts:
         result["restart_with_orbax_s_median"] = round(float(np.median(restarts)), 4)
-        result["speedup_after_compiles_median"] = round(float(np.median(restarts)) / median(late, "recovery_s"), 1)
+        result["speedup_after_compiles_median"] = round(
+            float(np.median(restarts)) / median(late[False], "recovery_s"), 1
+        )
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
 
 
