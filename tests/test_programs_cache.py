@@ -8,11 +8,9 @@ compiled itself. Each case runs in a fresh interpreter, whose cache folder is se
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from runtime.testing.fresh_process import run_with_compile_cache
 
 SCRIPT = """
 import json, pickle
@@ -54,16 +52,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_a_program_from_the_persistent_cache_is_not_kept_because_it_does_not_reload(tmp_path: Path) -> None:
-    env = os.environ | {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "JAX_PLATFORMS": "cpu",
-    }
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, done.stderr[-3000:]
-    out = json.loads(line[len("RESULT ") :])
+    out = run_with_compile_cache(SCRIPT, tmp_path / "cache")
     # Compiled here: kept, and a kept program loads and runs.
     assert out["cold_kept"] and out["cold_reloaded"] is True and out["kept_runs"], out
     # Served by the cache: it runs, but serialized again it does not (the premise: when a JAX release fixes

@@ -3,10 +3,6 @@ the same bits as its own compile would (runtime.core.same_shape)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from runtime.core.compiler import StepCompiler
 from runtime.core.job import TrainJob
 from runtime.testing.demo_model import TeacherData, demo_job
+from runtime.testing.fresh_process import run_with_compile_cache
 
 
 def _mesh(first: int) -> Mesh:
@@ -129,14 +126,5 @@ print("RESULT " + json.dumps(out))
 def test_in_a_resumed_run_the_first_mesh_compiled_for_real_serves_the_rest(tmp_path: Path) -> None:
     # The first mesh's step comes from JAX's persistent cache, which cannot be serialized whole on CPU
     # (tests/test_programs_cache.py): the next mesh compiles, and the one after loads that one's step.
-    env = os.environ | {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        "JAX_PLATFORMS": "cpu",
-    }
-    done = subprocess.run([sys.executable, "-c", RESUMED], env=env, capture_output=True, text=True, timeout=300)
-    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, done.stderr[-3000:]
-    out = json.loads(line[len("RESULT ") :])
+    out = run_with_compile_cache(RESUMED, tmp_path / "cache")
     assert out == {"cached_runs": True, "compiled_runs": True, "loaded_runs": True, "loaded": 1}, out
