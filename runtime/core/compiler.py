@@ -121,6 +121,10 @@ class StepCompiler:
             shardings = self._batch_shardings[key] = shardings_for(self.job.batch_spec, mesh)
         return shardings
 
+    def loaded(self, mesh: Mesh) -> int:
+        """How many of ``mesh``'s programs were loaded from another mesh's compile instead of compiled."""
+        return self.same_shape.loaded.get(mesh_key(mesh)[2], 0)
+
     def is_ready(self, mesh: Mesh) -> bool:
         with self._lock:
             future = self._compiled.get(mesh_key(mesh))

@@ -382,11 +382,13 @@ class RecoveryCompleted(Event, frozen=True, kw_only=True):
 
 class MeshReady(Event, frozen=True, kw_only=True):
     """The programs a step on ``mesh_shape`` (``devices``) runs are compiled, ahead of need, in ``seconds``:
-    a failure that leads to this mesh recovers without compiling."""
+    a failure that leads to this mesh recovers without compiling. ``loaded`` of them were not compiled but loaded
+    from the same programs compiled for another mesh of the shape (on CPU: ``runtime.core.same_shape``)."""
 
     mesh_shape: dict[str, int]
     devices: tuple[int, ...]
     seconds: float
+    loaded: int = 0
 
 
 class LikelyMeshesReady(Event, frozen=True, kw_only=True):

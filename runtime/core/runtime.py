@@ -260,6 +260,7 @@ class Runtime:
                 mesh_shape=mesh_shape(mesh),
                 devices=device_ids(mesh),
                 seconds=seconds,
+                loaded=self.executor.compiler.loaded(mesh) if self.executor.compiler else 0,
             )
             with contextlib.suppress(BusClosed):  # the run ended while this compile ran: nobody to tell
                 await self.bus.publish(ready)

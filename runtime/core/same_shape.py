@@ -60,7 +60,7 @@ class SameShape:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sources: dict[tuple[str, str], Future[_Source | None]] = {}
-        self.loaded = 0  # programs loaded onto another mesh's devices, not compiled
+        self.loaded: dict[tuple[int, ...], int] = {}  # by a mesh's device ids: its programs loaded, not compiled
 
     def compiled(self, name: str, mesh: Mesh, lowered: Any) -> Any:
         """``lowered`` (the program ``name`` lowered for ``mesh``) compiled, or loaded from the same program
@@ -86,7 +86,7 @@ class SameShape:
                 log.warning("could not load the %s onto %s (%s: %s); compiling it", name, ids, type(exc).__name__, exc)
             else:
                 with self._lock:
-                    self.loaded += 1
+                    self.loaded[ids] = self.loaded.get(ids, 0) + 1
                 return program
         try:
             program, from_cache = compile_noting_cache(lowered)
