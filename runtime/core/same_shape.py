@@ -30,6 +30,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from runtime.compat.jax import load_executable_onto
+from runtime.core.mesh import mesh_key
 from runtime.core.programs import compile_noting_cache, serialized
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class SameShape:
             if owner:
                 source = self._sources[key] = Future()
         assert source is not None
-        ids = tuple(int(d.id) for d in mesh.devices.flat)
+        ids = mesh_key(mesh)[2]  # its devices in layout order
         kept = None if owner else source.result()
         payload = kept.payload() if kept is not None and kept.device_ids != ids else None
         if kept is not None and payload is not None:
