@@ -27,7 +27,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from runtime.core.errors import SnapshotUnavailable
-from runtime.core.mesh import mesh_key
 from runtime.core.programs import ProgramStore, compile_kept
 
 __all__ = [
@@ -213,7 +212,7 @@ class NeighbourShift:
 def _build(programs: ProgramStore | None, name: str, mesh: Any, lower: Any) -> Any:
     """``lower()`` compiled, or loaded from ``programs`` when kept there for this layout: a re-formed group on
     the layout of an earlier one does not trace or compile it again."""
-    return compile_kept(programs, name, (mesh_key(mesh), jax.process_index()), lower)
+    return compile_kept(programs, name, mesh, jax.process_index(), lower)
 
 
 def _devices_per_process(mesh: Any) -> int:

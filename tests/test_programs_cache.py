@@ -24,6 +24,7 @@ def f(x, y):
 x, y = jnp.ones((256,), jnp.float32), jnp.arange(256, dtype=jnp.float32)
 expected = float(f(x, y).sum())
 lower = lambda: jax.jit(f).lower(x, y)
+mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
 
 def reloaded(program):
     try:
@@ -35,15 +36,15 @@ def reloaded(program):
 
 out = {}
 cold = ProgramStore()
-program = cold.compiled("f", "layout", lower)
+program = cold.compiled("f", mesh, 0, lower)
 out["cold_kept"] = len(cold._kept) == 1
 out["cold_reloaded"] = reloaded(program)
 loaded = ProgramStore()
 loaded._kept = dict(cold._kept)
-out["kept_runs"] = float(loaded.compiled("f", "layout", lower)(x, y).sum()) == expected and loaded.loaded == ["f"]
+out["kept_runs"] = float(loaded.compiled("f", mesh, 0, lower)(x, y).sum()) == expected and loaded.loaded == ["f"]
 jax.clear_caches()  # the next compile is served by the persistent cache
 warm = ProgramStore()
-program = warm.compiled("f", "layout", lower)
+program = warm.compiled("f", mesh, 0, lower)
 out["warm_runs"] = float(program(x, y).sum()) == expected
 out["warm_kept"] = len(warm._kept) == 1
 out["warm_reloaded"] = reloaded(program)

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from runtime.core.compiler import StepCompiler
 from runtime.core.job import TrainJob
+from runtime.core.programs import ProgramStore
 from runtime.testing.demo_model import TeacherData, demo_job
 from runtime.testing.fresh_process import run_with_compile_cache
 
@@ -54,6 +55,31 @@ def test_a_second_mesh_of_the_same_shape_loads_the_first_ones_step_and_computes_
     expected = _run(own, job, _mesh(2))
     assert len(compiles) > compiled_first
     assert all(np.array_equal(a, b) for a, b in zip(moved, expected, strict=True))
+
+
+def test_a_kept_program_serves_a_layout_of_its_shape_never_compiled_for_and_computes_the_same_bits(
+    compiles: list[float],
+) -> None:
+    # As a group one slice smaller loads what its members compiled on the old backend (worker/smaller.py). A
+    # model of its own: JAX keeps compiled programs in memory too, by program and devices.
+    job = demo_job(features=16, hidden=48)
+    kept = ProgramStore()
+    StepCompiler(job, job.init(), job.data.batch(0), programs=kept, place=(0, 4)).get(_mesh(0))
+    assert kept.traced == ["step"] and kept.loaded == []
+    compiled_first = len(compiles)
+
+    kept.reset()
+    moved = _run(StepCompiler(job, job.init(), job.data.batch(0), programs=kept, place=(0, 3)), job, _mesh(2))
+    assert len(compiles) == compiled_first
+    assert kept.traced == [] and kept.loaded == ["step"]
+    expected = _run(StepCompiler(job, job.init(), job.data.batch(0)), job, _mesh(2))
+    assert len(compiles) > compiled_first
+    assert all(np.array_equal(a, b) for a, b in zip(moved, expected, strict=True))
+
+    other = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))  # another shape: compiled
+    kept.reset()
+    StepCompiler(job, job.init(), job.data.batch(0), programs=kept, place=(0, 3)).get(other)
+    assert kept.traced == ["step"]
 
 
 def test_a_mesh_whose_step_lowers_differently_is_compiled_on_its_own(compiles: list[float]) -> None:

@@ -16,7 +16,7 @@ from typing import Union
 import msgspec
 
 from runtime.cluster.tiers import Tier
-from runtime.core.events import CheckpointCorrupt, StepFailed
+from runtime.core.events import CheckpointCorrupt, LikelyMeshesReady, StepFailed
 from storage.manifest import FileEntry, LeafEntry
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "ENV_KEEP_PROGRAMS",
     "ENV_LOCAL_DEVICES",
     "ENV_METADATA_HOST",
+    "ENV_PREPARE_SMALLER",
     "ENV_REPLICA_DIR",
     "ENV_RESULT",
     "ENV_RETURN_FREED_MEMORY",
@@ -86,6 +87,8 @@ ENV_STEP_DELAY_S = "ELASTIC_STEP_DELAY_S"  # extra sleep per step (tests: room t
 ENV_GRACE_S = "ELASTIC_GRACE_S"
 # "0": trace and compile every program again at each re-forming (runtime/core/programs.py; for comparisons)
 ENV_KEEP_PROGRAMS = "ELASTIC_KEEP_PROGRAMS"
+# "0": do not prepare the group one slice smaller while training (runtime/cluster/worker/smaller.py; for comparisons)
+ENV_PREPARE_SMALLER = "ELASTIC_PREPARE_SMALLER"
 # "0": leave glibc's malloc as it is (runtime/core/memory.py): faster steps on CPU devices, more resident memory
 ENV_RETURN_FREED_MEMORY = "ELASTIC_RETURN_FREED_MEMORY"
 # "0": every step's new state in fresh memory, not in a replaced one's (runtime/cluster/worker/spares.py)
@@ -208,6 +211,8 @@ class EventReport(Message, frozen=True, kw_only=True):
       restored from ``event.tier`` ("durable", or its replica files' "shm" or "disk"; ``event.path``: a missing,
       truncated or damaged file). ``recovered_from``: the tier it read the step from instead; None: none did, and
       the group must restore another step.
+    - :class:`~runtime.core.events.LikelyMeshesReady`: this worker's programs of the group one slice smaller are
+      kept (``runtime/cluster/worker/smaller.py``): a re-form without a lost slice loads them.
 
     An event of another type or without its step, a tier that is not one of :class:`~runtime.cluster.tiers.Tier`'s
     names, or a field of the envelope set for the other event does not decode.
@@ -215,7 +220,7 @@ class EventReport(Message, frozen=True, kw_only=True):
 
     worker: int
     generation: int
-    event: StepFailed | CheckpointCorrupt
+    event: StepFailed | CheckpointCorrupt | LikelyMeshesReady
     traceback: str = ""  # StepFailed only
     unsupported: bool = False  # StepFailed only
     recovered_from: Tier | None = None  # CheckpointCorrupt only
@@ -230,7 +235,9 @@ class EventReport(Message, frozen=True, kw_only=True):
             if self.traceback or self.unsupported:
                 raise ValueError("traceback and unsupported belong to a StepFailed, not to a CheckpointCorrupt")
         elif self.recovered_from is not None:
-            raise ValueError("recovered_from belongs to a CheckpointCorrupt, not to a StepFailed")
+            raise ValueError("recovered_from belongs to a CheckpointCorrupt only")
+        if isinstance(self.event, LikelyMeshesReady) and (self.traceback or self.unsupported):
+            raise ValueError("traceback and unsupported belong to a StepFailed only")
 
 
 class Requested(Message, frozen=True, kw_only=True):
@@ -298,6 +305,9 @@ class Form(Message, frozen=True, kw_only=True):
     # The folder (a name, in the run's replica folder) where this controller's workers keep their compiled
     # programs for each other (runtime/core/programs.py); new for every controller, so never another run's.
     programs: str = ""
+    # The fewest processes the group may go on with (launch's --min-nprocs): where a group one slice smaller may
+    # form, its members prepare its programs while they train (runtime/cluster/worker/smaller.py).
+    min_processes: int = 0  # 0: not said (nothing is prepared)
 
 
 class RestoreStep(Message, frozen=True, kw_only=True):

@@ -212,7 +212,7 @@ class StepCompiler:
     def _build(self, name: str, mesh: Mesh, lower: Callable[[], Any]) -> Any:
         if self.programs is None:
             return self.same_shape.compiled(name, mesh, lower())
-        return compile_kept(self.programs, name, (mesh_key(mesh), self.place), lower)
+        return compile_kept(self.programs, name, mesh, self.place, lower)
 
 
 def _with_host_copy(step: Any, state_sharding: PyTree) -> Any:

@@ -393,7 +393,9 @@ class MeshReady(Event, frozen=True, kw_only=True):
 
 class LikelyMeshesReady(Event, frozen=True, kw_only=True):
     """Every mesh a next failure on ``mesh_shape`` would lead to (``meshes`` of them, one lost slice each) is
-    compiled, ``seconds`` after the mesh was taken into use: from now on no single failure waits for a compile."""
+    compiled, ``seconds`` after the mesh was taken into use: from now on no single failure waits for a compile.
+    Under ``launch``, from each worker (``source`` worker-N) of a group that may go on one slice smaller: its
+    programs of that layout are kept (``meshes`` 1; runtime/cluster/worker/smaller.py)."""
 
     mesh_shape: dict[str, int]
     meshes: int

@@ -19,7 +19,6 @@ import numpy as np
 from jax.sharding import Mesh
 
 from runtime.core.job import PyTree, TrainJob
-from runtime.core.mesh import mesh_key
 from runtime.core.programs import ProgramStore, compile_kept
 
 __all__ = ["abstract_state", "initial_program", "place_host"]
@@ -43,7 +42,7 @@ def initial_program(
         if not traced.jaxpr.jaxpr.eqns:
             del traced  # it holds the host arrays: called again when the state is made, and let go after
             return lambda: place_host(job.init(), shardings)
-        compiled = compile_kept(programs, "init", (mesh_key(mesh), place), traced.lower)
+        compiled = compile_kept(programs, "init", mesh, place, traced.lower)
     return lambda: jax.block_until_ready(compiled())
 
 

@@ -14,6 +14,14 @@ run its own folder (``Form.programs``), so a file is never taken for another run
 script's. A file is signed with the run's secret (HMAC-SHA256) and loaded only when the signature holds:
 a serialized executable is a pickle, and loading one runs code.
 
+A program is also kept by its mesh's shape (axis names and sizes, the processes it spans): compiled code names
+places in the mesh, not devices (``runtime.core.same_shape``), so a layout of that shape that was never compiled
+for (a group one slice smaller, on a new backend: ``runtime.cluster.worker.smaller``) loads it onto its own
+devices, each in the place the compiled mesh's device had (``runtime.compat.jax.load_executable_onto``). That
+takes the user's step to lower the same on every mesh of a shape, as a step written against axis names does; one
+that reads its devices' ids does not (run it with ``ELASTIC_PREPARE_SMALLER=0``). In one process, where tracing
+is not what is saved, ``runtime.core.same_shape`` compares the lowered programs instead.
+
 Where the time goes (``seconds``: tracing and lowering, XLA's compile, loading) is kept for the events: the
 report separates it from restoring.
 
@@ -40,6 +48,10 @@ from typing import Any
 
 import jax
 from jax.experimental import serialize_executable
+from jax.sharding import Mesh
+
+from runtime.compat.jax import load_executable_onto
+from runtime.core.mesh import mesh_key
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +84,7 @@ class ProgramStore:
         self._secret = secret.encode()
         self._keep = keep
         self._kept: dict[str, bytes] = {}
+        self._by_shape: dict[str, tuple[bytes, tuple[int, ...]]] = {}  # and the compiled mesh's device ids
         self.seconds: dict[str, float] = {"trace": 0.0, "compile": 0.0, "load": 0.0}
         self.loaded: list[str] = []  # names of the programs loaded, not traced, since the last reset
         self.traced: list[str] = []
@@ -84,23 +97,29 @@ class ProgramStore:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self.loaded, self.traced = [], []
 
-    def compiled(self, name: str, layout: Hashable, lower: Callable[[], Any]) -> Any:
-        """The program ``name`` for ``layout``: loaded when kept (in memory or in the folder), else
-        ``lower()`` (a ``jax.stages.Lowered``) compiled, then kept. Runs on the current default backend."""
-        key = hashlib.sha256(repr((name, layout, jax.__version__)).encode()).hexdigest()[:32]
+    def compiled(self, name: str, mesh: Mesh, place: Hashable, lower: Callable[[], Any]) -> Any:
+        """The program ``name`` for ``mesh`` (this process at ``place`` in its group): loaded when kept for this
+        layout (in memory or in the folder) or for another of its shape, else ``lower()`` (a
+        ``jax.stages.Lowered``) compiled, then kept. Runs on the current default backend."""
+        ids = mesh_key(mesh)[2]
+        key = _key(name, (mesh_key(mesh), place))
+        shape_key = _key(name, _shape(mesh))
         started = time.perf_counter()
+        program = None
         payload = self._kept.get(key) or self._read(key)
         if payload is not None:
-            try:
-                program = serialize_executable.deserialize_and_load(*pickle.loads(payload))
-            except Exception as exc:  # a backend that cannot take it: compile as if it were not kept
-                log.warning("could not load the kept %s (%s: %s); compiling it", name, type(exc).__name__, exc)
+            program = self._load(name, payload, {d.id: d for d in mesh.devices.flat})
+            if program is None:
                 self._kept.pop(key, None)
             else:
-                self._kept[key] = payload
-                self.seconds["load"] += time.perf_counter() - started
-                self.loaded.append(name)
-                return program
+                self._kept[key] = payload  # read from the folder: kept in memory too
+        if program is None and shape_key in self._by_shape:
+            payload, compiled_ids = self._by_shape[shape_key]
+            program = self._load(name, payload, dict(zip(compiled_ids, mesh.devices.flat, strict=True)))
+        if program is not None:
+            self.seconds["load"] += time.perf_counter() - started
+            self.loaded.append(name)
+            return program
         started = time.perf_counter()
         lowered = lower()
         traced = time.perf_counter()
@@ -112,8 +131,25 @@ class ProgramStore:
         if payload is None:
             return program
         self._kept[key] = payload
+        self._by_shape[shape_key] = (payload, ids)
         self._write(key, payload)
         return program
+
+    def _load(self, name: str, payload: bytes, moved: dict[int, Any]) -> Any:
+        """``payload`` loaded onto ``moved``'s devices, each in the place of the device whose id is its key (the
+        same device for a program of this layout). None where it will not load."""
+        try:
+            executable, in_tree, out_tree = pickle.loads(payload)
+            if all(device.id == id_ for id_, device in moved.items()):
+                # Its own devices (not every device of the backend: a program of a smaller mesh has fewer).
+                devices = list(moved.values())
+                return serialize_executable.deserialize_and_load(
+                    executable, in_tree, out_tree, execution_devices=devices
+                )
+            return load_executable_onto(executable, in_tree, out_tree, moved)
+        except Exception as exc:  # a backend that cannot take it: compile as if it were not kept
+            log.warning("could not load the kept %s (%s: %s); compiling it", name, type(exc).__name__, exc)
+            return None
 
     def _sign(self, payload: bytes) -> bytes:
         return hmac.new(self._secret, payload, hashlib.sha256).digest()
@@ -165,9 +201,22 @@ def serialized(program: Any, name: str, from_cache: bool) -> bytes | None:
         return None
 
 
-def compile_kept(programs: ProgramStore | None, name: str, layout: Hashable, lower: Callable[[], Any]) -> Any:
-    """``lower()`` compiled; with ``programs``, loaded from it when kept there for ``layout`` (else compiled and
-    kept): what every program of a re-formable group is built with."""
+def compile_kept(
+    programs: ProgramStore | None, name: str, mesh: Mesh, place: Hashable, lower: Callable[[], Any]
+) -> Any:
+    """``lower()`` compiled; with ``programs``, loaded from it when kept there for ``mesh`` and ``place`` or for
+    another mesh of the shape (else compiled and kept): what every program of a re-formable group is built with."""
     if programs is None:
         return lower().compile()
-    return programs.compiled(name, layout, lower)
+    return programs.compiled(name, mesh, place, lower)
+
+
+def _key(name: str, layout: Hashable) -> str:
+    return hashlib.sha256(repr((name, layout, jax.__version__)).encode()).hexdigest()[:32]
+
+
+def _shape(mesh: Mesh) -> tuple[Any, ...]:
+    """What a program's compiled code depends on of its mesh: its axes, and how many processes its devices are in
+    (its collectives cross that many), not which devices they are."""
+    names, sizes, _ = mesh_key(mesh)
+    return names, sizes, len({d.process_index for d in mesh.devices.flat})

@@ -11,6 +11,16 @@ axes, a step built per mesh); ``flax``, examples/flax_lm.py's 2-layer transforme
 examples/maxtext_lm.py (only where ``maxtext`` imports: ``make maxtext``'s environment). Per run: the recovery
 (kill to the next committed step at full size), the phases ``report`` splits it into, and how many programs the
 re-formed group traced. The last line is JSON with the medians and the ratios.
+
+    .venv/bin/python tests/benchmarks/bench_real_recovery.py --smaller [--models keyed flax] [--repeats 3] [--json]
+        [--variants prepared unprepared]
+
+``--smaller`` instead: ``--min-nprocs 2``, no spare (and none started within the spawn timeout), so a lost slice
+leaves the group one slice smaller; process 1 killed once step ``--kill-at`` is committed and, by default, every
+worker said its programs of that layout are kept (``LikelyMeshesReady``; runtime/cluster/worker/smaller.py);
+against ``ELASTIC_PREPARE_SMALLER=0`` (the smaller group traces and compiles them when it forms), interleaved. Per
+run: kill to the next commit (one slice smaller), its phases, the programs the smaller group traced, and when the
+last worker had the smaller layout's programs kept (from the group's forming).
 """
 
 from __future__ import annotations
@@ -22,13 +32,14 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from runtime.analysis.goodput import goodput
 from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
 from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed
+from runtime.core.events import GroupFormed, LikelyMeshesReady, StepCompleted
 from runtime.faults.grammar import Fault
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,6 +107,95 @@ def one(
     }
 
 
+def one_smaller(model: str, prepared: bool, *, steps: int, kill_at: int, hang_timeout_s: float) -> dict[str, Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"bench-smaller-{model}-"))
+    controller = group_controller(
+        processes=4,
+        slices=2,
+        min_nprocs=2,
+        spares=0,
+        fork_spares=False,
+        spawn_timeout_s=0.3,
+        steps=steps,
+        run_dir=run_dir,
+        faults=[],
+        command=command(model, steps),
+        replica_dir=str(run_dir / "replicas"),
+        extra_env={} if prepared else {"ELASTIC_PREPARE_SMALLER": "0"},
+        start_timeout_s=600.0,
+        form_timeout_s=300.0,
+        hang_timeout_s=hang_timeout_s,
+    )
+    ready: set[str] = set()
+    killed: list[int] = []
+
+    async def kill(event: StepCompleted | LikelyMeshesReady, ctx: Any) -> None:
+        if isinstance(event, LikelyMeshesReady):
+            ready.add(event.source)
+        due = (event.step or 0) >= kill_at and (len(ready) == 4 or not prepared)
+        if due and not killed and len(ctx.members) == 4:
+            killed.append(event.step or 0)
+            ctx.signal(ctx.members[1], "KILL", "benchmark: a slice lost")
+
+    controller.bus.subscribe(StepCompleted, kill)
+    controller.bus.subscribe(LikelyMeshesReady, kill)
+    result = controller.run()
+    events = read_events(run_dir / "events.jsonl")
+    failure = next(iter(goodput(events).failures), None)
+    formed = [e for e in events if isinstance(e, GroupFormed)]
+    prepared_at = [e.mono_time for e in events if isinstance(e, LikelyMeshesReady)]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {
+        "model": model,
+        "mode": "prepared" if prepared else "unprepared",
+        "ok": result.ok,
+        "killed_at_step": killed[0] if killed else None,
+        "recovery_s": failure.recovery_s if failure else None,
+        "phases": failure.phases if failure else {},
+        "traced_at_shrink": formed[1].traced if len(formed) > 1 else None,
+        "world_sizes": result.world_size_history,
+        # from the first group's forming to the last worker's LikelyMeshesReady
+        "prepared_after_s": round(max(prepared_at) - formed[0].mono_time, 2) if prepared_at else None,
+    }
+
+
+def interleaved(
+    args: argparse.Namespace, modes: list[str], run: Callable[[str, str], dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, float | None]]]:
+    """``run(model, mode)`` for each model and mode, ``args.repeats`` times, interleaved (the machine's load shifts
+    between repeats, not between modes): the runs, and each model's median recovery in each mode."""
+    runs = []
+    for _ in range(args.repeats):
+        for model in args.models:
+            for mode in modes:
+                runs.append(result := run(model, mode))
+                if not args.json:
+                    print(json.dumps(result), flush=True)
+    medians: dict[str, dict[str, float | None]] = {}
+    for model in args.models:
+        medians[model] = {}
+        for mode in modes:
+            times = [r["recovery_s"] for r in runs if (r["model"], r["mode"]) == (model, mode) and r["recovery_s"]]
+            medians[model][mode] = round(statistics.median(times), 3) if times else None
+    return runs, medians
+
+
+def smaller(args: argparse.Namespace) -> None:
+    def run(model: str, mode: str) -> dict[str, Any]:
+        kw = {"steps": args.steps, "kill_at": args.kill_at, "hang_timeout_s": args.hang_timeout}
+        return one_smaller(model, mode == "prepared", **kw)
+
+    runs, medians = interleaved(args, args.variants, run)
+    summary: dict[str, Any] = {"load_average": os.getloadavg(), "repeats": args.repeats}
+    for model, times in medians.items():
+        traced = {m: [r["traced_at_shrink"] for r in runs if (r["model"], r["mode"]) == (model, m)] for m in times}
+        summary[model] = {"recovery_s": times, "traced_at_shrink": traced}
+        prepared, unprepared = times.get("prepared"), times.get("unprepared")
+        if prepared and unprepared:
+            summary[model]["unprepared_over_prepared"] = round(unprepared / prepared, 2)
+    print(json.dumps(summary))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["keyed", "flax"], choices=["keyed", "flax", "maxtext"])
@@ -116,29 +216,28 @@ def main() -> None:
         help="with --durable: exit 1 unless each run ended ok, bitwise equal to the fault-free run, with at most "
         "about the lost worker's share of the state read from the durable tier (make maxtext-launch, in CI)",
     )
+    parser.add_argument("--smaller", action="store_true", help="instead: a group left one slice smaller (above)")
+    parser.add_argument("--variants", nargs="+", default=["prepared", "unprepared"], choices=["prepared", "unprepared"])
     args = parser.parse_args()
+    if args.smaller:
+        smaller(args)
+        return
     if args.durable:
         durable(args)
         return
-    runs = []
-    for _ in range(args.repeats):  # interleaved: the machine's load shifts between repeats, not between modes
-        for model in args.models:
-            for mode in args.modes:
-                run = one(model, mode, steps=args.steps, kill_at=args.kill_at, hang_timeout_s=args.hang_timeout)
-                runs.append(run)
-                if not args.json:
-                    print(json.dumps(run), flush=True)
+
+    def run(model: str, mode: str) -> dict[str, Any]:
+        return one(model, mode, steps=args.steps, kill_at=args.kill_at, hang_timeout_s=args.hang_timeout)
+
+    runs, medians = interleaved(args, args.modes, run)
     summary: dict[str, Any] = {"load_average": os.getloadavg(), "repeats": args.repeats}
-    for model in args.models:
-        medians = {}
-        for mode in args.modes:
-            times = [r["recovery_s"] for r in runs if (r["model"], r["mode"]) == (model, mode) and r["recovery_s"]]
-            medians[mode] = round(statistics.median(times), 3) if times else None
+    for model, times in medians.items():
         digests = {r["digest"] for r in runs if r["model"] == model and r["ok"]}
-        summary[model] = {"recovery_s": medians, "same_digest": len(digests) == 1}
+        summary[model] = {"recovery_s": times, "same_digest": len(digests) == 1}
         for other in ("traced", "restart"):
-            if medians.get("kept") and medians.get(other):
-                summary[model][f"{other}_over_kept"] = round(medians[other] / medians["kept"], 2)
+            kept, slower = times.get("kept"), times.get(other)
+            if kept and slower:
+                summary[model][f"{other}_over_kept"] = round(slower / kept, 2)
     print(json.dumps(summary))
 
 

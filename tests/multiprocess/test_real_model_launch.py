@@ -20,7 +20,7 @@ from launch_support import lose_after_durable
 from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, StepCompleted
+from runtime.core.events import GroupFormed, LikelyMeshesReady, StepCompleted
 from runtime.faults.grammar import Fault
 from runtime.testing.compare import compare_states
 from storage.disk import DiskTier
@@ -112,3 +112,53 @@ def test_keys_through_the_durable_tier_with_one_slice(tmp_path: Path) -> None:
     reference, _ = run(tmp_path, "reference", slices=1, kill=None)
     assert reference.ok
     assert compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=True)["match"]
+
+
+@pytest.mark.timeout(300)
+def test_a_group_one_slice_smaller_loads_the_programs_its_members_prepared_and_traces_nothing(tmp_path: Path) -> None:
+    # min_nprocs 2 of 4 in 2 slices: the group may go on with one slice, so each member prepares that layout's
+    # programs while it trains (runtime/cluster/worker/smaller.py). Process 1 is killed once all four said so
+    # (LikelyMeshesReady); no spare is ready within the spawn timeout, so the group re-forms without its slice:
+    # processes 2 and 3 alone, on a new backend, in places 0 and 1 (other device ids than they prepared on).
+    log = tmp_path / "traces.jsonl"
+    controller = group_controller(
+        processes=4,
+        slices=2,
+        steps=STEPS,
+        run_dir=tmp_path / "run",
+        faults=[],
+        replica_dir=str(tmp_path / "replicas"),
+        command=[sys.executable, str(SCRIPT), "--steps", str(STEPS), "--trace-log", str(log)],
+        min_nprocs=2,
+        spares=0,
+        fork_spares=False,
+        spawn_timeout_s=0.3,
+        extra_env={ENV_STEP_DELAY_S: "0.5"},  # room for the preparation (a second or two) before the run ends
+    )
+    ready: set[str] = set()
+    killed: list[int] = []
+
+    async def kill_once_prepared(event: LikelyMeshesReady, ctx: Any) -> None:
+        ready.add(event.source)
+        if len(ready) == len(ctx.members) == 4 and not killed:
+            killed.append(event.step or 0)
+            ctx.signal(ctx.members[1], "KILL", "test: lost once the smaller group is prepared")
+
+    controller.bus.subscribe(LikelyMeshesReady, kill_once_prepared)
+    result = controller.run()
+    assert killed, "the members did not all prepare the smaller group before the run ended"
+    assert result.ok and result.step == STEPS, result.reason
+    assert result.world_size_history[:2] == [4, 2], result.world_size_history
+    formed = [e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, GroupFormed)]
+    assert formed[1].members == formed[0].members[2:] and formed[1].traced == 0, formed[1]
+    traces = [json.loads(line) for line in log.read_text().splitlines()]
+    smaller = [t for t in traces if t["shape"]["data"] == 1]
+    # Traced ahead, once in each of the four processes, under the smaller mesh; never again at the re-form.
+    assert sorted(Counter(t["pid"] for t in smaller).values()) == [1, 1, 1, 1], traces
+    assert all(t["own_mesh"] for t in traces), traces
+    # The loaded programs computed on their new devices what the fault-free run computes, up to the float
+    # reassociation of the steps run with the batch split one way fewer.
+    reference, _ = run(tmp_path, "reference", slices=2, kill=None)
+    assert reference.ok
+    compared = compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=False, rtol=1e-5)
+    assert compared["match"], compared

@@ -151,6 +151,7 @@ async def send_form(controller: Controller, form: SendForm) -> None:
             neighbour_replicas=controller.config.neighbour_replicas,
             fences=dict(controller.group.fences),
             programs=controller.programs,
+            min_processes=controller.config.min_nprocs or len(members),
         )
         await controller.server.send(controller.pool[worker], message)
 

@@ -47,6 +47,7 @@ from runtime.core.events import (
     CheckpointCorrupt,
     ConnectionRefused,
     Event,
+    LikelyMeshesReady,
     MalformedHeartbeat,
     Notice,
     NoticeIgnored,
@@ -138,6 +139,8 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
             await handle_unreadable(controller, proc, message, heard(proc, corrupt))
         case EventReport(generation=gen, event=StepFailed() as failed) if gen == controller.group.generation:
             await end_on_failure(controller, proc, message, heard(proc, failed))
+        case EventReport(generation=gen, event=LikelyMeshesReady() as ready) if gen == controller.group.generation:
+            await controller.bus.publish(heard(proc, ready))
         case Restored(generation=gen, tier=tier, nbytes=nbytes) if gen == controller.group.generation:
             controller.feed(MemberRestored(tier, nbytes))
         case Requested():

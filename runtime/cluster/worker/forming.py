@@ -48,7 +48,9 @@ def form_group(worker: Worker, form: Form) -> None:
     from runtime.core.compiler import StepCompiler
 
     started = time.monotonic()
+    worker.smaller.stop()  # its compile runs on the backend about to go
     worker.deferred = None
+    worker.form = form
     if form.run_id and not worker.identity:
         # Started by a cluster, not by launch: the run's id comes with the first Form, before any replica
         # is read or written, so that only this run's replicas are ever restored here too.

@@ -42,6 +42,7 @@ from runtime.cluster.worker.leaving import leave_on_signal
 from runtime.cluster.worker.link import ControllerLink, Inbound
 from runtime.cluster.worker.restore import adopt_restored, restore_step
 from runtime.cluster.worker.settings import WorkerSettings
+from runtime.cluster.worker.smaller import SmallerGroup
 from runtime.cluster.worker.spares import SpareStates
 from runtime.cluster.worker.stepping import await_step
 from runtime.cluster.worker.training import train
@@ -147,6 +148,9 @@ class Worker:
         # The compiled step, snapshot and restore programs of every layout this process was in, kept to be
         # loaded, not traced, when a later group has the same layout (runtime/core/programs.py).
         self.programs = programs if programs is not None else ProgramStore(keep=False)
+        self.form: Form | None = None  # of the current group
+        # The group one slice smaller, its programs prepared while this one trains (smaller.py).
+        self.smaller = SmallerGroup()
         self.deferred: Form | Stop | None = None  # a planned re-forming (or drain), due after its ``at_step``
         # A restore left running when the group re-formed: it may still be reading, and must not build arrays on
         # the next group's backend (see ``forming.form_group``).
@@ -192,6 +196,8 @@ class Worker:
                         pending = outcome
                     elif outcome is not None:
                         adopt_restored(self, message, outcome[0])
+                        if self.form is not None:
+                            self.smaller.start(self, self.form)
                         # Held here through training, the restored state and its host copy were two more
                         # copies of this process's shards for the whole run (docs/multiprocess.md, memory).
                         del outcome, future
@@ -209,6 +215,7 @@ class Worker:
                 case Stop(reason=reason, exit_code=code):
                     log.info("worker %d stops (exit code %d): %s", self.worker, code, reason)
                     self.stopped_by = message
+                    self.smaller.stop()
                     if message.durable_step >= 0:
                         final_durable(self, message.durable_step)
                     return code

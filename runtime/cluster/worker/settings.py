@@ -25,6 +25,7 @@ from runtime.cluster.protocol import (
     ENV_KEEP_PROGRAMS,
     ENV_LOCAL_DEVICES,
     ENV_METADATA_HOST,
+    ENV_PREPARE_SMALLER,
     ENV_REPLICA_DIR,
     ENV_RESULT,
     ENV_RETURN_FREED_MEMORY,
@@ -54,6 +55,7 @@ _VARIABLES = {
     "connect_s": ENV_CONNECT_S,
     "step_delay_s": ENV_STEP_DELAY_S,
     "keep_programs": ENV_KEEP_PROGRAMS,
+    "prepare_smaller": ENV_PREPARE_SMALLER,
     "return_freed_memory": ENV_RETURN_FREED_MEMORY,
     "spare_states": ENV_SPARE_STATES,
     "instance": ENV_INSTANCE,
@@ -81,6 +83,8 @@ class WorkerSettings(msgspec.Struct, frozen=True, kw_only=True):
     connect_s: Seconds = 120.0  # how long to try to reach the controller
     step_delay_s: SecondsOrZero = 0.0  # extra sleep per step (tests: room to kill mid-run)
     keep_programs: bool = True  # load compiled programs kept from earlier generations (runtime/core/programs.py)
+    # Compile the programs of the group one slice smaller while training, where it may form (worker/smaller.py).
+    prepare_smaller: bool = True
     return_freed_memory: bool = True  # glibc maps large blocks apart and returns them (runtime/core/memory.py)
     spare_states: bool = True  # a step writes its new state into a replaced one (runtime/cluster/worker/spares.py)
     instance: str = ""  # the instance (host) it runs on; "": found by runtime/cluster/worker/instance.py
