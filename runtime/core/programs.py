@@ -34,6 +34,7 @@ loads it from that cache again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -42,7 +43,7 @@ import pickle
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ from runtime.core.mesh import mesh_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ProgramStore", "compile_kept", "compile_noting_cache", "serialized"]
+__all__ = ["ProgramStore", "Stopped", "compile_kept", "compile_noting_cache", "serialized"]
 
 
 _SIGNATURE = 32  # bytes of HMAC-SHA256 before the payload
@@ -69,6 +70,10 @@ def _count_cache_hit(event: str, **_: Any) -> None:
 
 
 jax.monitoring.register_event_listener(_count_cache_hit)
+
+
+class Stopped(Exception):
+    """A compile that ended after the thread that asked for it was told to stop (``ProgramStore.compiling_outside``)."""
 
 
 class ProgramStore:
@@ -88,6 +93,7 @@ class ProgramStore:
         self.seconds: dict[str, float] = {"trace": 0.0, "compile": 0.0, "load": 0.0}
         self.loaded: list[str] = []  # names of the programs loaded, not traced, since the last reset
         self.traced: list[str] = []
+        self._outside = threading.local()  # a thread's (lock, stop) while it compiles outside a lock
 
     def reset(self, folder: Path | None = None) -> None:
         """Start counting afresh (a new generation), sharing programs through ``folder`` from now on (only with
@@ -96,6 +102,17 @@ class ProgramStore:
             self.folder = folder
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         self.loaded, self.traced = [], []
+
+    @contextlib.contextmanager
+    def compiling_outside(self, lock: threading.Lock, stop: threading.Event) -> Iterator[None]:
+        """For this thread, in the block, which holds ``lock``: each XLA compile runs with ``lock`` released, so that
+        another thread waiting for it (to take the backend away) waits for this thread's tracing, not for a compile
+        of seconds; a compile that ends with ``stop`` set raises :class:`Stopped` before anything else is done."""
+        self._outside.gate = (lock, stop)
+        try:
+            yield
+        finally:
+            self._outside.gate = None
 
     def compiled(self, name: str, mesh: Mesh, place: Hashable, lower: Callable[[], Any]) -> Any:
         """The program ``name`` for ``mesh`` (this process at ``place`` in its group): loaded when kept for this
@@ -123,7 +140,7 @@ class ProgramStore:
         started = time.perf_counter()
         lowered = lower()
         traced = time.perf_counter()
-        program, from_cache = compile_noting_cache(lowered)
+        program, from_cache = self._compile(lowered)
         self.seconds["trace"] += traced - started
         self.seconds["compile"] += time.perf_counter() - traced
         self.traced.append(name)
@@ -134,6 +151,20 @@ class ProgramStore:
         self._by_shape[shape_key] = (payload, ids)
         self._write(key, payload)
         return program
+
+    def _compile(self, lowered: Any) -> tuple[Any, bool]:
+        gate = getattr(self._outside, "gate", None)
+        if gate is None:
+            return compile_noting_cache(lowered)
+        lock, stop = gate
+        lock.release()
+        try:
+            compiled = compile_noting_cache(lowered)
+        finally:
+            lock.acquire()
+        if stop.is_set():
+            raise Stopped("told to stop while compiling")
+        return compiled
 
     def _load(self, name: str, payload: bytes, moved: dict[int, Any]) -> Any:
         """``payload`` loaded onto ``moved``'s devices, each in the place of the device whose id is its key (the

@@ -9,8 +9,9 @@ mesh, not devices (``runtime.core.same_shape``). So each member compiles them no
 mesh of the smaller shape made of this group's devices less one other slice, and its ``ProgramStore`` keeps them
 by shape: in the smaller group it loads them onto its new devices (``ProgramStore.compiled``).
 
-In a thread, after the group restored its state, one program set at a time under a lock: a re-form or a stop
-waits for the set being compiled (the backend it runs on is about to go) and no other starts. When all are kept
+In a thread, after the group restored its state, one program set at a time, under a lock it releases while XLA
+compiles: a re-form or a stop waits for a trace under way (the backend it runs on is about to go), not for a
+compile, which runs on and is dropped; no other starts. When all are kept
 the worker reports ``LikelyMeshesReady`` (``meshes`` 1: the layout one slice smaller).
 """
 
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 from runtime.cluster.protocol import EventReport, Form
 from runtime.core.events import LikelyMeshesReady
 from runtime.core.mesh import mesh_shape
+from runtime.core.programs import Stopped
 
 if TYPE_CHECKING:
     from runtime.cluster.worker.loop import Worker
@@ -54,7 +56,8 @@ class SmallerGroup:
         threading.Thread(target=self._prepare, args=(worker, form, smaller, stop), name="smaller", daemon=True).start()
 
     def stop(self) -> None:
-        """Let the program set being compiled finish and start no other: the backend is about to go."""
+        """Wait for a trace under way and start nothing more (a compile under way is dropped when it ends): the
+        backend is about to go."""
         self._stop.set()
         with self._lock:
             pass
@@ -63,13 +66,18 @@ class SmallerGroup:
         started = time.monotonic()
         sets = _program_sets(worker, form, smaller)
         while True:
-            with self._lock:
+            # Released while XLA compiles: a re-form waits for a trace, not for a compile (which runs on, on the
+            # old backend, and is dropped: Stopped).
+            with self._lock, worker.programs.compiling_outside(self._lock, stop):
                 if stop.is_set():
                     log.info("worker %d: re-forming; the smaller group's programs not all kept", worker.worker)
                     return
                 try:
                     if next(sets, None) is None:
                         break
+                except Stopped:
+                    log.info("worker %d: re-forming; the smaller group's compile under way dropped", worker.worker)
+                    return
                 except Exception as exc:  # only a speed-up: the smaller group compiles them if it ever forms
                     why = f"{type(exc).__name__}: {exc}"
                     log.warning("worker %d: preparing the smaller group failed: %s", worker.worker, why)
