@@ -11,8 +11,8 @@ by shape: in the smaller group it loads them onto its new devices (``ProgramStor
 
 In a thread, after the group restored its state, one program set at a time, under a lock it releases while XLA
 compiles: a re-form or a stop waits for a trace under way (the backend it runs on is about to go), not for a
-compile, which runs on and is dropped; no other starts. When all are kept
-the worker reports ``LikelyMeshesReady`` (``meshes`` 1: the layout one slice smaller).
+compile, which runs on and is dropped; no other starts. When all are kept the worker reports
+``LikelyMeshesReady`` (``meshes`` 1: the layout one slice smaller).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class SmallerGroup:
     """Prepares the programs of the group one slice smaller than the current one, in the background."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # held while a program set is compiled on the current backend
+        self._lock = threading.Lock()  # held while the preparation uses the current backend, but for XLA's compiles
         self._stop = threading.Event()  # the current preparation's: each has its own
         self._prepared: set[tuple[int, int]] = set()  # (processes, slice size) of the groups prepared for
 
