@@ -133,7 +133,7 @@ def test_a_group_one_slice_smaller_loads_the_programs_its_members_prepared_and_t
         spares=0,
         fork_spares=False,
         spawn_timeout_s=0.3,
-        extra_env={ENV_STEP_DELAY_S: "0.5"},  # room for the preparation (a second or two) before the run ends
+        extra_env={ENV_STEP_DELAY_S: "1.0"},  # room for the preparation (2-5 s here) before the run ends
     )
     ready: set[str] = set()
     killed: list[int] = []
