@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from launch_support import lose_after_durable
 from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
 from runtime.cluster.protocol import ENV_STEP_DELAY_S
 from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, LikelyMeshesReady, StepCompleted
+from runtime.core.events import GroupFormed, LikelyMeshesReady, StepCompleted, WorkerKilled
 from runtime.faults.grammar import Fault
 from runtime.testing.compare import compare_states
 from storage.disk import DiskTier
@@ -36,27 +37,43 @@ def run(
     slices: int,
     kill: int | None,
     wipe: bool = False,
-    after_durable: bool = False,
+    lose: Callable[[Any, int], Any] | None = None,
     **extra: Any,
 ) -> tuple[Any, list[Any]]:
-    """Run the job; ``kill`` is killed at step 10, or with ``after_durable`` as ``lose_after_durable`` says."""
+    """Run the job; ``kill`` is killed at step 10, or when ``lose(controller, kill)`` says (``lose_after_durable``,
+    ``lose_once_prepared``)."""
     log = tmp_path / f"{name}.traces.jsonl"
     controller = group_controller(
         processes=4,
         slices=slices,
         steps=STEPS,
         run_dir=tmp_path / name,
-        faults=[] if kill is None or after_durable else [Fault("kill", kill, step=10)],
+        faults=[] if kill is None or lose is not None else [Fault("kill", kill, step=10)],
         replica_dir=str(tmp_path / name / "replicas"),
         command=[sys.executable, str(SCRIPT), "--steps", str(STEPS), "--trace-log", str(log)],
         **extra,
     )
     if wipe:  # the lost worker's replica files go with it: its shards (keys included) come from elsewhere
         wipe_lost_replicas(controller)
-    if kill is not None and after_durable:
-        lose_after_durable(controller, kill)
+    if kill is not None and lose is not None:
+        lose(controller, kill)
     result = controller.run()
     return result, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def lose_once_prepared(controller: Any, position: int) -> None:
+    """Kill the member at ``position`` once every member of the first group said its programs of the group one slice
+    smaller are kept (``LikelyMeshesReady``, runtime/cluster/worker/smaller.py)."""
+    ready: set[str] = set()
+    killed: list[str] = []
+
+    async def lose(event: LikelyMeshesReady, ctx: Any) -> None:
+        ready.add(event.source)
+        if len(ready) == len(ctx.members) == 4 and not killed:
+            killed.append(event.source)
+            ctx.signal(ctx.members[position], "KILL", "test: lost once the smaller group is prepared")
+
+    controller.bus.subscribe(LikelyMeshesReady, lose)
 
 
 def final(run_dir: Path) -> Any:
@@ -101,7 +118,7 @@ def test_keys_through_the_durable_tier_with_one_slice(tmp_path: Path) -> None:
         slices=1,
         kill=1,
         wipe=True,
-        after_durable=True,
+        lose=lose_after_durable,
         durable_dir=str(durable),
         durable_every=5,
         extra_env={ENV_STEP_DELAY_S: "0.2"},  # room for a durable step to commit before the run ends
@@ -120,38 +137,25 @@ def test_a_group_one_slice_smaller_loads_the_programs_its_members_prepared_and_t
     # programs while it trains (runtime/cluster/worker/smaller.py). Process 1 is killed once all four said so
     # (LikelyMeshesReady); no spare is ready within the spawn timeout, so the group re-forms without its slice:
     # processes 2 and 3 alone, on a new backend, in places 0 and 1 (other device ids than they prepared on).
-    log = tmp_path / "traces.jsonl"
-    controller = group_controller(
-        processes=4,
+    result, traces = run(
+        tmp_path,
+        "run",
         slices=2,
-        steps=STEPS,
-        run_dir=tmp_path / "run",
-        faults=[],
-        replica_dir=str(tmp_path / "replicas"),
-        command=[sys.executable, str(SCRIPT), "--steps", str(STEPS), "--trace-log", str(log)],
+        kill=1,
+        lose=lose_once_prepared,
         min_nprocs=2,
         spares=0,
         fork_spares=False,
         spawn_timeout_s=0.3,
         extra_env={ENV_STEP_DELAY_S: "1.0"},  # room for the preparation (2-5 s here) before the run ends
     )
-    ready: set[str] = set()
-    killed: list[int] = []
-
-    async def kill_once_prepared(event: LikelyMeshesReady, ctx: Any) -> None:
-        ready.add(event.source)
-        if len(ready) == len(ctx.members) == 4 and not killed:
-            killed.append(event.step or 0)
-            ctx.signal(ctx.members[1], "KILL", "test: lost once the smaller group is prepared")
-
-    controller.bus.subscribe(LikelyMeshesReady, kill_once_prepared)
-    result = controller.run()
+    events = read_events(tmp_path / "run" / "events.jsonl")
+    killed = [e for e in events if isinstance(e, WorkerKilled)]
     assert killed, "the members did not all prepare the smaller group before the run ended"
     assert result.ok and result.step == STEPS, result.reason
     assert result.world_size_history[:2] == [4, 2], result.world_size_history
-    formed = [e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, GroupFormed)]
+    formed = [e for e in events if isinstance(e, GroupFormed)]
     assert formed[1].members == formed[0].members[2:] and formed[1].traced == 0, formed[1]
-    traces = [json.loads(line) for line in log.read_text().splitlines()]
     smaller = [t for t in traces if t["shape"]["data"] == 1]
     # Traced ahead, once in each of the four processes, under the smaller mesh; never again at the re-form.
     assert sorted(Counter(t["pid"] for t in smaller).values()) == [1, 1, 1, 1], traces
