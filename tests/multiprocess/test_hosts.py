@@ -224,6 +224,10 @@ def test_a_worker_cut_off_from_the_controller_alone_stops_in_its_lease_and_its_l
         cut_wall, cut_at = time.time(), time.monotonic()
         hosts.cut_from_controller(1)
         wait_for("the survivors' group", lambda: bool(formed(2)), controller)
+        # The path comes back only once it stopped at a step boundary for want of a lease: the survivors, loading
+        # the programs they prepared for the smaller group, may re-form while its step is still running.
+        stopped = tmp_path / "worker-1.log"
+        wait_for("worker 1 stopping for want of a lease", lambda: "stopped stepping" in stopped.read_text(), controller)
         fence = formed(2)[0].restore_step  # generation 1's history ends there
         # What the cut-off worker might write late, as its own: a replica of generation 1 past its fence, newer
         # than anything the survivors will hold when its host's replacement reads the host's folder.
