@@ -1,4 +1,4 @@
-"""``ray_backend.add_node`` (and the head, through the same retry): a node Ray gave up waiting for is started
+"""``ray_cluster.add_node`` (and the head, through the same retry): a node Ray gave up waiting for is started
 again, up to three tries; any other error, or the third slow start, is raised as it came. Ray's own slowness
 cannot be brought about on purpose, so a cluster object stands in for ``ray.cluster_utils.Cluster``."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from runtime.cluster.controller.ray_backend import add_node
+from runtime.cluster.controller.ray_cluster import add_node
 
 SLOW = RuntimeError("The current node timed out during startup. This could happen because ...")
 

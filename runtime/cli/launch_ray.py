@@ -43,7 +43,7 @@ def ray_config(config: LaunchConfig, *, host: str, min_nprocs: int | None) -> La
 
 
 def launch_on_ray(args: argparse.Namespace, config: LaunchConfig) -> int:
-    from runtime.cluster.controller.ray_backend import local_cluster, ray_session
+    from runtime.cluster.controller.ray_cluster import local_cluster, ray_session
 
     env = {"ELASTIC_RESULT": config.result_path} if config.result_path else {}
     try:

@@ -70,7 +70,7 @@ def ray_controller(
 ) -> tuple[Controller, RayPlacement]:
     """A service-mode controller (``config.command`` empty) whose workers Ray places, one actor per node, each
     running ``command``; a lost one is replaced on another node (:class:`RayPlacement` says what ``env`` and
-    ``replica_dir`` do). Connect to Ray first (``runtime.cluster.controller.ray_backend.ray_session``); after
+    ``replica_dir`` do). Connect to Ray first (``runtime.cluster.controller.ray_cluster.ray_session``); after
     ``controller.run()``, ``placement.close()``."""
     from runtime.cluster.controller.ray_backend import RayPlacement
 

@@ -35,7 +35,7 @@ from runtime.cli.demo_multiprocess import worker_command
 from runtime.cli.launch import config_from_args
 from runtime.cluster import auth
 from runtime.cluster.config import LaunchConfig, LaunchResult
-from runtime.cluster.controller.ray_backend import local_cluster, ray_session
+from runtime.cluster.controller.ray_cluster import local_cluster, ray_session
 from runtime.core.errors import ElasticRuntimeError
 from runtime.core.eventlog import read_events
 from runtime.core.events import GroupFormed, RunStarted, StepCompleted, WorkerLost, WorkerStarted

@@ -6,7 +6,7 @@
 ``planned``), ``standin`` the process that fills a given-up generation's lost seats, ``membership`` the group,
 ``heartbeat`` the liveness verdicts, ``processes`` and ``server`` the workers' processes and connections,
 ``durable`` the durable commits, ``relay`` the group's events to the script's handlers, ``ray_backend`` Ray as
-the scheduler.
+the scheduler (``ray_cluster`` connecting to it).
 """
 
 from runtime.cluster.controller.shell import Controller

@@ -1,6 +1,7 @@
 """How a run ends, in the shell: SIGTERM or SIGINT drains it, the members' final states are compared (the run is
-marked finished only when every member's digest agrees), ``summary.json`` says how it went, and the first error
-in the controller's task group is the one raised.
+marked finished only when every member's digest agrees), the workers are stopped, what the run held is let go,
+``RunFinished`` and ``summary.json`` say how it went, and the first error in the controller's task group is the
+one raised.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from runtime.cluster.controller.drain import final_checkpoint
 from runtime.cluster.controller.runfolder import mark_finished
+from runtime.cluster.controller.workers import stop_all
+from runtime.core.errors import BusClosed
+from runtime.core.events import RunFinished
 
 if TYPE_CHECKING:
     from runtime.cluster.controller.shell import Controller
 
-__all__ = ["conclude", "first_leaf", "watch_signals", "write_summary"]
+__all__ = ["close_down", "conclude", "first_leaf", "publish_finished", "stop_workers", "watch_signals", "write_summary"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,56 @@ def conclude(controller: Controller) -> bool:
     if controller.result.ok:
         mark_finished(controller.run_dir, controller.record.run_id)
     return controller.result.ok
+
+
+async def stop_workers(controller: Controller, reason: str) -> tuple[str, bool]:
+    """Every worker stopped, after the members' states were compared and, for a drain with a durable store, a
+    final checkpoint taken. Returns the run's reason (the drain's note added) and whether the replica files
+    stay for ``--resume`` (a drain that could not checkpoint)."""
+    done = conclude(controller)  # before the Stop that lets the workers remove replicas
+    keep_replicas = False
+    if controller.signalled and controller.durable is not None and controller.supervisor.restored:
+        drained = await final_checkpoint(controller, reason, controller.signalled_at)
+        reason = f"{reason}; {drained.note}"
+        controller.result.drain_checkpoint = drained.checkpoint
+        keep_replicas = drained.checkpoint < 0  # --resume reads them instead
+    await stop_all(controller, reason or "run finished", finished=done)
+    if controller.signalled:
+        controller.result.drain_s = round(time.monotonic() - controller.signalled_at, 3)
+    return reason, keep_replicas
+
+
+async def close_down(controller: Controller) -> None:
+    """The workers' listener, the stand-ins and every generation's coordination service let go, once the wire's
+    helpers have ended."""
+    # Closed before the last refusals are counted: a connection the kernel queued after that would be neither
+    # served nor counted.
+    await controller.server.aclose()
+    await controller.server.flush()
+    for standin in controller.standins:  # past its timeout, or its service is going now
+        standin.kill()
+        await anyio.to_thread.run_sync(standin.wait)
+    for service in controller.services:
+        await anyio.to_thread.run_sync(service.shutdown)
+
+
+async def publish_finished(controller: Controller, reason: str, bus_done: anyio.Event) -> None:
+    """``RunFinished``, the last event, then the bus closed once every pending event is dispatched and logged."""
+    finished = RunFinished(
+        step=controller.group_step,
+        source="controller",
+        ok=controller.result.ok,
+        reason=reason or ("" if controller.result.ok else "cancelled"),
+        memory={str(p.worker): p.memory for p in controller.pool if p.memory},
+    )
+    try:
+        await controller.bus.publish(finished)
+        await controller.bus.close()
+        with anyio.move_on_after(5):
+            await bus_done.wait()
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+        controller.event_log.append(finished)  # cancelled from outside: the bus is gone
+        await controller.bus.close()
 
 
 def write_summary(controller: Controller, reason: str) -> None:

@@ -28,16 +28,14 @@ the core runs without it.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 from runtime.cluster.auth import ENV_TOKEN, ENV_TOKEN_FILE
 from runtime.cluster.controller import ray_actor
@@ -50,16 +48,12 @@ if TYPE_CHECKING:
     from runtime.cluster.controller import Controller
     from runtime.cluster.controller.context import ControllerContext
 
-__all__ = ["RayPlacement", "WorkerActor", "add_node", "local_cluster", "ray_session"]
+__all__ = ["RayPlacement", "WorkerActor"]
 
 log = logging.getLogger(__name__)
 
-# Ray turns a loopback address into the machine's own before it connects ("so that other nodes can reach it"),
-# unless multi-node clusters are off, which on Linux changes nothing else: set for loopback clusters only.
-_ENV_LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _EARLY_DEATHS = 3  # actors in a row that die before their worker says hello: replaced, then left alone
 _STOP_TIMEOUT_S = 2.0  # a lost worker's actor gets this long to kill its child before Ray kills the actor
-_OBJECT_STORE_BYTES = 100 * 1024 * 1024  # per node of a local cluster: the workers put nothing in it
 
 
 @dataclass
@@ -89,7 +83,7 @@ class RayPlacement:
         cpus_per_worker: the CPUs each actor reserves on its node.
         poll_s: how long one wait on Ray lasts: the bound on detecting an actor's death late.
 
-    Ray must be connected (:func:`ray_session`) before :meth:`run` starts.
+    Ray must be connected (``ray_cluster.ray_session``) before :meth:`run` starts.
 
     Raises:
         ValueError: an empty ``command``.
@@ -324,107 +318,3 @@ def _ray() -> Any:
     import ray
 
     return ray
-
-
-def _keep_loopback() -> None:
-    """Keep Ray's loopback addresses loopback, in this process and the nodes it starts."""
-    os.environ[_ENV_LOOPBACK] = "0"
-    import ray._private.ray_constants as constants  # read when this process connects, if imported already
-
-    constants.ENABLE_RAY_CLUSTER = False
-
-
-def _is_loopback(address: str) -> bool:
-    host = address.rpartition(":")[0].strip("[]") or address
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-_START_ATTEMPTS = 3
-_SLOW_START = ("timed out during startup", "Timed out waiting for file")  # Ray's words for the two
-
-
-def _slow_start(exc: BaseException) -> bool:
-    return any(slow in str(exc) for slow in _SLOW_START)
-
-
-def _started(what: str, start: Callable[[], Any]) -> Any:
-    """``start()``, tried again when Ray gave up waiting for it: Ray gives a raylet 30 s to register and its GCS
-    server 30 s to write its port's file, and on a busy machine each once did not (the whole suite on 2 cores).
-    Each try is on new ports; the last failure is raised."""
-
-    def again(state: RetryCallState) -> None:
-        error = state.outcome.exception() if state.outcome else None
-        log.warning("%s did not start (attempt %d): %s; trying again", what, state.attempt_number, error)
-
-    retrying = Retrying(
-        stop=stop_after_attempt(_START_ATTEMPTS),
-        retry=retry_if_exception(_slow_start),
-        before_sleep=again,
-        reraise=True,
-    )
-    return retrying(start)
-
-
-@contextlib.contextmanager
-def local_cluster(nodes: int, *, cpus_per_node: int = 1) -> Iterator[Any]:
-    """A multi-node Ray cluster on this machine (``ray.cluster_utils.Cluster``), every process on 127.0.0.1:
-    a head without CPUs (the driver's: the controller runs there) and ``nodes`` worker nodes of
-    ``cpus_per_node`` CPUs and a 100 MB object store each. Shut down on the way out.
-
-    Raises:
-        RuntimeError (Ray's own errors, unwrapped): Ray cannot start.
-    """
-    _keep_loopback()
-    # Ray's usage reporting sends to usage-stats.ray.io from the head's dashboard: a cluster on loopback reaches no
-    # other address (a user may still opt in through the variable).
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from ray.cluster_utils import Cluster
-
-    head = {
-        "num_cpus": 0,
-        "include_dashboard": False,
-        "object_store_memory": _OBJECT_STORE_BYTES,
-        "node_ip_address": "127.0.0.1",
-    }
-    cluster = _started("the Ray head", lambda: Cluster(initialize_head=True, head_node_args=head))
-    try:
-        for _ in range(nodes):
-            add_node(cluster, cpus=cpus_per_node)
-        yield cluster
-    finally:
-        cluster.shutdown()
-
-
-def add_node(cluster: Any, *, cpus: int = 1) -> Any:
-    """Add a worker node to a :func:`local_cluster` (127.0.0.1, ``cpus`` CPUs, a 100 MB object store); one Ray
-    gave up waiting for is started again, as the head is."""
-    return _started(
-        "a Ray node",
-        lambda: cluster.add_node(num_cpus=cpus, object_store_memory=_OBJECT_STORE_BYTES, node_ip_address="127.0.0.1"),
-    )
-
-
-@contextlib.contextmanager
-def ray_session(address: str) -> Iterator[str]:
-    """Connect this process to the Ray cluster at ``address`` as its driver; yields the address of this node,
-    where the controller listens. Disconnected on the way out."""
-    loopback = _is_loopback(address)
-    if loopback:
-        _keep_loopback()
-    ray = _ray()
-    ray.init(
-        address=address,
-        namespace="elastic-runtime",
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-        **({"_node_ip_address": "127.0.0.1"} if loopback else {}),
-    )
-    try:
-        yield "127.0.0.1" if loopback else str(ray.util.get_node_ip_address())
-    finally:
-        ray.shutdown()

@@ -48,8 +48,14 @@ from runtime.cluster.controller.actions import supervise
 from runtime.cluster.controller.admission import hello
 from runtime.cluster.controller.commits import commit_durable
 from runtime.cluster.controller.context import ControllerContext
-from runtime.cluster.controller.drain import final_checkpoint
-from runtime.cluster.controller.ending import conclude, first_leaf, watch_signals, write_summary
+from runtime.cluster.controller.ending import (
+    close_down,
+    first_leaf,
+    publish_finished,
+    stop_workers,
+    watch_signals,
+    write_summary,
+)
 from runtime.cluster.controller.heartbeat import HeartbeatMonitor, watch
 from runtime.cluster.controller.membership import Membership
 from runtime.cluster.controller.messages import mark_closed, on_message, publish_report, publish_verdict
@@ -59,11 +65,11 @@ from runtime.cluster.controller.runfolder import default_replica_dir, open_run
 from runtime.cluster.controller.server import WorkerServer
 from runtime.cluster.controller.supervision import DrainRequested, Input, Readmitted, RegroupRequested
 from runtime.cluster.controller.supervisor import Supervisor
-from runtime.cluster.controller.workers import reap, renew_leases, spawn, stop_all
+from runtime.cluster.controller.workers import reap, renew_leases, spawn
 from runtime.core.bus import EventBus
 from runtime.core.errors import BusClosed, ElasticRuntimeError
 from runtime.core.eventlog import EventLog
-from runtime.core.events import Event, RunFinished, WorkerKilled
+from runtime.core.events import Event, WorkerKilled
 from runtime.core.folders import PROGRAMS_PREFIX
 from runtime.core.recovery import RecoveryTracker
 
@@ -332,42 +338,12 @@ class Controller:
                     for worker in self.monitor.workers:
                         self.monitor.forget(worker)
                     with anyio.CancelScope(shield=True):
-                        done = conclude(self)  # before the Stop that lets the workers remove replicas
-                        if self.signalled and self.durable is not None and self.supervisor.restored:
-                            drained = await final_checkpoint(self, reason, self.signalled_at)
-                            reason = f"{reason}; {drained.note}"
-                            self.result.drain_checkpoint = drained.checkpoint
-                            keep_replicas = drained.checkpoint < 0  # --resume reads them instead
-                        await stop_all(self, reason or "run finished", finished=done)
-                        if self.signalled:
-                            self.result.drain_s = round(time.monotonic() - self.signalled_at, 3)
+                        reason, keep_replicas = await stop_workers(self, reason)
                         helpers.cancel()
                         with anyio.move_on_after(5):
                             await helpers_done.wait()
-                        # Closed before the last refusals are counted: a connection the kernel queued after
-                        # that would be neither served nor counted.
-                        await listener.aclose()
-                        await self.server.flush()
-                        for standin in self.standins:  # past its timeout, or its service is going now
-                            standin.kill()
-                            await anyio.to_thread.run_sync(standin.wait)
-                        for service in self.services:
-                            await anyio.to_thread.run_sync(service.shutdown)
-                        finished = RunFinished(
-                            step=self.group_step,
-                            source="controller",
-                            ok=self.result.ok,
-                            reason=reason or ("" if self.result.ok else "cancelled"),
-                            memory={str(p.worker): p.memory for p in self.pool if p.memory},
-                        )
-                        try:
-                            await self.bus.publish(finished)
-                            await self.bus.close()
-                            with anyio.move_on_after(5):
-                                await bus_done.wait()  # every pending event dispatched and logged
-                        except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
-                            self.event_log.append(finished)  # cancelled from outside: the bus is gone
-                            await self.bus.close()
+                        await close_down(self)
+                        await publish_finished(self, reason, bus_done)
                     tg.cancel_scope.cancel()
         finally:
             if self.pool.forks is not None:  # the run ended before its workers were stopped
