@@ -28,7 +28,9 @@ Two goodputs per job, from the wall time between the first ``launch`` and the en
 
 And where each job's wall time went, from its event log: ``first_commit_s`` (start-up: imports, the first
 group, compiles), ``stalls_s`` (gaps of more than 10 steps between two commits: recoveries, relaunches),
-``stepping_s`` (every other interval between commits) and ``after_last_commit_s``.
+``stepping_s`` (every other interval between commits) and ``after_last_commit_s``; from its workers' logs, each
+round's ``abandoned_s``: how long each survivor's step left blocked in a collective by a kill took to end (one
+that waits for gloo's collective timeout, 30 s, slows the group's steps until then).
 
 The workers cache their compiles in their replica folder (``<replica-dir>/xla-cache``, the launcher's
 default). Checkpoint-and-restart relaunches keep that folder and lose everything else in it (replica files,
@@ -42,6 +44,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -49,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +160,26 @@ def run_job(job: str, root: Path, shm: Path, steps: int, fault_every: float, dur
         "stalls_s": sum(stalls),
         "stalls": len(stalls),
         "stepping_s": sum(i for i in intervals if i <= 10 * own_step),
+        "abandoned_s": abandoned_waits(run_dir / "workers"),
     }
+
+
+_LOGGED = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*"
+
+
+def abandoned_waits(workers: Path) -> list[float]:
+    """Seconds from each survivor's step abandoned in a collective with a killed worker to that step's end (its
+    thread blocked meanwhile; a wait that lasts until gloo's collective timeout, 30 s, slows the group's steps:
+    docs/multiprocess.md, "JAX limits met"), from the workers' logs; an abandoned step that never ended is left out."""
+    waits = []
+    for log in workers.glob("worker-*.log"):
+        text = log.read_text(errors="replace")
+        begun = {m[2]: m[1] for m in re.finditer(_LOGGED + r"abandoning step (\d+), blocked", text, re.MULTILINE)}
+        for m in re.finditer(_LOGGED + r"the abandoned step (\d+) ended", text, re.MULTILINE):
+            if m[2] in begun:
+                start, end = (datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f") for t in (begun[m[2]], m[1]))
+                waits.append(round((end - start).total_seconds(), 2))
+    return sorted(waits)
 
 
 def bare_step() -> float:
@@ -218,6 +241,7 @@ def main() -> None:
         result[job]["goodput_each_round"] = [round(run["goodput"], 4) for run in rounds]
         result[job]["kills"] = [run["kills"] for run in rounds]
         result[job]["launches"] = [run["launches"] for run in rounds]
+        result[job]["abandoned_s"] = [run["abandoned_s"] for run in rounds]
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
 
 
