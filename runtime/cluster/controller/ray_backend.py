@@ -40,6 +40,7 @@ import anyio
 from runtime.cluster.auth import ENV_TOKEN, ENV_TOKEN_FILE
 from runtime.cluster.controller import ray_actor
 from runtime.cluster.controller.ray_actor import WorkerActor
+from runtime.cluster.controller.ray_cluster import ray_module
 from runtime.cluster.protocol import ENV_CONTROLLER, ENV_HEARTBEAT_S, ENV_LOCAL_DEVICES, ENV_REPLICA_DIR, ENV_WORKER
 from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 from runtime.core.events import WorkerHung, WorkerLost, WorkerStarted
@@ -163,7 +164,7 @@ class RayPlacement:
 
     def close(self, timeout_s: float = 10.0) -> None:
         """After the run: stop every child still running, then every actor. Raises nothing."""
-        ray = _ray()
+        ray = ray_module()
         live = [p for p in self.placed.values() if not (p.settled and p.lost)]
         stops = []
         for placed in live:
@@ -183,7 +184,7 @@ class RayPlacement:
         return self._controller is None or self._controller.stopping
 
     def _ready(self, refs: list[Any]) -> list[Any]:
-        ready, _ = _ray().wait(refs, num_returns=1, timeout=self.poll_s, fetch_local=False)
+        ready, _ = ray_module().wait(refs, num_returns=1, timeout=self.poll_s, fetch_local=False)
         return list(ready)
 
     def _free_nodes(self) -> list[str]:
@@ -191,7 +192,7 @@ class RayPlacement:
         busy = {p.node for p in self.placed.values() if not p.lost and not p.settled}
         free = [
             node["NodeID"]
-            for node in _ray().nodes()
+            for node in ray_module().nodes()
             if node["Alive"] and node["Resources"].get("CPU", 0) >= self.cpus_per_worker and node["NodeID"] not in busy
         ]
         return sorted(free, key=lambda node: node in self._suspect_nodes)
@@ -218,7 +219,7 @@ class RayPlacement:
             log.warning("ray: no free node for worker(s) %s; waiting for one", self._pending)
 
     def _actor(self, node: str) -> Any:
-        ray = _ray()
+        ray = ray_module()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if self._actor_class is None:
@@ -256,7 +257,7 @@ class RayPlacement:
         placed = next((p for p in self.placed.values() if p.pending is ref and not p.settled), None)
         if placed is None:
             return
-        ray = _ray()
+        ray = ray_module()
         try:
             value = ray.get(ref, timeout=0)
         except ray.exceptions.ActorUnavailableError:
@@ -300,7 +301,7 @@ class RayPlacement:
                 log.warning("ray: %d actors in a row died before their hello; none placed now", self._early_deaths)
 
     def _stop(self, placed: _Placed) -> None:
-        ray = _ray()
+        ray = ray_module()
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(placed.actor.stop.remote(), timeout=_STOP_TIMEOUT_S)
         with contextlib.suppress(ray.exceptions.RayError, ValueError):
@@ -312,9 +313,3 @@ class RayPlacement:
         self._pending.append(worker)
         self.replacements.append((lost, worker))
         log.warning("ray: worker %d lost (%s); placing worker %d on another node", lost, why, worker)
-
-
-def _ray() -> Any:
-    import ray
-
-    return ray

@@ -8,7 +8,6 @@ multi-node cluster on this machine for ``launch --backend ray`` without ``--ray-
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 
 from runtime.cluster.controller.shell import is_loopback
 
-__all__ = ["add_node", "local_cluster", "ray_session"]
+__all__ = ["add_node", "local_cluster", "ray_module", "ray_session"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +25,13 @@ _OBJECT_STORE_BYTES = 100 * 1024 * 1024  # per node of a local cluster: the work
 # Ray turns a loopback address into the machine's own before it connects ("so that other nodes can reach it"),
 # unless multi-node clusters are off, which on Linux changes nothing else: set for loopback clusters only.
 _ENV_LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def ray_module() -> Any:
+    """``ray``, imported on first use (the core runs without it), and typed loosely."""
+    import ray
+
+    return ray
 
 
 def _keep_loopback() -> None:
@@ -113,7 +119,7 @@ def ray_session(address: str) -> Iterator[str]:
     loopback = _is_loopback(address)
     if loopback:
         _keep_loopback()
-    ray: Any = importlib.import_module("ray")  # typed loosely, as ray_backend's
+    ray = ray_module()
     ray.init(
         address=address,
         namespace="elastic-runtime",
