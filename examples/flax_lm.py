@@ -167,7 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lose-slice-at", type=int, default=150, help="lose a slice at this step (0: never)")
-    parser.add_argument("--lost-slice", type=int, default=3, help="which slice of 2 devices is lost (0-3)")
+    parser.add_argument("--lose-slice", type=int, default=3, help="which slice of 2 devices (0-3)")
     parser.add_argument("--kill-at", type=int, default=0, help="SIGKILL this process at this step (0: never)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of --run-dir")
     parser.add_argument("--run-dir", default=None, help="default: runs/flax-lm-<time>")
@@ -187,7 +187,7 @@ def main() -> None:
     )
     injector = FaultInjector()
     if args.lose_slice_at:
-        injector.lose_slice(at_step=args.lose_slice_at, slice_index=args.lost_slice, slice_size=2)
+        injector.lose_slice(at_step=args.lose_slice_at, slice_index=args.lose_slice, slice_size=2)
     runtime = injector.attach(ElasticRuntime(job, config=config, mesh_policy=policy))
     summary: dict[str, Any] = {"run_dir": run_dir}
 
