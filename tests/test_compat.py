@@ -174,13 +174,14 @@ def test_xla_cpu_collective_timeouts_are_set_unless_the_user_set_them() -> None:
     assert f"{FLAG}={SECONDS}" in out.stdout and f"{COLLECTIVE_FLAG}=45" in out.stdout
 
 
-def test_a_workers_collective_timeout_follows_the_hang_and_forming_timeouts() -> None:
+def test_a_workers_collective_timeout_follows_the_hang_timeout() -> None:
     from runtime.cluster.config import LaunchConfig
 
     def timeout(**settings: float) -> float:
         return LaunchConfig(command=["python", "train.py"], nprocs=2, **settings).collective_timeout_s
 
-    assert timeout() == 30.0  # the defaults: 5 s hang, 20 s forming
+    assert timeout() == 10.0  # the defaults: 5 s hang
     assert timeout(hang_timeout_s=60.0) == 120.0
-    assert timeout(form_timeout_s=90.0) == 90.0
+    assert timeout(hang_timeout_s=1.0) == 10.0  # the floor
+    assert timeout(form_timeout_s=90.0) == 10.0  # a slow forming waits at meeting points, not in a collective
     assert timeout(hang_timeout_s=600.0) == 240.0  # below XLA's 300 s abort

@@ -166,9 +166,11 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def collective_timeout_s(self) -> float:
         """How long a worker's gloo operation waits for its peers before it fails (``runtime/compat/xla.py``).
         Past the hang timeout the controller has replaced a member whose step does not move, so a longer wait
-        is one abandoned after a peer died; the group forming (restores included) may take its own timeout.
-        At least 30 s, at most 240 s: XLA aborts the process at 300 s (the terminate timeout)."""
-        return min(240.0, max(30.0, 2 * self.hang_timeout_s, self.form_timeout_s))
+        is one abandoned after a peer died, and the old group's backend lives, slowing the new group's steps,
+        until it ends. Host work of uneven length (a restore's reads, a final durable write) is waited for at
+        a meeting point before its collective (``runtime.cluster.worker.group.meet``), not inside it. At least
+        10 s, at most 240 s: XLA aborts the process at 300 s (the terminate timeout)."""
+        return min(240.0, max(10.0, 2 * self.hang_timeout_s))
 
     @property
     def starts_workers(self) -> bool:

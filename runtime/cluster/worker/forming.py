@@ -59,7 +59,8 @@ def form_group(worker: Worker, form: Form) -> None:
     if form.faults:
         attach_worker_faults(worker, form.faults)
     if worker.abandoned_restore is not None:
-        # Reading files, it ends soon (and then stops before touching JAX); blocked in a collective, never.
+        # Reading files, it ends soon (and then stops before touching JAX); waiting for the others' reads, at
+        # once (group.meet); blocked in a collective, never.
         with contextlib.suppress(Exception):
             worker.abandoned_restore.result(timeout=_RESTORE_SETTLE_S)
         worker.abandoned_restore = None

@@ -1,9 +1,11 @@
-"""Joining and leaving a generation's ``jax.distributed`` group, whose coordination service the controller hosts."""
+"""Joining and leaving a generation's ``jax.distributed`` group, whose coordination service the controller hosts,
+and meeting its other members there before a collective."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -17,6 +19,8 @@ log = logging.getLogger(__name__)
 
 # How often a worker waiting in the group's start looks whether the controller gave that group up.
 _GIVEN_UP_POLL_S = 0.02
+# How often a member waiting at a meeting point asks the coordination service who has come (0.2-0.3 ms a call).
+_MEET_POLL_S = 0.005
 
 
 def join_group(form: Form, settings: WorkerSettings, given_up: Callable[[], bool]) -> bool:
@@ -98,3 +102,36 @@ def _shut_down(client: Any, group: str) -> None:
         client.shutdown()
     except Exception as exc:
         log.warning("leaving %s: %s: %s", group, type(exc).__name__, exc)
+
+
+def meet(name: str, timeout_s: float, abandoned: threading.Event | None = None) -> None:
+    """Wait until every process of the group has reached ``name``, through the group's coordination service.
+
+    Called before a collective that follows host work of uneven length (a restore's reads of its shards, a
+    final durable write): a member that came early waits here, not inside the collective, so gloo's collective
+    timeout (``runtime/compat/xla.py``) has only the members' compute to cover, which the hang timeout bounds,
+    and can be short. A meeting is polled rather than a ``wait_at_barrier``: this thread may be abandoned (a
+    peer died), and a client's calls after its shutdown neither fail nor return their answers, so the wait
+    ends when the worker leaves the group (``leave_group``), or sooner when ``abandoned`` is set.
+
+    Raises:
+        RuntimeError: the worker left the group, or abandoned the wait, first.
+        TimeoutError: not every process came within ``timeout_s``.
+    """
+    from runtime.compat import jax as jax_compat
+
+    state = jax_compat.distributed_state()
+    client, members = state.client, state.num_processes
+    if client is None:
+        raise RuntimeError(f"meeting {name!r}: not in a group")
+    key = f"meet/{name}/"
+    client.key_value_set(f"{key}{state.process_id}", "")
+    deadline = time.monotonic() + timeout_s
+    while len(client.key_value_dir_get(key)) < members:
+        if state.client is not client:
+            raise RuntimeError(f"meeting {name!r}: the group was left while waiting")
+        if abandoned is not None and abandoned.is_set():
+            raise RuntimeError(f"meeting {name!r}: abandoned")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"meeting {name!r}: not every one of {members} processes came in {timeout_s:g} s")
+        time.sleep(_MEET_POLL_S)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from runtime.cluster.protocol import EventReport, Restored, RestoreStep
 from runtime.cluster.tiers import Tier
+from runtime.cluster.worker.group import meet
 from runtime.core import restore as core_restore
 from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from runtime.core.events import CheckpointCorrupt
@@ -125,6 +126,9 @@ def restore_step(
         tier, mine = read_own(worker, restore, files)
     if abandoned.is_set():  # the group re-formed while this read: the backend is no longer this group's
         raise RuntimeError(f"the restore of step {restore.step} was abandoned")
+    # The source slice's readers may take long (the durable tier); the others wait for them here, not in the
+    # collective below, which gloo's collective timeout would end.
+    meet(f"restore/{restore.generation}/{restore.step}", _READ_TIMEOUT_S, abandoned)
     spare = worker.neighbour if worker.neighbour is not None and worker.neighbour.step == restore.step else None
     assert worker.restorer is not None
     # Every member takes its shards from the source slice, its own included: every member then holds

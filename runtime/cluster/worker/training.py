@@ -16,6 +16,7 @@ import numpy as np
 
 from runtime.cluster.protocol import Finished, Message
 from runtime.cluster.worker.durable import save_durable
+from runtime.cluster.worker.group import meet
 from runtime.cluster.worker.handlers import Boundary
 from runtime.cluster.worker.link import Inbound
 from runtime.cluster.worker.stepping import await_step, defer, wait_fenced
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["apply_boundary", "finish", "gather_whole", "run_step", "train"]
 
 log = logging.getLogger(__name__)
+
+# How long the final gather waits for every member's last durable write (as long as a restore's reads may take).
+_GATHER_MEET_S = 600.0
 
 
 def train(worker: Worker, target: int) -> Inbound | None:
@@ -160,6 +164,7 @@ def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
     if worker.durable_write is not None:
         with contextlib.suppress(Exception):  # a failure was logged by _log_failure
             worker.durable_write.result()
+    meet(f"gather/{worker.generation}", _GATHER_MEET_S)  # the others' final writes may take longer
     # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local
     # device), and hashing one joined copy two more: at a GB of state 4 workers ran the machine out of memory.
     keep = bool(worker.settings.result) and worker.process_id == 0
