@@ -40,6 +40,7 @@ import numpy as np
 from attacker import run_under_attack
 
 from runtime.cli.demo_multiprocess import group_controller, run_group, worker_command
+from runtime.cluster.config import LaunchConfig
 from runtime.cluster.controller.runfolder import default_replica_dir
 from runtime.core.errors import RecoveryError
 from runtime.core.eventlog import read_events
@@ -58,6 +59,9 @@ from storage.disk import DiskTier
 
 NPROCS = 3
 STEPS = 40
+# A replica file every this many steps (the default where every process holds the whole state): when every
+# process is lost at once (the controller killed, or every worker crashing) the run goes back up to one less.
+FILE_EVERY = LaunchConfig(command=["python"], nprocs=NPROCS).replica_file_every
 
 
 # Cases that act on the controller or the job rather than on one worker: run by ``controller_round``.
@@ -89,7 +93,11 @@ def plan(rng: random.Random, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
     step = rng.randrange(3, STEPS - 8)
     pid = rng.randrange(NPROCS)
     match kind:
-        case "repeat" | "resume" | "sigterm" | "sigterm-durable":
+        case "repeat":
+            # Every process crashes at the step: before the first replica file, the run ends with nothing to
+            # restore ("no member holds any step"), not with the repeated crash.
+            return {"case": kind, "step": max(step, FILE_EVERY + 3)}
+        case "resume" | "sigterm" | "sigterm-durable":
             return {"case": kind, "step": step}
         case "together":
             other = rng.choice([p for p in range(NPROCS) if p != pid])
@@ -175,7 +183,8 @@ def controller_round(case: str, step: int, run_dir: Path, reference: Path) -> li
         again = launched.launch(run_dir, worker_command(STEPS), "--resume", nprocs=NPROCS)
         output, _ = again.communicate(timeout=300)
         result = json.loads(output.decode().strip().splitlines()[-1]) if again.returncode == 0 else {}
-        if not result.get("ok") or result.get("resumed_from", -1) < step - 1:
+        resumed_from = max(result.get("resumed_from", -1), 0)  # -1: nothing held, started from the beginning
+        if not result.get("ok") or resumed_from <= step - FILE_EVERY:
             problems.append(f"resume: {result or output.decode()[-500:]}")
         else:
             problems += check(run_dir, reference)
