@@ -14,9 +14,10 @@ the mean interval between committed steps:
 - ``after``: from 35 s after the last kill to the end.
 
 ``xla_default`` sets ``--xla_cpu_collective_timeout_seconds=1800`` in the workers' ``XLA_FLAGS`` (XLA's default;
-the user's flag wins over the runtime's), ``runtime`` leaves the runtime's. The two alternate, ``--repeats``
+the user's flag wins over the runtime's), ``timeout_30s`` sets 30 s (the runtime's default until 2026-12-05),
+``runtime`` leaves the runtime's (10 s with the defaults). The chosen ``--contenders`` alternate, ``--repeats``
 times each; the figures are medians over repeats. Also counted, from the workers' logs: steps abandoned in a
-collective, and those of them that ended.
+collective, those of them that ended, and each one's wait (``abandoned_s``).
 """
 
 from __future__ import annotations
@@ -38,11 +39,16 @@ from runtime.core.events import StepCompleted, WorkerKilled
 from runtime.faults.grammar import Fault
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_goodput_multiprocess import abandoned_waits
 from bench_overhead_multiprocess import say
 
 NPROCS = 4
 SETTLE_S = 35.0
-CONTENDERS = {"xla_default": "--xla_cpu_collective_timeout_seconds=1800", "runtime": ""}
+CONTENDERS = {
+    "xla_default": "--xla_cpu_collective_timeout_seconds=1800",
+    "timeout_30s": "--xla_cpu_collective_timeout_seconds=30",
+    "runtime": "",
+}
 
 
 def mean_step(commits: list[tuple[int, float]]) -> float | None:
@@ -66,6 +72,7 @@ def run(steps: int, kills: list[int], flag: str) -> dict[str, Any]:
             raise RuntimeError(f"run failed: {result.reason}")
         events = read_events(run_dir / "events.jsonl")
         logs = "".join(path.read_text() for path in (run_dir / "workers").glob("worker-*.log"))
+        waits = abandoned_waits(run_dir / "workers")
     first: dict[int, float] = {}
     for event in events:
         if isinstance(event, StepCompleted) and event.step is not None:
@@ -79,6 +86,7 @@ def run(steps: int, kills: list[int], flag: str) -> dict[str, Any]:
         "after": mean_step([c for c in commits if c[1] > settled]),
         "abandoned": len(re.findall(r"abandoning step \d+, blocked in a collective", logs)),
         "ended": len(re.findall(r"the abandoned step \d+ ended", logs)),
+        "abandoned_s": waits,
     }
 
 
@@ -87,13 +95,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3500)
     parser.add_argument("--kills", type=int, nargs="+", default=[300, 1500])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--contenders", nargs="+", default=["xla_default", "runtime"], choices=list(CONTENDERS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONTENDERS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.contenders}
     for repeat in range(args.repeats):
-        for name, flag in CONTENDERS.items():
+        for name in args.contenders:
             started = time.monotonic()
-            runs[name].append(run(args.steps, args.kills, flag))
+            runs[name].append(run(args.steps, args.kills, CONTENDERS[name]))
             say(f"repeat {repeat + 1}, {name}: {runs[name][-1]} ({time.monotonic() - started:.0f} s)")
     summary: dict[str, dict[str, Any]] = {}
     for name, results in runs.items():
@@ -104,6 +113,7 @@ def main() -> None:
         row["after_over_before"] = round(row["after_ms"] / row["before_ms"], 3) if row["after_ms"] else None
         row["abandoned"] = sum(r["abandoned"] for r in results)
         row["ended"] = sum(r["ended"] for r in results)
+        row["abandoned_s"] = sorted(wait for r in results for wait in r["abandoned_s"])
         summary[name] = row
         print(f"{name:12s} {row}")
     if args.json:

@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 
 # How often a worker waiting in the group's start looks whether the controller gave that group up.
 _GIVEN_UP_POLL_S = 0.02
-# How often a member waiting at a meeting point asks the coordination service who has come (0.2-0.3 ms a call).
-_MEET_POLL_S = 0.005
+# How often a member waiting at a meeting point asks the coordination service who has come (0.2-0.3 ms a call):
+# soon at first (a restore from memory meets within milliseconds), then more and more rarely (a durable read).
+_MEET_FIRST_POLL_S = 0.001
+_MEET_LAST_POLL_S = 0.05
 
 
 def join_group(form: Form, settings: WorkerSettings, given_up: Callable[[], bool]) -> bool:
@@ -127,6 +129,7 @@ def meet(name: str, timeout_s: float, abandoned: threading.Event | None = None) 
     key = f"meet/{name}/"
     client.key_value_set(f"{key}{state.process_id}", "")
     deadline = time.monotonic() + timeout_s
+    pause = _MEET_FIRST_POLL_S
     while len(client.key_value_dir_get(key)) < members:
         if state.client is not client:
             raise RuntimeError(f"meeting {name!r}: the group was left while waiting")
@@ -134,4 +137,5 @@ def meet(name: str, timeout_s: float, abandoned: threading.Event | None = None) 
             raise RuntimeError(f"meeting {name!r}: abandoned")
         if time.monotonic() > deadline:
             raise TimeoutError(f"meeting {name!r}: not every one of {members} processes came in {timeout_s:g} s")
-        time.sleep(_MEET_POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, _MEET_LAST_POLL_S)
