@@ -23,13 +23,17 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from runtime.cluster.worker.group import leave_group, meet  # noqa: E402
+from runtime.compat.jax import distributed_state  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)
 mesh = Mesh(np.array(jax.devices()), ("x",))
 ones = jax.make_array_from_callback((2,), NamedSharding(mesh, P("x")), lambda _: np.ones((1,), np.float32))
-total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
-total(ones).block_until_ready()  # compiled and run once by both, before the late one's host work
+total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P())).lower(ones).compile()
+# Compiled by both, then run once together: on a loaded machine one compile may end seconds after the other,
+# longer than the 2 s collective timeout (a barrier of JAX's own, not the meeting under test).
+distributed_state().client.wait_at_barrier("compiled", 120_000)
+total(ones).block_until_ready()
 
 if process_id == 1:
     time.sleep(LATE_S)  # a long read of this process's shards, say
