@@ -4,7 +4,7 @@ every worker, same model, same schedule. Not collected by pytest.
     .venv/bin/python tests/benchmarks/bench_goodput_multiprocess.py [--steps 5000] [--fault-every 60]
         [--rounds 3] [--durable-every 100] [--json]
 
-Both jobs train the multi-process demo model (``runtime.cli.demo_multiprocess``) as ``elastic-runtime launch
+The jobs train the multi-process demo model (``runtime.cli.demo_multiprocess``) as ``elastic-runtime launch
 --nprocs 4`` (2 CPU devices a process, gloo on loopback) for ``--steps`` steps, and this script sends
 ``SIGKILL`` to one member worker (a different one each time) every ``--fault-every`` seconds of wall time:
 
@@ -14,7 +14,9 @@ Both jobs train the multi-process demo model (``runtime.cli.demo_multiprocess``)
   loss stops every worker, and this script starts a new ``launch`` (new controller, new workers, new JAX
   processes, fresh replica files) which restores every process from the newest durable checkpoint in
   ``DIR``, as a job restarted by its scheduler from its checkpoint would; detection and rescheduling are left
-  out in its favour.
+  out in its favour;
+- ``bare_loop``: the reference's plain ``jax.distributed`` loop (below) for all the steps, started cold and
+  without faults: what a job with no fault, no checkpoint and no runtime scores by the same measure.
 
 Two goodputs per job, from the wall time between the first ``launch`` and the end of the last:
 
@@ -26,11 +28,15 @@ Two goodputs per job, from the wall time between the first ``launch`` and the en
 - ``goodput_own_step``: steps x the job's own median committed-step interval / wall: what the faults and the
   starts cost, with the per-step overhead counted as productive (as ``ml-goodput-measurement`` counts a step).
 
+With the bare loop among the jobs, ``of_bare_loop``: its wall over a job's in the same round (the same steps,
+the bare loop as 100%): a reference as long as the job, run minutes from it, where the bare step's runs take
+seconds.
+
 And where each job's wall time went, from its event log: ``first_commit_s`` (start-up: imports, the first
 group, compiles), ``stalls_s`` (gaps of more than 10 steps between two commits: recoveries, relaunches),
 ``stepping_s`` (every other interval between commits) and ``after_last_commit_s``; from its workers' logs, each
 round's ``abandoned_s``: how long each survivor's step left blocked in a collective by a kill took to end (one
-that waits for gloo's collective timeout, 30 s, slows the group's steps until then).
+that waits for gloo's collective timeout, 10 s by default, slows the group's steps until then).
 
 The workers cache their compiles in their replica folder (``<replica-dir>/xla-cache``, the launcher's
 default). Checkpoint-and-restart relaunches keep that folder and lose everything else in it (replica files,
@@ -65,7 +71,7 @@ from bench_overhead_multiprocess import run_bare, say, step_time
 
 NPROCS = 4
 BARE_STEPS, BARE_WARMUP = 600, 100
-JOBS = ("runtime", "checkpoint_restart")
+JOBS = ("runtime", "checkpoint_restart", "bare_loop")
 
 
 def live_events(log: Path) -> list[Any]:
@@ -144,23 +150,40 @@ def run_job(job: str, root: Path, shm: Path, steps: int, fault_every: float, dur
     ended = time.monotonic()
     events = read_events(log)
     commits = [e.mono_time for e in events if isinstance(e, StepCompleted)]
+    return {
+        **wall_parts(started, ended, commits),
+        "kills": kills,
+        "launches": launches,
+        "lost_steps": lost + sum(e.lost_steps for e in events if isinstance(e, RecoveryCompleted)),
+        "abandoned_s": abandoned_waits(run_dir / "workers"),
+    }
+
+
+def run_bare_loop(root: Path, steps: int) -> dict[str, Any]:
+    """The bare ``jax.distributed`` loop (the reference's) for all the steps, started cold, without faults; its
+    start-up and its processes' exit are charged to it as to the jobs."""
+    root.mkdir(parents=True)
+    started = time.monotonic()
+    commits = run_bare(NPROCS, steps, (FEATURES, HIDDEN), root / "bare.log")[1:]  # [0]: before the first step
+    parts = wall_parts(started, time.monotonic(), commits)
+    return {**parts, "kills": 0, "launches": 1, "lost_steps": 0, "abandoned_s": []}
+
+
+def wall_parts(started: float, ended: float, commits: list[float]) -> dict[str, Any]:
+    """Where the wall time went, from the commits' times on this clock (CLOCK_MONOTONIC, the controller's and
+    the workers'): before the first commit, after the last, the gaps between commits of more than 10 steps
+    (recoveries, relaunches), the steps; and the median interval between commits."""
     intervals = [b - a for a, b in itertools.pairwise(commits)]
     own_step = statistics.median(i for i in intervals if i > 0)
-    # Where the wall time went (the controller's clock is this one: CLOCK_MONOTONIC): before the first commit,
-    # after the last, the gaps between commits of more than 10 steps (recoveries, relaunches), the steps.
     stalls = [i for i in intervals if i > 10 * own_step]
     return {
         "wall_s": ended - started,
-        "kills": kills,
-        "launches": launches,
         "own_step_s": own_step,
-        "lost_steps": lost + sum(e.lost_steps for e in events if isinstance(e, RecoveryCompleted)),
         "first_commit_s": commits[0] - started,
         "after_last_commit_s": ended - commits[-1],
         "stalls_s": sum(stalls),
         "stalls": len(stalls),
         "stepping_s": sum(i for i in intervals if i <= 10 * own_step),
-        "abandoned_s": abandoned_waits(run_dir / "workers"),
     }
 
 
@@ -169,8 +192,9 @@ _LOGGED = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*"
 
 def abandoned_waits(workers: Path) -> list[float]:
     """Seconds from each survivor's step abandoned in a collective with a killed worker to that step's end (its
-    thread blocked meanwhile; a wait that lasts until gloo's collective timeout, 30 s, slows the group's steps:
-    docs/multiprocess.md, "JAX limits met"), from the workers' logs; an abandoned step that never ended is left out."""
+    thread blocked meanwhile; a wait that lasts until gloo's collective timeout, 10 s by default, slows the group's
+    steps: docs/multiprocess.md, "JAX limits met"), from the workers' logs; an abandoned step that never ended is
+    left out."""
     waits = []
     for log in workers.glob("worker-*.log"):
         text = log.read_text(errors="replace")
@@ -204,7 +228,10 @@ def main() -> None:
         for round_number in range(args.rounds):
             for job in args.jobs:
                 root = Path(tmp) / f"{job}-{round_number}"
-                run = run_job(job, root, Path(shm), args.steps, args.fault_every, args.durable_every)
+                if job == "bare_loop":
+                    run = run_bare_loop(root, args.steps)
+                else:
+                    run = run_job(job, root, Path(shm), args.steps, args.fault_every, args.durable_every)
                 after = bare_step()
                 run["bare_step_s"], before = (before + after) / 2, after
                 run["goodput"] = args.steps * run["bare_step_s"] / run["wall_s"]
@@ -239,6 +266,9 @@ def main() -> None:
             )
         }
         result[job]["goodput_each_round"] = [round(run["goodput"], 4) for run in rounds]
+        if "bare_loop" in runs:  # the same steps' wall against the bare loop's in the same round
+            ratios = [bare["wall_s"] / run["wall_s"] for bare, run in zip(runs["bare_loop"], rounds, strict=True)]
+            result[job]["of_bare_loop"] = round(statistics.median(ratios), 4)
         result[job]["kills"] = [run["kills"] for run in rounds]
         result[job]["launches"] = [run["launches"] for run in rounds]
         result[job]["abandoned_s"] = [run["abandoned_s"] for run in rounds]
