@@ -31,3 +31,10 @@ def compiles() -> Iterator[list[float]]:
     jax.monitoring.register_event_duration_secs_listener(listen)
     yield seen
     jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.fixture
+def copied_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RAM snapshots copied to host memory, as on an accelerator: on these CPU devices the executor commits the
+    state itself (``runtime.core.snapshot.in_host_memory``), and the copies' own paths would go untested."""
+    monkeypatch.setattr("runtime.core.executor.in_host_memory", lambda mesh: False)

@@ -71,6 +71,7 @@ def test_impossible_cadences_are_refused(every: int, mtbf: float | None) -> None
         ({"snapshot_mtbf_s": 86400.0}, [1, 2, 3]),
     ],
 )
+@pytest.mark.usefixtures("copied_snapshots")  # the Young-Daly interval is planned by what a copy costs
 def test_a_sparse_snapshot_restores_exactly_and_the_redone_steps_are_counted(
     tmp_path: Path, cadence: dict[str, float], snapshotted: list[int]
 ) -> None:
@@ -92,6 +93,7 @@ def test_a_sparse_snapshot_restores_exactly_and_the_redone_steps_are_counted(
     assert compare_states(result.state, reference.state, bitwise=True)["match"]
 
 
+@pytest.mark.usefixtures("copied_snapshots")
 def test_a_snapshot_every_step_is_copied_inside_the_step_and_a_sparser_one_behind_it(tmp_path: Path) -> None:
     policy = MeshPolicy({"data": 4, "model": 2}, global_batch=24)
     for every in (1, 2):
@@ -112,6 +114,31 @@ def test_a_snapshot_every_step_is_copied_inside_the_step_and_a_sparser_one_behin
         assert latest.step == 6 and compare_states(latest.tree, result.state, bitwise=True)["match"]
 
 
+@pytest.mark.parametrize("every", [1, 3])
+def test_on_cpu_devices_a_snapshot_is_the_state_itself_and_restores_exactly(tmp_path: Path, every: int) -> None:
+    job = lambda: demo_job(global_batch=24, features=16, hidden=64)  # noqa: E731
+    policy = MeshPolicy({"data": 4, "model": 1}, global_batch=24)
+    steps, fault = 12, 8
+    reference = ElasticRuntime(job(), config=RuntimeConfig(precompile=False), mesh_policy=policy).run(steps)
+    # No disk tier: nothing reads the last snapshot (into numpy) as the run ends.
+    config = RuntimeConfig(
+        run_dir=str(tmp_path), checkpoint_dir="", snapshot_every=every, scale_up_poll_s=None, precompile=False
+    )
+    runtime = FaultInjector().lose_devices(fault, [2]).attach(ElasticRuntime(job(), config=config, mesh_policy=policy))
+    result = runtime.run(steps)
+    executor = runtime.executor
+    assert executor.compiler is not None and not executor.compiler.host_copy  # no copy compiled into the step
+    latest = executor.ram.latest()
+    held = latest.unread()
+    assert latest.step == steps and held is not None
+    assert all(a is b for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(executor.state), strict=True))
+    [recovery] = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, RecoveryCompleted)]
+    restored = (fault - 1) // every * every
+    assert (recovery.restored_from, recovery.lost_steps) == ("ram", fault - 1 - restored)
+    assert compare_states(result.state, reference.state, bitwise=True)["match"]
+
+
+@pytest.mark.usefixtures("copied_snapshots")
 def test_a_copy_that_fails_behind_its_step_is_reported_and_the_step_still_counts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -144,6 +171,7 @@ def test_with_an_mtbf_a_copy_measured_free_still_leaves_steps_to_measure_it_agai
     assert cadence.every == 2
 
 
+@pytest.mark.usefixtures("copied_snapshots")
 def test_the_cadence_learns_from_warm_steps_and_copies_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: list[float]
 ) -> None:

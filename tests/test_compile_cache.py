@@ -73,6 +73,7 @@ def test_a_run_fills_the_cache_in_its_folder_and_the_next_run_loads_from_it(tmp_
         written = list((tmp_path / "cache").iterdir())
         assert written, "the first run wrote nothing to the cache"
         first_hits = len(hits)
+        jax.clear_caches()  # as in a new process: what JAX compiled in this one is not in memory for the next run
         run("second")
     finally:
         jax.monitoring.unregister_event_listener(listener)
@@ -80,6 +81,7 @@ def test_a_run_fills_the_cache_in_its_folder_and_the_next_run_loads_from_it(tmp_
 
 
 def test_the_default_cache_is_under_the_run_folder(tmp_path: Path) -> None:
+    jax.clear_caches()  # the step compiled by an earlier test would be served from memory, not written
     job = demo_job(global_batch=24, features=16, hidden=64)
     config = RuntimeConfig(run_dir=str(tmp_path), checkpoint_dir="", precompile=False)
     ElasticRuntime(job, config=config, mesh_policy=MeshPolicy({"data": 4, "model": 2})).run(steps=2)

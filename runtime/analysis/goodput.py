@@ -6,7 +6,8 @@ step that counts: the last commit of each step number) and badput categories nam
 ``ml_goodput_measurement``'s ``BadputType``. Whatever no event accounts for (event handling, compiles after
 a re-mesh, the scheduler) is ``OTHER``, so the parts always add up to the wall time.
 
-A RAM snapshot compiled into the step (``snapshot_every=1``) is part of the step's computation here, as an
+A RAM snapshot compiled into the step (``snapshot_every=1`` on an accelerator; on CPU devices there is no
+copy) is part of the step's computation here, as an
 offload inside the step is for ml-goodput-measurement; only a copy the step waited for after it
 (``StepCompleted.snapshot_wait_s``) is ``UNPRODUCTIVE_CHECKPOINT_SAVE_TIME``. The benchmarks charge it
 against a bare step instead (``tests/benchmarks/bench_overhead.py``, ``bench_goodput.py``).

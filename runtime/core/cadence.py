@@ -109,7 +109,8 @@ class SnapshotCadence:
             return
         interval_s = math.sqrt(2 * max(self._copy_s, _MIN_COPY_S) * self.mtbf_s)
         # At least every other step: a copy's cost is measured against the steps without one (a snapshot
-        # every step is the copy compiled into the step: ``snapshot_every=1`` without an MTBF).
+        # every step is the copy compiled into the step: ``snapshot_every=1`` without an MTBF). On CPU devices no
+        # copy is measured (a snapshot is the state itself): ``every`` stays as it was set.
         self.every = max(2, round(interval_s / self._step_s))
 
 

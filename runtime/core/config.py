@@ -48,7 +48,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         snapshot_every: RAM snapshot cadence in steps; 0 turns snapshots off (recovery then restarts at 0).
         snapshot_mtbf_s: the expected mean time between failures; when set, the RAM snapshot cadence follows
             the Young-Daly interval sqrt(2 * copy cost * MTBF), measured as the run goes (``runtime.core.cadence``):
-            fewer copies, a few steps re-done after a failure. ``snapshot_every`` is the first cadence.
+            fewer copies, a few steps re-done after a failure. ``snapshot_every`` is the first cadence. On CPU
+            devices a snapshot is the state itself, no copy: nothing to measure, the cadence stays ``snapshot_every``.
         handler_timeout_s: how long one handler call may run before it is cancelled.
         max_pending_events: bound of the bus queue.
         recovery_timeout_s: how long the executor waits for handlers to finish a recovery.

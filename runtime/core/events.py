@@ -109,7 +109,8 @@ class StepCompleted(Event, frozen=True, kw_only=True):
     ``duration_s`` is the step's computation; ``data_s`` the time spent loading its batch. ``snapshot`` says
     the RAM tier holds the state after this step; ``snapshot_wait_s`` is what that copy added to the step:
     the step's time over the running average of steps without a copy (0 when the copy is compiled into the
-    step, as with a snapshot every step), and ``duration_s`` is the step's time less it.
+    step, as with a snapshot every step, or when there is no copy: on CPU devices the snapshot is the state
+    itself), and ``duration_s`` is the step's time less it.
     """
 
     duration_s: float

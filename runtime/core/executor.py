@@ -52,7 +52,7 @@ from runtime.core.ledger import StepLedger
 from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
 from runtime.core.prefetch import BatchPrefetcher
 from runtime.core.restore import RestoreSource, refuse_earlier_checkpoints, restore_newest
-from runtime.core.snapshot import RamTier
+from runtime.core.snapshot import RamTier, in_host_memory
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ class _InFlight(NamedTuple):
     position: int  # the data position its batch came from
     new_state: PyTree
     metrics: Any
-    host: PyTree | None  # the host copy, compiled into the step or queued right behind it; None: no snapshot
+    host: PyTree | None  # the host copy, compiled into the step or queued right behind it (on CPU devices the new
+    # state itself); None: no snapshot
     dispatched: float  # perf_counter when its program was queued
     data_s: float
     measured: bool  # its time says what a step on this mesh costs (not the first run of the executable)
@@ -133,6 +134,7 @@ class StepExecutor:
         # raises fails the step as that exception (a site's result validation, or a fault injector).
         self.step_checks: list[StepCheck] = []
         self.ram = RamTier()
+        self._by_reference = False  # a snapshot is the state itself (devices whose memory is the host's)
         # The RAM snapshot's cadence, and the measure of a step without a copy that Young-Daly plans by.
         self.cadence = SnapshotCadence(max(config.snapshot_every, 1), config.snapshot_mtbf_s)
         # The books: committed step, data position, when the RAM tier is due (decided as a step is dispatched:
@@ -239,8 +241,11 @@ class StepExecutor:
         try:
             # Shapes and dtypes only; the values are made on the mesh, each device's shards there (initial.py).
             self._initial = abstract_state(self.job)
-            # Snapshotting every step, the copy to host memory is compiled into the step itself.
-            fused = self.config.snapshot_every == 1 and self.config.snapshot_mtbf_s is None
+            # On CPU devices a snapshot is the state itself, copied nowhere. Elsewhere, snapshotting every
+            # step, the copy to host memory is compiled into the step itself.
+            self._by_reference = in_host_memory(mesh)
+            every_step = self.config.snapshot_every == 1 and self.config.snapshot_mtbf_s is None
+            fused = every_step and not self._by_reference
             self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0), host_copy=fused)
             self._set_mesh(mesh)
             self.state = await anyio.to_thread.run_sync(self._place_initial, mesh)
@@ -297,7 +302,7 @@ class StepExecutor:
         started = time.perf_counter()
         compiled = not self.compiler.is_ready(mesh)
         self.compiler.get(mesh)
-        if not self.compiler.host_copy and self.config.snapshot_every > 0:
+        if not (self.compiler.host_copy or self._by_reference) and self.config.snapshot_every > 0:
             compiled = self.ram.prepare(self.compiler.state_abstract(mesh)) or compiled
         return time.perf_counter() - started if compiled else 0.0
 
@@ -562,7 +567,8 @@ class StepExecutor:
             waiting = time.perf_counter()
             compiled = compiler.get(mesh)
             self.ledger.recovery.waited_for_compile(time.perf_counter() - waiting)
-        copy_due = not compiler.host_copy and "ram" in self.ledger.due(step)
+        snapshot_due = not compiler.host_copy and "ram" in self.ledger.due(step)
+        copy_due = snapshot_due and not self._by_reference
         if copy_due:  # a copy compiled here (a layout not prepared ahead) is no part of the copy's cost
             self.ram.prepare(state)
         # An executable's first run warms it up: no measure of a step to plan by.
@@ -576,7 +582,10 @@ class StepExecutor:
             new_state, metrics, host = compiled(state, batch, buffers)
         else:
             new_state, metrics = compiled(state, batch)
-            if copy_due:
+            if snapshot_due and self._by_reference:
+                host = new_state
+                self.ledger.taken("ram", step)
+            elif copy_due:
                 # Queued now, right behind the step: copied after the next step was dispatched, it waited for
                 # that one too and emptied the pipeline (a whole step, where the copy itself is far shorter).
                 host = self.ram.dispatch_copy(new_state, step=step)  # None: failed, reported as an event
@@ -598,7 +607,7 @@ class StepExecutor:
         loss = self.job.loss(metrics)
         loss_value = None if loss is None else float(np.asarray(loss))
         host, copy_s = flight.host, 0.0
-        copied_here = host is not None and not fused  # a copy of its own, queued behind the step
+        copied_here = host is not None and not fused and not self._by_reference  # a copy queued behind the step
         if copied_here:
             try:
                 jax.block_until_ready(host)
