@@ -6,7 +6,8 @@ its own process started by this script, and lose a slice every 60 s of wall time
 - runtime, defaults: ``ElasticRuntime`` with its defaults (RAM snapshot every step, disk tier), the slice lost
   through the fault injector and given back 20 s later; recovery happens in-process;
 - runtime, Young-Daly snapshots: the same with ``snapshot_mtbf_s`` set to the fault interval, so that RAM
-  snapshots come every sqrt(2 * copy cost * MTBF) of training instead of every step;
+  snapshots come every sqrt(2 * copy cost * MTBF) of training instead of every step (on these CPU devices a
+  snapshot is the state itself, no copy: no cost to plan by, and the job is the defaults' again);
 - checkpoint-restart: a plain JAX loop (loading the next batch in the background, as the runtime does) with
   Orbax's async ``CheckpointManager`` saving every ``--save-every`` steps; at each fault the process is
   killed (SIGKILL) and started again, restoring the newest checkpoint (on the full mesh: the baseline gets
