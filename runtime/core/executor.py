@@ -607,7 +607,7 @@ class StepExecutor:
         loss = self.job.loss(metrics)
         loss_value = None if loss is None else float(np.asarray(loss))
         host, copy_s = flight.host, 0.0
-        copied_here = host is not None and not fused and not self._by_reference  # a copy queued behind the step
+        copied_here = host is not None and not (fused or self._by_reference)  # a copy queued behind the step
         if copied_here:
             try:
                 jax.block_until_ready(host)

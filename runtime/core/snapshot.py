@@ -1,4 +1,4 @@
-"""The RAM tier: the newest complete copy of the training state in host memory.
+"""The RAM tier: the newest complete snapshot of the training state in host memory.
 
 On devices whose memory is the host's (CPU devices, ``in_host_memory``) the executor commits the step's new
 state itself: it is in host memory already, and no step overwrites its input. Elsewhere it is copied.
