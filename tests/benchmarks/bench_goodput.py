@@ -137,8 +137,7 @@ def child_restart(steps: int, ckpt_dir: str, save_every: int, pipelined: bool = 
                 began = finish(*in_flight)
             in_flight = (step, metrics, began)
             continue
-        float(metrics["loss"])
-        print(f"step {step} {time.perf_counter() - began:.6f}", flush=True)
+        finish(step, metrics, began)
         if manager is not None:
             manager.save(step, args=ocp.args.StandardSave(state))
     if in_flight is not None:
