@@ -165,7 +165,7 @@ def test_each_process_reads_only_its_rows_and_the_run_equals_one_on_global_batch
     read = {w: m["batch"] for w, m in members_memory(rows).items()}
     whole = GLOBAL_BATCH * FEATURES * 4  # float32
     assert read and all(n <= whole / 4 for n in read.values()), (whole, read)
-    # The killed worker's newest report may predate its first step (4 steps can outrun its 0.2 s heartbeat): 0.
+    # The killed worker's last report may predate its first step (4 steps can outrun its 0.2 s heartbeat): 0.
     killed = {str(e.worker) for e in read_events(rows.events_path) if isinstance(e, WorkerKilled)}
     assert killed and all(n > 0 for w, n in read.items() if w not in killed), (read, killed)
     args = (*split, "--data", "global")

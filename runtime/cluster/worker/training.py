@@ -187,4 +187,6 @@ def finish(worker: Worker, target: int, gathered: tuple[str, PyTree | None]) -> 
     if result and whole is not None:  # in the disk tier's format: verified, and plain Orbax reads it
         final = replica(target, worker.ram.data_position, whole, worker.identity)
         DiskTier(result, name="result", check_space=False).save(final, timeout=600.0)
+    # The run's memory report ends at its last step: a few steps can run between two periodic beats.
+    worker.heartbeat(memory=True)
     worker.link.send(Finished(worker=worker.worker, generation=worker.generation, step=target, digest=digest))
