@@ -23,13 +23,13 @@ MARKER = "<!-- cli-help -->"
 
 # module -> the names the API reference documents (None: the module's __all__).
 PUBLIC: dict[str, list[str] | None] = {
-    "runtime": None,
-    "handlers": None,
-    "storage": None,
-    "runtime.cluster.config": ["LaunchConfig"],
-    "runtime.cluster.controller": ["Controller"],
-    "runtime.cluster.controller.context": ["ControllerContext"],
-    "storage.gcs": ["GcsTier"],
+    "elastic_runtime": None,
+    "elastic_runtime.handlers": None,
+    "elastic_runtime.storage": None,
+    "elastic_runtime.cluster.config": ["LaunchConfig"],
+    "elastic_runtime.cluster.controller": ["Controller"],
+    "elastic_runtime.cluster.controller.context": ["ControllerContext"],
+    "elastic_runtime.storage.gcs": ["GcsTier"],
 }
 
 
@@ -67,7 +67,7 @@ def undocumented() -> list[str]:
 
 def cli_help() -> str:
     """The ``--help`` of ``elastic-runtime`` and of each subcommand, as Markdown sections."""
-    from runtime.cli.main import build_parser
+    from elastic_runtime.cli.main import build_parser
 
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal; the page should not depend on one
     parser = build_parser()

@@ -16,8 +16,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from handlers import restore_after_remesh, scale_up  # noqa: E402
-from runtime import (  # noqa: E402
+from elastic_runtime import (  # noqa: E402
     DeviceLost,
     ElasticRuntime,
     MeshChanged,
@@ -26,8 +25,9 @@ from runtime import (  # noqa: E402
     RuntimeContext,
     ScaleUpAvailable,
 )
-from runtime.testing import FaultInjector  # noqa: E402
-from runtime.testing.demo_model import demo_job  # noqa: E402
+from elastic_runtime.handlers import restore_after_remesh, scale_up  # noqa: E402
+from elastic_runtime.testing import FaultInjector  # noqa: E402
+from elastic_runtime.testing.demo_model import demo_job  # noqa: E402
 
 GRACE_S = 1.0
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from runtime import (  # noqa: E402
+from elastic_runtime import (  # noqa: E402
     ElasticRuntime,
     MeshPolicy,
     RecoveryCompleted,
@@ -27,7 +27,7 @@ from runtime import (  # noqa: E402
     RuntimeContext,
     TrainJob,
 )
-from runtime.testing import FaultInjector  # noqa: E402
+from elastic_runtime.testing import FaultInjector  # noqa: E402
 
 
 class Regression:

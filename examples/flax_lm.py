@@ -36,7 +36,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from runtime import (  # noqa: E402
+from elastic_runtime import (  # noqa: E402
     ElasticRuntime,
     IndexedBatches,
     MeshPolicy,
@@ -46,8 +46,8 @@ from runtime import (  # noqa: E402
     StateRestored,
     TrainJob,
 )
-from runtime.testing import FaultInjector  # noqa: E402
-from runtime.testing.compare import compare_states  # noqa: E402
+from elastic_runtime.core.compare import compare_states  # noqa: E402
+from elastic_runtime.testing import FaultInjector  # noqa: E402
 
 
 @dataclass(frozen=True)

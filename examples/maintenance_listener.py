@@ -32,7 +32,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from runtime import (  # noqa: E402
+from elastic_runtime import (  # noqa: E402
     CheckpointCommitted,
     Drain,
     ElasticRuntime,
@@ -44,7 +44,7 @@ from runtime import (  # noqa: E402
     RuntimeContext,
     read_events,
 )
-from runtime.testing.demo_model import demo_job  # noqa: E402
+from elastic_runtime.testing.demo_model import demo_job  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -50,13 +50,14 @@ from flax.core.spmd import logical_axis_rules  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-# MaxText's trainer pieces (importing them starts no backend: `import runtime` below still sets XLA's flags first).
+# MaxText's trainer pieces (importing them starts no backend: `import elastic_runtime` below still sets XLA's flags
+# first).
 from maxtext.common import train_state_nnx  # noqa: E402
 from maxtext.configs import pyconfig  # noqa: E402
 from maxtext.trainers.pre_train import train as maxtext_train  # noqa: E402
 from maxtext.utils import maxtext_utils, model_creation_utils, sharding, train_utils  # noqa: E402
 
-from runtime import (  # noqa: E402
+from elastic_runtime import (  # noqa: E402
     ConfigError,
     ElasticRuntime,
     IndexedBatches,
@@ -67,8 +68,8 @@ from runtime import (  # noqa: E402
     RuntimeContext,
     TrainJob,
 )
-from runtime.testing import FaultInjector  # noqa: E402
-from runtime.testing.compare import compare_states  # noqa: E402
+from elastic_runtime.core.compare import compare_states  # noqa: E402
+from elastic_runtime.testing import FaultInjector  # noqa: E402
 
 SLICE_SIZE = 2  # devices per failure domain in one process
 
@@ -276,7 +277,7 @@ def comparable(state: Any) -> Any:
 
 def final_state(folder: str) -> Any:
     """The state ``elastic-runtime launch --result FOLDER`` committed."""
-    from storage.disk import DiskTier
+    from elastic_runtime.storage.disk import DiskTier
 
     checkpoint = DiskTier(Path(folder)).latest(None)
     if checkpoint is None:

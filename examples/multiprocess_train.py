@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from runtime import ElasticRuntime, MeshPolicy
-from runtime.testing.demo_model import demo_job
+from elastic_runtime import ElasticRuntime, MeshPolicy
+from elastic_runtime.testing.demo_model import demo_job
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Drain a host's workers out of a multi-process group before its maintenance window (controller-side handlers).
 
 The multi-process counterpart of ``handlers/maintenance.py``, written with the controller's public ``ctx``
-(``runtime/cluster/controller/context.py``); ``runtime.defaults.default_controller`` subscribes it. Workers say
+(``runtime/cluster/controller/context.py``); ``elastic_runtime.defaults.default_controller`` subscribes it. Workers say
 which instance (host) they run on in their ``Hello`` (``ctx.instances``), so a notice maps to workers:
 
 - ``MaintenanceScheduled`` -> :meth:`HostDrains.plan`: with a durable tier (``launch --durable``), a
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from runtime.core.bus import EventBus
-from runtime.core.errors import UnsupportedInMode
-from runtime.core.events import (
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.errors import UnsupportedInMode
+from elastic_runtime.core.events import (
     MaintenanceCompleted,
     MaintenanceScheduled,
     MaintenanceStarted,
@@ -46,7 +46,7 @@ from runtime.core.events import (
 )
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.context import ControllerContext
+    from elastic_runtime.cluster.controller.context import ControllerContext
 
 __all__ = ["HostDrains", "save_when_asked"]
 

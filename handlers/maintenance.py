@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from runtime.core.errors import MeshUnavailable
-from runtime.core.events import Drain, MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Preempted
+from elastic_runtime.core.errors import MeshUnavailable
+from elastic_runtime.core.events import Drain, MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Preempted
 
 if TYPE_CHECKING:
-    from runtime.core.context import RuntimeContext
+    from elastic_runtime.core.context import RuntimeContext
 
 __all__ = [
     "DrainScheduler",

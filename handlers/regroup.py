@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from runtime.core.events import Straggler, WorkerHung, WorkerLost
+from elastic_runtime.core.events import Straggler, WorkerHung, WorkerLost
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.context import ControllerContext
+    from elastic_runtime.cluster.controller.context import ControllerContext
 
 log = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from handlers.retry import wait_for_mesh
-from runtime.core.errors import MeshUnavailable
-from runtime.core.events import DeviceLost
+from elastic_runtime.core.errors import MeshUnavailable
+from elastic_runtime.core.events import DeviceLost
+from elastic_runtime.handlers.retry import wait_for_mesh
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from runtime.core.context import RuntimeContext
+    from elastic_runtime.core.context import RuntimeContext
 
 
 async def remesh_on_device_loss(event: DeviceLost, ctx: RuntimeContext) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.core.events import MeshChanged
+from elastic_runtime.core.events import MeshChanged
 
 if TYPE_CHECKING:
-    from runtime.core.context import RuntimeContext
+    from elastic_runtime.core.context import RuntimeContext
 
 
 async def restore_after_remesh(event: MeshChanged, ctx: RuntimeContext) -> None:

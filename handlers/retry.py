@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from runtime.core.errors import MeshUnavailable
+from elastic_runtime.core.errors import MeshUnavailable
 
 T = TypeVar("T")
 

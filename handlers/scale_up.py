@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from runtime.core.events import ScaleUpAvailable
+from elastic_runtime.core.events import ScaleUpAvailable
 
 if TYPE_CHECKING:
-    from runtime.core.context import RuntimeContext
+    from elastic_runtime.core.context import RuntimeContext
 
 
 async def scale_up(event: ScaleUpAvailable, ctx: RuntimeContext) -> None:

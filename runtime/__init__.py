@@ -1,20 +1,21 @@
 """elastic-runtime: an asynchronous, event-driven elastic training runtime for JAX.
 
 What an embedding program needs: the runtime, the job, the mesh policy, the config, the handler context,
-the events and the errors. ``EventBus``, ``EventLog`` and fault injection (``runtime.testing``) are
+the events and the errors. ``EventBus``, ``EventLog`` and fault injection (``elastic_runtime.testing``) are
 importable from their own modules.
 
-The events and errors are imported with the package; every other name on first use (``runtime.core.lazy``),
-because their modules import JAX and every import of a submodule (``runtime.cli``, the controller's) runs
+The events and errors are imported with the package; every other name on first use (``elastic_runtime.core.lazy``),
+because their modules import JAX and every import of a submodule (``elastic_runtime.cli``, the controller's) runs
 this file first: the controller and ``--help`` never import JAX, and ``ElasticRuntime``
-(``runtime.defaults``, which imports ``handlers`` and ``storage``) can be imported after either of those.
+(``elastic_runtime.defaults``, which imports ``elastic_runtime.handlers`` and
+``elastic_runtime.storage``) can be imported after either of those.
 """
 
 from typing import TYPE_CHECKING
 
 # First: its import raises XLA's CPU collective timeout before any backend starts (the module says why).
-import runtime.compat.xla  # noqa: F401
-from runtime.core.errors import (
+import elastic_runtime.compat.xla  # noqa: F401
+from elastic_runtime.core.errors import (
     BusClosed,
     CheckpointInvalid,
     ConfigError,
@@ -28,31 +29,33 @@ from runtime.core.errors import (
     StorageError,
     UnsupportedInMode,
 )
-from runtime.core.events import *  # noqa: F403 - the event catalogue is part of the public API
-from runtime.core.events import __all__ as _event_names
-from runtime.core.lazy import lazy_exports
+from elastic_runtime.core.events import *  # noqa: F403 - the event catalogue is part of the public API
+from elastic_runtime.core.events import __all__ as _event_names
+from elastic_runtime.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from runtime.core.config import RuntimeConfig, load_config
-    from runtime.core.context import RuntimeContext
-    from runtime.core.datasets import IndexedBatches
-    from runtime.core.eventlog import read_events
-    from runtime.core.executor import RunResult
-    from runtime.core.job import DataSource, ProcessBatches, TrainJob
-    from runtime.core.mesh import MeshPolicy, ProcessMesh
-    from runtime.core.runtime import Component, Runtime
-    from runtime.defaults import ElasticRuntime
+    from elastic_runtime.core.compare import compare_states
+    from elastic_runtime.core.config import RuntimeConfig, load_config
+    from elastic_runtime.core.context import RuntimeContext
+    from elastic_runtime.core.datasets import IndexedBatches
+    from elastic_runtime.core.eventlog import read_events
+    from elastic_runtime.core.executor import RunResult
+    from elastic_runtime.core.job import DataSource, ProcessBatches, TrainJob
+    from elastic_runtime.core.mesh import MeshPolicy, ProcessMesh
+    from elastic_runtime.core.runtime import Component, Runtime
+    from elastic_runtime.defaults import ElasticRuntime
 
 _HOMES = {
-    "runtime.core.config": ["RuntimeConfig", "load_config"],
-    "runtime.core.context": ["RuntimeContext"],
-    "runtime.core.datasets": ["IndexedBatches"],
-    "runtime.core.eventlog": ["read_events"],
-    "runtime.core.executor": ["RunResult"],
-    "runtime.core.job": ["DataSource", "ProcessBatches", "TrainJob"],
-    "runtime.core.mesh": ["MeshPolicy", "ProcessMesh"],
-    "runtime.core.runtime": ["Component", "Runtime"],
-    "runtime.defaults": ["ElasticRuntime"],
+    "elastic_runtime.core.compare": ["compare_states"],
+    "elastic_runtime.core.config": ["RuntimeConfig", "load_config"],
+    "elastic_runtime.core.context": ["RuntimeContext"],
+    "elastic_runtime.core.datasets": ["IndexedBatches"],
+    "elastic_runtime.core.eventlog": ["read_events"],
+    "elastic_runtime.core.executor": ["RunResult"],
+    "elastic_runtime.core.job": ["DataSource", "ProcessBatches", "TrainJob"],
+    "elastic_runtime.core.mesh": ["MeshPolicy", "ProcessMesh"],
+    "elastic_runtime.core.runtime": ["Component", "Runtime"],
+    "elastic_runtime.defaults": ["ElasticRuntime"],
 }
 __getattr__ = lazy_exports(__name__, _HOMES)
 
@@ -81,7 +84,13 @@ __all__ = [
     "StorageError",
     "TrainJob",
     "UnsupportedInMode",
+    "compare_states",
     "load_config",
     "read_events",
     *_event_names,
 ]
+
+if __name__ != "elastic_runtime":  # this file run under its old import name, `runtime` (compat/old_names.py)
+    from elastic_runtime.compat.old_names import redirect
+
+    redirect(__name__)

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from runtime.core.cadence import EveryN, SavePolicy
-from runtime.core.config import RuntimeConfig
-from runtime.core.context import RuntimeContext
-from runtime.core.errors import BusClosed, CheckpointInvalid, SnapshotUnavailable
-from runtime.core.events import (
+from elastic_runtime.core.cadence import EveryN, SavePolicy
+from elastic_runtime.core.config import RuntimeConfig
+from elastic_runtime.core.context import RuntimeContext
+from elastic_runtime.core.errors import BusClosed, CheckpointInvalid, SnapshotUnavailable
+from elastic_runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
     CheckpointFailed,
@@ -40,15 +40,15 @@ from runtime.core.events import (
     Event,
     SaveCheckpoint,
 )
-from runtime.core.restore import restore_newest
-from runtime.core.snapshot import HostSnapshot, RamTier
-from storage.disk import DiskTier
-from storage.lane import Lane
-from storage.tier import CheckpointInfo, CheckpointTier, PyTree
+from elastic_runtime.core.restore import restore_newest
+from elastic_runtime.core.snapshot import HostSnapshot, RamTier
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.lane import Lane
+from elastic_runtime.storage.tier import CheckpointInfo, CheckpointTier, PyTree
 
 if TYPE_CHECKING:
-    from runtime.core.runtime import Runtime
-    from storage.gcs import GcsTier
+    from elastic_runtime.core.runtime import Runtime
+    from elastic_runtime.storage.gcs import GcsTier
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,8 @@ class TieredCheckpointer:
         self.disk = disk
         self.gcs = gcs
         self.disk_every, self.gcs_every = disk_every, gcs_every
-        # The same policies as the RAM snapshots' and the multi-process durable checkpoints' (runtime.core.cadence).
+        # The same policies as the RAM snapshots' and the multi-process durable checkpoints'
+        # (elastic_runtime.core.cadence).
         self.disk_policy: SavePolicy = EveryN(disk_every)
         self.gcs_policy: SavePolicy = EveryN(gcs_every)
         self.keep = keep
@@ -140,7 +141,7 @@ class TieredCheckpointer:
         shm = DiskTier(config.ram_dir, name="shm", packed=True, sync=False) if config.ram_dir else None
         gcs = None
         if config.gcs_uri:
-            from storage.gcs import GcsTier  # google-cloud-storage loads only when a bucket is named
+            from elastic_runtime.storage.gcs import GcsTier  # google-cloud-storage loads only when a bucket is named
 
             gcs = GcsTier(config.gcs_uri, workers=config.gcs_workers)
         if disk is None and shm is None:

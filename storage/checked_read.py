@@ -2,8 +2,8 @@
 
 Each array's chunk files are read straight into the destination buffer and their CRC32C checked in the same
 pass (one read of the data, no second copy); any file that fails is reported by name and nothing of that
-checkpoint is returned. Uncompressed zarr2 (what :mod:`storage.orbax_layout` writes) is simple enough to read
-directly; anything else falls back to Orbax's own reader after every file has been verified. The disk tier
+checkpoint is returned. Uncompressed zarr2 (what :mod:`elastic_runtime.storage.orbax_layout` writes) is simple enough to
+read directly; anything else falls back to Orbax's own reader after every file has been verified. The disk tier
 reads its checkpoints with it, the GCS tier what it downloaded.
 """
 
@@ -17,11 +17,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from runtime.core.errors import CheckpointInvalid, StorageError
-from storage import manifest as mf
-from storage import orbax_layout, packed
-from storage.manifest import FileEntry, KeyPart, Manifest
-from storage.tier import PyTree, rebuild_tree
+from elastic_runtime.core.errors import CheckpointInvalid, StorageError
+from elastic_runtime.storage import manifest as mf
+from elastic_runtime.storage import orbax_layout, packed
+from elastic_runtime.storage.manifest import FileEntry, KeyPart, Manifest
+from elastic_runtime.storage.tier import PyTree, rebuild_tree
 
 __all__ = ["LAYOUT", "STATE_DIR", "Deadline", "load_directory", "verify_directory", "verify_file"]
 

@@ -5,13 +5,13 @@ Layout (one directory per step; ``plain orbax.checkpoint`` restores ``<step>/sta
     ROOT/step_0000000120/state/...       an Orbax PyTree checkpoint (zarr2, uncompressed, no OCDBT)
     ROOT/step_0000000120/manifest.json   written last: rename of a fsynced temporary file
 
-Commit: the arrays are written in Orbax's own layout (:mod:`storage.orbax_layout` writes it directly, one
-sequential fsynced write per array, CRC32C taken from memory; trees it does not cover go through Orbax), then
+Commit: the arrays are written in Orbax's own layout (:mod:`elastic_runtime.storage.orbax_layout` writes it directly,
+one sequential fsynced write per array, CRC32C taken from memory; trees it does not cover go through Orbax), then
 the manifest goes to a temporary name, is fsynced, renamed into place, and the directory is fsynced. A crash at
 any instant leaves either the complete checkpoint or a directory without a manifest, which no reader lists and
 the next save sweeps away.
 
-Restore reads every file back checked against the manifest (:mod:`storage.checked_read`).
+Restore reads every file back checked against the manifest (:mod:`elastic_runtime.storage.checked_read`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
-from runtime.core.snapshot import HostSnapshot
-from storage import manifest as mf
-from storage import orbax_layout, packed
-from storage.checked_read import LAYOUT, STATE_DIR, Deadline, load_directory, verify_directory
-from storage.manifest import FileEntry, Manifest
-from storage.tier import CheckpointInfo, CorruptionListener, PyTree, latest_verified, snapshot_from
+from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage import manifest as mf
+from elastic_runtime.storage import orbax_layout, packed
+from elastic_runtime.storage.checked_read import LAYOUT, STATE_DIR, Deadline, load_directory, verify_directory
+from elastic_runtime.storage.manifest import FileEntry, Manifest
+from elastic_runtime.storage.tier import CheckpointInfo, CorruptionListener, PyTree, latest_verified, snapshot_from
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +98,9 @@ class DiskTier:
         name: the tier's name in events and restore sources.
         check_space: refuse a save up front when the file system has less free space than the snapshot needs,
             rather than filling it to the last byte (which also hurts everything else writing there).
-        packed: write every array into one file (:mod:`storage.packed`) rather than Orbax's layout, which
-            plain Orbax cannot read but costs one write instead of hundreds; for the ``/dev/shm`` mirror.
+        packed: write every array into one file (:mod:`elastic_runtime.storage.packed`) rather than Orbax's
+            layout, which plain Orbax cannot read but costs one write instead of hundreds; for the ``/dev/shm``
+            mirror.
         sync: fsync what is written (off only where an fsync protects nothing, as on ``/dev/shm``: a tmpfs
             lives no longer than the host's power, and a process crash loses nothing the kernel holds).
     """
@@ -264,7 +265,7 @@ class DiskTier:
         return snapshot_from(manifest, tree, time.monotonic() - started)
 
     def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
-        """The newest checkpoint that verifies (see :func:`storage.tier.latest_verified`)."""
+        """The newest checkpoint that verifies (see :func:`elastic_runtime.storage.tier.latest_verified`)."""
         return latest_verified(self, like, timeout)
 
     def _info(self, directory: Path, manifest: Manifest) -> CheckpointInfo:

@@ -13,8 +13,8 @@ passed explicitly because the library's default retries an upload only under a g
 Restores go through ``transfer_manager.download_many``. One part is our own: files above ``chunk_size`` go
 over a resumable session that, after a failed piece, asks the server how much it holds
 (:meth:`GcsTier._upload_resumable` says why the library's cannot). Google Cloud errors are converted to
-:class:`~runtime.core.errors.StorageError` and :class:`~runtime.core.errors.CheckpointInvalid` here, at the
-adapter.
+:class:`~elastic_runtime.core.errors.StorageError` and :class:`~elastic_runtime.core.errors.CheckpointInvalid` here, at
+the adapter.
 """
 
 from __future__ import annotations
@@ -42,14 +42,14 @@ from google.cloud import storage
 from google.cloud.storage import transfer_manager
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
-from runtime.compat import cloud_storage as cloud_storage_compat
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
-from runtime.core.snapshot import HostSnapshot
-from storage import manifest as mf
-from storage.checked_read import Deadline, load_directory
-from storage.disk import DiskTier, read_manifest
-from storage.manifest import FileEntry, Manifest
-from storage.tier import CheckpointInfo, CorruptionListener, PyTree, latest_verified, snapshot_from
+from elastic_runtime.compat import cloud_storage as cloud_storage_compat
+from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage import manifest as mf
+from elastic_runtime.storage.checked_read import Deadline, load_directory
+from elastic_runtime.storage.disk import DiskTier, read_manifest
+from elastic_runtime.storage.manifest import FileEntry, Manifest
+from elastic_runtime.storage.tier import CheckpointInfo, CorruptionListener, PyTree, latest_verified, snapshot_from
 
 log = logging.getLogger(__name__)
 
@@ -595,7 +595,7 @@ class GcsTier:
             shutil.rmtree(staging, ignore_errors=True)
 
     def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
-        """The newest checkpoint in GCS that verifies (see :func:`storage.tier.latest_verified`)."""
+        """The newest checkpoint in GCS that verifies (see :func:`elastic_runtime.storage.tier.latest_verified`)."""
         return latest_verified(self, like, timeout)
 
     def _info(self, manifest: Manifest) -> CheckpointInfo:

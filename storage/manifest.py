@@ -20,7 +20,7 @@ import google_crc32c
 import msgspec
 import numpy as np
 
-from runtime.core.errors import CheckpointInvalid
+from elastic_runtime.core.errors import CheckpointInvalid
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1

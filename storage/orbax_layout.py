@@ -4,8 +4,8 @@ A host snapshot is a tree of numpy arrays, and the layout ``PyTreeCheckpointHand
 use_compression=False)`` gives it is simple: per array a zarr v2 directory named by its key path joined with
 dots, holding ``.zarray`` and one chunk file with the array's raw C-order bytes; ``_METADATA`` lists the tree;
 ``_CHECKPOINT_METADATA`` says which handler reads it. Writing those files ourselves costs one sequential write
-per array and a concurrent round of fsyncs every 256 MiB (``storage.pagecache``; no event loop, no temporary
-directory, no per-chunk locks), and the CRC32C of each file comes from the array in memory rather than from
+per array and a concurrent round of fsyncs every 256 MiB (``elastic_runtime.storage.pagecache``; no event loop, no
+temporary directory, no per-chunk locks), and the CRC32C of each file comes from the array in memory rather than from
 reading the file back. Plain ``orbax.checkpoint`` restores the result (a test compares it with what the
 installed Orbax writes). Trees this writer does not cover (exotic dtypes, empty arrays, keys with dots or
 slashes) go through Orbax itself.
@@ -21,10 +21,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.compat import orbax as orbax_compat
-from storage import manifest as mf
-from storage.manifest import FileEntry, KeyPart, key_of
-from storage.pagecache import SyncedFiles
+from elastic_runtime.compat import orbax as orbax_compat
+from elastic_runtime.storage import manifest as mf
+from elastic_runtime.storage.manifest import FileEntry, KeyPart, key_of
+from elastic_runtime.storage.pagecache import SyncedFiles
 
 PyTree = Any
 # Dtypes whose zarr v2 spelling is numpy's own type string; JAX's extra types are spelled by name.

@@ -19,10 +19,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.core.errors import CheckpointInvalid
-from storage import manifest as mf
-from storage.manifest import FileEntry, KeyPart, Manifest
-from storage.pagecache import SyncedFiles
+from elastic_runtime.core.errors import CheckpointInvalid
+from elastic_runtime.storage import manifest as mf
+from elastic_runtime.storage.manifest import FileEntry, KeyPart, Manifest
+from elastic_runtime.storage.pagecache import SyncedFiles
 
 LAYOUT = "packed"
 FILE = "state.bin"
@@ -36,7 +36,7 @@ def _padding(offset: int) -> int:
 
 def write_tree(directory: Path, tree: Any, *, sync: bool) -> list[FileEntry]:
     """Write the leaves of ``tree`` into ``directory/state.bin`` (fsynced if ``sync``, in pieces: see
-    :mod:`storage.pagecache`); returns its manifest entry."""
+    :mod:`elastic_runtime.storage.pagecache`); returns its manifest entry."""
     crc = 0
     size = 0
     files = SyncedFiles(sync=sync)

@@ -1,12 +1,13 @@
 """Replica files for multi-process runs: each worker's host copy of its shards, on its host.
 
 Each worker keeps its own shards of every committed step in host memory (:func:`replica`, of
-:func:`storage.shards.local_copy`); a re-formed group restores from them (:class:`storage.shards.SliceRestore`).
+:func:`elastic_runtime.storage.shards.local_copy`); a re-formed group restores from them
+(:class:`elastic_runtime.storage.shards.SliceRestore`).
 
 :class:`ReplicaFiles` keeps the same copy in files, one folder per process, under ``/dev/shm`` by default
 (survives the loss of every worker process, not of the host) or any directory, in the disk tier's format
-with its packed layout (:mod:`storage.packed`: every array in one file) and a manifest that lists the file's
-size and CRC32C, committed last, so a kill mid-write leaves the previous replica whole and a damaged one is
+with its packed layout (:mod:`elastic_runtime.storage.packed`: every array in one file) and a manifest that lists
+the file's size and CRC32C, committed last, so a kill mid-write leaves the previous replica whole and a damaged one is
 detected on read. No pickle.
 
 Every replica carries its run's identity in its manifest's metadata (:func:`run_identity`: the run id and
@@ -37,11 +38,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
-from runtime.core.folders import PROGRAMS_PREFIX
-from runtime.core.snapshot import HostSnapshot
-from storage.disk import DiskTier
-from storage.shards import box_copy, local_copy
+from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from elastic_runtime.core.folders import PROGRAMS_PREFIX
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.shards import box_copy, local_copy
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +99,13 @@ def device_replica(
     on_unread: Callable[[PyTree], None] | None = None,
 ) -> HostSnapshot:
     """A replica of ``state`` (jax arrays on the group's devices) whose host copy of this process's boxes
-    (:func:`storage.shards.local_copy`; ``like``: their shapes and dtypes) is made on its first read (a restore, a
-    durable write, a worker leaving its group), or never for a replica replaced unread; the replica file's writer
-    copies the boxes into buffers of its own (:meth:`ReplicaFiles._staged`), off the step's critical path. The
-    compiled step does not donate its input, so ``state`` stays valid while held; once the replica is dropped
-    unread, ``on_unread`` gets ``state`` (a later step may write into it: ``runtime.cluster.worker.spares``). It
-    lives on the group's backend, so whoever leaves the group reads the replica first
-    (``runtime.cluster.worker.forming``)."""
+    (:func:`elastic_runtime.storage.shards.local_copy`; ``like``: their shapes and dtypes) is made on its first read
+    (a restore, a durable write, a worker leaving its group), or never for a replica replaced unread; the replica
+    file's writer copies the boxes into buffers of its own (:meth:`ReplicaFiles._staged`), off the step's critical
+    path. The compiled step does not donate its input, so ``state`` stays valid while held; once the replica is
+    dropped unread, ``on_unread`` gets ``state`` (a later step may write into it:
+    ``elastic_runtime.cluster.worker.spares``). It lives on the group's backend, so whoever leaves the group reads
+    the replica first (``elastic_runtime.cluster.worker.forming``)."""
     nbytes = sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(like))
     return HostSnapshot(
         step=step,

@@ -30,17 +30,17 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
-from storage import manifest as mf
-from storage import orbax_layout
-from storage.checked_read import LAYOUT, STATE_DIR
-from storage.disk import DiskTier, write_manifest
-from storage.manifest import FileEntry, LeafEntry, Manifest
-from storage.pagecache import SyncedFiles
-from storage.shards import Box, _dtype, local_box, per_leaf
+from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
+from elastic_runtime.storage import manifest as mf
+from elastic_runtime.storage import orbax_layout
+from elastic_runtime.storage.checked_read import LAYOUT, STATE_DIR
+from elastic_runtime.storage.disk import DiskTier, write_manifest
+from elastic_runtime.storage.manifest import FileEntry, LeafEntry, Manifest
+from elastic_runtime.storage.pagecache import SyncedFiles
+from elastic_runtime.storage.shards import Box, _dtype, local_box, per_leaf
 
 if TYPE_CHECKING:
-    from storage.gcs import GcsTier
+    from elastic_runtime.storage.gcs import GcsTier
 
 __all__ = ["ShardedStore", "manifest_of", "read_local", "write_part", "writes"]
 
@@ -76,7 +76,7 @@ def write_part(
 ) -> list[FileEntry]:
     """Write this process's part of a step's checkpoint under ``step_dir``; every file is fsynced.
 
-    ``boxes`` is this process's :func:`~storage.shards.local_copy` of the step, ``owned`` what
+    ``boxes`` is this process's :func:`~elastic_runtime.storage.shards.local_copy` of the step, ``owned`` what
     :func:`writes` says. The ``lead`` (the first process) writes every array's ``.zarray`` and Orbax's metadata.
     ``process``: this process's index in the group that made ``shardings`` (default: ``jax.process_index()``);
     a write in a background thread passes it, since asking JAX while the group re-forms would bring up a
@@ -213,7 +213,7 @@ class ShardedStore:
         self.location = location.rstrip("/")
         self.gcs: GcsTier | None = None
         if location.startswith("gs://"):
-            from storage.gcs import GcsTier  # google-cloud-storage only where a run uses GCS
+            from elastic_runtime.storage.gcs import GcsTier  # google-cloud-storage only where a run uses GCS
 
             self.gcs = GcsTier(location, name="durable", workers=2)  # few transfers: a slice's processes upload at once
         self.disk = DiskTier(location, name="durable", check_space=False) if self.gcs is None else None

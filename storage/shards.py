@@ -3,7 +3,7 @@
 The multi-process mesh has one replica axis across slices (``data`` by default; each slice a fixed group of
 processes holding one full copy of the state) and its other axes (``model`` by default, or a model's own:
 ``fsdp``, ``tensor``, ...) span the devices of every process of a slice, so a state sharded over them is
-sharded across the processes of a slice (:class:`~runtime.core.mesh.ProcessMesh`). With one process per slice
+sharded across the processes of a slice (:class:`~elastic_runtime.core.mesh.ProcessMesh`). With one process per slice
 (the default) every process holds the whole state.
 
 Each process copies to host memory only what it holds: for every array the smallest box of global indices
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from runtime.core.errors import SnapshotUnavailable
-from runtime.core.programs import ProgramStore, compile_kept
+from elastic_runtime.core.errors import SnapshotUnavailable
+from elastic_runtime.core.programs import ProgramStore, compile_kept
 
 __all__ = [
     "NeighbourShift",

@@ -1,7 +1,7 @@
 """The interface every durable checkpoint tier implements, and what they share.
 
 A tier stores committed checkpoints of host snapshots and gives them back verified. Every call takes an
-explicit timeout: the caller owns the deadline. A tier is a restore source (``runtime.core.restore``): a
+explicit timeout: the caller owns the deadline. A tier is a restore source (``elastic_runtime.core.restore``): a
 checkpoint that fails verification is reported to ``corruption_listeners`` and the next one is tried.
 """
 
@@ -13,9 +13,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from runtime.core.restore import CorruptionListener, restore_newest
-from runtime.core.snapshot import HostSnapshot
-from storage.manifest import KeyPart, LeafEntry, Manifest, key_of
+from elastic_runtime.core.restore import CorruptionListener, restore_newest
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.manifest import KeyPart, LeafEntry, Manifest, key_of
 
 PyTree = Any
 
@@ -55,7 +55,7 @@ class CheckpointTier(Protocol):
         ...
 
     def steps(self, *, timeout: float) -> list[int]:
-        """The steps of :meth:`list` (a restore source: ``runtime.core.restore``). Raises StorageError."""
+        """The steps of :meth:`list` (a restore source: ``elastic_runtime.core.restore``). Raises StorageError."""
         ...
 
     def list(self, *, timeout: float) -> list[CheckpointInfo]:
@@ -72,7 +72,7 @@ class CheckpointTier(Protocol):
 
 
 def latest_verified(tier: CheckpointTier, like: PyTree, timeout: float | None) -> HostSnapshot:
-    """Shared ``latest``: the newest checkpoint of ``tier`` that verifies (``runtime.core.restore``)."""
+    """Shared ``latest``: the newest checkpoint of ``tier`` that verifies (``elastic_runtime.core.restore``)."""
     return restore_newest([tier], like, timeout=300.0 if timeout is None else timeout)[1]
 
 
@@ -85,7 +85,7 @@ def rebuild_tree(manifest: Manifest, arrays: dict[tuple[KeyPart, ...], np.ndarra
     Raises:
         SnapshotUnavailable: the checkpoint holds a different structure than ``like`` (another model).
     """
-    from runtime.core.errors import SnapshotUnavailable
+    from elastic_runtime.core.errors import SnapshotUnavailable
 
     if like is None:
         return _nested(manifest.leaves, arrays)

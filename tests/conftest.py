@@ -36,5 +36,5 @@ def compiles() -> Iterator[list[float]]:
 @pytest.fixture
 def copied_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
     """RAM snapshots copied to host memory, as on an accelerator: on these CPU devices the executor commits the
-    state itself (``runtime.core.snapshot.in_host_memory``), and the copies' own paths would go untested."""
-    monkeypatch.setattr("runtime.core.executor.in_host_memory", lambda mesh: False)
+    state itself (``elastic_runtime.core.snapshot.in_host_memory``), and the copies' own paths would go untested."""
+    monkeypatch.setattr("elastic_runtime.core.executor.in_host_memory", lambda mesh: False)

@@ -7,10 +7,10 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime.core.bus import EventBus
-from runtime.core.errors import BusClosed
-from runtime.core.eventlog import EventLog, read_events
-from runtime.core.events import DeviceLost, Event, Failure, HandlerFailed, SliceLost, StepCompleted
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.errors import BusClosed
+from elastic_runtime.core.eventlog import EventLog, read_events
+from elastic_runtime.core.events import DeviceLost, Event, Failure, HandlerFailed, SliceLost, StepCompleted
 
 pytestmark = pytest.mark.anyio
 

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import pytest
 
-from runtime import (
+from elastic_runtime import (
     CheckpointFailed,
     ElasticRuntime,
     MeshPolicy,
@@ -19,11 +19,11 @@ from runtime import (
     StepCompleted,
     read_events,
 )
-from runtime.core.cadence import SnapshotCadence
-from runtime.core.snapshot import RamTier
-from runtime.testing import FaultInjector
-from runtime.testing.compare import compare_states
-from runtime.testing.demo_model import demo_job
+from elastic_runtime.core.cadence import SnapshotCadence
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.snapshot import RamTier
+from elastic_runtime.testing import FaultInjector
+from elastic_runtime.testing.demo_model import demo_job
 
 
 def test_a_fixed_cadence_snapshots_every_k_steps_and_counts_from_a_restart() -> None:

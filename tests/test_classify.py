@@ -6,8 +6,8 @@ import pytest
 from jax.errors import JaxRuntimeError
 from jax.experimental.multihost_utils import ProcessFailureError
 
-from runtime.core.classify import SLICE_DOWN_STATUSES, classify, is_infrastructure_failure, xla_status
-from runtime.core.events import DeviceLost, ProcessLost, SliceLost, StepFailed
+from elastic_runtime.core.classify import SLICE_DOWN_STATUSES, classify, is_infrastructure_failure, xla_status
+from elastic_runtime.core.events import DeviceLost, ProcessLost, SliceLost, StepFailed
 
 
 @pytest.mark.parametrize("status", SLICE_DOWN_STATUSES)

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from runtime.cluster import auth, protocol
-from runtime.cluster.controller.admission import _MAX_WORKER_ID
+from elastic_runtime.cluster import auth, protocol
+from elastic_runtime.cluster.controller.admission import _MAX_WORKER_ID
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "examples" / "kubernetes"

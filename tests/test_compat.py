@@ -1,4 +1,4 @@
-"""runtime.compat: each private entry point works on the installed versions, and its loss is named clearly."""
+"""elastic_runtime.compat: each private entry point works on the installed versions, and its loss is named clearly."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import jaxlib._jax
 import numpy as np
 import pytest
 
-from runtime.cluster.controller.coordination import free_port, start_coordination_service
-from runtime.cluster.protocol import ENV_CONTROLLER, ENV_WORKER, Form
-from runtime.cluster.worker.group import join_group
-from runtime.cluster.worker.settings import WorkerSettings
-from runtime.compat import cloud_storage as cloud_storage_compat
-from runtime.compat import jax as jax_compat
-from runtime.compat import orbax as orbax_compat
-from runtime.compat.errors import IncompatibleVersion
+from elastic_runtime.cluster.controller.coordination import free_port, start_coordination_service
+from elastic_runtime.cluster.protocol import ENV_CONTROLLER, ENV_WORKER, Form
+from elastic_runtime.cluster.worker.group import join_group
+from elastic_runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.compat import cloud_storage as cloud_storage_compat
+from elastic_runtime.compat import jax as jax_compat
+from elastic_runtime.compat import orbax as orbax_compat
+from elastic_runtime.compat.errors import IncompatibleVersion
 
 
 def _names(distribution: str, entry_point: str) -> str:
@@ -152,7 +152,7 @@ def test_a_missing_storage_session_is_named_with_the_version(monkeypatch: pytest
 
 
 def test_xla_cpu_collective_timeouts_are_set_unless_the_user_set_them() -> None:
-    from runtime.compat.xla import COLLECTIVE_FLAG, ENV_COLLECTIVE_TIMEOUT, FLAG, SECONDS, set_flags
+    from elastic_runtime.compat.xla import COLLECTIVE_FLAG, ENV_COLLECTIVE_TIMEOUT, FLAG, SECONDS, set_flags
 
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     set_flags(environ)  # outside a worker: only the terminate timeout, raised
@@ -175,7 +175,7 @@ def test_xla_cpu_collective_timeouts_are_set_unless_the_user_set_them() -> None:
 
 
 def test_a_workers_collective_timeout_follows_the_hang_timeout() -> None:
-    from runtime.cluster.config import LaunchConfig
+    from elastic_runtime.cluster.config import LaunchConfig
 
     def timeout(**settings: float) -> float:
         return LaunchConfig(command=["python", "train.py"], nprocs=2, **settings).collective_timeout_s

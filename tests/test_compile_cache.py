@@ -10,9 +10,9 @@ from typing import Any
 import jax
 import pytest
 
-from runtime import ConfigError, ElasticRuntime, MeshPolicy, RuntimeConfig
-from runtime.core.compile_cache import cache_dir, persistent_cache
-from runtime.testing.demo_model import demo_job
+from elastic_runtime import ConfigError, ElasticRuntime, MeshPolicy, RuntimeConfig
+from elastic_runtime.core.compile_cache import cache_dir, persistent_cache
+from elastic_runtime.testing.demo_model import demo_job
 
 DIR = "jax_compilation_cache_dir"
 

@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from runtime.core.compiler import StepCompiler, abstract
-from runtime.core.job import TrainJob
-from runtime.testing.demo_model import TeacherData
+from elastic_runtime.core.compiler import StepCompiler, abstract
+from elastic_runtime.core.job import TrainJob
+from elastic_runtime.testing.demo_model import TeacherData
 
 
 def _step(state: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[dict[str, Any], dict[str, jax.Array]]:

@@ -8,10 +8,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from runtime.cli.main import main
-from runtime.cluster.config import LaunchConfig, Strategy
-from runtime.core.config import RuntimeConfig, convert_config, load_config
-from runtime.core.errors import ConfigError
+from elastic_runtime.cli.main import main
+from elastic_runtime.cluster.config import LaunchConfig, Strategy
+from elastic_runtime.core.config import RuntimeConfig, convert_config, load_config
+from elastic_runtime.core.errors import ConfigError
 
 
 def test_defaults_need_nothing() -> None:

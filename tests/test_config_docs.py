@@ -14,14 +14,14 @@ from typing import Any
 
 import msgspec
 
-from runtime.core.config import ENV_PREFIX, RuntimeConfig
+from elastic_runtime.core.config import ENV_PREFIX, RuntimeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
 INTRO = f"""# Configuration reference
 
 Every field of `RuntimeConfig` (`runtime/core/config.py`), with its type, default and meaning. Build one in
-code (`RuntimeConfig(run_dir="runs/a", keep=5)`), or load it with `runtime.load_config(path)`: defaults, then
+code (`RuntimeConfig(run_dir="runs/a", keep=5)`), or load it with `elastic_runtime.load_config(path)`: defaults, then
 the `[runtime]` table of a TOML file, then `{ENV_PREFIX}<FIELD>` environment variables (upper case), which win.
 The variables apply only through `load_config`; a `RuntimeConfig` built in code reads no environment. A bad
 value raises `ConfigError` naming the field, whichever way the config was made.

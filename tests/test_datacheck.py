@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime import DataMismatch, ElasticRuntime, MeshPolicy, RuntimeConfig, TrainJob, read_events
-from runtime.core.datacheck import fingerprint
-from runtime.testing import FaultInjector
-from runtime.testing.demo_model import demo_job
+from elastic_runtime import DataMismatch, ElasticRuntime, MeshPolicy, RuntimeConfig, TrainJob, read_events
+from elastic_runtime.core.datacheck import fingerprint
+from elastic_runtime.testing import FaultInjector
+from elastic_runtime.testing.demo_model import demo_job
 
 
 class Unseeded:

@@ -6,7 +6,7 @@ import grain
 import numpy as np
 import pytest
 
-from runtime import ConfigError, IndexedBatches
+from elastic_runtime import ConfigError, IndexedBatches
 
 
 def record(index: int) -> dict[str, np.ndarray]:

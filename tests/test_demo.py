@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import RecoveryCompleted, SliceLost, read_events
+from elastic_runtime import RecoveryCompleted, SliceLost, read_events
 
 
 @pytest.mark.timeout(180)
@@ -19,7 +19,7 @@ def test_demo_loses_a_slice_recovers_scales_up_and_matches_the_reference(tmp_pat
         [
             sys.executable,
             "-m",
-            "runtime.cli",
+            "elastic_runtime.cli",
             "demo",
             "--steps",
             "150",
@@ -55,6 +55,6 @@ def test_demo_loses_a_slice_recovers_scales_up_and_matches_the_reference(tmp_pat
 
 def test_help_is_fast_and_lists_the_demo() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "--help"], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-m", "elastic_runtime.cli", "--help"], capture_output=True, text=True, timeout=60, check=True
     )
     assert "demo" in proc.stdout

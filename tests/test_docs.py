@@ -18,8 +18,8 @@ from types import ModuleType
 import msgspec
 import pytest
 
-import runtime
-import runtime.core.events as ev
+import elastic_runtime
+import elastic_runtime.core.events as ev
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,8 +80,8 @@ def test_every_public_event_is_in_a_group() -> None:
     grouped = {name for _, _, names in GROUPS for name in names}
     public = {
         name
-        for name in runtime.__all__
-        if isinstance(getattr(runtime, name), type) and issubclass(getattr(runtime, name), ev.Event)
+        for name in elastic_runtime.__all__
+        if isinstance(getattr(elastic_runtime, name), type) and issubclass(getattr(elastic_runtime, name), ev.Event)
     }
     assert public - grouped == {"Event"}
 
@@ -171,7 +171,7 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     page = (tmp_path / "site" / "api" / "runtime" / "index.html").read_text()
-    assert "runtime.TrainJob" in page or 'id="runtime.TrainJob"' in page
+    assert "elastic_runtime.TrainJob" in page or 'id="elastic_runtime.TrainJob"' in page
     cli = (tmp_path / "site" / "api" / "cli" / "index.html").read_text()
     assert "elastic-runtime launch" in cli and "--nprocs" in cli
 

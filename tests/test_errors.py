@@ -10,7 +10,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from runtime import (
+from elastic_runtime import (
     ElasticRuntime,
     MeshPolicy,
     RunFinished,
@@ -22,7 +22,7 @@ from runtime import (
     TrainJob,
     read_events,
 )
-from runtime.testing.demo_model import demo_job
+from elastic_runtime.testing.demo_model import demo_job
 
 
 def small(**overrides: Any) -> TrainJob:

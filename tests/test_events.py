@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.core.errors import EventLogError
-from runtime.core.eventlog import EventLog, decode_event, encode_event, read_events
-from runtime.core.events import (
+from elastic_runtime.core.errors import EventLogError
+from elastic_runtime.core.eventlog import EventLog, decode_event, encode_event, read_events
+from elastic_runtime.core.events import (
     CheckpointCommitted,
     Event,
     HandlerFailed,

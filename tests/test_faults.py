@@ -6,10 +6,10 @@ import jax
 import pytest
 from jax.errors import JaxRuntimeError
 
-from runtime.core.health import DeviceHealth
-from runtime.faults.grammar import format_faults, parse_faults
-from runtime.faults.process import worker_faults_text
-from runtime.testing.faults import FaultInjector, FaultSchedule
+from elastic_runtime.core.health import DeviceHealth
+from elastic_runtime.faults.grammar import format_faults, parse_faults
+from elastic_runtime.faults.process import worker_faults_text
+from elastic_runtime.testing.faults import FaultInjector, FaultSchedule
 
 
 def test_a_dead_device_fails_the_step_with_the_status_a_real_runtime_uses() -> None:

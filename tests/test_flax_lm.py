@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime import (
+from elastic_runtime import (
     CheckpointCommitted,
     ElasticRuntime,
     MeshPolicy,
@@ -26,8 +26,8 @@ from runtime import (
     RuntimeContext,
     read_events,
 )
-from runtime.testing import FaultInjector
-from runtime.testing.compare import compare_states
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.testing import FaultInjector
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "flax_lm.py"
@@ -129,7 +129,7 @@ def test_a_killed_run_resumes_from_disk_bitwise_equal_to_a_fault_free_run(tmp_pa
     assert summary["digest"] == summary["reference_digest"], summary
 
     report = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "report", "--json", str(run_dir)],
+        [sys.executable, "-m", "elastic_runtime.cli", "report", "--json", str(run_dir)],
         capture_output=True,
         text=True,
         check=True,

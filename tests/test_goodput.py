@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from runtime.analysis.goodput import (
+from elastic_runtime.analysis.goodput import (
     INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION,
     WASTED_PROGRESS_FROM_DISRUPTION,
     goodput,
 )
-from runtime.cli.report import timeline_clock
-from runtime.core.eventlog import EventLog, encode_event
-from runtime.core.events import (
+from elastic_runtime.cli.report import timeline_clock
+from elastic_runtime.core.eventlog import EventLog, encode_event
+from elastic_runtime.core.events import (
     CheckpointCommitted,
     CheckpointStarted,
     Event,
@@ -248,7 +248,7 @@ def write_log(path: Path, events: list[Event]) -> None:
 
 def report_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "report", *args], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "elastic_runtime.cli", "report", *args], capture_output=True, text=True, timeout=120,
         check=False,
     )  # fmt: skip
 

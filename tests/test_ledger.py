@@ -7,9 +7,9 @@ import math
 import pytest
 from jax.errors import JaxRuntimeError
 
-from runtime.core.cadence import EveryN, EveryStep, SnapshotCadence
-from runtime.core.events import DeviceLost, RecoveryCompleted, SliceLost, StepFailed
-from runtime.core.ledger import StepLedger
+from elastic_runtime.core.cadence import EveryN, EveryStep, SnapshotCadence
+from elastic_runtime.core.events import DeviceLost, RecoveryCompleted, SliceLost, StepFailed
+from elastic_runtime.core.ledger import StepLedger
 
 
 class Clock:

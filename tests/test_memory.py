@@ -1,5 +1,5 @@
-"""``runtime.core.memory.return_freed_memory``: what glibc does with a block once it is told, and the worker setting
-that skips it (``ELASTIC_RETURN_FREED_MEMORY=0``). Each check runs in a process of its own: malloc's settings
+"""``elastic_runtime.core.memory.return_freed_memory``: what glibc does with a block once it is told, and the worker
+setting that skips it (``ELASTIC_RETURN_FREED_MEMORY=0``). Each check runs in a process of its own: malloc's settings
 are the whole process's."""
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ import sys
 
 import pytest
 
-from runtime.cluster.protocol import ENV_CONTROLLER, ENV_RETURN_FREED_MEMORY, ENV_WORKER
-from runtime.cluster.worker.settings import WorkerSettings
-from runtime.core.errors import ConfigError
+from elastic_runtime.cluster.protocol import ENV_CONTROLLER, ENV_RETURN_FREED_MEMORY, ENV_WORKER
+from elastic_runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.core.errors import ConfigError
 
 # A 4 MiB block freed raises glibc's own threshold past it: a 2 MiB block then comes from the heap, unless the
 # threshold was fixed at 1 MiB, which gives it a mapping of its own (returned to the kernel when freed); a 256 KiB
 # block (the demo model's arrays are that size) comes from the heap either way.
 _PROBE = """
 import ctypes, sys
-from runtime.core.memory import return_freed_memory
+from elastic_runtime.core.memory import return_freed_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 if sys.argv[1] == "told":

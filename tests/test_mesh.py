@@ -10,11 +10,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime import ElasticRuntime, MeshReduced, RunStarted, RuntimeConfig, read_events
-from runtime.core.compiler import shardings_for
-from runtime.core.errors import ConfigError, MeshUnavailable
-from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
-from runtime.testing.demo_model import demo_job
+from elastic_runtime import ElasticRuntime, MeshReduced, RunStarted, RuntimeConfig, read_events
+from elastic_runtime.core.compiler import shardings_for
+from elastic_runtime.core.errors import ConfigError, MeshUnavailable
+from elastic_runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
+from elastic_runtime.testing.demo_model import demo_job
 
 
 def devices(ids: list[int]) -> list[jax.Device]:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from runtime.core.prefetch import BatchPrefetcher
+from elastic_runtime.core.prefetch import BatchPrefetcher
 
 
 class Recording:

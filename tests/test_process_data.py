@@ -9,8 +9,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime import IndexedBatches
-from runtime.core.process_data import batch_example, local_rows, place_batch
+from elastic_runtime import IndexedBatches
+from elastic_runtime.core.process_data import batch_example, local_rows, place_batch
 
 
 class Counted:

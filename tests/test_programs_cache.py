@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.testing.fresh_process import run_with_compile_cache
+from elastic_runtime.testing.fresh_process import run_with_compile_cache
 
 SCRIPT = """
 import json, pickle
 import jax, jax.numpy as jnp
 from jax.experimental import serialize_executable
-from runtime.core.programs import ProgramStore
+from elastic_runtime.core.programs import ProgramStore
 
 def f(x, y):
     return (jax.lax.bitcast_convert_type(x, jnp.int32) ^ 7).astype(jnp.float32) * y + jnp.sin(y)

@@ -1,4 +1,4 @@
-"""A thread that compiles ahead lets go of its lock while XLA compiles (runtime.core.programs.ProgramStore
+"""A thread that compiles ahead lets go of its lock while XLA compiles (elastic_runtime.core.programs.ProgramStore
 .compiling_outside): a re-form waits for its trace, never for its compile, and a compile that ends after it was
 told to stop is dropped."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from runtime.core.programs import ProgramStore, Stopped
+from elastic_runtime.core.programs import ProgramStore, Stopped
 
 
 def test_another_thread_takes_the_lock_during_the_compile_and_the_compile_ends_stopped() -> None:

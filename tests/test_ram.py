@@ -11,11 +11,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime.core.compiler import StepCompiler, shardings_for
-from runtime.core.errors import SnapshotUnavailable
-from runtime.core.mesh import MeshPolicy
-from runtime.core.snapshot import HostSnapshot, RamTier, host_sharding
-from runtime.testing.demo_model import demo_job
+from elastic_runtime.core.compiler import StepCompiler, shardings_for
+from elastic_runtime.core.errors import SnapshotUnavailable
+from elastic_runtime.core.mesh import MeshPolicy
+from elastic_runtime.core.snapshot import HostSnapshot, RamTier, host_sharding
+from elastic_runtime.testing.demo_model import demo_job
 
 
 def sharded_state(value: float) -> dict[str, jax.Array]:

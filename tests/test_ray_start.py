@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from runtime.cluster.controller.ray_cluster import add_node
+from elastic_runtime.cluster.controller.ray_cluster import add_node
 
 SLOW = RuntimeError("The current node timed out during startup. This could happen because ...")
 

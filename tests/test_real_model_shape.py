@@ -1,4 +1,4 @@
-"""A job shaped like a real model's (``runtime.testing.keyed_model``): typed PRNG keys in the state, its own
+"""A job shaped like a real model's (``elastic_runtime.testing.keyed_model``): typed PRNG keys in the state, its own
 mesh axes, a step built per concrete mesh, nested metrics. In one process: a lost slice, the disk tier and a
 resume, each compared with a fault-free run; every trace of the step ran under its own mesh, the background
 compiles' included.
@@ -14,13 +14,13 @@ import jax
 import numpy as np
 import pytest
 
-from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, TrainJob
-from runtime.core.errors import ConfigError
-from runtime.core.keys import KeyLeaves, with_key_data
-from runtime.core.mesh import ProcessMesh
-from runtime.testing import FaultInjector
-from runtime.testing.compare import compare_states
-from runtime.testing.keyed_model import keyed_job
+from elastic_runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, TrainJob
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.errors import ConfigError
+from elastic_runtime.core.keys import KeyLeaves, with_key_data
+from elastic_runtime.core.mesh import ProcessMesh
+from elastic_runtime.testing import FaultInjector
+from elastic_runtime.testing.keyed_model import keyed_job
 
 STEPS = 16
 POLICY = MeshPolicy({"data": 4, "fsdp": 2, "tensor": 1}, global_batch=96, slice_size=2)

@@ -17,8 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from handlers import remesh_on_device_loss
-from runtime import (
+from elastic_runtime import (
     DeviceLost,
     ElasticRuntime,
     HandlerFailed,
@@ -37,9 +36,10 @@ from runtime import (
     TrainJob,
     read_events,
 )
-from runtime.testing import FaultInjector
-from runtime.testing.compare import compare_states
-from runtime.testing.demo_model import demo_job
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.handlers import remesh_on_device_loss
+from elastic_runtime.testing import FaultInjector
+from elastic_runtime.testing.demo_model import demo_job
 
 STEPS = 20
 

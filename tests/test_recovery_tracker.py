@@ -1,6 +1,6 @@
 """The recovery tracker shared by the executor and the controller: budget, joins, and when a recovery ends."""
 
-from runtime.core.recovery import RecoveryTracker
+from elastic_runtime.core.recovery import RecoveryTracker
 
 
 class Clock:

@@ -1,7 +1,7 @@
 """The retry policy of a step that keeps failing: immediate first retry, backoff, then give up."""
 
-from runtime.core.recovery import RecoveryTracker
-from runtime.core.retry import Backoff, RetryState
+from elastic_runtime.core.recovery import RecoveryTracker
+from elastic_runtime.core.retry import Backoff, RetryState
 
 
 def test_backoff_retries_at_once_then_waits_longer_then_gives_up() -> None:

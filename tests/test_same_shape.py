@@ -1,5 +1,5 @@
 """A step compiled for one mesh runs on another mesh of the same shape without a compile of its own, and gives
-the same bits as its own compile would (runtime.core.same_shape)."""
+the same bits as its own compile would (elastic_runtime.core.same_shape)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from runtime.core.compiler import StepCompiler
-from runtime.core.job import TrainJob
-from runtime.core.programs import ProgramStore
-from runtime.testing.demo_model import TeacherData, demo_job
-from runtime.testing.fresh_process import run_with_compile_cache
+from elastic_runtime.core.compiler import StepCompiler
+from elastic_runtime.core.job import TrainJob
+from elastic_runtime.core.programs import ProgramStore
+from elastic_runtime.testing.demo_model import TeacherData, demo_job
+from elastic_runtime.testing.fresh_process import run_with_compile_cache
 
 
 def _mesh(first: int) -> Mesh:
@@ -124,8 +124,8 @@ RESUMED = """
 import json
 import jax, numpy as np
 from jax.sharding import Mesh
-from runtime.core.compiler import StepCompiler
-from runtime.testing.demo_model import demo_job
+from elastic_runtime.core.compiler import StepCompiler
+from elastic_runtime.testing.demo_model import demo_job
 
 jax.config.update("jax_num_cpu_devices", 8)
 job = demo_job(features=32, hidden=64)

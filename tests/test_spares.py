@@ -11,12 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.cluster.worker.spares import SpareStates
-from runtime.core.compiler import StepCompiler
-from runtime.core.mesh import MeshPolicy
-from runtime.testing.demo_model import demo_job
-from storage.replicas import device_replica
-from storage.shards import local_like
+from elastic_runtime.cluster.worker.spares import SpareStates
+from elastic_runtime.core.compiler import StepCompiler
+from elastic_runtime.core.mesh import MeshPolicy
+from elastic_runtime.storage.replicas import device_replica
+from elastic_runtime.storage.shards import local_like
+from elastic_runtime.testing.demo_model import demo_job
 
 
 def pointers(tree: Any) -> list[int]:

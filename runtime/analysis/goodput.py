@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.core.events import (
+from elastic_runtime.core.events import (
     CheckpointCommitted,
     DeviceLost,
     Event,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.analysis.goodput import goodput
-from runtime.core.events import (
+from elastic_runtime.analysis.goodput import goodput
+from elastic_runtime.core.events import (
     Event,
     MeshChanged,
     RecoveryCompleted,
@@ -21,7 +21,7 @@ def summarize(events: Sequence[Event]) -> dict[str, Any]:
 
     ``goodput`` is productive step time over the wall time from RunStarted to RunFinished; start-up before
     the first step (the first compile) counts against it. ``badput_s`` says where the rest went
-    (see :mod:`runtime.analysis.goodput`).
+    (see :mod:`elastic_runtime.analysis.goodput`).
     """
     started = next((e for e in events if isinstance(e, RunStarted)), None)
     finished = next((e for e in reversed(events) if isinstance(e, RunFinished)), None)

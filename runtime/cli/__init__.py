@@ -1,5 +1,5 @@
 """The ``elastic-runtime`` command and its subcommands (demo, launch, listen, report, checkpoints)."""
 
-from runtime.cli.main import main
+from elastic_runtime.cli.main import main
 
 __all__ = ["main"]

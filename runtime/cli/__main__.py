@@ -1,7 +1,7 @@
-"""``python -m runtime.cli``: the ``elastic-runtime`` command."""
+"""``python -m elastic_runtime.cli``: the ``elastic-runtime`` command."""
 
 import sys
 
-from runtime.cli.main import main
+from elastic_runtime.cli.main import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from storage.tier import CheckpointTier
+    from elastic_runtime.storage.tier import CheckpointTier
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -45,11 +45,11 @@ def open_tier(location: str) -> CheckpointTier:
         StorageError: a local ``location`` that is not a directory (nothing is created to look into it).
     """
     if location.startswith("gs://"):
-        from storage.gcs import GcsTier
+        from elastic_runtime.storage.gcs import GcsTier
 
         return GcsTier(location)
-    from runtime.core.errors import StorageError
-    from storage.disk import DiskTier
+    from elastic_runtime.core.errors import StorageError
+    from elastic_runtime.storage.disk import DiskTier
 
     if not Path(location).is_dir():
         raise StorageError(f"{location}: no such directory")
@@ -57,7 +57,7 @@ def open_tier(location: str) -> CheckpointTier:
 
 
 def list_command(args: argparse.Namespace) -> int:
-    from runtime.core.errors import StorageError
+    from elastic_runtime.core.errors import StorageError
 
     try:
         tier = open_tier(args.location)
@@ -81,7 +81,7 @@ def list_command(args: argparse.Namespace) -> int:
 
 
 def verify_command(args: argparse.Namespace) -> int:
-    from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+    from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 
     try:
         tier = open_tier(args.location)

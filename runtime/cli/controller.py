@@ -12,16 +12,16 @@ import json
 import sys
 from typing import Any
 
-from runtime.cli.launch import (
+from elastic_runtime.cli.launch import (
     add_handlers_argument,
     add_maintenance_arguments,
     add_replica_file_argument,
     add_timeout_arguments,
 )
-from runtime.cluster import auth
-from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
-from runtime.core.errors import AuthenticationFailed, ConfigError, ElasticRuntimeError
-from runtime.defaults import default_controller
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
+from elastic_runtime.core.errors import AuthenticationFailed, ConfigError, ElasticRuntimeError
+from elastic_runtime.defaults import default_controller
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -44,11 +44,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--verify", action="store_true", help="compare with a fault-free run of the same length")
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
     # Multi-process mode: --processes N --kill-worker-at STEP, handled by runtime/cli/demo_multiprocess.py.
-    from runtime.cli.demo_multiprocess import add_multiprocess_arguments
+    from elastic_runtime.cli.demo_multiprocess import add_multiprocess_arguments
 
     add_multiprocess_arguments(parser)
     # Multi-host mode on simulated hosts: --hosts N --lose-host-at STEP, handled by runtime/cli/demo_hosts.py.
-    from runtime.cli.demo_hosts import add_hosts_arguments
+    from elastic_runtime.cli.demo_hosts import add_hosts_arguments
 
     add_hosts_arguments(parser)
     parser.set_defaults(func=main)
@@ -57,27 +57,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "hosts", 0):  # multi-host mode on simulated hosts: its own module
-        from runtime.cli.demo_hosts import DEFAULT_STEPS as HOSTS_STEPS
-        from runtime.cli.demo_hosts import run_hosts_demo
+        from elastic_runtime.cli.demo_hosts import DEFAULT_STEPS as HOSTS_STEPS
+        from elastic_runtime.cli.demo_hosts import run_hosts_demo
 
         args.steps = HOSTS_STEPS if args.steps is None else args.steps
         return run_hosts_demo(args)
     if args.steps is None:
         args.steps = DEFAULT_STEPS
     if getattr(args, "processes", 0):  # multi-process mode: its own module
-        from runtime.cli.demo_multiprocess import run_multiprocess_demo
+        from elastic_runtime.cli.demo_multiprocess import run_multiprocess_demo
 
         return run_multiprocess_demo(args)
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.devices)
-    from runtime import ElasticRuntime, Event, MeshPolicy, RuntimeConfig, read_events
-    from runtime.analysis.summary import summarize
-    from runtime.cli.progress import ProgressPrinter
-    from runtime.testing import FaultInjector
-    from runtime.testing.compare import compare_states
-    from runtime.testing.demo_model import demo_job
-    from runtime.testing.faults import FaultSchedule
+    from elastic_runtime import ElasticRuntime, Event, MeshPolicy, RuntimeConfig, read_events
+    from elastic_runtime.analysis.summary import summarize
+    from elastic_runtime.cli.progress import ProgressPrinter
+    from elastic_runtime.core.compare import compare_states
+    from elastic_runtime.testing import FaultInjector
+    from elastic_runtime.testing.demo_model import demo_job
+    from elastic_runtime.testing.faults import FaultSchedule
 
     if len(jax.devices()) < 2 * SLICE_SIZE:
         print(f"demo needs at least {2 * SLICE_SIZE} devices, found {len(jax.devices())}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """``elastic-runtime demo --hosts N --lose-host-at STEP``: the multi-host demonstration, on simulated hosts.
 
-Each host is a network namespace on a bridge (:mod:`runtime.testing.hosts`: its own address in
+Each host is a network namespace on a bridge (:mod:`elastic_runtime.testing.hosts`: its own address in
 198.18.0.0/15, hostname and ``/dev/shm``), so it needs root. The controller (``elastic-runtime controller``,
 a real process in this namespace) listens on the bridge with a secret from a token file; one worker x 2 CPU
 devices runs on each of the N hosts, started as a cluster would start them. At ``STEP`` host 1 is lost (its
@@ -89,7 +89,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from runtime.testing.hosts import SimulatedHosts
+    from elastic_runtime.testing.hosts import SimulatedHosts
 
     _check(args)
     hosts_count, steps = args.hosts, args.steps
@@ -182,7 +182,7 @@ class _Service:
     def __init__(
         self, hosts: Any, run_dir: Path, *, steps: int, nprocs: int, faulty: bool, disk: Path | None = None
     ) -> None:
-        from runtime.cluster.controller.coordination import free_port
+        from elastic_runtime.cluster.controller.coordination import free_port
 
         self.hosts, self.run_dir, self.steps, self.nprocs, self.faulty = hosts, run_dir, steps, nprocs, faulty
         self.disk = disk  # the workers' replica folders, one per host under it; None: each host's /dev/shm
@@ -201,7 +201,7 @@ class _Service:
         token.write_text(os.urandom(32).hex())
         env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
         env["ELASTIC_RUNTIME_TOKEN_FILE"] = str(token)
-        command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", self.address]
+        command = [sys.executable, "-m", "elastic_runtime.cli", "controller", "--listen", self.address]
         command += ["--nprocs", str(self.nprocs), "--steps", str(self.steps)]
         command += ["--min-nprocs", str(self.nprocs - 1)] if self.faulty else []
         command += ["--run-dir", str(self.run_dir / "run")]
@@ -219,7 +219,7 @@ class _Service:
             self.start_worker(host, host)  # worker k on host k (a replacement, worker N, on host N)
 
     def start_worker(self, host: int, worker: int) -> None:
-        from runtime.cli.demo_multiprocess import worker_command
+        from elastic_runtime.cli.demo_multiprocess import worker_command
 
         log = self.run_dir / f"worker-{worker}.log"
         env = self.env | {"ELASTIC_WORKER_ID": str(worker)}
@@ -228,17 +228,17 @@ class _Service:
         self.hosts.start(host, worker_command(self.steps), env, log)
 
     def events(self) -> list[Any]:
-        from runtime.core.eventlog import read_events
+        from elastic_runtime.core.eventlog import read_events
 
         return read_events(self.events_path) if self.events_path.exists() else []
 
     def committed(self, step: int) -> bool:
-        from runtime.core.events import StepCompleted
+        from elastic_runtime.core.events import StepCompleted
 
         return any(isinstance(e, StepCompleted) and (e.step or 0) >= step for e in self.events())
 
     def formed(self, generation: int) -> bool:
-        from runtime.core.events import GroupFormed
+        from elastic_runtime.core.events import GroupFormed
 
         return any(isinstance(e, GroupFormed) and e.generation >= generation for e in self.events())
 
@@ -301,8 +301,8 @@ def _summary(
     fault_at: int | None,
     full_restart: bool,
 ) -> dict[str, Any]:
-    from runtime.cli.demo_multiprocess import _first
-    from runtime.core.events import ConnectionRefused, GroupFormed, RunStarted, StepCompleted, WorkerLost
+    from elastic_runtime.cli.demo_multiprocess import _first
+    from elastic_runtime.core.events import ConnectionRefused, GroupFormed, RunStarted, StepCompleted, WorkerLost
 
     recoveries = result.get("recoveries", [])
     detected_after_s = recovered_after_s = None
@@ -360,9 +360,9 @@ def _summary(
 
 def _verify(run_dir: Path, *, processes: int, steps: int, ok: bool, bitwise: bool) -> dict[str, Any]:
     """A fault-free run of the same job as a group on this host, compared bit for bit or within 1e-5 relative."""
-    from runtime.cli.demo_multiprocess import run_group
-    from runtime.testing.compare import compare_states
-    from storage.disk import DiskTier
+    from elastic_runtime.cli.demo_multiprocess import run_group
+    from elastic_runtime.core.compare import compare_states
+    from elastic_runtime.storage.disk import DiskTier
 
     reference = run_group(processes=processes, steps=steps, run_dir=run_dir / "reference", faults=[])
     if not (ok and reference.ok and (run_dir / "final").exists()):

@@ -6,7 +6,7 @@ spare in the dead worker's place, restores the newest committed step from host m
 from its peers), and training carries on; the controller is never restarted. With ``--json`` the last line
 is a summary; ``--verify`` runs the same job fault-free and compares the final parameters bitwise.
 
-This module is also the workers' script: ``python -m runtime.cli.demo_multiprocess --worker --steps N``.
+This module is also the workers' script: ``python -m elastic_runtime.cli.demo_multiprocess --worker --steps N``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
 def worker_command(steps: int, *, features: int = FEATURES, hidden: int = HIDDEN) -> list[str]:
     """The workers' command line: this module's :func:`worker_main` (the model's size for benchmarks)."""
     size = [] if (features, hidden) == (FEATURES, HIDDEN) else ["--features", str(features), "--hidden", str(hidden)]
-    return [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(steps), *size]
+    return [sys.executable, "-m", "elastic_runtime.cli.demo_multiprocess", "--worker", "--steps", str(steps), *size]
 
 
 def group_controller(
@@ -71,9 +71,9 @@ def group_controller(
     **extra: Any,
 ) -> Any:
     """The controller of the demo job (or ``command``) as a launched group, not started yet."""
-    from runtime.cluster.config import LaunchConfig, Strategy
-    from runtime.core.events import Event
-    from runtime.defaults import default_controller
+    from elastic_runtime.cluster.config import LaunchConfig, Strategy
+    from elastic_runtime.core.events import Event
+    from elastic_runtime.defaults import default_controller
 
     config = LaunchConfig(
         command=command or worker_command(steps),
@@ -100,12 +100,12 @@ def run_group(**kwargs: Any) -> Any:
 
 def run_multiprocess_demo(args: argparse.Namespace) -> int:
     """The ``demo --processes N`` entry point."""
-    from runtime.cli.progress import ProgressPrinter
-    from runtime.core.errors import ConfigError
-    from runtime.faults.grammar import Fault
-    from runtime.testing.compare import compare_states
-    from runtime.testing.gcs_emulator import running_emulator
-    from storage.disk import DiskTier
+    from elastic_runtime.cli.progress import ProgressPrinter
+    from elastic_runtime.core.compare import compare_states
+    from elastic_runtime.core.errors import ConfigError
+    from elastic_runtime.faults.grammar import Fault
+    from elastic_runtime.storage.disk import DiskTier
+    from elastic_runtime.testing.gcs_emulator import running_emulator
 
     steps = args.steps
     kill_at = args.kill_worker_at
@@ -197,7 +197,7 @@ def wipe_lost_replicas(controller: Any) -> None:
     it held the controller's event loop, and so the re-forming, while the files went (0.5 s for 1.6 GB on a
     VM's disk), a delay a lost host does not cost the survivors.
     """
-    from runtime.core.events import WorkerExited, WorkerLost
+    from elastic_runtime.core.events import WorkerExited, WorkerLost
 
     async def wipe(event: WorkerExited | WorkerLost, ctx: Any) -> None:
         if isinstance(event, WorkerExited) and event.returncode == 0:
@@ -233,11 +233,11 @@ def _first(values: list[Any]) -> Any:
 
 def worker_main(argv: list[str] | None = None) -> None:
     """The workers' script."""
-    from runtime.cluster.worker import run_worker
-    from runtime.defaults import watch_own_host
-    from runtime.testing.demo_model import demo_job
+    from elastic_runtime.cluster.worker import run_worker
+    from elastic_runtime.defaults import watch_own_host
+    from elastic_runtime.testing.demo_model import demo_job
 
-    parser = argparse.ArgumentParser(prog="python -m runtime.cli.demo_multiprocess")
+    parser = argparse.ArgumentParser(prog="python -m elastic_runtime.cli.demo_multiprocess")
     parser.add_argument("--worker", action="store_true", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--features", type=int, default=FEATURES)

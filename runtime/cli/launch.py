@@ -14,10 +14,10 @@ from typing import Any
 
 import msgspec
 
-from runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
-from runtime.core.errors import ConfigError, ElasticRuntimeError
-from runtime.defaults import default_controller
-from runtime.faults.grammar import Fault, parse_faults
+from elastic_runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
+from elastic_runtime.core.errors import ConfigError, ElasticRuntimeError
+from elastic_runtime.defaults import default_controller
+from elastic_runtime.faults.grammar import Fault, parse_faults
 
 # LaunchConfig's defaults, for the options that show them (a Struct's class attributes are its fields, not them).
 DEFAULTS: dict[str, Any] = {field.name: field.default for field in msgspec.structs.fields(LaunchConfig)}
@@ -109,7 +109,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ACTION:PID@WHEN",
-        help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (runtime.faults.grammar)",
+        help="fault injection, e.g. kill:1@40, stop:0@20, kill:2@forming, hang:1@12 (elastic_runtime.faults.grammar)",
     )
     add_timeout_arguments(parser)
     add_replica_file_argument(parser)
@@ -261,7 +261,7 @@ def launch_main(args: argparse.Namespace) -> int:
         print(f"elastic-runtime launch: {exc}", file=sys.stderr)
         return 2
     if args.backend == "ray":
-        from runtime.cli.launch_ray import launch_on_ray
+        from elastic_runtime.cli.launch_ray import launch_on_ray
 
         return launch_on_ray(args, config)
     if args.ray_address:

@@ -14,10 +14,10 @@ import sys
 
 import msgspec
 
-from runtime.cluster import auth
-from runtime.cluster.config import LaunchConfig, LaunchError
-from runtime.core.errors import ElasticRuntimeError
-from runtime.defaults import ray_controller
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.config import LaunchConfig, LaunchError
+from elastic_runtime.core.errors import ElasticRuntimeError
+from elastic_runtime.defaults import ray_controller
 
 
 def ray_config(config: LaunchConfig, *, host: str, min_nprocs: int | None) -> LaunchConfig:
@@ -43,7 +43,7 @@ def ray_config(config: LaunchConfig, *, host: str, min_nprocs: int | None) -> La
 
 
 def launch_on_ray(args: argparse.Namespace, config: LaunchConfig) -> int:
-    from runtime.cluster.controller.ray_cluster import local_cluster, ray_session
+    from elastic_runtime.cluster.controller.ray_cluster import local_cluster, ray_session
 
     env = {"ELASTIC_RESULT": config.result_path} if config.result_path else {}
     try:

@@ -15,12 +15,12 @@ import sys
 from collections.abc import Sequence
 
 SUBCOMMAND_MODULES = (
-    "runtime.cli.demo",
-    "runtime.cli.launch",
-    "runtime.cli.controller",
-    "runtime.cli.maintenance",
-    "runtime.cli.report",
-    "runtime.cli.checkpoints",
+    "elastic_runtime.cli.demo",
+    "elastic_runtime.cli.launch",
+    "elastic_runtime.cli.controller",
+    "elastic_runtime.cli.maintenance",
+    "elastic_runtime.cli.report",
+    "elastic_runtime.cli.checkpoints",
 )
 
 

@@ -41,8 +41,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def render(event: Any, *, as_json: bool) -> str:
     """One line for ``event``: its JSON encoding, or a short human-readable summary."""
-    from runtime.core.eventlog import encode_event
-    from runtime.core.events import MaintenanceScheduled, MalformedNotice, Notice
+    from elastic_runtime.core.eventlog import encode_event
+    from elastic_runtime.core.events import MaintenanceScheduled, MalformedNotice, Notice
 
     if as_json:
         return encode_event(event).decode()
@@ -72,12 +72,12 @@ async def listen(
     out: TextIO = sys.stdout,
 ) -> int:
     """Print notices until ``count`` were printed, ``timeout`` passed, or cancelled. Returns how many."""
-    from runtime.core.bus import EventBus
-    from runtime.core.events import MalformedNotice, Notice
-    from runtime.maintenance.intake import NoticeIntake
-    from runtime.maintenance.metadata import MetadataWatcher
-    from runtime.maintenance.pubsub import PubSubListener
-    from runtime.maintenance.source import BusContext
+    from elastic_runtime.core.bus import EventBus
+    from elastic_runtime.core.events import MalformedNotice, Notice
+    from elastic_runtime.maintenance.intake import NoticeIntake
+    from elastic_runtime.maintenance.metadata import MetadataWatcher
+    from elastic_runtime.maintenance.pubsub import PubSubListener
+    from elastic_runtime.maintenance.source import BusContext
 
     bus = EventBus()
     ctx = BusContext(bus)
@@ -111,7 +111,7 @@ def _main(args: argparse.Namespace) -> int:
     if not args.subscription and not args.metadata_host:
         print("elastic-runtime listen: name --subscription and/or --metadata-host", file=sys.stderr)
         return 2
-    from runtime.core.config import check_subscription
+    from elastic_runtime.core.config import check_subscription
 
     try:
         if args.subscription:

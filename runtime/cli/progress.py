@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from runtime.core import events as ev
+from elastic_runtime.core import events as ev
 
 __all__ = ["ProgressPrinter", "describe"]
 

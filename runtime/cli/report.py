@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from runtime.analysis.goodput import GoodputReport, attempts, goodput
-from runtime.core.errors import EventLogError
-from runtime.core.eventlog import read_events
-from runtime.core.events import (
+from elastic_runtime.analysis.goodput import GoodputReport, attempts, goodput
+from elastic_runtime.core.errors import EventLogError
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import (
     CheckpointCommitted,
     Event,
     Failure,

@@ -30,7 +30,7 @@ from typing import TypeVar
 
 import msgspec
 
-from runtime.core.errors import AuthenticationFailed
+from elastic_runtime.core.errors import AuthenticationFailed
 
 __all__ = [
     "ENV_TOKEN",

@@ -8,10 +8,18 @@ from typing import Any
 
 import msgspec
 
-from runtime.core.config import NonNegative, Port, Positive, Seconds, SecondsOrZero, check_ranges, check_subscription
-from runtime.core.errors import ConfigError
-from runtime.core.retry import Backoff, RetryPolicy
-from runtime.faults.grammar import Fault
+from elastic_runtime.core.config import (
+    NonNegative,
+    Port,
+    Positive,
+    Seconds,
+    SecondsOrZero,
+    check_ranges,
+    check_subscription,
+)
+from elastic_runtime.core.errors import ConfigError
+from elastic_runtime.core.retry import Backoff, RetryPolicy
+from elastic_runtime.faults.grammar import Fault
 
 __all__ = ["LaunchConfig", "LaunchError", "LaunchResult", "Strategy"]
 
@@ -63,7 +71,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         max_failures: failures the run survives: every lost or hung member counts, also one lost during a
             recovery.
         retry: when a step that failed is tried again, and when the run gives up on it
-            (:mod:`runtime.core.retry`; default: 3 failures of one step, backing off 0, 0.5 s).
+            (:mod:`elastic_runtime.core.retry`; default: 3 failures of one step, backing off 0, 0.5 s).
         run_dir: event log, worker logs and ``summary.json``; a temporary directory when unset. The run
             folder names the run: an unfinished run in it is continued (``runtime/cluster/controller/runfolder.py``).
         replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<hash of run_dir>``,
@@ -91,11 +99,11 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         neighbour_replicas: every process also keeps the shards of the process before it in its slice in host
             memory (one collective permute per step), so that a lost process's shards come from its neighbour
             rather than from the durable tier. Needs slices of 2 processes or more.
-        faults: fault injection: process and worker faults of ``runtime.faults.grammar``
-            (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``runtime.faults.process``.
+        faults: fault injection: process and worker faults of ``elastic_runtime.faults.grammar``
+            (``parse_faults("kill:1@40,hang:2@12")``), carried out by ``elastic_runtime.faults.process``.
         target_steps: the run's target; None: the first of the controller's own workers to say ``Hello``
             sets it. Either way a worker cannot change it: a ``Hello`` with another target is refused.
-        secret: what every connection to the controller's port proves (``runtime.cluster.auth``); None: a
+        secret: what every connection to the controller's port proves (``elastic_runtime.cluster.auth``); None: a
             fresh random one for this run, handed to the workers the controller starts in their environment.
             Kept out of ``repr``.
         auth_timeout_s: how long a connection may take to prove the secret before it is closed.
@@ -106,7 +114,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         coordinator_ports: (low, high), the ports those services may take (one per generation, each kept
             until the run ends); default: any free port.
         handlers: controller-side handlers, each ``package.module:function`` (``launch --handlers``), subscribed
-            by ``runtime.defaults.default_controller`` (``runtime/cluster/controller/named_handlers.py``).
+            by ``elastic_runtime.defaults.default_controller`` (``runtime/cluster/controller/named_handlers.py``).
         maintenance_subscription: ``projects/P/subscriptions/S``: the controller listens there for Google Cloud
             maintenance notices and drains a host's workers before its window (``handlers/drain_host.py``);
             notices about another project's instances (not P) are ignored. None: no notices.
@@ -129,7 +137,9 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     strategy: Strategy = Strategy.REFORM
     form_timeout_s: Seconds = 20.0
     spawn_timeout_s: Seconds = 60.0
-    start_timeout_s: Seconds = 120.0
+    # The first start of a real model (imports, the script's set-up) took 65-112 s on 2 cores (MaxText):
+    # room for a slower host. A script that fails before it connects ends the run at once (``START_FAILURES``).
+    start_timeout_s: Seconds = 300.0
     max_failures: NonNegative = 10
     retry: RetryPolicy = msgspec.field(default_factory=Backoff)
     run_dir: str | None = None
@@ -168,7 +178,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         Past the hang timeout the controller has replaced a member whose step does not move, so a longer wait
         is one abandoned after a peer died, and the old group's backend lives, slowing the new group's steps,
         until it ends. Host work of uneven length (a restore's reads, a final durable write) is waited for at
-        a meeting point before its collective (``runtime.cluster.worker.group.meet``), not inside it. At least
+        a meeting point before its collective (``elastic_runtime.cluster.worker.group.meet``), not inside it. At least
         10 s, at most 240 s: XLA aborts the process at 300 s (the terminate timeout)."""
         return min(240.0, max(10.0, 2 * self.hang_timeout_s))
 

@@ -22,7 +22,7 @@ import os
 import shutil
 from pathlib import Path
 
-from runtime.core.folders import COMPILE_CACHE_FOLDER, PROGRAMS_PREFIX
+from elastic_runtime.core.folders import COMPILE_CACHE_FOLDER, PROGRAMS_PREFIX
 
 __all__ = ["OWNER_FILE", "claim", "remove", "sweep", "unneeded"]
 

@@ -15,9 +15,9 @@ from typing import Union
 
 import msgspec
 
-from runtime.cluster.tiers import Tier
-from runtime.core.events import CheckpointCorrupt, LikelyMeshesReady, StepFailed
-from storage.manifest import FileEntry, LeafEntry
+from elastic_runtime.cluster.tiers import Tier
+from elastic_runtime.core.events import CheckpointCorrupt, LikelyMeshesReady, StepFailed
+from elastic_runtime.storage.manifest import FileEntry, LeafEntry
 
 __all__ = [
     "ENV_COMPILE_CACHE",
@@ -203,19 +203,20 @@ class EventReport(Message, frozen=True, kw_only=True):
     """A core event only this worker saw in its part of generation ``generation``, built where it happened, for
     the controller to act on and publish (with its own clock's times and ``source`` "worker-N"):
 
-    - :class:`~runtime.core.events.StepFailed`: the user's code failed in this worker (its data or step raised),
+    - :class:`~elastic_runtime.core.events.StepFailed`: the user's code failed in this worker (its data or step raised),
       or the job is one this mode cannot run (``unsupported``: the controller ends the run with
       ``JobUnsupported``). Not a lost worker: the run ends, nothing is retried. ``traceback``: the end of the
       error's traceback, for the run's ``StepError``.
-    - :class:`~runtime.core.events.CheckpointCorrupt`: the worker could not read its shards of the step being
+    - :class:`~elastic_runtime.core.events.CheckpointCorrupt`: the worker could not read its shards of the step being
       restored from ``event.tier`` ("durable", or its replica files' "shm" or "disk"; ``event.path``: a missing,
       truncated or damaged file). ``recovered_from``: the tier it read the step from instead; None: none did, and
       the group must restore another step.
-    - :class:`~runtime.core.events.LikelyMeshesReady`: this worker's programs of the group one slice smaller are
+    - :class:`~elastic_runtime.core.events.LikelyMeshesReady`: this worker's programs of the group one slice smaller are
       kept (``runtime/cluster/worker/smaller.py``): a re-form without a lost slice loads them.
 
-    An event of another type or without its step, a tier that is not one of :class:`~runtime.cluster.tiers.Tier`'s
-    names, or a field of the envelope set for the other event does not decode.
+    An event of another type or without its step, a tier that is not one of
+    :class:`~elastic_runtime.cluster.tiers.Tier`'s names, or a field of the envelope set for the other event does not
+    decode.
     """
 
     worker: int
@@ -252,7 +253,7 @@ class Requested(Message, frozen=True, kw_only=True):
 
 class Published(Message, frozen=True, kw_only=True):
     """An event the lead process's handlers published (``ctx.publish``) or one they caused (``HandlerFailed``),
-    for the controller's bus and event log; ``event`` is the event's JSON (``runtime.core.eventlog``)."""
+    for the controller's bus and event log; ``event`` is the event's JSON (``elastic_runtime.core.eventlog``)."""
 
     worker: int
     event: msgspec.Raw
@@ -260,8 +261,8 @@ class Published(Message, frozen=True, kw_only=True):
 
 class Noticed(Message, frozen=True, kw_only=True):
     """A maintenance or preemption notice about this worker's own host, from the host's metadata server
-    (``ELASTIC_METADATA_HOST``); ``event`` is the notice's JSON (``runtime.core.eventlog``). The controller takes
-    it only about the instance the worker's ``Hello`` named."""
+    (``ELASTIC_METADATA_HOST``); ``event`` is the notice's JSON (``elastic_runtime.core.eventlog``). The controller
+    takes it only about the instance the worker's ``Hello`` named."""
 
     worker: int
     event: msgspec.Raw
@@ -287,7 +288,7 @@ class Form(Message, frozen=True, kw_only=True):
     process_id: int
     num_processes: int
     read_files: bool = True  # look in the replica files when this process holds no state in memory
-    faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (runtime.faults.grammar)
+    faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (elastic_runtime.faults.grammar)
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
     run_id: str = ""  # the run's id, for a worker not started with it in its environment (ELASTIC_RUN_ID)
     slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)
@@ -298,7 +299,8 @@ class Form(Message, frozen=True, kw_only=True):
     # A step still running after this many seconds gets the step before it written to the replica file, if the
     # cadence skipped it: the controller may judge every member hung and replace them all (0: never).
     file_after_s: float = 0.0
-    neighbour_replicas: bool = False  # keep the previous process's shards in RAM too (storage.shards.NeighbourShift)
+    # keep the previous process's shards in RAM too (elastic_runtime.storage.shards.NeighbourShift)
+    neighbour_replicas: bool = False
     # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
     # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).
     fences: dict[int, int] = {}
@@ -365,7 +367,8 @@ class Lease(Message, frozen=True, kw_only=True):
 class Notify(Message, frozen=True, kw_only=True):
     """One of the group's events, for the script's handlers in every member of ``generation``; ``seq`` numbers
     the controller's notifications (the group runs those every member holds at one step boundary).
-    ``event`` is the event's JSON (``runtime.core.eventlog``), decoded by the worker with its own event types."""
+    ``event`` is the event's JSON (``elastic_runtime.core.eventlog``), decoded by the worker with its own event
+    types."""
 
     seq: int
     generation: int

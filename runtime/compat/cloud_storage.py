@@ -1,6 +1,6 @@
 """The google-cloud-storage detail elastic-runtime depends on: a client's authorized HTTP session.
 
-``storage.gcs`` drives a resumable upload itself (it asks the server how much it holds after a failed
+``elastic_runtime.storage.gcs`` drives a resumable upload itself (it asks the server how much it holds after a failed
 piece), which needs the ``requests`` session the client authorizes. google-cloud-storage exposes it only as
 the private ``Client._http`` (from ``google.cloud.client.Client``); no public accessor exists in 3.x.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.compat.errors import incompatible
+from elastic_runtime.compat.errors import incompatible
 
 SUPPORTED = "3.x"
 

@@ -14,7 +14,7 @@ import importlib
 import os
 from typing import Any
 
-from runtime.compat.errors import incompatible
+from elastic_runtime.compat.errors import incompatible
 
 SUPPORTED = "0.10-0.12"
 _STATE_FIELDS = ("client", "coordinator_address", "process_id", "num_processes")

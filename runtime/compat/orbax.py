@@ -1,7 +1,7 @@
 """The Orbax detail elastic-runtime depends on: the handler name Orbax records in ``_CHECKPOINT_METADATA``.
 
-``storage.orbax_layout`` writes Orbax's PyTree layout itself, so it must write the name Orbax would: Orbax
-records ``f"{handler.__module__}.{handler.__class__.__qualname__}"`` (``Checkpointer.save`` in
+``elastic_runtime.storage.orbax_layout`` writes Orbax's PyTree layout itself, so it must write the name Orbax would:
+Orbax records ``f"{handler.__module__}.{handler.__class__.__qualname__}"`` (``Checkpointer.save`` in
 ``orbax/checkpoint/_src/checkpointers/checkpointer.py``), a private module path
 (``orbax.checkpoint._src.handlers.pytree_checkpoint_handler``) that may move in any release. It is taken
 here from the public ``orbax.checkpoint.PyTreeCheckpointHandler`` instead of being spelled out.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from runtime.compat.errors import incompatible
+from elastic_runtime.compat.errors import incompatible
 
 SUPPORTED = "0.12"
 

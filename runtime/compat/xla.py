@@ -17,11 +17,11 @@ Two limits, two opposite reasons:
   steps slowed by half (``docs/benchmarks.md``, "Step time after a loss"; the worker's garbage collections after
   a re-forming usually end it sooner, ``runtime/cluster/worker/forming.py``). So a worker started by a
   controller gets the controller's limit (``ELASTIC_COLLECTIVE_TIMEOUT_S``, from the hang timeout:
-  :meth:`runtime.cluster.config.LaunchConfig.collective_timeout_s`), unless the user set the flag.
+  :meth:`elastic_runtime.cluster.config.LaunchConfig.collective_timeout_s`), unless the user set the flag.
 
-XLA reads ``XLA_FLAGS`` once, when the first backend starts: importing this module (``runtime`` does, first)
+XLA reads ``XLA_FLAGS`` once, when the first backend starts: importing this module (``elastic_runtime`` does, first)
 sets it, before any device is touched; a worker forked by the fork server, whose environment is replaced after
-``runtime`` was imported, calls :func:`set_flags` again.
+``elastic_runtime`` was imported, calls :func:`set_flags` again.
 """
 
 from __future__ import annotations

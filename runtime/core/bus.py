@@ -20,9 +20,9 @@ import anyio
 import anyio.lowlevel
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from runtime.core.errors import BusClosed
-from runtime.core.eventlog import EventLog
-from runtime.core.events import Event, HandlerFailed
+from elastic_runtime.core.errors import BusClosed
+from elastic_runtime.core.eventlog import EventLog
+from elastic_runtime.core.events import Event, HandlerFailed
 
 log = logging.getLogger(__name__)
 

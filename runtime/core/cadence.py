@@ -2,7 +2,7 @@
 
 A policy answers one question, in the spirit of Orbax's ``SaveDecisionPolicy``: is step ``step`` due, the
 tier's previous save (or the step a run restarted from) being ``last``? The caller keeps ``last`` per tier
-(:class:`runtime.core.ledger.StepLedger` does), so that a policy is a small callable shared by the RAM
+(:class:`elastic_runtime.core.ledger.StepLedger` does), so that a policy is a small callable shared by the RAM
 snapshots, the disk and GCS tiers of the cascade, and the multi-process worker's durable checkpoints.
 
 Young-Daly: a snapshot every step loses no work to a failure, but pays for a copy of the state every step.

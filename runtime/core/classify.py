@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from jax.errors import JaxRuntimeError
 
-from runtime.core.events import DeviceLost, Failure, ProcessLost, SliceLost, StepFailed
+from elastic_runtime.core.events import DeviceLost, Failure, ProcessLost, SliceLost, StepFailed
 
 SLICE_DOWN_STATUSES = ("DATA_LOSS", "DEADLINE_EXCEEDED", "NOT_FOUND", "INTERNAL")
 

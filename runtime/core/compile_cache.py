@@ -8,7 +8,7 @@ The previous setting is put back when the run ends, since JAX's configuration be
 
 On GPU, JAX leaves the device assignment out of the cache key, so the step compiled ahead for one degraded
 mesh also serves every other mesh of the same shape (another lost slice). On CPU and TPU it does not; on CPU
-``runtime.core.same_shape`` loads one compile onto the other meshes instead.
+``elastic_runtime.core.same_shape`` loads one compile onto the other meshes instead.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-from runtime.core.folders import COMPILE_CACHE_FOLDER
+from elastic_runtime.core.folders import COMPILE_CACHE_FOLDER
 
 log = logging.getLogger(__name__)
 

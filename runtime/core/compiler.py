@@ -1,5 +1,5 @@
 """Compiled steps per mesh, ahead of time where recovery is likely; one compile per mesh shape on CPU, the other
-meshes of that shape loading it (``runtime.core.same_shape``).
+meshes of that shape loading it (``elastic_runtime.core.same_shape``).
 
 A recovery onto a mesh whose step is already compiled does not wait for XLA. The runtime asks for the
 likely degraded meshes in the background (see ``MeshPolicy.likely_meshes``); a request for a mesh whose
@@ -7,11 +7,11 @@ compile is under way waits for that compile instead of starting a second one.
 
 With ``host_copy`` the compiled step takes a third argument and returns a third output: host-memory arrays
 of the state's layout (``host_shardings``), donated, and the new state written into them (see
-``runtime.core.snapshot``). The RAM snapshot of every step is then made by XLA inside the step, into the buffers of
-a snapshot that is no longer needed (or fresh ones, ``fresh_buffers``), so no new host memory is taken.
+``elastic_runtime.core.snapshot``). The RAM snapshot of every step is then made by XLA inside the step, into the buffers
+of a snapshot that is no longer needed (or fresh ones, ``fresh_buffers``), so no new host memory is taken.
 
 With ``into_spare`` the compiled step takes a third argument of the state's own layout, donated, and writes the new
-state into it: a state no one holds any more (the multi-process worker's, ``runtime.cluster.worker.spares``), so
+state into it: a state no one holds any more (the multi-process worker's, ``elastic_runtime.cluster.worker.spares``), so
 that a step takes no fresh memory. The state it reads is not donated: a step that fails leaves it whole.
 """
 
@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime.core.job import PyTree, TrainJob
-from runtime.core.mesh import mesh_key
-from runtime.core.programs import ProgramStore, compile_kept
-from runtime.core.same_shape import SameShape
-from runtime.core.snapshot import host_shardings
+from elastic_runtime.core.job import PyTree, TrainJob
+from elastic_runtime.core.mesh import mesh_key
+from elastic_runtime.core.programs import ProgramStore, compile_kept
+from elastic_runtime.core.same_shape import SameShape
+from elastic_runtime.core.snapshot import host_shardings
 
 
 def _is_spec(x: Any) -> bool:
@@ -70,7 +70,7 @@ class StepCompiler:
             raise ValueError("a step writes into host buffers (host_copy) or a spare state (into_spare), not both")
         self.host_copy = host_copy
         self.into_spare = into_spare
-        # Where compiled programs are kept to be loaded on a new backend (runtime.core.programs), keyed by the
+        # Where compiled programs are kept to be loaded on a new backend (elastic_runtime.core.programs), keyed by the
         # mesh and ``place`` (under launch: this process's place in the group); None: compiled each time.
         self.programs = programs
         self.place = place
@@ -89,7 +89,8 @@ class StepCompiler:
         return shardings_for(self.job.state_specs, mesh)
 
     def host_shardings(self, mesh: Mesh) -> PyTree:
-        """The layout of the state's copy in host memory on ``mesh`` (``runtime.core.snapshot.host_shardings``)."""
+        """The layout of the state's copy in host memory on ``mesh``
+        (``elastic_runtime.core.snapshot.host_shardings``)."""
         key = mesh_key(mesh)
         shardings = self._host_shardings.get(key)
         if shardings is None:  # built once per mesh: this runs on every step

@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from runtime.core.errors import ConfigError
+from elastic_runtime.core.errors import ConfigError
 
 ENV_PREFIX = "ELASTIC_RUNTIME_"
 
@@ -47,9 +47,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         run_dir: where the event log (``events.jsonl``) is written; no log file when unset.
         snapshot_every: RAM snapshot cadence in steps; 0 turns snapshots off (recovery then restarts at 0).
         snapshot_mtbf_s: the expected mean time between failures; when set, the RAM snapshot cadence follows
-            the Young-Daly interval sqrt(2 * copy cost * MTBF), measured as the run goes (``runtime.core.cadence``):
-            fewer copies, a few steps re-done after a failure. ``snapshot_every`` is the first cadence. On CPU
-            devices a snapshot is the state itself, no copy: nothing to measure, the cadence stays ``snapshot_every``.
+            the Young-Daly interval sqrt(2 * copy cost * MTBF), measured as the run goes
+            (``elastic_runtime.core.cadence``): fewer copies, a few steps re-done after a failure. ``snapshot_every`` is
+            the first cadence. On CPU devices a snapshot is the state itself, no copy: nothing to measure, the cadence
+            stays ``snapshot_every``.
         handler_timeout_s: how long one handler call may run before it is cancelled.
         max_pending_events: bound of the bus queue.
         recovery_timeout_s: how long the executor waits for handlers to finish a recovery.

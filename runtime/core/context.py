@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 from jax.sharding import Mesh
 
-from runtime.core.bus import Handler, Subscription
-from runtime.core.commands import Abort, Pause, Remesh, Restore, Resume, TransformState
-from runtime.core.config import RuntimeConfig
-from runtime.core.events import Event, SaveCheckpoint
-from runtime.core.mesh import MeshPolicy, device_ids
+from elastic_runtime.core.bus import Handler, Subscription
+from elastic_runtime.core.commands import Abort, Pause, Remesh, Restore, Resume, TransformState
+from elastic_runtime.core.config import RuntimeConfig
+from elastic_runtime.core.events import Event, SaveCheckpoint
+from elastic_runtime.core.mesh import MeshPolicy, device_ids
 
 if TYPE_CHECKING:
-    from runtime.core.runtime import Runtime
+    from elastic_runtime.core.runtime import Runtime
 
 E = TypeVar("E", bound=Event)
 

@@ -14,7 +14,7 @@ import google_crc32c
 import jax
 import numpy as np
 
-from runtime.core.events import DataMismatch
+from elastic_runtime.core.events import DataMismatch
 
 __all__ = ["DataCheck", "fingerprint"]
 

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from runtime.core.errors import ConfigError
-from runtime.core.job import PyTree
+from elastic_runtime.core.errors import ConfigError
+from elastic_runtime.core.job import PyTree
 
 
 class RandomAccess(Protocol):
@@ -57,7 +57,7 @@ class IndexedBatches:
 
     def rows(self, position: int, start: int, stop: int) -> PyTree:
         """Rows ``start`` to ``stop - 1`` of global batch ``position``: only their records are read (under
-        ``launch``, a worker's share; :class:`~runtime.core.job.ProcessBatches`)."""
+        ``launch``, a worker's share; :class:`~elastic_runtime.core.job.ProcessBatches`)."""
         first = position * self.global_batch
         records: Sequence[Any] = [self.dataset[(first + k) % self.size] for k in range(start, stop)]
         return jax.tree.map(lambda *leaves: np.stack([np.asarray(leaf) for leaf in leaves]), *records)

@@ -13,8 +13,8 @@ from typing import IO, Any, Union
 
 import msgspec
 
-from runtime.core.errors import EventLogError
-from runtime.core.events import Event, event_types
+from elastic_runtime.core.errors import EventLogError
+from elastic_runtime.core.events import Event, event_types
 
 _encoder = msgspec.json.Encoder()
 

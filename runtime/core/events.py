@@ -96,7 +96,7 @@ class RunStarted(Event, frozen=True, kw_only=True):
 class RunFinished(Event, frozen=True, kw_only=True):
     """The run ended, normally (``ok``) or with an error that ``reason`` names. Under ``launch``, ``memory`` holds
     each worker's (by id) newest memory report: peak and current resident bytes and its host copies of the state
-    (``runtime.cluster.protocol.Heartbeat.memory``)."""
+    (``elastic_runtime.cluster.protocol.Heartbeat.memory``)."""
 
     ok: bool
     reason: str = ""
@@ -384,7 +384,7 @@ class RecoveryCompleted(Event, frozen=True, kw_only=True):
 class MeshReady(Event, frozen=True, kw_only=True):
     """The programs a step on ``mesh_shape`` (``devices``) runs are compiled, ahead of need, in ``seconds``:
     a failure that leads to this mesh recovers without compiling. ``loaded`` of them were not compiled but loaded
-    from the same programs compiled for another mesh of the shape (on CPU: ``runtime.core.same_shape``)."""
+    from the same programs compiled for another mesh of the shape (on CPU: ``elastic_runtime.core.same_shape``)."""
 
     mesh_shape: dict[str, int]
     devices: tuple[int, ...]
@@ -404,7 +404,7 @@ class LikelyMeshesReady(Event, frozen=True, kw_only=True):
 
 
 class RecoveryFailed(Failure, frozen=True, kw_only=True):
-    """Recovery could not complete; the run stops with :class:`runtime.core.errors.RecoveryError`."""
+    """Recovery could not complete; the run stops with :class:`elastic_runtime.core.errors.RecoveryError`."""
 
     reason: str
 

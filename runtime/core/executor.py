@@ -26,14 +26,14 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from jax.sharding import Mesh
 
-from runtime.core.bus import EventBus
-from runtime.core.cadence import SnapshotCadence
-from runtime.core.commands import Abort, Command, Pause, Remesh, Restore, Resume, TransformState
-from runtime.core.compiler import StepCompiler
-from runtime.core.config import RuntimeConfig
-from runtime.core.datacheck import DataCheck
-from runtime.core.errors import ConfigError, RecoveryError, SnapshotUnavailable, StepError
-from runtime.core.events import (
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.cadence import SnapshotCadence
+from elastic_runtime.core.commands import Abort, Command, Pause, Remesh, Restore, Resume, TransformState
+from elastic_runtime.core.compiler import StepCompiler
+from elastic_runtime.core.config import RuntimeConfig
+from elastic_runtime.core.datacheck import DataCheck
+from elastic_runtime.core.errors import ConfigError, RecoveryError, SnapshotUnavailable, StepError
+from elastic_runtime.core.events import (
     CheckpointFailed,
     Event,
     MeshChanged,
@@ -44,15 +44,15 @@ from runtime.core.events import (
     StepCompleted,
     StepFailed,
 )
-from runtime.core.health import DeviceHealth
-from runtime.core.initial import abstract_state, initial_program
-from runtime.core.job import PyTree, TrainJob
-from runtime.core.keys import with_key_data
-from runtime.core.ledger import StepLedger
-from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
-from runtime.core.prefetch import BatchPrefetcher
-from runtime.core.restore import RestoreSource, refuse_earlier_checkpoints, restore_newest
-from runtime.core.snapshot import RamTier, in_host_memory
+from elastic_runtime.core.health import DeviceHealth
+from elastic_runtime.core.initial import abstract_state, initial_program
+from elastic_runtime.core.job import PyTree, TrainJob
+from elastic_runtime.core.keys import with_key_data
+from elastic_runtime.core.ledger import StepLedger
+from elastic_runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
+from elastic_runtime.core.prefetch import BatchPrefetcher
+from elastic_runtime.core.restore import RestoreSource, refuse_earlier_checkpoints, restore_newest
+from elastic_runtime.core.snapshot import RamTier, in_host_memory
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class StepExecutor:
         policy: MeshPolicy,
         health: DeviceHealth,
     ) -> None:
-        # The job as it runs: typed PRNG keys in its state held as key data (runtime.core.keys).
+        # The job as it runs: typed PRNG keys in its state held as key data (elastic_runtime.core.keys).
         self.job, self.keys = with_key_data(job)
         self.bus = bus
         self.config = config
@@ -408,7 +408,7 @@ class StepExecutor:
 
     async def _restore(self, source: str) -> None:
         """Restore from ``source``: a tier name, or "latest": the newest step any tier holds that verifies,
-        from the fastest tier among those that hold it (``runtime.core.restore``)."""
+        from the fastest tier among those that hold it (``elastic_runtime.core.restore``)."""
         assert self.mesh is not None
         started = time.monotonic()
         names = [s.name for s in self.restore_sources]

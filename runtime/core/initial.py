@@ -18,8 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from runtime.core.job import PyTree, TrainJob
-from runtime.core.programs import ProgramStore, compile_kept
+from elastic_runtime.core.job import PyTree, TrainJob
+from elastic_runtime.core.programs import ProgramStore, compile_kept
 
 __all__ = ["abstract_state", "initial_program", "place_host"]
 

@@ -8,8 +8,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from jax.sharding import Mesh, PartitionSpec
 
-from runtime.core.errors import ConfigError
-from runtime.core.mesh import ProcessMesh
+from elastic_runtime.core.errors import ConfigError
+from elastic_runtime.core.mesh import ProcessMesh
 
 PyTree = Any
 StepFn = Callable[[PyTree, PyTree], tuple[PyTree, dict[str, Any]]]
@@ -29,7 +29,7 @@ class DataSource(Protocol):
 @runtime_checkable
 class ProcessBatches(Protocol):
     """A data source that can give a process only its rows of a global batch (under ``launch``, each worker
-    reads its share of every batch instead of all of it: :mod:`runtime.core.process_data`). Every leaf of a
+    reads its share of every batch instead of all of it: :mod:`elastic_runtime.core.process_data`). Every leaf of a
     batch has the batch's rows as its first axis.
     """
 
@@ -59,7 +59,7 @@ class TrainJob:
         init: returns the initial state (a pytree of arrays). Traced, never run on the host: its shapes come from
             ``jax.eval_shape``, its values from ``init`` compiled with ``state_specs`` as ``out_shardings``, each
             process computing only its shards. One returning host (NumPy) arrays is called on every process
-            instead, each holding the whole state while it starts (:mod:`runtime.core.initial`).
+            instead, each holding the whole state while it starts (:mod:`elastic_runtime.core.initial`).
         step: ``step(state, batch) -> (new_state, metrics)``, a pure function; the runtime jits it per mesh.
         data: the data source; ``data.batch(position)`` is the global batch; a :class:`ProcessBatches` source
             gives each process of a launched group only its rows of it.
@@ -70,7 +70,7 @@ class TrainJob:
         step_for_mesh: builds the step for a mesh (called once per mesh, before it is traced), for a model
             that keeps the concrete ``Mesh`` it runs on; ``step`` may then be None.
         process_mesh: the mesh of a multi-process group (``elastic-runtime launch``): its axis names and the
-            sizes of the axes inside a slice; see :class:`~runtime.core.mesh.ProcessMesh`.
+            sizes of the axes inside a slice; see :class:`~elastic_runtime.core.mesh.ProcessMesh`.
 
     Raises:
         ConfigError: neither ``step`` nor ``step_for_mesh`` is given.

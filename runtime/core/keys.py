@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from runtime.core.job import PyTree, StepFn, TrainJob
+from elastic_runtime.core.job import PyTree, StepFn, TrainJob
 
 __all__ = ["KeyLeaves", "with_key_data"]
 

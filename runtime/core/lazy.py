@@ -1,12 +1,12 @@
 """A package's public names, each imported from its home module on first use (PEP 562).
 
-Why: ``runtime``, ``runtime.defaults`` and ``storage`` export names whose modules import JAX, and every
-import of a submodule runs its package's ``__init__`` first. Loaded lazily, the controller (which never
+Why: ``elastic_runtime``, ``elastic_runtime.defaults`` and ``elastic_runtime.storage`` export names whose modules import
+JAX, and every import of a submodule runs its package's ``__init__`` first. Loaded lazily, the controller (which never
 runs JAX) and ``--help`` import only what they use, and JAX starts only in the processes that train.
 
 A name must not also be a submodule's: importing the submodule would set the package's attribute to it (as
-``handlers.scale_up`` would do to the function ``scale_up``, which is why ``handlers`` loads its names at once:
-none of them imports JAX).
+``elastic_runtime.handlers.scale_up`` would do to the function ``scale_up``, which is why ``elastic_runtime.handlers``
+loads its names at once: none of them imports JAX).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The step ledger: a training loop's committed step and data position, which tiers are due, and its recovery.
 
 The single-controller executor and the multi-process worker keep the same books through it: a commit moves
-the step and the data position on and says which tiers save it (:mod:`runtime.core.cadence` decides, one
-policy per tier); a failure is classified once (:func:`runtime.core.classify.classify`) and counted by the
+the step and the data position on and says which tiers save it (:mod:`elastic_runtime.core.cadence` decides, one
+policy per tier); a failure is classified once (:func:`elastic_runtime.core.classify.classify`) and counted by the
 recovery tracker; a restore moves the step back (or, resuming, on) and restarts every tier's cadence there.
 It is synchronous and owns no thread, no event loop and no clock of its own (the tracker's is injected), so
 that its tests drive it through failures without processes; the loops around it publish what it returns.
@@ -14,10 +14,10 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from typing import NamedTuple
 
-from runtime.core.cadence import SavePolicy
-from runtime.core.classify import classify
-from runtime.core.events import Event, Failure, RecoveryFailed, RecoveryStarted, StateRestored, StepFailed
-from runtime.core.recovery import RecoveryTracker
+from elastic_runtime.core.cadence import SavePolicy
+from elastic_runtime.core.classify import classify
+from elastic_runtime.core.events import Event, Failure, RecoveryFailed, RecoveryStarted, StateRestored, StepFailed
+from elastic_runtime.core.recovery import RecoveryTracker
 
 __all__ = ["CommitNoted", "FailureNoted", "StepLedger"]
 

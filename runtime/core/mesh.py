@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
-from runtime.core.errors import ConfigError, MeshUnavailable
+from elastic_runtime.core.errors import ConfigError, MeshUnavailable
 
 
 def _as_axes(axes: Mapping[str, int] | Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:

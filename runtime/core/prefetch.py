@@ -6,7 +6,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from runtime.core.job import DataSource
+from elastic_runtime.core.job import DataSource
 
 __all__ = ["PREFETCH_DEPTH", "BatchPrefetcher"]
 

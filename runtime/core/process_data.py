@@ -1,4 +1,4 @@
-"""A process's rows of each global batch: with a :class:`~runtime.core.job.ProcessBatches` data source, a worker
+"""A process's rows of each global batch: with a :class:`~elastic_runtime.core.job.ProcessBatches` data source, a worker
 reads only the rows its devices hold under the batch's sharding on the current mesh, and the global batch is
 built from every process's rows (``jax.make_array_from_process_local_data``). The rows follow the mesh: a
 re-formed group (a shrunk data axis) hands each process another range, and every global batch is still seen
@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from runtime.core.job import DataSource, ProcessBatches, PyTree
+from elastic_runtime.core.job import DataSource, ProcessBatches, PyTree
 
 __all__ = ["batch_example", "local_rows", "place_batch"]
 

@@ -15,12 +15,12 @@ script's. A file is signed with the run's secret (HMAC-SHA256) and loaded only w
 a serialized executable is a pickle, and loading one runs code.
 
 A program is also kept by its mesh's shape (axis names and sizes, the processes it spans): compiled code names
-places in the mesh, not devices (``runtime.core.same_shape``), so a layout of that shape that was never compiled
-for (a group one slice smaller, on a new backend: ``runtime.cluster.worker.smaller``) loads it onto its own
-devices, each in the place the compiled mesh's device had (``runtime.compat.jax.load_executable_onto``). That
+places in the mesh, not devices (``elastic_runtime.core.same_shape``), so a layout of that shape that was never compiled
+for (a group one slice smaller, on a new backend: ``elastic_runtime.cluster.worker.smaller``) loads it onto its own
+devices, each in the place the compiled mesh's device had (``elastic_runtime.compat.jax.load_executable_onto``). That
 takes the user's step to lower the same on every mesh of a shape, as a step written against axis names does; one
 that reads its devices' ids does not (run it with ``ELASTIC_PREPARE_SMALLER=0``). In one process, where tracing
-is not what is saved, ``runtime.core.same_shape`` compares the lowered programs instead.
+is not what is saved, ``elastic_runtime.core.same_shape`` compares the lowered programs instead.
 
 Where the time goes (``seconds``: tracing and lowering, XLA's compile, loading) is kept for the events: the
 report separates it from restoring.
@@ -51,8 +51,8 @@ import jax
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh
 
-from runtime.compat.jax import load_executable_onto
-from runtime.core.mesh import mesh_key
+from elastic_runtime.compat.jax import load_executable_onto
+from elastic_runtime.core.mesh import mesh_key
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.core.events import RecoveryCompleted, RecoveryStarted
-from runtime.core.retry import RetryState
+from elastic_runtime.core.events import RecoveryCompleted, RecoveryStarted
+from elastic_runtime.core.retry import RetryState
 
 __all__ = ["Recovery", "RecoveryTracker"]
 
@@ -71,7 +71,7 @@ class RecoveryTracker:
 
     def attempt_failed(self, step: int) -> RetryState:
         """An attempt at getting past ``step`` failed (one per re-forming, not per lost member): the state a
-        retry policy (:mod:`runtime.core.retry`) decides on."""
+        retry policy (:mod:`elastic_runtime.core.retry`) decides on."""
         self.step_attempts[step] = self.step_attempts.get(step, 0) + 1
         return RetryState(step=step, attempts=self.step_attempts[step], failures=self.failures)
 

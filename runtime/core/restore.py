@@ -9,8 +9,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from runtime.core.errors import CheckpointInvalid, ConfigError, SnapshotUnavailable, StorageError
-from runtime.core.snapshot import HostSnapshot
+from elastic_runtime.core.errors import CheckpointInvalid, ConfigError, SnapshotUnavailable, StorageError
+from elastic_runtime.core.snapshot import HostSnapshot
 
 __all__ = ["CorruptionListener", "RestoreSource", "refuse_earlier_checkpoints", "restore_newest", "restore_step"]
 

@@ -1,6 +1,6 @@
 """The runtime: owns the task group and starts each component in it (bus, executor, watchers).
 
-Typical use (through :class:`runtime.ElasticRuntime`, this class with the built-in handlers wired in)::
+Typical use (through :class:`elastic_runtime.ElasticRuntime`, this class with the built-in handlers wired in)::
 
     rt = ElasticRuntime(job, mesh_policy=MeshPolicy({"data": 8}))
 
@@ -26,17 +26,17 @@ import anyio
 import jax
 from jax.sharding import Mesh
 
-from runtime.core.bus import EventBus, Handler, Subscription
-from runtime.core.compile_cache import persistent_cache
-from runtime.core.config import RuntimeConfig
-from runtime.core.context import RuntimeContext
-from runtime.core.errors import BusClosed
-from runtime.core.eventlog import EventLog
-from runtime.core.events import Event, LikelyMeshesReady, MeshReady, RunFinished, ScaleUpAvailable
-from runtime.core.executor import BoundaryHook, RunResult, StepExecutor
-from runtime.core.health import DeviceHealth
-from runtime.core.job import TrainJob
-from runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
+from elastic_runtime.core.bus import EventBus, Handler, Subscription
+from elastic_runtime.core.compile_cache import persistent_cache
+from elastic_runtime.core.config import RuntimeConfig
+from elastic_runtime.core.context import RuntimeContext
+from elastic_runtime.core.errors import BusClosed
+from elastic_runtime.core.eventlog import EventLog
+from elastic_runtime.core.events import Event, LikelyMeshesReady, MeshReady, RunFinished, ScaleUpAvailable
+from elastic_runtime.core.executor import BoundaryHook, RunResult, StepExecutor
+from elastic_runtime.core.health import DeviceHealth
+from elastic_runtime.core.job import TrainJob
+from elastic_runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Component(Protocol):
 class Runtime:
     """Runs one training job elastically, with exactly the handlers and components it is given. Single use.
 
-    This is the core: it wires in no handler and no checkpoint tier of its own. :class:`runtime.ElasticRuntime`
+    This is the core: it wires in no handler and no checkpoint tier of its own. :class:`elastic_runtime.ElasticRuntime`
     is this class with the built-in ones (re-mesh, restore, scale-up, the configured tiers and notice
     sources) subscribed through the same ``subscribe`` and ``add_component`` a user calls.
 

@@ -7,15 +7,15 @@ last slice waited for all of them.
 Yet XLA's compiled code names no device: a program's shardings name places in the mesh, and only the
 executable's device assignment says which device takes each place. So the first mesh of a shape is compiled and
 its executable serialized, and every other mesh whose lowered program is the same text loads it with its own
-devices in the same places (milliseconds: ``runtime.compat.jax.load_executable_onto``).
+devices in the same places (milliseconds: ``elastic_runtime.compat.jax.load_executable_onto``).
 
 The lowered text is compared, not assumed: a step built per concrete mesh may lower differently, and is then
 compiled on its own. Tracing is the price, a fraction of a compile.
 
 Only on CPU, where it is checked (results bitwise equal to a compile of their own: ``tests/test_same_shape.py``);
 on GPU JAX's cache already leaves the device assignment out of its key. A program that JAX's persistent cache
-gave cannot be serialized whole on CPU (``runtime.core.programs``): in a resumed run, whose first meshes come from
-that cache, the next mesh compiled for real serves the rest.
+gave cannot be serialized whole on CPU (``elastic_runtime.core.programs``): in a resumed run, whose first meshes come
+from that cache, the next mesh compiled for real serves the rest.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from runtime.compat.jax import load_executable_onto
-from runtime.core.mesh import mesh_key
-from runtime.core.programs import compile_noting_cache, serialized
+from elastic_runtime.compat.jax import load_executable_onto
+from elastic_runtime.core.mesh import mesh_key
+from elastic_runtime.core.programs import compile_noting_cache, serialized
 
 log = logging.getLogger(__name__)
 

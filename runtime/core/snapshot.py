@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
+from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class HostSnapshot:
 
     ``tree`` holds numpy arrays with the state's structure. A snapshot made from host-memory jax arrays
     assembles them into numpy on first access (once, thread-safe); ``assemble`` replaces that conversion
-    (the multi-process worker's: this process's boxes of device arrays, ``storage.shards.local_copy``).
+    (the multi-process worker's: this process's boxes of device arrays, ``elastic_runtime.storage.shards.local_copy``).
     """
 
     def __init__(
@@ -137,7 +137,7 @@ def host_shardings(shardings: PyTree, shapes: PyTree) -> PyTree:
 
 class RamTier:
     """Keeps the newest complete host copy of the state. Which steps are copied is the caller's choice
-    (the executor's: ``runtime.core.cadence``).
+    (the executor's: ``elastic_runtime.core.cadence``).
 
     ``listeners`` are called with each committed snapshot, in the thread that completed it (keep them short:
     hand the snapshot to your own thread or queue); ``failure_listeners`` with the step and error of a failed
@@ -293,7 +293,7 @@ class RamTier:
         return snapshot
 
     def steps(self, *, timeout: float) -> list[int]:
-        """The step of the snapshot it holds, if any (a restore source: ``runtime.core.restore``)."""
+        """The step of the snapshot it holds, if any (a restore source: ``elastic_runtime.core.restore``)."""
         try:
             return [self.latest(timeout=timeout).step]
         except SnapshotUnavailable:

@@ -1,13 +1,13 @@
-"""The built-in parts, wired in one place: what a runtime (``runtime.defaults.elastic``) or a controller
-(``runtime.defaults.controller``) gets unless told otherwise. The core (``runtime/core``) knows no handler,
+"""The built-in parts, wired in one place: what a runtime (``elastic_runtime.defaults.elastic``) or a controller
+(``elastic_runtime.defaults.controller``) gets unless told otherwise. The core (``runtime/core``) knows no handler,
 tier or notice source by name; these modules subscribe the built-in ones through the calls a user makes.
 
-Each name is imported on first use (``runtime.core.lazy``), so a controller never imports JAX.
+Each name is imported on first use (``elastic_runtime.core.lazy``), so a controller never imports JAX.
 """
 
 from typing import TYPE_CHECKING
 
-from runtime.core.lazy import lazy_exports
+from elastic_runtime.core.lazy import lazy_exports
 
 __all__ = [
     "ElasticRuntime",
@@ -21,8 +21,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from runtime.defaults.controller import attach_controller_maintenance, default_controller, ray_controller
-    from runtime.defaults.elastic import (
+    from elastic_runtime.defaults.controller import attach_controller_maintenance, default_controller, ray_controller
+    from elastic_runtime.defaults.elastic import (
         ElasticRuntime,
         Maintenance,
         attach_maintenance,
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     )
 
 _HOMES = {
-    "runtime.defaults.controller": ["attach_controller_maintenance", "default_controller", "ray_controller"],
-    "runtime.defaults.elastic": [
+    "elastic_runtime.defaults.controller": ["attach_controller_maintenance", "default_controller", "ray_controller"],
+    "elastic_runtime.defaults.elastic": [
         "ElasticRuntime",
         "Maintenance",
         "attach_maintenance",

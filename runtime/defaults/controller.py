@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from handlers.drain_host import HostDrains
-from handlers.regroup import log_straggler, regroup_on_worker_failure
-from runtime.cluster.config import LaunchConfig
-from runtime.core.events import Straggler, WorkerHung, WorkerLost
-from runtime.faults.process import ProcessFaults
-from runtime.maintenance.intake import NoticeIntake
-from runtime.maintenance.source import BusContext
+from elastic_runtime.cluster.config import LaunchConfig
+from elastic_runtime.core.events import Straggler, WorkerHung, WorkerLost
+from elastic_runtime.faults.process import ProcessFaults
+from elastic_runtime.handlers.drain_host import HostDrains
+from elastic_runtime.handlers.regroup import log_straggler, regroup_on_worker_failure
+from elastic_runtime.maintenance.intake import NoticeIntake
+from elastic_runtime.maintenance.source import BusContext
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller import Controller
-    from runtime.cluster.controller.ray_backend import RayPlacement
+    from elastic_runtime.cluster.controller import Controller
+    from elastic_runtime.cluster.controller.ray_backend import RayPlacement
 
 __all__ = ["attach_controller_maintenance", "default_controller", "ray_controller"]
 
@@ -31,8 +31,8 @@ def default_controller(config: LaunchConfig) -> Controller:
     Raises:
         ConfigError: a handler ``config.handlers`` names cannot be loaded (before any worker starts).
     """
-    from runtime.cluster.controller import Controller  # the controller (and GCS) only where a controller runs
-    from runtime.cluster.controller.named_handlers import subscribe_named
+    from elastic_runtime.cluster.controller import Controller  # the controller (and GCS) only where a controller runs
+    from elastic_runtime.cluster.controller.named_handlers import script_folder, subscribe_named
 
     controller = Controller(config)
     if config.faults:
@@ -41,7 +41,8 @@ def default_controller(config: LaunchConfig) -> Controller:
     controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
     controller.bus.subscribe(Straggler, log_straggler)
     attach_controller_maintenance(controller)
-    subscribe_named(controller.bus, config.handlers)
+    script = script_folder(config.command)
+    subscribe_named(controller.bus, config.handlers, first=[script] if script else [])
     return controller
 
 
@@ -51,7 +52,8 @@ def attach_controller_maintenance(controller: Controller, *, default_handlers: b
     leaves the handlers out, for your own on ``controller.bus`` (with ``ctx.drain``, ``ctx.readmit``)."""
     config = controller.config
     if config.maintenance_subscription:
-        from runtime.maintenance.pubsub import PubSubListener  # google-cloud-pubsub only when a subscription is named
+        # google-cloud-pubsub only when a subscription is named
+        from elastic_runtime.maintenance.pubsub import PubSubListener
 
         project = config.maintenance_subscription.split("/")[1]
         intake = NoticeIntake(project=project, report_ignored=True)
@@ -70,9 +72,9 @@ def ray_controller(
 ) -> tuple[Controller, RayPlacement]:
     """A service-mode controller (``config.command`` empty) whose workers Ray places, one actor per node, each
     running ``command``; a lost one is replaced on another node (:class:`RayPlacement` says what ``env`` and
-    ``replica_dir`` do). Connect to Ray first (``runtime.cluster.controller.ray_cluster.ray_session``); after
+    ``replica_dir`` do). Connect to Ray first (``elastic_runtime.cluster.controller.ray_cluster.ray_session``); after
     ``controller.run()``, ``placement.close()``."""
-    from runtime.cluster.controller.ray_backend import RayPlacement
+    from elastic_runtime.cluster.controller.ray_backend import RayPlacement
 
     controller = default_controller(config)
     placement = RayPlacement(

@@ -15,22 +15,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
-from handlers import (
-    DrainScheduler,
-    checkpoint_on_notice,
-    checkpoint_on_preemption,
-    drain_on_start,
-    plan_drain,
-    remesh_on_device_loss,
-    restore_after_remesh,
-    scale_up,
-)
-from handlers.drain_host import save_when_asked
-from runtime.cluster.worker import is_worker, run_worker
-from runtime.core.bus import EventBus
-from runtime.core.config import RuntimeConfig
-from runtime.core.eventlog import encode_event
-from runtime.core.events import (
+from elastic_runtime.cluster.worker import is_worker, run_worker
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.config import RuntimeConfig
+from elastic_runtime.core.eventlog import encode_event
+from elastic_runtime.core.events import (
     DeviceLost,
     MaintenanceScheduled,
     MaintenanceStarted,
@@ -40,17 +29,28 @@ from runtime.core.events import (
     SaveCheckpoint,
     ScaleUpAvailable,
 )
-from runtime.core.executor import RunResult
-from runtime.core.job import TrainJob
-from runtime.core.mesh import MeshPolicy
-from runtime.core.runtime import Runtime
-from runtime.maintenance.intake import NoticeIntake
-from runtime.maintenance.metadata import MetadataWatcher
-from runtime.maintenance.source import BusContext
-from storage.cascade import TieredCheckpointer
+from elastic_runtime.core.executor import RunResult
+from elastic_runtime.core.job import TrainJob
+from elastic_runtime.core.mesh import MeshPolicy
+from elastic_runtime.core.runtime import Runtime
+from elastic_runtime.handlers import (
+    DrainScheduler,
+    checkpoint_on_notice,
+    checkpoint_on_preemption,
+    drain_on_start,
+    plan_drain,
+    remesh_on_device_loss,
+    restore_after_remesh,
+    scale_up,
+)
+from elastic_runtime.handlers.drain_host import save_when_asked
+from elastic_runtime.maintenance.intake import NoticeIntake
+from elastic_runtime.maintenance.metadata import MetadataWatcher
+from elastic_runtime.maintenance.source import BusContext
+from elastic_runtime.storage.cascade import TieredCheckpointer
 
 if TYPE_CHECKING:
-    from runtime.maintenance.pubsub import PubSubListener
+    from elastic_runtime.maintenance.pubsub import PubSubListener
 
 __all__ = ["ElasticRuntime", "Maintenance", "attach_maintenance", "intake_from_config", "watch_own_host"]
 
@@ -95,7 +95,7 @@ class ElasticRuntime(Runtime):
         """Run to ``steps`` committed steps in a new event loop (see :meth:`Runtime.run_async`).
 
         Under ``elastic-runtime launch`` this process is one worker of a multi-process group: the job runs
-        as that worker (``runtime.cluster.worker.run_worker``) and the process exits when the group is done,
+        as that worker (``elastic_runtime.cluster.worker.run_worker``) and the process exits when the group is done,
         so ``run`` does not return there; the controller keeps the run's record. The handlers the script
         subscribed (not the built-in ones: the controller re-forms the group) run in every worker for the
         group's events the controller forwards (``docs/handlers.md``, *Under launch*).
@@ -137,7 +137,8 @@ def attach_maintenance(runtime: Runtime, *, default_handlers: bool = True) -> Ma
     config = runtime.config
     parts = Maintenance(intake=intake_from_config(config))
     if config.maintenance_subscription:
-        from runtime.maintenance.pubsub import PubSubListener  # google-cloud-pubsub only when a subscription is named
+        # google-cloud-pubsub only when a subscription is named
+        from elastic_runtime.maintenance.pubsub import PubSubListener
 
         parts.listener = PubSubListener(
             config.maintenance_subscription, parts.intake, max_messages=config.pubsub_max_messages
@@ -164,7 +165,7 @@ def attach_maintenance(runtime: Runtime, *, default_handlers: bool = True) -> Ma
 
 
 def watch_own_host(metadata_host: str, forward: Callable[[bytes], None]) -> None:
-    """A worker's watch of its own host's notices (``runtime.cluster.worker.run_worker``'s ``watch_notices``):
+    """A worker's watch of its own host's notices (``elastic_runtime.cluster.worker.run_worker``'s ``watch_notices``):
     the metadata server at ``metadata_host`` long-polled by a :class:`MetadataWatcher` in an event loop of its
     own, each notice's JSON handed to ``forward`` (which sends it to the controller). Blocks until the process
     ends."""

@@ -1,9 +1,9 @@
 """The one fault grammar of demos, ``launch``, workers and tests: comma-separated ``ACTION:TARGET@WHEN``.
 
-- Devices (single controller, :class:`~runtime.testing.faults.FaultInjector`): ``lose-slice``,
+- Devices (single controller, :class:`~elastic_runtime.testing.faults.FaultInjector`): ``lose-slice``,
   ``lose-device``, ``repair-slice``, ``repair-device``; TARGET a slice or device index, or ``random``; WHEN
   a step, or seconds of training (``90s``).
-- Processes (the controller signals a worker, :mod:`runtime.faults.process`): ``kill``, ``stop``,
+- Processes (the controller signals a worker, :mod:`elastic_runtime.faults.process`): ``kill``, ``stop``,
   ``term`` (SIGKILL, SIGSTOP, SIGTERM); TARGET a process id in the group; WHEN a step the group commits, or
   ``forming``: while the next group forms after a failure.
 - Workers (a worker does it to itself at that exact point): ``die-midstep`` (computed, not committed),

@@ -1,4 +1,4 @@
-"""Process and worker faults of the grammar (``runtime.faults.grammar``) for multi-process runs.
+"""Process and worker faults of the grammar (``elastic_runtime.faults.grammar``) for multi-process runs.
 
 The controller-side faults signal a member once the group commits a step, or while the next group forms
 after a failure; the worker-side ones make a worker die mid-step, die while writing its replica file, or
@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from runtime.core.bus import EventBus
-from runtime.core.events import GroupForming, StepCompleted
-from runtime.faults.grammar import PROCESS_SIGNALS, Fault, format_faults, parse_faults
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.events import GroupForming, StepCompleted
+from elastic_runtime.faults.grammar import PROCESS_SIGNALS, Fault, format_faults, parse_faults
 
 __all__ = ["ProcessFaults", "attach_worker_faults", "worker_faults_text"]
 

@@ -8,13 +8,13 @@ what they parse through one :class:`NoticeIntake` (this job's instances only, ea
 
 from typing import TYPE_CHECKING, Any
 
-from runtime.maintenance.formats import CUSTOM_FORMAT, ParsedNotice, parse_message
-from runtime.maintenance.intake import InstanceMatcher, NoticeIntake
-from runtime.maintenance.metadata import MetadataUnavailable, MetadataWatcher
-from runtime.maintenance.source import BusContext, DispatchTracker, SourceContext
+from elastic_runtime.maintenance.formats import CUSTOM_FORMAT, ParsedNotice, parse_message
+from elastic_runtime.maintenance.intake import InstanceMatcher, NoticeIntake
+from elastic_runtime.maintenance.metadata import MetadataUnavailable, MetadataWatcher
+from elastic_runtime.maintenance.source import BusContext, DispatchTracker, SourceContext
 
 if TYPE_CHECKING:
-    from runtime.maintenance.pubsub import PubSubListener, StreamBroken
+    from elastic_runtime.maintenance.pubsub import PubSubListener, StreamBroken
 
 __all__ = [
     "CUSTOM_FORMAT",
@@ -34,7 +34,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("PubSubListener", "StreamBroken"):
-        from runtime.maintenance import pubsub
+        from elastic_runtime.maintenance import pubsub
 
         return getattr(pubsub, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,7 @@ Three formats arrive on a Pub/Sub subscription, told apart by their shape:
   ``preempted``, ``host_error``; times are RFC 3339 strings with a zone, or epoch seconds; only ``format``,
   ``event`` and ``instance`` are required.
 
-Every parser raises :class:`~runtime.core.errors.NoticeMalformed` with the JSON path of the first bad value
+Every parser raises :class:`~elastic_runtime.core.errors.NoticeMalformed` with the JSON path of the first bad value
 (``at $.protoPayload.metadata.windowStartTime``). A well-formed message that announces nothing we act on
 (a GKE security bulletin, a control-plane upgrade) parses to an empty list.
 """
@@ -33,8 +33,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from runtime.core.errors import NoticeMalformed
-from runtime.core.events import (
+from elastic_runtime.core.errors import NoticeMalformed
+from elastic_runtime.core.events import (
     HostError,
     MaintenanceCompleted,
     MaintenanceScheduled,

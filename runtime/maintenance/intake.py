@@ -28,8 +28,14 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from runtime.core.events import MaintenanceCompleted, MaintenanceScheduled, MaintenanceStarted, Notice, NoticeIgnored
-from runtime.maintenance.formats import ParsedNotice
+from elastic_runtime.core.events import (
+    MaintenanceCompleted,
+    MaintenanceScheduled,
+    MaintenanceStarted,
+    Notice,
+    NoticeIgnored,
+)
+from elastic_runtime.maintenance.formats import ParsedNotice
 
 __all__ = ["InstanceMatcher", "NoticeIntake"]
 

@@ -37,8 +37,8 @@ import anyio.from_thread
 import anyio.lowlevel
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 
-from runtime.core.errors import ElasticRuntimeError, NoticeMalformed
-from runtime.core.events import (
+from elastic_runtime.core.errors import ElasticRuntimeError, NoticeMalformed
+from elastic_runtime.core.events import (
     Event,
     MaintenanceCompleted,
     MaintenanceStarted,
@@ -46,9 +46,9 @@ from runtime.core.events import (
     Notice,
     Preempted,
 )
-from runtime.maintenance.formats import ParsedNotice, parse_upcoming_maintenance
-from runtime.maintenance.intake import NoticeIntake
-from runtime.maintenance.source import DispatchTracker, SourceContext
+from elastic_runtime.maintenance.formats import ParsedNotice, parse_upcoming_maintenance
+from elastic_runtime.maintenance.intake import NoticeIntake
+from elastic_runtime.maintenance.source import DispatchTracker, SourceContext
 
 __all__ = [
     "DEFAULT_KEYS",

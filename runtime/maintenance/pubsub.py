@@ -34,12 +34,12 @@ import anyio.to_thread
 from google.cloud import pubsub_v1
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 
-from runtime.core.config import check_subscription
-from runtime.core.errors import ElasticRuntimeError, NoticeMalformed
-from runtime.core.events import Event, MalformedNotice
-from runtime.maintenance.formats import parse_message
-from runtime.maintenance.intake import NoticeIntake
-from runtime.maintenance.source import DispatchTracker, SourceContext
+from elastic_runtime.core.config import check_subscription
+from elastic_runtime.core.errors import ElasticRuntimeError, NoticeMalformed
+from elastic_runtime.core.events import Event, MalformedNotice
+from elastic_runtime.maintenance.formats import parse_message
+from elastic_runtime.maintenance.intake import NoticeIntake
+from elastic_runtime.maintenance.source import DispatchTracker, SourceContext
 
 __all__ = ["PubSubListener", "StreamBroken"]
 

@@ -1,9 +1,9 @@
 """What a notice source needs from its host, and how it learns that an event it published was handled.
 
 A source (the Pub/Sub listener, the metadata watcher) runs as a runtime component: ``run(ctx)`` in the
-runtime's task group, with the runtime's :class:`~runtime.core.context.RuntimeContext` as ``ctx``. It only needs
+runtime's task group, with the runtime's :class:`~elastic_runtime.core.context.RuntimeContext` as ``ctx``. It only needs
 the small part of it named by :class:`SourceContext`, which :class:`BusContext` also provides over a bare
-:class:`~runtime.core.bus.EventBus` (for ``elastic-runtime listen``, which trains nothing).
+:class:`~elastic_runtime.core.bus.EventBus` (for ``elastic-runtime listen``, which trains nothing).
 
 A Pub/Sub message may be acknowledged only once its event was handled. The bus dispatches one event at a
 time, to its handlers in priority order, so a handler subscribed at the lowest priority runs after every
@@ -16,8 +16,8 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
-from runtime.core.bus import EventBus, Handler, Subscription
-from runtime.core.events import Event, MalformedNotice, Notice, NoticeIgnored
+from elastic_runtime.core.bus import EventBus, Handler, Subscription
+from elastic_runtime.core.events import Event, MalformedNotice, Notice, NoticeIgnored
 
 __all__ = ["LAST", "BusContext", "DispatchTracker", "SourceContext"]
 

@@ -1,5 +1,5 @@
 """Tools for demos and tests: fault injection and the demo model. Not on any production path."""
 
-from runtime.testing.faults import FaultInjector, FaultSchedule
+from elastic_runtime.testing.faults import FaultInjector, FaultSchedule
 
 __all__ = ["FaultInjector", "FaultSchedule"]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from runtime.core.job import TrainJob
+from elastic_runtime.core.job import TrainJob
 
 State = dict[str, dict[str, Any]]
 

@@ -17,8 +17,8 @@ from typing import TypeVar
 
 from jax.errors import JaxRuntimeError
 
-from runtime.core.runtime import Runtime
-from runtime.faults.grammar import Fault, parse_faults
+from elastic_runtime.core.runtime import Runtime
+from elastic_runtime.faults.grammar import Fault, parse_faults
 
 R = TypeVar("R", bound=Runtime)
 
@@ -119,7 +119,7 @@ class FaultInjector:
 class FaultSchedule:
     """A list of faults and repairs, by step or by time, applied to a :class:`FaultInjector`.
 
-    Text form: the device actions of the fault grammar (``runtime.faults.grammar``), comma-separated
+    Text form: the device actions of the fault grammar (``elastic_runtime.faults.grammar``), comma-separated
     ``ACTION:TARGET@WHEN``: ACTION is lose-slice, lose-device, repair-slice or repair-device; TARGET an index
     or ``random`` (lose: a slice or device not yet lost; repair: the oldest random loss); WHEN a step
     (``120``) or seconds of training (``90s``). Example: ``lose-slice:3@100,repair-slice:3@200``.
@@ -136,7 +136,7 @@ class FaultSchedule:
 
     @classmethod
     def parse(cls, text: str, *, slice_size: int, devices: int, seed: int = 0) -> FaultSchedule:
-        """Parse the device actions of the fault grammar (``runtime.faults.grammar``). Raises ValueError
+        """Parse the device actions of the fault grammar (``elastic_runtime.faults.grammar``). Raises ValueError
         naming the item that is wrong."""
         return cls(parse_faults(text, kinds=("device",)), slice_size=slice_size, devices=devices, seed=seed)
 

@@ -1,9 +1,9 @@
 """The GCS emulator (``gcp-storage-emulator`` from PyPI) on a free loopback port, for tests and the demo.
 
 The emulator serves one connection at a time, so a client's idle keep-alive connection stalls every other
-client for about a second; a threaded pass-through :class:`~runtime.testing.faultproxy.FaultProxy` in front
+client for about a second; a threaded pass-through :class:`~elastic_runtime.testing.faultproxy.FaultProxy` in front
 of it opens one upstream connection per request, which keeps parallel transfers (and several processes)
-parallel. Clients reach it through ``STORAGE_EMULATOR_HOST`` (``storage.gcs.make_client``).
+parallel. Clients reach it through ``STORAGE_EMULATOR_HOST`` (``elastic_runtime.storage.gcs.make_client``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.testing.faultproxy import FaultProxy
+from elastic_runtime.testing.faultproxy import FaultProxy
 
 __all__ = ["EMULATOR", "RunningEmulator", "free_port", "running_emulator"]
 

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime.core.job import StepFn, TrainJob
-from runtime.core.mesh import ProcessMesh
-from runtime.testing.demo_model import TeacherData, init_state
+from elastic_runtime.core.job import StepFn, TrainJob
+from elastic_runtime.core.mesh import ProcessMesh
+from elastic_runtime.testing.demo_model import TeacherData, init_state
 
 AXES = {"data": -1, "fsdp": -1, "tensor": 1}
 _PARAMS = {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P("fsdp", None)}

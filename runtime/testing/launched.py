@@ -10,9 +10,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from runtime.core.errors import EventLogError
-from runtime.core.eventlog import read_events
-from runtime.core.events import Event, StepCompleted, WorkerStarted
+from elastic_runtime.core.errors import EventLogError
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import Event, StepCompleted, WorkerStarted
 
 __all__ = [
     "GLOO_ABORT",
@@ -33,9 +33,19 @@ GLOO_ABORT = "Received data size doesn't match expected size"
 def launch(
     run_dir: Path, worker: list[str], *extra: str, nprocs: int, step_delay_s: float = 0.0
 ) -> subprocess.Popen[bytes]:
-    """Start ``python -m runtime.cli launch --nprocs N --run-dir RUN_DIR --result RUN_DIR/final EXTRA -- WORKER``."""
+    """Start ``python -m elastic_runtime.cli launch --nprocs N --run-dir RUN_DIR --result RUN_DIR/final EXTRA --
+    WORKER``."""
     env = dict(os.environ, ELASTIC_STEP_DELAY_S=str(step_delay_s))
-    command = [sys.executable, "-m", "runtime.cli", "launch", "--nprocs", str(nprocs), "--run-dir", str(run_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_runtime.cli",
+        "launch",
+        "--nprocs",
+        str(nprocs),
+        "--run-dir",
+        str(run_dir),
+    ]
     command += ["--result", str(run_dir / "final"), *extra, "--", *worker]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

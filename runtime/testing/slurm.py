@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 
-from runtime.testing.hosts import SimulatedHosts
+from elastic_runtime.testing.hosts import SimulatedHosts
 
 __all__ = ["SlurmCluster", "SlurmMissing"]
 

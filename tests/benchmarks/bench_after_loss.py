@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import group_controller
-from runtime.core.eventlog import read_events
-from runtime.core.events import StepCompleted, WorkerKilled
-from runtime.faults.grammar import Fault
+from elastic_runtime.cli.demo_multiprocess import group_controller
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import StepCompleted, WorkerKilled
+from elastic_runtime.faults.grammar import Fault
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_goodput_multiprocess import abandoned_waits

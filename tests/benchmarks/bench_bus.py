@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 import numpy as np
 
-from runtime.core.bus import EventBus
-from runtime.core.eventlog import EventLog
-from runtime.core.events import StepCompleted
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.eventlog import EventLog
+from elastic_runtime.core.events import StepCompleted
 
 
 async def throughput(events: int, log: EventLog | None) -> float:

@@ -48,8 +48,8 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from runtime.core.snapshot import HostSnapshot, RamTier  # noqa: E402
-from storage.disk import DiskTier  # noqa: E402
+from elastic_runtime.core.snapshot import HostSnapshot, RamTier  # noqa: E402
+from elastic_runtime.storage.disk import DiskTier  # noqa: E402
 
 
 def make_state(megabytes: int, leaves: int = 16) -> tuple[dict[str, jax.Array], dict[str, NamedSharding]]:

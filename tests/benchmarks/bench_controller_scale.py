@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.cluster.controller.membership import JoinReport, Membership
-from runtime.cluster.tiers import Tier
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupForming, WorkerLost
+from elastic_runtime.cluster.controller.membership import JoinReport, Membership
+from elastic_runtime.cluster.tiers import Tier
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupForming, WorkerLost
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
 from simworkers import Fleet, Loss, start_controller

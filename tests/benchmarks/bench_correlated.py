@@ -43,8 +43,9 @@ from typing import Any
 
 from bench_vs_torchft import spread  # (tests/benchmarks/, this script's folder)
 
-from runtime.core.eventlog import read_events
-from runtime.core.events import (
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import (
     GroupFormed,
     RecoveryStarted,
     StepCompleted,
@@ -52,8 +53,7 @@ from runtime.core.events import (
     WorkerKilled,
     WorkerStarted,
 )
-from runtime.testing.compare import compare_states
-from storage.disk import DiskTier
+from elastic_runtime.storage.disk import DiskTier
 
 NPROCS = 4
 RUN_TIMEOUT_S = 600.0
@@ -65,10 +65,27 @@ def load_average() -> str:
 
 def launch(run_dir: Path, args: argparse.Namespace, faults: list[str]) -> dict[str, Any]:
     """``elastic-runtime launch`` in a subprocess; its JSON summary (the last line it prints)."""
-    command = [sys.executable, "-m", "runtime.cli", "launch", "--nprocs", str(NPROCS), "--spares", str(args.spares)]
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_runtime.cli",
+        "launch",
+        "--nprocs",
+        str(NPROCS),
+        "--spares",
+        str(args.spares),
+    ]
     command += ["--run-dir", str(run_dir), "--result", str(run_dir / "final"), "--steps", str(args.steps)]
     command += [f"--fault={fault}" for fault in faults]
-    command += ["--", sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(args.steps)]
+    command += [
+        "--",
+        sys.executable,
+        "-m",
+        "elastic_runtime.cli.demo_multiprocess",
+        "--worker",
+        "--steps",
+        str(args.steps),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
     env["ELASTIC_STEP_DELAY_S"] = str(args.step_delay)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import group_controller
+from elastic_runtime.cli.demo_multiprocess import group_controller
 
 
 def cpu_s(usage: resource.struct_rusage) -> float:
@@ -49,7 +49,7 @@ def run_bare(nprocs: int, steps: int) -> tuple[float, float, float]:
     """The bare loop's processes: (0, their CPU, wall) for a run of ``steps``."""
     from bench_overhead_multiprocess import run_bare as bare_processes
 
-    from runtime.cli.demo_multiprocess import FEATURES, HIDDEN
+    from elastic_runtime.cli.demo_multiprocess import FEATURES, HIDDEN
 
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()

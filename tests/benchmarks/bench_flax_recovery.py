@@ -45,12 +45,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig, read_events  # noqa: E402
-from runtime.core.compiler import StepCompiler  # noqa: E402
-from runtime.core.events import LikelyMeshesReady, MeshReady  # noqa: E402
-from runtime.core.initial import abstract_state  # noqa: E402
-from runtime.core.same_shape import SameShape  # noqa: E402
-from runtime.testing import FaultInjector  # noqa: E402
+from elastic_runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig, read_events  # noqa: E402
+from elastic_runtime.core.compiler import StepCompiler  # noqa: E402
+from elastic_runtime.core.events import LikelyMeshesReady, MeshReady  # noqa: E402
+from elastic_runtime.core.initial import abstract_state  # noqa: E402
+from elastic_runtime.core.same_shape import SameShape  # noqa: E402
+from elastic_runtime.testing import FaultInjector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "flax_lm.py"
@@ -70,8 +70,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, {str(EXAMPLE.parent)!r})
 import flax_lm
-from runtime.core.compiler import shardings_for
-from runtime.core.mesh import MeshPolicy
+from elastic_runtime.core.compiler import shardings_for
+from elastic_runtime.core.mesh import MeshPolicy
 job = flax_lm.make_job(flax_lm.ModelConfig(), global_batch={GLOBAL_BATCH})
 mesh = MeshPolicy({{"data": 3, "model": 2}}, global_batch={GLOBAL_BATCH}, slice_size=2).fit(jax.devices()[:6])
 state_sharding = shardings_for(job.state_specs, mesh)

@@ -62,10 +62,10 @@ def child_runtime(steps: int, run_dir: str, fault_every: float, repair_after: fl
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, StepCompleted
-    from runtime.testing import FaultInjector
-    from runtime.testing.demo_model import demo_job
-    from runtime.testing.faults import FaultSchedule
+    from elastic_runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, StepCompleted
+    from elastic_runtime.testing import FaultInjector
+    from elastic_runtime.testing.demo_model import demo_job
+    from elastic_runtime.testing.faults import FaultSchedule
 
     policy = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=SLICE_SIZE)
     injector = FaultInjector()
@@ -91,9 +91,9 @@ def child_restart(steps: int, ckpt_dir: str, save_every: int, pipelined: bool = 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from runtime.core.compiler import shardings_for
-    from runtime.core.mesh import MeshPolicy
-    from runtime.testing.demo_model import demo_job
+    from elastic_runtime.core.compiler import shardings_for
+    from elastic_runtime.core.mesh import MeshPolicy
+    from elastic_runtime.testing.demo_model import demo_job
 
     job = demo_job()
     mesh = MeshPolicy({"data": 4, "model": 2}, global_batch=96).fit(jax.devices())

@@ -4,7 +4,7 @@ every worker, same model, same schedule. Not collected by pytest.
     .venv/bin/python tests/benchmarks/bench_goodput_multiprocess.py [--steps 5000] [--fault-every 60]
         [--rounds 3] [--durable-every 100] [--json]
 
-The jobs train the multi-process demo model (``runtime.cli.demo_multiprocess``) as ``elastic-runtime launch
+The jobs train the multi-process demo model (``elastic_runtime.cli.demo_multiprocess``) as ``elastic-runtime launch
 --nprocs 4`` (2 CPU devices a process, gloo on loopback) for ``--steps`` steps, and this script sends
 ``SIGKILL`` to one member worker (a different one each time) every ``--fault-every`` seconds of wall time:
 
@@ -62,9 +62,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, worker_command
-from runtime.core.eventlog import decode_event, read_events
-from runtime.core.events import GroupFormed, RecoveryCompleted, StepCompleted, WorkerStarted
+from elastic_runtime.cli.demo_multiprocess import FEATURES, HIDDEN, worker_command
+from elastic_runtime.core.eventlog import decode_event, read_events
+from elastic_runtime.core.events import GroupFormed, RecoveryCompleted, StepCompleted, WorkerStarted
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_overhead_multiprocess import run_bare, say, step_time
@@ -88,7 +88,16 @@ def members(events: list[Any]) -> list[int]:
 
 
 def launch(run_dir: Path, replicas: Path, steps: int, extra: list[str]) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "runtime.cli", "launch", "--nprocs", str(NPROCS), "--run-dir", str(run_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_runtime.cli",
+        "launch",
+        "--nprocs",
+        str(NPROCS),
+        "--run-dir",
+        str(run_dir),
+    ]
     command += ["--replica-dir", str(replicas), *extra, "--", *worker_command(steps)]
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir.parent / "launch.out", "ab") as out:

@@ -29,9 +29,9 @@ from typing import Any
 
 from bench_vs_torchft import burning  # (tests/benchmarks/, this script's folder)
 
-from runtime.cli.demo_multiprocess import run_group
-from runtime.core.eventlog import read_events
-from runtime.core.events import StepCompleted, WorkerHung, WorkerLost
+from elastic_runtime.cli.demo_multiprocess import run_group
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import StepCompleted, WorkerHung, WorkerLost
 
 NPROCS = 3
 STEP_DELAY_S = 0.05  # the demo's step takes milliseconds: stretched so a run lasts long enough to count

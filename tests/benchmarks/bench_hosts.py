@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, GroupForming, RunFinished, WorkerLost
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, GroupForming, RunFinished, WorkerLost
 
 HOSTS = 4
 LOSE_AT = 20
@@ -50,7 +50,16 @@ MODES = {"reform": [], "full_restart": ["--full-restart"], "fault_free": ["--no-
 
 def demo(run_dir: Path, mode: str) -> dict[str, Any]:
     """One multi-host demo run through the CLI; its JSON summary, with the phases from its event log."""
-    command = [sys.executable, "-m", "runtime.cli", "demo", "--hosts", str(HOSTS), "--lose-host-at", str(LOSE_AT)]
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_runtime.cli",
+        "demo",
+        "--hosts",
+        str(HOSTS),
+        "--lose-host-at",
+        str(LOSE_AT),
+    ]
     command += ["--json", "--verify", "--quiet", "--run-dir", str(run_dir), *MODES[mode]]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
     load = os.getloadavg()[0]

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from runtime.cluster.config import LaunchConfig
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, RunFinished
-from runtime.defaults import default_controller
+from elastic_runtime.cluster.config import LaunchConfig
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, RunFinished
+from elastic_runtime.defaults import default_controller
 
 SCRIPT = Path(__file__).resolve().parents[1] / "multiprocess" / "sharded_train.py"
 CONFIGS = {

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import run_group, worker_command
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, StateRestored, StepCompleted, WorkerKilled
-from runtime.faults.grammar import Fault
+from elastic_runtime.cli.demo_multiprocess import run_group, worker_command
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, StateRestored, StepCompleted, WorkerKilled
+from elastic_runtime.faults.grammar import Fault
 
 NPROCS = 3
 
@@ -78,7 +78,7 @@ def launch_cli(run_dir: Path, disk: Path, steps: int, extra: list[str]) -> int:
     command = [
         sys.executable,
         "-m",
-        "runtime.cli",
+        "elastic_runtime.cli",
         "launch",
         "--nprocs",
         str(NPROCS),

@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "maintenance"))
 from notices import log_entry
 from pubsub_emulator import PubSubEmulator
 
-from runtime.core.bus import EventBus
-from runtime.core.events import Notice
-from runtime.maintenance import BusContext, PubSubListener
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.events import Notice
+from elastic_runtime.maintenance import BusContext, PubSubListener
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

@@ -27,7 +27,7 @@ steps, ``kill -9`` of process 2 once step 15 is done and persistent/durable step
   own harness on the same mesh and step: ``local_copy(state)`` (device to host, this process's boxes),
   ``replica(...)`` and ``ReplicaFiles.save`` (which first waits for the previous replica write), and every 5
   steps the hand-off of the durable write (``ShardedStore.write`` of this process's part) to its thread, as
-  ``runtime.cluster.worker.training.train`` does. The training loop itself of ``ours`` is not instrumented.
+  ``elastic_runtime.cluster.worker.training.train`` does. The training loop itself of ``ours`` is not instrumented.
 
 Times: ``blocking_save_s`` is per step, the median over the steps of each process, then over the 4 processes;
 ``next_commit_s`` is from the kill (the controller's ``WorkerKilled``; for Orbax the line process 2 writes just
@@ -102,8 +102,8 @@ def worker_main(args: argparse.Namespace) -> None:
     note("connected")
     import numpy as np
 
-    from runtime.core.compiler import StepCompiler
-    from runtime.testing.demo_model import demo_job
+    from elastic_runtime.core.compiler import StepCompiler
+    from elastic_runtime.testing.demo_model import demo_job
 
     job = demo_job(global_batch=GLOBAL_BATCH, features=args.size, hidden=args.size)
     template = job.init()
@@ -160,7 +160,7 @@ class OrbaxSaver:
         import jax
         from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
 
-        from storage.shards import per_leaf
+        from elastic_runtime.storage.shards import per_leaf
 
         self.note = note
         self.persistent = Path(args.persistent_dir)
@@ -217,16 +217,16 @@ class OrbaxSaver:
 
 
 class OursSaver:
-    """What our worker's loop does per committed step (``runtime.cluster.worker.training.train``), timed: the
+    """What our worker's loop does per committed step (``elastic_runtime.cluster.worker.training.train``), timed: the
     local copy of this process's boxes, the replica handed to :class:`ReplicaFiles`, and every ``EVERY`` steps the
     durable part handed to its thread (skipped while the previous one runs, as
-    ``runtime.cluster.worker.durable.save_durable``)."""
+    ``elastic_runtime.cluster.worker.durable.save_durable``)."""
 
     def __init__(self, args: argparse.Namespace, template: Any, shardings: Any, mesh: Any) -> None:
         from concurrent.futures import Future, ThreadPoolExecutor
 
-        from storage.replicas import ReplicaFiles, run_identity
-        from storage.sharded import ShardedStore, writes
+        from elastic_runtime.storage.replicas import ReplicaFiles, run_identity
+        from elastic_runtime.storage.sharded import ShardedStore, writes
 
         self.process_id = args.process_id
         self.slice_size = PROCESSES // args.slices
@@ -245,8 +245,8 @@ class OursSaver:
         return True
 
     def save(self, step: int, state: Any) -> bool:
-        from storage.replicas import replica
-        from storage.shards import local_copy
+        from elastic_runtime.storage.replicas import replica
+        from elastic_runtime.storage.shards import local_copy
 
         snapshot = replica(step, step, local_copy(state), self.identity, generation=1)
         self.replicas.save(snapshot)
@@ -461,9 +461,9 @@ def case_ours(root: Path, size: int) -> dict[str, Any]:
     """Our runtime, as ``bench_slices.case_gcs`` (in place) but with the durable tier a local-disk folder."""
     from bench_slices import controller, first_commit_after, kill_time
 
-    from runtime.cli.demo_multiprocess import wipe_lost_replicas
-    from runtime.core.eventlog import read_events
-    from runtime.core.events import CheckpointCommitted, StepCompleted
+    from elastic_runtime.cli.demo_multiprocess import wipe_lost_replicas
+    from elastic_runtime.core.eventlog import read_events
+    from elastic_runtime.core.events import CheckpointCommitted, StepCompleted
 
     run_dir, durable, replicas = root / "run", root / "durable", Path(f"/dev/shm/{root.parent.name}-{root.name}")
     try:

@@ -38,9 +38,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, StepCompleted, read_events  # noqa: E402
-from runtime.core.compiler import StepCompiler  # noqa: E402
-from runtime.testing.demo_model import demo_job  # noqa: E402
+from elastic_runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, StepCompleted, read_events  # noqa: E402
+from elastic_runtime.core.compiler import StepCompiler  # noqa: E402
+from elastic_runtime.testing.demo_model import demo_job  # noqa: E402
 
 WARMUP = 20
 MODEL = {"global_batch": 96, "features": 256, "hidden": 2048}

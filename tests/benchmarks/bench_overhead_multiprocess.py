@@ -42,10 +42,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN, group_controller, worker_command
-from runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY, ENV_SPARE_STATES
-from runtime.core.eventlog import read_events
-from runtime.core.events import StepCompleted
+from elastic_runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN, group_controller, worker_command
+from elastic_runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY, ENV_SPARE_STATES
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import StepCompleted
 
 CONTENDERS = ("bare", "defaults", "malloc_kept", "fresh_states", "fresh_states_malloc_kept")
 # What each runtime contender changes in the launch config.
@@ -80,8 +80,8 @@ def bare_worker(args: argparse.Namespace) -> None:
     import jax
     import numpy as np
 
-    from runtime.core.compiler import StepCompiler
-    from runtime.testing.demo_model import demo_job
+    from elastic_runtime.core.compiler import StepCompiler
+    from elastic_runtime.testing.demo_model import demo_job
 
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -5,8 +5,8 @@
 ``make chaos-ray`` runs the elastic policy alone ``ROUNDS`` times (default 5): a node removed in each run, every
 run checked (it ends ok at the target, no committed step lost, every replica's final digest the same).
 
-One local multi-node Ray cluster for the whole run (``runtime.cluster.controller.ray_cluster.local_cluster``: a head
-without CPUs, where the controller runs beside the driver, and 4 one-CPU worker nodes, every process on
+One local multi-node Ray cluster for the whole run (``elastic_runtime.cluster.controller.ray_cluster.local_cluster``: a
+head without CPUs, where the controller runs beside the driver, and 4 one-CPU worker nodes, every process on
 127.0.0.1). Each run: the demo model (runtime/cli/demo_multiprocess.py) as 3 workers x 2 CPU devices, one
 Ray actor per node, 30 steps slowed to 0.3 s a step; once step 5 is committed, the node of worker 1 is removed
 (``Cluster.remove_node``: its raylet and actor processes killed), and a fresh node is added after the run so
@@ -46,15 +46,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import worker_command
-from runtime.cluster import auth
-from runtime.cluster.config import LaunchConfig, LaunchResult
-from runtime.cluster.controller import Controller
-from runtime.cluster.controller.ray_backend import RayPlacement
-from runtime.cluster.controller.ray_cluster import add_node, local_cluster, ray_session
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, StepCompleted, WorkerLost
-from runtime.defaults import ray_controller
+from elastic_runtime.cli.demo_multiprocess import worker_command
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.config import LaunchConfig, LaunchResult
+from elastic_runtime.cluster.controller import Controller
+from elastic_runtime.cluster.controller.ray_backend import RayPlacement
+from elastic_runtime.cluster.controller.ray_cluster import add_node, local_cluster, ray_session
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, StepCompleted, WorkerLost
+from elastic_runtime.defaults import ray_controller
 
 NPROCS = 3
 STEPS = 30

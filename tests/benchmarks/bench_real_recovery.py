@@ -36,11 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.analysis.goodput import goodput
-from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, LikelyMeshesReady, StepCompleted
-from runtime.faults.grammar import Fault
+from elastic_runtime.analysis.goodput import goodput
+from elastic_runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, LikelyMeshesReady, StepCompleted
+from elastic_runtime.faults.grammar import Fault
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = {  # name -> (strategy, environment)

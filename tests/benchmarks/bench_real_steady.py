@@ -24,10 +24,10 @@ from typing import Any
 
 from bench_real_recovery import command
 
-from runtime.cli.demo_multiprocess import group_controller
-from runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY, ENV_SPARE_STATES
-from runtime.core.eventlog import read_events
-from runtime.core.events import StepCompleted
+from elastic_runtime.cli.demo_multiprocess import group_controller
+from elastic_runtime.cluster.protocol import ENV_RETURN_FREED_MEMORY, ENV_SPARE_STATES
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import StepCompleted
 
 MODES = {"defaults": {}, "malloc_kept": {ENV_RETURN_FREED_MEMORY: "0"}, "fresh_states": {ENV_SPARE_STATES: "0"}}
 

@@ -32,10 +32,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig, TrainJob, read_events  # noqa: E402
-from runtime.core.compiler import shardings_for  # noqa: E402
-from runtime.testing import FaultInjector  # noqa: E402
-from runtime.testing.demo_model import demo_job  # noqa: E402
+from elastic_runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig, TrainJob, read_events  # noqa: E402
+from elastic_runtime.core.compiler import shardings_for  # noqa: E402
+from elastic_runtime.testing import FaultInjector  # noqa: E402
+from elastic_runtime.testing.demo_model import demo_job  # noqa: E402
 
 POLICY = MeshPolicy({"data": 4, "model": 2}, global_batch=96, slice_size=2)
 FAULT_AT = 100
@@ -46,9 +46,9 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from runtime.core.compiler import shardings_for
-from runtime.testing.demo_model import demo_job
-from runtime.core.mesh import MeshPolicy
+from elastic_runtime.core.compiler import shardings_for
+from elastic_runtime.testing.demo_model import demo_job
+from elastic_runtime.core.mesh import MeshPolicy
 job = demo_job()
 mesh = MeshPolicy({"data": 3, "model": 2}, global_batch=96, slice_size=2).fit(jax.devices()[:6])
 state_sharding = shardings_for(job.state_specs, mesh)

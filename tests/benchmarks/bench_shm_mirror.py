@@ -30,8 +30,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from runtime.core.snapshot import HostSnapshot  # noqa: E402
-from storage.disk import DiskTier  # noqa: E402
+from elastic_runtime.core.snapshot import HostSnapshot  # noqa: E402
+from elastic_runtime.storage.disk import DiskTier  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flax_lm.py"
 sys.path.insert(0, str(EXAMPLE.parent))
@@ -60,8 +60,8 @@ def measure(tiers: dict[str, DiskTier], tree: Any, repeats: int) -> dict[str, li
 
 def in_a_run(job: Any, steps: int, *, packed: bool) -> dict[str, float]:
     """Train with the mirror on; the mirror's tier in the layout asked for."""
-    import storage.cascade
-    from runtime import (
+    import elastic_runtime.storage.cascade
+    from elastic_runtime import (
         CheckpointCommitted,
         CheckpointSkipped,
         ElasticRuntime,
@@ -74,8 +74,8 @@ def in_a_run(job: Any, steps: int, *, packed: bool) -> dict[str, float]:
     def mirror_tier(root: str, *, name: str, **_: Any) -> DiskTier:
         return DiskTier(root, name=name, packed=packed, sync=not packed)
 
-    real = storage.cascade.DiskTier
-    storage.cascade.DiskTier = mirror_tier  # type: ignore[assignment, misc]  # the one tier built with ram_dir
+    real = elastic_runtime.storage.cascade.DiskTier
+    elastic_runtime.storage.cascade.DiskTier = mirror_tier  # type: ignore[assignment, misc]  # the one tier built with ram_dir
     try:
         with tempfile.TemporaryDirectory() as run_dir, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
             config = RuntimeConfig(run_dir=run_dir, ram_dir=shm, checkpoint_dir="")
@@ -83,7 +83,7 @@ def in_a_run(job: Any, steps: int, *, packed: bool) -> dict[str, float]:
             ElasticRuntime(job, config=config, mesh_policy=policy).run(steps)
             events = read_events(Path(run_dir) / "events.jsonl")
     finally:
-        storage.cascade.DiskTier = real  # type: ignore[misc]
+        elastic_runtime.storage.cascade.DiskTier = real  # type: ignore[misc]
     newest, behind = 0, []
     for event in events:
         if isinstance(event, CheckpointCommitted):

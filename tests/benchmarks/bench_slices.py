@@ -43,16 +43,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas, worker_command
-from runtime.cluster.protocol import ENV_STEP_DELAY_S
-from runtime.core.errors import RecoveryError
-from runtime.core.eventlog import read_events
-from runtime.core.events import CheckpointCommitted, RunStarted, StateRestored, StepCompleted, WorkerKilled
-from runtime.faults.grammar import Fault
-from runtime.testing.compare import compare_states
-from runtime.testing.gcs_emulator import running_emulator
-from storage.disk import DiskTier
-from storage.gcs import make_client, parse_gs_uri
+from elastic_runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas, worker_command
+from elastic_runtime.cluster.protocol import ENV_STEP_DELAY_S
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.errors import RecoveryError
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import CheckpointCommitted, RunStarted, StateRestored, StepCompleted, WorkerKilled
+from elastic_runtime.faults.grammar import Fault
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.gcs import make_client, parse_gs_uri
+from elastic_runtime.testing.gcs_emulator import running_emulator
 
 STEPS, KILL_AT, EVERY = 30, 15, 5
 CASES = ("slices", "gcs_in_place", "gcs_neighbours", "gcs_full_restart")

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from runtime.core.events import GroupForming, StepCompleted, WorkerStarted
+from elastic_runtime.core.events import GroupForming, StepCompleted, WorkerStarted
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_goodput_multiprocess import NPROCS, launched

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import FEATURES, HIDDEN
-from runtime.core.events import StepCompleted
+from elastic_runtime.cli.demo_multiprocess import FEATURES, HIDDEN
+from elastic_runtime.core.events import StepCompleted
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_goodput_multiprocess import NPROCS, launched

@@ -6,7 +6,7 @@
 The model and data of ``elastic-runtime demo --processes 3`` (runtime/cli/demo_multiprocess.py): an MLP
 128 -> 512 (GELU) -> 1 learning a fixed teacher network, global batch 96, momentum SGD (lr 0.002, beta 0.9),
 numpy-generated inputs, targets and initial weights; this file generates them again for TorchFT and checks
-they equal runtime.testing.demo_model's.
+they equal elastic_runtime.testing.demo_model's.
 
 - **ours**: the controller API as tests/benchmarks/bench_multiprocess.py uses it (3 worker processes x 2 CPU
   devices, gloo, one warm spare, every default); the controller sends ``kill -9`` to process 1 once step 20
@@ -76,7 +76,7 @@ HEARTBEAT_MS = {"torchft_default": None, "torchft_1s": 1000}
 
 
 def teacher_batch(position: int) -> tuple[np.ndarray, np.ndarray]:
-    """The global batch at ``position``: runtime.testing.demo_model.TeacherData's, for the demo's sizes."""
+    """The global batch at ``position``: elastic_runtime.testing.demo_model.TeacherData's, for the demo's sizes."""
     teacher = np.random.default_rng([SEED, 2**31 - 1])
     w = teacher.standard_normal((FEATURES, TEACHER_HIDDEN)).astype(np.float32) / np.sqrt(FEATURES)
     v = teacher.standard_normal((TEACHER_HIDDEN, 1)).astype(np.float32) / np.sqrt(TEACHER_HIDDEN)
@@ -86,7 +86,7 @@ def teacher_batch(position: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def initial_params() -> dict[str, np.ndarray]:
-    """runtime.testing.demo_model.init_state's parameters (momentum starts at zero)."""
+    """elastic_runtime.testing.demo_model.init_state's parameters (momentum starts at zero)."""
     rng = np.random.default_rng(SEED)
     return {
         "w1": (rng.standard_normal((FEATURES, HIDDEN)) / np.sqrt(FEATURES)).astype(np.float32),
@@ -97,7 +97,7 @@ def initial_params() -> dict[str, np.ndarray]:
 
 def check_same_data() -> None:
     """Fails unless this file's data and initial weights are the demo's, bit for bit."""
-    from runtime.testing.demo_model import TeacherData, init_state
+    from elastic_runtime.testing.demo_model import TeacherData, init_state
 
     ours = TeacherData(global_batch=GLOBAL_BATCH, features=FEATURES, seed=SEED)
     for position in (0, 1, KILL_AT, 1000):
@@ -156,10 +156,10 @@ def median_interval(times: list[float]) -> float:
 
 def run_ours(run_dir: Path, *, kill: bool) -> dict[str, Any]:
     """One run of the demo group through the controller; measured from its event log."""
-    from runtime.cli.demo_multiprocess import run_group
-    from runtime.core.eventlog import read_events
-    from runtime.core.events import GroupFormed, StepCompleted, WorkerExited, WorkerKilled, WorkerLost
-    from runtime.faults.grammar import Fault
+    from elastic_runtime.cli.demo_multiprocess import run_group
+    from elastic_runtime.core.eventlog import read_events
+    from elastic_runtime.core.events import GroupFormed, StepCompleted, WorkerExited, WorkerKilled, WorkerLost
+    from elastic_runtime.faults.grammar import Fault
 
     faults = [Fault("kill", VICTIM, step=KILL_AT)] if kill else []
     result = run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, faults=faults)
@@ -201,8 +201,8 @@ def run_ours(run_dir: Path, *, kill: bool) -> dict[str, Any]:
 
 
 def ours_exact(run_dir: Path, reference_dir: Path) -> bool:
-    from runtime.testing.compare import compare_states
-    from storage.disk import DiskTier
+    from elastic_runtime.core.compare import compare_states
+    from elastic_runtime.storage.disk import DiskTier
 
     got, want = (DiskTier(path / "final").latest(None).tree for path in (run_dir, reference_dir))
     return bool(compare_states(got, want, bitwise=True)["match"])

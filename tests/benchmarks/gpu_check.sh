@@ -35,7 +35,7 @@ part() {  # part NAME SECONDS COMMAND...: run one check under a time limit, its 
 }
 
 nvidia-smi -L
-part smoke 90 python3 -c 'import jax, orbax.checkpoint as ocp, runtime, runtime.core.snapshot
+part smoke 90 python3 -c 'import jax, orbax.checkpoint as ocp, elastic_runtime, elastic_runtime.core.snapshot
 print(jax.__version__, ocp.__version__, jax.devices())'
 part fused_copy_donation 120 python3 -m pytest -q -p no:cacheprovider tests/test_ram.py -k fused_step
 part checkpoint_4gib 180 python3 tests/benchmarks/bench_checkpoint.py --mb 4096 --repeats 3 --blocking-only --dir /tmp/ckpt

@@ -4,7 +4,7 @@ Not collected by pytest. Each round launches the demo job (``launch --nprocs 4 -
 steps run back to back, so the kill usually lands inside the step's all-reduce), waits for step 20, sleeps
 0-0.1 s, SIGKILLs a random member other than process 0's, lets the group recover for ``--settle`` seconds and
 stops the run with SIGTERM. A round counts as aborted when a lost survivor's log ends with gloo's abort
-(``runtime.testing.launched.GLOO_ABORT``: ``std::terminate`` in gloo's transport thread;
+(``elastic_runtime.testing.launched.GLOO_ABORT``: ``std::terminate`` in gloo's transport thread;
 docs/multiprocess.md, "JAX limits met"). ``--xla-flags`` alternates rounds between flag sets (comma separated;
 an empty item is the default), to try a change against the default in the same run.
 
@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from runtime.cli.demo_multiprocess import worker_command
-from runtime.core.events import GroupFormed, WorkerLost, WorkerStarted
-from runtime.testing import launched
+from elastic_runtime.cli.demo_multiprocess import worker_command
+from elastic_runtime.core.events import GroupFormed, WorkerLost, WorkerStarted
+from elastic_runtime.testing import launched
 
 
 def round_(run_dir: Path, settle_s: float) -> tuple[int, list[int], list[int]]:

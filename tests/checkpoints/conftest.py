@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from gcs_support import BUCKET, Emulator
 
-from runtime.testing.faultproxy import FaultProxy
-from runtime.testing.gcs_emulator import EMULATOR, running_emulator
+from elastic_runtime.testing.faultproxy import FaultProxy
+from elastic_runtime.testing.gcs_emulator import EMULATOR, running_emulator
 
 
 @pytest.fixture(scope="session")

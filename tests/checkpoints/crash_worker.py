@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 
-from runtime.core.snapshot import HostSnapshot
-from storage.disk import DiskTier
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.disk import DiskTier
 
 
 def state(step: int, arrays: int, size: int) -> dict[str, np.ndarray]:
@@ -33,7 +33,7 @@ def main() -> None:
         disk.save(snap(2, 48, 1 << 20), timeout=120)  # 192 MB in 48 files: long enough to be caught mid-write
         print("COMMITTED 2", flush=True)
     elif mode == "gcs":
-        from storage.gcs import GcsTier
+        from elastic_runtime.storage.gcs import GcsTier
 
         gcs = GcsTier(sys.argv[3], workers=4, request_timeout_s=120)
         first = disk.save(snap(1, 4, 1024), timeout=60)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runtime.testing.gcs_emulator import RunningEmulator
-from storage.gcs import make_client
+from elastic_runtime.storage.gcs import make_client
+from elastic_runtime.testing.gcs_emulator import RunningEmulator
 
 BUCKET = "ckpt"
 Emulator = RunningEmulator  # the emulator process, and ``url``: a pass-through proxy in front of it

@@ -16,8 +16,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, TrainJob  # noqa: E402
-from runtime.testing.demo_model import demo_job  # noqa: E402
+from elastic_runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, TrainJob  # noqa: E402
+from elastic_runtime.testing.demo_model import demo_job  # noqa: E402
 
 
 def job() -> TrainJob:

@@ -16,10 +16,10 @@ import pytest
 from gcs_support import client_for
 from tests_storage_helpers import snapshot
 
-from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, read_events
-from runtime.core.context import RuntimeContext
-from runtime.core.errors import ConfigError, StorageError
-from runtime.core.events import (
+from elastic_runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, read_events
+from elastic_runtime.core.context import RuntimeContext
+from elastic_runtime.core.errors import ConfigError, StorageError
+from elastic_runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
     CheckpointFailed,
@@ -30,13 +30,13 @@ from runtime.core.events import (
     StateRestored,
     StepCompleted,
 )
-from runtime.core.job import TrainJob
-from runtime.core.snapshot import HostSnapshot, RamTier
-from runtime.testing.demo_model import demo_job
-from runtime.testing.faultproxy import FaultProxy
-from storage.cascade import TieredCheckpointer
-from storage.disk import DiskTier
-from storage.gcs import GcsTier
+from elastic_runtime.core.job import TrainJob
+from elastic_runtime.core.snapshot import HostSnapshot, RamTier
+from elastic_runtime.storage.cascade import TieredCheckpointer
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.gcs import GcsTier
+from elastic_runtime.testing.demo_model import demo_job
+from elastic_runtime.testing.faultproxy import FaultProxy
 
 MESH = {"data": 4, "model": 2}
 

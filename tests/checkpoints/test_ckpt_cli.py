@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from tests_storage_helpers import snapshot
 
-from runtime.cli.main import main
-from storage.disk import DiskTier
-from storage.gcs import GcsTier
+from elastic_runtime.cli.main import main
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.gcs import GcsTier
 
 
 def test_list_and_verify_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,7 +51,9 @@ def test_console_script_exit_status(tmp_path: Path) -> None:
     DiskTier(tmp_path).save(snapshot(1), timeout=30)
     (DiskTier(tmp_path).path_of(1) / "state" / "_METADATA").write_text("{}")
     done = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "checkpoints", "verify", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-m", "elastic_runtime.cli", "checkpoints", "verify", str(tmp_path)],
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 1, done.stderr
     assert "_METADATA" in done.stdout

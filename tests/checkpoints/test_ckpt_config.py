@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.core.config import RuntimeConfig, load_config
-from runtime.core.errors import ConfigError
-from runtime.core.snapshot import RamTier
-from storage.cascade import TieredCheckpointer
+from elastic_runtime.core.config import RuntimeConfig, load_config
+from elastic_runtime.core.errors import ConfigError
+from elastic_runtime.core.snapshot import RamTier
+from elastic_runtime.storage.cascade import TieredCheckpointer
 
 
 def test_defaults_ram_and_disk_under_the_run_dir_gcs_off(tmp_path: Path) -> None:

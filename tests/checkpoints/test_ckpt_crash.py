@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from gcs_support import BUCKET, Emulator, client_for
 
-from runtime.testing.faultproxy import FaultProxy
-from storage import manifest as mf
-from storage.disk import DiskTier
-from storage.gcs import GcsTier
+from elastic_runtime.storage import manifest as mf
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.gcs import GcsTier
+from elastic_runtime.testing.faultproxy import FaultProxy
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 

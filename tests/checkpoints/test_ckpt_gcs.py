@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from gcs_support import client_for, small_state
 
-from runtime.core.snapshot import HostSnapshot
-from runtime.testing.faultproxy import FaultProxy
-from storage.disk import DiskTier
-from storage.gcs import GcsTier
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.gcs import GcsTier
+from elastic_runtime.testing.faultproxy import FaultProxy
 
 
 def _snapshot(step: int) -> HostSnapshot:
@@ -70,8 +70,8 @@ def test_resumable_uploads_commit_through_faults(
 def test_the_end_of_a_run_says_what_it_waits_for(
     tmp_path: Path, gcs_uri: str, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig
-    from runtime.testing.demo_model import demo_job
+    from elastic_runtime import ElasticRuntime, MeshPolicy, RuntimeConfig
+    from elastic_runtime.testing.demo_model import demo_job
 
     fault_proxy.rate, fault_proxy.faults, fault_proxy.slow_s = 1.0, ("slow",), 0.3  # every request held 0.3 s
     config = RuntimeConfig(run_dir=str(tmp_path), gcs_uri=gcs_uri, disk_every=1000, precompile=False)
@@ -80,7 +80,7 @@ def test_the_end_of_a_run_says_what_it_waits_for(
     assert runtime.checkpointer is not None and runtime.checkpointer.gcs is not None
     runtime.checkpointer.gcs._client = client_for(fault_proxy.url)
     runtime.checkpointer.report_every_s = 0.2
-    with caplog.at_level("WARNING", logger="storage.cascade"):
+    with caplog.at_level("WARNING", logger="elastic_runtime.storage.cascade"):
         result = runtime.run(3)
     waits = [r.getMessage() for r in caplog.records if "the run is over; waiting for" in r.getMessage()]
     assert waits, caplog.text

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.core.errors import CheckpointInvalid
-from storage import manifest as mf
+from elastic_runtime.core.errors import CheckpointInvalid
+from elastic_runtime.storage import manifest as mf
 
 
 def sample(path: str = "state/a/0") -> mf.Manifest:

@@ -15,10 +15,10 @@ import jax
 import numpy as np
 from gcs_support import Emulator, client_for
 
-from runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, read_events
-from runtime.analysis.goodput import INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION, goodput
-from runtime.testing.demo_model import demo_job
-from storage.gcs import GcsTier
+from elastic_runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, read_events
+from elastic_runtime.analysis.goodput import INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION, goodput
+from elastic_runtime.storage.gcs import GcsTier
+from elastic_runtime.testing.demo_model import demo_job
 
 WORKER = Path(__file__).with_name("resume_worker.py")
 STEPS = 200  # the slowed first process takes more than 10 s to get there: it is killed long before

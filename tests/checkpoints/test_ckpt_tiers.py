@@ -13,12 +13,12 @@ import pytest
 from gcs_support import BUCKET, small_state
 from tests_storage_helpers import snapshot
 
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
-from storage import manifest as mf
-from storage import pagecache
-from storage.disk import DiskTier
-from storage.gcs import GcsTier
-from storage.tier import CheckpointTier
+from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from elastic_runtime.storage import manifest as mf
+from elastic_runtime.storage import pagecache
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.gcs import GcsTier
+from elastic_runtime.storage.tier import CheckpointTier
 
 Corrupt = Callable[[int, str, Callable[[bytes], bytes]], None]  # (step, relative path, how)
 
@@ -36,7 +36,7 @@ def tier(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[CheckpointTier, Corrupt]]:
     if request.param != "gcs":
-        # shm: the /dev/shm mirror's tier, every array in one file (storage.packed), nothing fsynced.
+        # shm: the /dev/shm mirror's tier, every array in one file (elastic_runtime.storage.packed), nothing fsynced.
         # packed-on-disk: replica files on a disk. What is written is synced every 300 bytes here, in pieces of
         # 100 (256 and 64 MiB in use, storage/pagecache.py), so that a leaf's file is written in pieces.
         packed, sync = request.param != "disk", request.param != "shm"
@@ -206,8 +206,8 @@ def test_direct_writer_writes_what_orbax_writes(tmp_path: Path) -> None:
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from storage import orbax_layout
-    from storage.disk import save_orbax
+    from elastic_runtime.storage import orbax_layout
+    from elastic_runtime.storage.disk import save_orbax
 
     tree = {
         "params": {"w": np.arange(24, dtype=np.float32).reshape(2, 3, 4), "b": np.ones(3, np.float64)},

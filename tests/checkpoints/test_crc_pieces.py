@@ -13,14 +13,14 @@ import google_crc32c
 import numpy as np
 import pytest
 
-import storage
-from storage import manifest as mf
-from storage.disk import DiskTier
-from storage.replicas import ReplicaFiles, replica
+import elastic_runtime.storage
+from elastic_runtime.storage import manifest as mf
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.replicas import ReplicaFiles, replica
 
 
 class Recorder:
-    """google_crc32c as storage.manifest uses it, noting how many bytes each call was given."""
+    """google_crc32c as elastic_runtime.storage.manifest uses it, noting how many bytes each call was given."""
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
@@ -84,5 +84,8 @@ def test_a_replica_file_is_written_and_read_with_checksums_in_pieces(tmp_path: P
 
 def test_storage_checksums_only_through_the_pieces() -> None:
     """No other storage module calls google_crc32c itself (where one call could be given a whole array)."""
-    modules = [importlib.import_module(f"storage.{m.name}") for m in pkgutil.iter_modules(storage.__path__)]
-    assert [m.__name__ for m in modules if hasattr(m, "google_crc32c")] == ["storage.manifest"]
+    modules = [
+        importlib.import_module(f"elastic_runtime.storage.{m.name}")
+        for m in pkgutil.iter_modules(elastic_runtime.storage.__path__)
+    ]
+    assert [m.__name__ for m in modules if hasattr(m, "google_crc32c")] == ["elastic_runtime.storage.manifest"]

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from storage.lane import Lane
+from elastic_runtime.storage.lane import Lane
 
 
 def test_a_due_save_is_skipped_while_busy_and_a_requested_one_runs_next() -> None:

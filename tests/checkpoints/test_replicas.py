@@ -10,9 +10,16 @@ import pytest
 from gcs_support import small_state
 from jax.sharding import NamedSharding, PartitionSpec
 
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
-from storage.replicas import MAX_PINS, ReplicaFiles, device_replica, job_fingerprint, replica, run_identity
-from storage.shards import local_like
+from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
+from elastic_runtime.storage.replicas import (
+    MAX_PINS,
+    ReplicaFiles,
+    device_replica,
+    job_fingerprint,
+    replica,
+    run_identity,
+)
+from elastic_runtime.storage.shards import local_like
 
 
 def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> None:

@@ -10,10 +10,10 @@ import pytest
 from gcs_support import small_state
 from tests_storage_helpers import snapshot
 
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
-from runtime.core.restore import restore_newest, restore_step
-from runtime.core.snapshot import RamTier
-from storage.disk import DiskTier
+from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
+from elastic_runtime.core.restore import restore_newest, restore_step
+from elastic_runtime.core.snapshot import RamTier
+from elastic_runtime.storage.disk import DiskTier
 
 
 def ram_holding(step: int) -> RamTier:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gcs_support import small_state
 
-from runtime.core.snapshot import HostSnapshot
+from elastic_runtime.core.snapshot import HostSnapshot
 
 
 def snapshot(step: int) -> HostSnapshot:

@@ -12,12 +12,12 @@ import pytest
 from notices import upcoming
 from pubsub_support import Topic
 
-from runtime.cluster.config import LaunchConfig, LaunchError
-from runtime.cluster.controller.messages import take_notice
-from runtime.cluster.protocol import Hello, Noticed
-from runtime.core.eventlog import encode_event
-from runtime.core.events import Event, MaintenanceScheduled, MalformedNotice, NoticeIgnored
-from runtime.defaults import default_controller
+from elastic_runtime.cluster.config import LaunchConfig, LaunchError
+from elastic_runtime.cluster.controller.messages import take_notice
+from elastic_runtime.cluster.protocol import Hello, Noticed
+from elastic_runtime.core.eventlog import encode_event
+from elastic_runtime.core.events import Event, MaintenanceScheduled, MalformedNotice, NoticeIgnored
+from elastic_runtime.defaults import default_controller
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,12 +10,11 @@ import anyio
 import pytest
 from notices import upcoming
 
-from handlers.drain_host import HostDrains, save_when_asked
-from runtime.cluster.config import LaunchConfig
-from runtime.cluster.worker.instance import instance_name
-from runtime.cluster.worker.settings import WorkerSettings
-from runtime.core.errors import UnsupportedInMode
-from runtime.core.events import (
+from elastic_runtime.cluster.config import LaunchConfig
+from elastic_runtime.cluster.worker.instance import instance_name
+from elastic_runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.core.errors import UnsupportedInMode
+from elastic_runtime.core.events import (
     Event,
     MaintenanceCompleted,
     MaintenanceScheduled,
@@ -23,8 +22,9 @@ from runtime.core.events import (
     NoticeIgnored,
     SaveCheckpoint,
 )
-from runtime.maintenance.formats import parse_message
-from runtime.maintenance.intake import NoticeIntake
+from elastic_runtime.handlers.drain_host import HostDrains, save_when_asked
+from elastic_runtime.maintenance.formats import parse_message
+from elastic_runtime.maintenance.intake import NoticeIntake
 
 NOW = 1_000_000.0
 

@@ -29,10 +29,11 @@ from metadata_server import NO_NOTIFICATIONS, FakeMetadataServer
 from notices import rfc3339, upcoming
 from pubsub_support import Topic
 
-from runtime.cli.demo_multiprocess import run_group
-from runtime.cluster.controller.coordination import free_port
-from runtime.core.eventlog import read_events
-from runtime.core.events import (
+from elastic_runtime.cli.demo_multiprocess import run_group
+from elastic_runtime.cluster.controller.coordination import free_port
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import (
     GroupFormed,
     MaintenanceCompleted,
     MaintenanceScheduled,
@@ -40,9 +41,8 @@ from runtime.core.events import (
     StepCompleted,
     WorkerLost,
 )
-from runtime.testing.compare import compare_states
-from runtime.testing.hosts import SimulatedHosts
-from storage.disk import DiskTier
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.testing.hosts import SimulatedHosts
 
 # Minutes each (simulated hosts, a reference run): in `make test-heavy`, not `make test`.
 pytestmark = [pytest.mark.timeout(400), pytest.mark.heavy]
@@ -77,7 +77,7 @@ class HostsRun:
         env["ELASTIC_RUNTIME_TOKEN_FILE"] = str(token)
         address = f"{hosts.controller_address}:{free_port(hosts.controller_address)}"
         low = free_port(hosts.controller_address)
-        command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", address]
+        command = [sys.executable, "-m", "elastic_runtime.cli", "controller", "--listen", address]
         command += ["--nprocs", str(HOSTS), "--min-nprocs", str(HOSTS - 1), "--steps", str(STEPS)]
         command += ["--run-dir", str(self.run_dir), "--coordinator-ports", f"{low}-{low + 20}", *controller_args]
         with open(tmp_path / "controller.log", "wb") as log:
@@ -90,7 +90,7 @@ class HostsRun:
         }
 
     def start(self, host: int, worker_id: int, **env: str) -> None:
-        worker = [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
+        worker = [sys.executable, "-m", "elastic_runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
         env_k = self.worker_env | {"ELASTIC_WORKER_ID": str(worker_id)} | env
         self.hosts.start(host, worker, env_k, self.tmp_path / f"worker-{worker_id}.log")
 

@@ -44,7 +44,7 @@ def test_listen_prints_one_line_per_notice(topic: Topic) -> None:
 
 
 def test_listen_refuses_a_bad_subscription(capsys: pytest.CaptureFixture[str]) -> None:
-    from runtime.cli.main import main
+    from elastic_runtime.cli.main import main
 
     assert main(["listen", "--subscription", "my-subscription"]) == 2
     assert "projects/P/subscriptions/S" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import pytest
 from metadata_server import FakeMetadataServer
 from pubsub_support import Topic
 
-from runtime import (
+from elastic_runtime import (
     CheckpointCommitted,
     Drain,
     ElasticRuntime,
@@ -33,7 +33,7 @@ from runtime import (
     SaveCheckpoint,
     read_events,
 )
-from runtime.testing.demo_model import demo_job
+from elastic_runtime.testing.demo_model import demo_job
 
 pytestmark = pytest.mark.anyio
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.core.errors import NoticeMalformed
-from runtime.core.events import (
+from elastic_runtime.core.errors import NoticeMalformed
+from elastic_runtime.core.events import (
     HostError,
     MaintenanceCompleted,
     MaintenanceScheduled,
@@ -21,14 +21,14 @@ from runtime.core.events import (
     Notice,
     Preempted,
 )
-from runtime.maintenance.formats import (
+from elastic_runtime.maintenance.formats import (
     parse_custom,
     parse_gke_notification,
     parse_log_entry,
     parse_message,
     parse_upcoming_maintenance,
 )
-from runtime.maintenance.intake import InstanceMatcher, NoticeIntake
+from elastic_runtime.maintenance.intake import InstanceMatcher, NoticeIntake
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

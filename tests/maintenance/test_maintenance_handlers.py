@@ -12,10 +12,10 @@ from typing import Any
 import anyio
 import pytest
 
-from handlers.maintenance import DrainScheduler, devices_of
-from runtime.core.config import RuntimeConfig
-from runtime.core.errors import MeshUnavailable
-from runtime.core.events import Drain, MaintenanceCompleted
+from elastic_runtime.core.config import RuntimeConfig
+from elastic_runtime.core.errors import MeshUnavailable
+from elastic_runtime.core.events import Drain, MaintenanceCompleted
+from elastic_runtime.handlers.maintenance import DrainScheduler, devices_of
 
 pytestmark = pytest.mark.anyio
 

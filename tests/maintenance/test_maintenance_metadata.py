@@ -9,8 +9,8 @@ import anyio
 import pytest
 from metadata_server import NO_NOTIFICATIONS, FakeMetadataServer
 
-from runtime.core.bus import EventBus
-from runtime.core.events import (
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.events import (
     Event,
     MaintenanceCompleted,
     MaintenanceScheduled,
@@ -19,8 +19,8 @@ from runtime.core.events import (
     Notice,
     Preempted,
 )
-from runtime.maintenance import BusContext, MetadataWatcher, NoticeIntake
-from runtime.maintenance.metadata import NoticeTracker
+from elastic_runtime.maintenance import BusContext, MetadataWatcher, NoticeIntake
+from elastic_runtime.maintenance.metadata import NoticeTracker
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import pytest
 from pubsub_emulator import PubSubEmulator
 from pubsub_support import Topic, make_topic
 
-from runtime.core.bus import EventBus
-from runtime.core.events import (
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.events import (
     Event,
     HostError,
     MaintenanceCompleted,
@@ -26,7 +26,7 @@ from runtime.core.events import (
     Notice,
     Preempted,
 )
-from runtime.maintenance import BusContext, NoticeIntake, PubSubListener
+from elastic_runtime.maintenance import BusContext, NoticeIntake, PubSubListener
 
 pytestmark = pytest.mark.anyio
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 
-from runtime.cluster.auth import Answer, Challenge
-from runtime.cluster.protocol import Finished, Heartbeat, Hello, Joined, encode
+from elastic_runtime.cluster.auth import Answer, Challenge
+from elastic_runtime.cluster.protocol import Finished, Heartbeat, Hello, Joined, encode
 
 _challenge = msgspec.json.Decoder(Challenge)
 

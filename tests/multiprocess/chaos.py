@@ -39,12 +39,12 @@ import jax
 import numpy as np
 from attacker import run_under_attack
 
-from runtime.cli.demo_multiprocess import group_controller, run_group, worker_command
-from runtime.cluster.config import LaunchConfig
-from runtime.cluster.controller.runfolder import default_replica_dir
-from runtime.core.errors import RecoveryError
-from runtime.core.eventlog import read_events
-from runtime.core.events import (
+from elastic_runtime.cli.demo_multiprocess import group_controller, run_group, worker_command
+from elastic_runtime.cluster.config import LaunchConfig
+from elastic_runtime.cluster.controller.runfolder import default_replica_dir
+from elastic_runtime.core.errors import RecoveryError
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import (
     GroupFormed,
     RunFinished,
     StateRestored,
@@ -53,9 +53,9 @@ from runtime.core.events import (
     WorkerLost,
     WorkerSignalled,
 )
-from runtime.faults.grammar import Fault
-from runtime.testing import launched
-from storage.disk import DiskTier
+from elastic_runtime.faults.grammar import Fault
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.testing import launched
 
 NPROCS = 3
 STEPS = 40

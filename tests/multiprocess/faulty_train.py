@@ -17,9 +17,9 @@ from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
-from runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN
-from runtime.cluster.worker import run_worker
-from runtime.testing.demo_model import demo_job
+from elastic_runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN
+from elastic_runtime.cluster.worker import run_worker
+from elastic_runtime.testing.demo_model import demo_job
 
 
 class FailingData:

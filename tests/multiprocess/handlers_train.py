@@ -22,10 +22,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import runtime as runtime_api
-from runtime import ElasticRuntime, Event, GroupFormed, MeshPolicy, RecoveryCompleted, StateRestored, WorkerLost
-from runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN
-from runtime.testing.demo_model import demo_job
+import elastic_runtime as runtime_api
+from elastic_runtime import ElasticRuntime, Event, GroupFormed, MeshPolicy, RecoveryCompleted, StateRestored, WorkerLost
+from elastic_runtime.cli.demo_multiprocess import FEATURES, GLOBAL_BATCH, HIDDEN
+from elastic_runtime.testing.demo_model import demo_job
 
 # Where the controller-side handler writes (set by the test in the controller's environment).
 ENV_CONTROLLER_OUT = "HANDLERS_TEST_CONTROLLER_OUT"

@@ -1,4 +1,4 @@
-"""The keyed model (``runtime.testing.keyed_model``) as a training script, for ``test_real_model_launch.py``.
+"""The keyed model (``elastic_runtime.testing.keyed_model``) as a training script, for ``test_real_model_launch.py``.
 Not collected.
 
     python tests/multiprocess/keyed_train.py --steps 30 [--trace-log FILE]
@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runtime import ElasticRuntime, MeshPolicy
-from runtime.testing.keyed_model import keyed_job
+from elastic_runtime import ElasticRuntime, MeshPolicy
+from elastic_runtime.testing.keyed_model import keyed_job
 
 
 def main() -> None:

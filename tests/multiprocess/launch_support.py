@@ -7,8 +7,8 @@ A module of its own, because ``from conftest import ...`` finds whichever confte
 from pathlib import Path
 from typing import Any
 
-from runtime.cli.demo_multiprocess import run_group
-from runtime.core.events import CheckpointCommitted, StepCompleted
+from elastic_runtime.cli.demo_multiprocess import run_group
+from elastic_runtime.core.events import CheckpointCommitted, StepCompleted
 
 # The runs compared with it must use the same: 3 worker processes x 2 CPU devices, 30 steps of the demo model.
 STEPS = 30

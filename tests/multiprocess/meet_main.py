@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-import runtime  # noqa: F401  # sets the collective timeout from ELASTIC_COLLECTIVE_TIMEOUT_S, before JAX starts
+import elastic_runtime  # noqa: F401  # sets the collective timeout from ELASTIC_COLLECTIVE_TIMEOUT_S, before JAX starts
 
 LATE_S = 4.0
 
@@ -22,8 +22,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from runtime.cluster.worker.group import leave_group, meet  # noqa: E402
-from runtime.compat.jax import distributed_state  # noqa: E402
+from elastic_runtime.cluster.worker.group import leave_group, meet  # noqa: E402
+from elastic_runtime.compat.jax import distributed_state  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator, num_processes=2, process_id=process_id)

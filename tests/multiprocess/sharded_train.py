@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from runtime import TrainJob
-from runtime.cluster.protocol import ENV_WORKER
-from runtime.cluster.worker import run_worker
+from elastic_runtime import TrainJob
+from elastic_runtime.cluster.protocol import ENV_WORKER
+from elastic_runtime.cluster.worker import run_worker
 
 COLUMNS = 1024
 FEATURES = 16
@@ -67,7 +67,7 @@ class GlobalRows:
 
 
 class Rows(GlobalRows):
-    """The same batches, each process reading only its rows (``runtime.core.job.ProcessBatches``)."""
+    """The same batches, each process reading only its rows (``elastic_runtime.core.job.ProcessBatches``)."""
 
     def rows(self, position: int, start: int, stop: int) -> dict[str, np.ndarray]:
         return _rows(position, start, stop)

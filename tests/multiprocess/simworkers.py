@@ -1,8 +1,8 @@
 """Simulated workers: thousands of them in one process, speaking the real protocol over loopback, without JAX.
 
 Each :class:`SimWorker` is one connection to a real controller (``elastic-runtime controller --listen``, the
-service mode): it proves the run's secret (``runtime.cluster.auth``), says ``Hello``, sends a ``Heartbeat`` every
-interval, answers ``Form`` with ``Joined`` and ``RestoreStep`` with ``Restored``, and counts steps on the clock
+service mode): it proves the run's secret (``elastic_runtime.cluster.auth``), says ``Hello``, sends a ``Heartbeat``
+every interval, answers ``Form`` with ``Joined`` and ``RestoreStep`` with ``Restored``, and counts steps on the clock
 once restored. A :class:`Fleet` runs them all on one asyncio loop: one timer sends every heartbeat (workers
 spread evenly over the interval, by id), so the loop holds no timer per connection. It can lose any set of
 workers at once (:meth:`Fleet.lose`: close the connection, go silent, or stop answering ``Form``), heal a
@@ -10,7 +10,7 @@ silent set, and bring replacements with new ids. Each worker records when it was
 benchmark (``tests/benchmarks/bench_controller_scale.py``) and the tests.
 
 The controller hosts no JAX coordination service for such a group when started with
-``ELASTIC_SIMULATED_WORKERS=1`` (``runtime.cluster.controller.coordination``).
+``ELASTIC_SIMULATED_WORKERS=1`` (``elastic_runtime.cluster.controller.coordination``).
 
 asyncio's protocols rather than anyio's streams: the load generator must cost far less than what it measures.
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from runtime.cluster import auth
-from runtime.cluster.controller.coordination import ENV_SIMULATED, free_port
-from runtime.cluster.protocol import (
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.controller.coordination import ENV_SIMULATED, free_port
+from elastic_runtime.cluster.protocol import (
     EXIT_REPLACE,
     Finished,
     Form,
@@ -45,8 +45,8 @@ from runtime.cluster.protocol import (
     decode_from_controller,
     encode,
 )
-from runtime.cluster.tiers import Tier
-from runtime.core.errors import AuthenticationFailed
+from elastic_runtime.cluster.tiers import Tier
+from elastic_runtime.core.errors import AuthenticationFailed
 
 __all__ = ["Fleet", "Loss", "SimWorker", "Told", "start_controller"]
 
@@ -368,7 +368,7 @@ def start_controller(
     JAX coordination service), logging to ``run_dir/controller.log``; it and its ``host:port`` once it listens.
     ``args``: more of its options. Raises RuntimeError if it does not come up within a minute."""
     port = free_port()
-    command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", f"127.0.0.1:{port}"]
+    command = [sys.executable, "-m", "elastic_runtime.cli", "controller", "--listen", f"127.0.0.1:{port}"]
     command += ["--nprocs", str(nprocs), "--heartbeat-interval", str(interval_s), "--run-dir", str(run_dir), *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
     env.update({auth.ENV_TOKEN: secret, ENV_SIMULATED: "1"})

@@ -25,19 +25,19 @@ import pytest
 from attacker import Attacker, run_under_attack
 from launch_support import NPROCS, STEPS
 
-from runtime.cli.demo_multiprocess import group_controller
-from runtime.cluster import auth
-from runtime.cluster.config import LaunchConfig
-from runtime.cluster.controller import Controller
-from runtime.cluster.controller.server import ReportLimiter
-from runtime.cluster.protocol import Hello, Stop, encode
-from runtime.cluster.worker import ControllerLink, connect
-from runtime.core.errors import AuthenticationFailed
-from runtime.core.eventlog import read_events
-from runtime.core.events import ConnectionRefused, Event, MalformedHeartbeat, WorkerExited, WorkerStarted
-from runtime.defaults import default_controller
-from runtime.faults.grammar import Fault
-from storage.disk import DiskTier
+from elastic_runtime.cli.demo_multiprocess import group_controller
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.config import LaunchConfig
+from elastic_runtime.cluster.controller import Controller
+from elastic_runtime.cluster.controller.server import ReportLimiter
+from elastic_runtime.cluster.protocol import Hello, Stop, encode
+from elastic_runtime.cluster.worker import ControllerLink, connect
+from elastic_runtime.core.errors import AuthenticationFailed
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import ConnectionRefused, Event, MalformedHeartbeat, WorkerExited, WorkerStarted
+from elastic_runtime.defaults import default_controller
+from elastic_runtime.faults.grammar import Fault
+from elastic_runtime.storage.disk import DiskTier
 
 # --- the handshake and the limiter, without processes ---------------------------------------------------
 

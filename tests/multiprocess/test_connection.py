@@ -17,12 +17,12 @@ import pytest
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from runtime.cluster import auth
-from runtime.cluster.controller.connection import MAX_MALFORMED, Connection
-from runtime.cluster.controller.processes import WorkerProcess
-from runtime.cluster.controller.server import Report, WorkerServer
-from runtime.cluster.lines import LineBuffer, LineTooLong
-from runtime.cluster.protocol import MAX_LINE, Heartbeat, Hello, Message, Stop, decode_from_controller, encode
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.controller.connection import MAX_MALFORMED, Connection
+from elastic_runtime.cluster.controller.processes import WorkerProcess
+from elastic_runtime.cluster.controller.server import Report, WorkerServer
+from elastic_runtime.cluster.lines import LineBuffer, LineTooLong
+from elastic_runtime.cluster.protocol import MAX_LINE, Heartbeat, Hello, Message, Stop, decode_from_controller, encode
 
 SECRET = "s3cret"
 

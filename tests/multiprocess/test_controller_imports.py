@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cli.demo_multiprocess import worker_command
+from elastic_runtime.cli.demo_multiprocess import worker_command
 
 # A launch through the CLI, then what the controller's process imported.
 PROBE = """
 import json, sys
-from runtime.cli.main import main
+from elastic_runtime.cli.main import main
 code = main(sys.argv[1:])
 print(json.dumps({"code": code, "jax": sorted(m for m in sys.modules if m == "jax" or m.startswith("jax."))}))
 """

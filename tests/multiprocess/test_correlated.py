@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 from launch_support import fault_free_final
 
-from runtime.cli.demo_multiprocess import run_group, worker_command
-from runtime.cluster.protocol import ENV_JAX_INIT_S, ENV_STEP_DELAY_S
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, RecoveryStarted, WorkerHung, WorkerKilled
-from runtime.faults.grammar import parse_faults
-from runtime.testing.compare import compare_states
-from storage.disk import DiskTier
+from elastic_runtime.cli.demo_multiprocess import run_group, worker_command
+from elastic_runtime.cluster.protocol import ENV_JAX_INIT_S, ENV_STEP_DELAY_S
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, RecoveryStarted, WorkerHung, WorkerKilled
+from elastic_runtime.faults.grammar import parse_faults
+from elastic_runtime.storage.disk import DiskTier
 
 STEPS = 24
 NPROCS = 4

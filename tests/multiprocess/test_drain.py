@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from runtime.cli.demo_multiprocess import run_group, worker_command
-from runtime.cluster.controller.runfolder import default_replica_dir
-from runtime.core.eventlog import read_events
-from runtime.core.events import CheckpointCommitted, RunFinished, StepCompleted
-from runtime.testing import launched
-from runtime.testing.compare import compare_states
-from storage.disk import DiskTier
+from elastic_runtime.cli.demo_multiprocess import run_group, worker_command
+from elastic_runtime.cluster.controller.runfolder import default_replica_dir
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import CheckpointCommitted, RunFinished, StepCompleted
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.testing import launched
 
 STEPS = 24
 NPROCS = 2

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, cast
 import anyio
 from test_supervisor import TARGET, Run
 
-from runtime.cluster.config import LaunchConfig, Strategy
-from runtime.cluster.controller.actions import file_cadence
-from runtime.cluster.controller.processes import WorkerProcess
-from runtime.cluster.controller.supervision import (
+from elastic_runtime.cluster.config import LaunchConfig, Strategy
+from elastic_runtime.cluster.controller.actions import file_cadence
+from elastic_runtime.cluster.controller.processes import WorkerProcess
+from elastic_runtime.cluster.controller.supervision import (
     DrainRequested,
     LeaveRequested,
     Readmitted,
@@ -22,13 +22,13 @@ from runtime.cluster.controller.supervision import (
     TopUpSpares,
     WorkerChanged,
 )
-from runtime.cluster.controller.workers import renew_leases
-from runtime.cluster.protocol import EXIT_REPLACE, Hello, Lease, Message, Stop
-from runtime.core.events import GroupFormed
+from elastic_runtime.cluster.controller.workers import renew_leases
+from elastic_runtime.cluster.protocol import EXIT_REPLACE, Hello, Lease, Message, Stop
+from elastic_runtime.core.events import GroupFormed
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.connection import Connection
-    from runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.connection import Connection
+    from elastic_runtime.cluster.controller.shell import Controller
 
 
 def hello(run: Run, worker: int, instance: str) -> None:

@@ -29,11 +29,12 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, wipe_lost_replicas
-from runtime.cluster.protocol import ENV_STEP_DELAY_S
-from runtime.core.errors import CheckpointInvalid, RecoveryError
-from runtime.core.eventlog import read_events
-from runtime.core.events import (
+from elastic_runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, wipe_lost_replicas
+from elastic_runtime.cluster.protocol import ENV_STEP_DELAY_S
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.errors import CheckpointInvalid, RecoveryError
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import (
     CheckpointCommitted,
     CheckpointCorrupt,
     StateRestored,
@@ -41,15 +42,14 @@ from runtime.core.events import (
     WorkerExited,
     WorkerLost,
 )
-from runtime.faults.grammar import Fault
-from runtime.testing.compare import compare_states
-from runtime.testing.demo_model import init_state
-from runtime.testing.gcs_emulator import running_emulator
-from storage import packed
-from storage.disk import DiskTier
-from storage.gcs import GcsTier, make_client, parse_gs_uri
-from storage.manifest import step_dirname
-from storage.sharded import ShardedStore
+from elastic_runtime.faults.grammar import Fault
+from elastic_runtime.storage import packed
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.gcs import GcsTier, make_client, parse_gs_uri
+from elastic_runtime.storage.manifest import step_dirname
+from elastic_runtime.storage.sharded import ShardedStore
+from elastic_runtime.testing.demo_model import init_state
+from elastic_runtime.testing.gcs_emulator import running_emulator
 
 STEPS = 30
 EVERY = 5
@@ -122,7 +122,8 @@ def run(
 
 def damage_lost_replicas(controller: Any, how: Damage) -> None:
     """A lost worker's replica files stay, each damaged (``how``), before the group re-forms: its shards must
-    come from elsewhere. A replica file holds every array of the process's shards (``storage.packed``)."""
+    come from elsewhere. A replica file holds every array of the process's shards
+    (``elastic_runtime.storage.packed``)."""
     done: set[Path] = set()  # a loss is reported twice (exited, lost); a second flip would undo the first
 
     async def damage(event: WorkerExited | WorkerLost, ctx: Any) -> None:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cli.demo_multiprocess import group_controller
-from runtime.cluster.controller.forkserver import ForkServer, forkable
-from runtime.cluster.controller.processes import descends_from, dying_with_controller, parent_of, state_of
-from runtime.core.events import WorkerStarted
+from elastic_runtime.cli.demo_multiprocess import group_controller
+from elastic_runtime.cluster.controller.forkserver import ForkServer, forkable
+from elastic_runtime.cluster.controller.processes import descends_from, dying_with_controller, parent_of, state_of
+from elastic_runtime.core.events import WorkerStarted
 
 SCRIPT = """\
 import os, sys, time
@@ -30,7 +30,7 @@ sys.exit(int(sys.argv[2]))
 
 
 def test_only_python_running_a_module_or_a_script_is_forked() -> None:
-    assert forkable(["/usr/bin/python3", "-m", "runtime.cli.demo_multiprocess", "--worker"])
+    assert forkable(["/usr/bin/python3", "-m", "elastic_runtime.cli.demo_multiprocess", "--worker"])
     assert forkable([".venv/bin/python", "train.py", "--steps", "3"])
     assert not forkable(["python", "-u", "train.py"])  # an interpreter option changes how it runs
     assert not forkable(["python", "-m"]) and not forkable(["python"])
@@ -107,8 +107,8 @@ def test_workers_get_a_process_group_of_their_own_in_the_controller_s_session(
 ) -> None:
     # A group of its own keeps a terminal's Ctrl-C off it; a session of its own would also give it an autogroup
     # of its own, which made the steps 1.25x slower on 2 busy cores (docs/benchmarks.md).
-    from runtime.cluster.config import LaunchConfig
-    from runtime.cluster.controller.processes import ProcessPool
+    from elastic_runtime.cluster.config import LaunchConfig
+    from elastic_runtime.cluster.controller.processes import ProcessPool
 
     script = tmp_path / "work.py"
     script.write_text(SCRIPT)

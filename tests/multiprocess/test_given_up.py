@@ -14,23 +14,23 @@ from typing import TYPE_CHECKING, cast
 import msgspec
 import pytest
 
-from runtime.cluster.controller.coordination import free_port, start_coordination_service
-from runtime.cluster.controller.standin import command
-from runtime.cluster.protocol import ENV_CONTROLLER, ENV_WORKER, Form, Lease, Stop
-from runtime.cluster.worker.forming import given_up
-from runtime.cluster.worker.group import join_group
-from runtime.cluster.worker.link import Inbound
-from runtime.cluster.worker.settings import WorkerSettings
-from runtime.compat import jax as jax_compat
+from elastic_runtime.cluster.controller.coordination import free_port, start_coordination_service
+from elastic_runtime.cluster.controller.standin import command
+from elastic_runtime.cluster.protocol import ENV_CONTROLLER, ENV_WORKER, Form, Lease, Stop
+from elastic_runtime.cluster.worker.forming import given_up
+from elastic_runtime.cluster.worker.group import join_group
+from elastic_runtime.cluster.worker.link import Inbound
+from elastic_runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.compat import jax as jax_compat
 
 if TYPE_CHECKING:
-    from runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.loop import Worker
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_a_member_leaves_a_generation_given_up_and_stand_ins_end_its_wait(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="runtime.cluster.worker.group")
+    caplog.set_level(logging.INFO, logger="elastic_runtime.cluster.worker.group")
     port = free_port()
     service = start_coordination_service("127.0.0.1", port, 3)
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -26,12 +27,19 @@ from typing import Any
 import pytest
 from launch_support import NPROCS, STEPS
 
-from runtime.cli.demo_multiprocess import run_group
-from runtime.cluster.controller.named_handlers import load_handler
-from runtime.core.errors import ConfigError
-from runtime.core.eventlog import read_events
-from runtime.core.events import CheckpointCommitted, GroupFormed, HandlerFailed, StateRestored, StateTransformed
-from runtime.faults.grammar import parse_faults
+from elastic_runtime.cli.demo_multiprocess import run_group
+from elastic_runtime.cluster.controller.named_handlers import load_handler, script_folder
+from elastic_runtime.core.errors import ConfigError
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import (
+    CheckpointCommitted,
+    Event,
+    GroupFormed,
+    HandlerFailed,
+    StateRestored,
+    StateTransformed,
+)
+from elastic_runtime.faults.grammar import parse_faults
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "handlers_train.py"
@@ -113,7 +121,7 @@ def test_abort_ends_the_run_and_an_impossible_request_is_a_handler_failure(tmp_p
     current folder."""
     out = tmp_path / "handlers"
     out.mkdir()
-    command = [sys.executable, "-m", "runtime.cli", "launch", "--nprocs", "2", "--steps", "10"]
+    command = [sys.executable, "-m", "elastic_runtime.cli", "launch", "--nprocs", "2", "--steps", "10"]
     command += ["--run-dir", str(tmp_path / "run"), "--handlers", "handlers_train:count_on_controller"]
     command += ["--", sys.executable, str(SCRIPT), "--steps", "10", "--out", str(out), "--abort"]
     command += ["--checkpoint-on", "GroupFormed"]
@@ -151,3 +159,28 @@ def test_a_named_handler_that_cannot_be_loaded_is_a_config_error(spec: str, why:
 def test_a_named_handler_is_subscribed_for_its_annotated_event_types() -> None:
     kinds, handler = load_handler("handlers_train:count_on_controller")
     assert kinds == (GroupFormed, StateRestored) and handler.__name__ == "count_on_controller"
+
+
+def test_a_named_handler_is_found_beside_the_script_first_and_its_errors_name_the_file(tmp_path: Path) -> None:
+    """A user's ``handlers.py`` beside the training script, not the library's handlers (nor one elsewhere on the
+    path): before, ``--handlers handlers:on_lost`` loaded the library's package and said only ``has no on_lost``."""
+    (tmp_path / "handlers.py").write_text("async def on_lost(event, ctx):\n    pass\n")
+    sys.modules.pop("handlers", None)
+    try:
+        kinds, handler = load_handler("handlers:on_lost", first=[str(tmp_path)])
+        assert kinds == (Event,) and handler.__module__ == "handlers"
+        assert sys.modules["handlers"].__file__ == str(tmp_path / "handlers.py")
+        with pytest.raises(
+            ConfigError, match=re.escape(f"(handlers from {tmp_path / 'handlers.py'}): handlers has no other")
+        ):
+            load_handler("handlers:other", first=[str(tmp_path)])
+    finally:
+        sys.modules.pop("handlers", None)
+        sys.path.remove(str(tmp_path))
+
+
+def test_the_script_folder_is_the_first_py_file_the_command_runs(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert script_folder([sys.executable, "-u", str(script), "--steps", "3"]) == str(tmp_path)
+    assert script_folder([sys.executable, "-m", "elastic_runtime.cli.demo_multiprocess"]) is None

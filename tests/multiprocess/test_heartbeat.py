@@ -6,8 +6,15 @@ import math
 
 import pytest
 
-from runtime.cluster.controller.heartbeat import HeartbeatMonitor, Hung, Lost, Straggling, UnknownWorker, verdict_event
-from runtime.core.events import Straggler, WorkerHung, WorkerLost
+from elastic_runtime.cluster.controller.heartbeat import (
+    HeartbeatMonitor,
+    Hung,
+    Lost,
+    Straggling,
+    UnknownWorker,
+    verdict_event,
+)
+from elastic_runtime.core.events import Straggler, WorkerHung, WorkerLost
 
 
 class FakeClock:

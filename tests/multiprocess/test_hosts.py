@@ -1,4 +1,5 @@
-"""The controller as a service for workers on other hosts, each host a network namespace (``runtime.testing.hosts``).
+"""The controller as a service for workers on other hosts, each host a network namespace
+(``elastic_runtime.testing.hosts``).
 
 The controller (``elastic-runtime controller``, a real process in the root namespace) listens on the
 bridge's address with a secret from a token file; one worker x 2 CPU devices per simulated host, started
@@ -29,19 +30,19 @@ from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (c
 from test_auth import against
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
-from runtime.cli.launch import DEFAULTS
-from runtime.cluster.config import LaunchConfig, LaunchError
-from runtime.cluster.controller import Controller
-from runtime.cluster.controller.coordination import free_port
-from runtime.cluster.protocol import Form, Heartbeat, Hello, Joined, RestoreStep, Stop
-from runtime.cluster.worker import ControllerLink
-from runtime.core.eventlog import read_events
-from runtime.core.events import ConnectionRefused, GroupFormed, ReplicaSkipped, StepCompleted, WorkerLost
-from runtime.defaults import default_controller
-from runtime.testing.compare import compare_states
-from runtime.testing.hosts import SimulatedHosts
-from storage.disk import DiskTier
-from storage.replicas import replica
+from elastic_runtime.cli.launch import DEFAULTS
+from elastic_runtime.cluster.config import LaunchConfig, LaunchError
+from elastic_runtime.cluster.controller import Controller
+from elastic_runtime.cluster.controller.coordination import free_port
+from elastic_runtime.cluster.protocol import Form, Heartbeat, Hello, Joined, RestoreStep, Stop
+from elastic_runtime.cluster.worker import ControllerLink
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import ConnectionRefused, GroupFormed, ReplicaSkipped, StepCompleted, WorkerLost
+from elastic_runtime.defaults import default_controller
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.replicas import replica
+from elastic_runtime.testing.hosts import SimulatedHosts
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -99,7 +100,7 @@ def service_run(
     low = free_port(hosts.controller_address)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
     env["ELASTIC_RUNTIME_TOKEN_FILE"] = str(token)
-    command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", address]
+    command = [sys.executable, "-m", "elastic_runtime.cli", "controller", "--listen", address]
     command += ["--nprocs", str(nprocs), "--steps", str(STEPS)]
     command += [] if min_nprocs is None else ["--min-nprocs", str(min_nprocs)]
     command += [] if file_every is None else ["--replica-file-every", str(file_every)]
@@ -114,7 +115,7 @@ def service_run(
             "ELASTIC_STEP_DELAY_S": str(step_delay_s),  # room for what the test does while the run trains
             "ELASTIC_COMPILE_CACHE": str(tmp_path / "xla-cache"),
         }
-        worker = [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
+        worker = [sys.executable, "-m", "elastic_runtime.cli.demo_multiprocess", "--worker", "--steps", str(STEPS)]
         for k in range(nprocs):
             env_k = worker_env | {"ELASTIC_WORKER_ID": str(k)}
             if replica_dirs is not None:
@@ -426,7 +427,7 @@ def test_a_service_needs_a_secret_from_the_user() -> None:
 
 def test_the_controller_refuses_a_reachable_address_without_a_secret(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
-    command = [sys.executable, "-m", "runtime.cli", "controller", "--listen", "198.18.0.1:0", "--nprocs", "2"]
+    command = [sys.executable, "-m", "elastic_runtime.cli", "controller", "--listen", "198.18.0.1:0", "--nprocs", "2"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 1
     assert "refusing to listen on 198.18.0.1 without a secret" in done.stderr, done.stderr

@@ -28,11 +28,11 @@ from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (c
 from test_hosts import events, service_run, wait_for
 from test_launcher_recovery import final_state
 
-from runtime.cluster import auth
-from runtime.core.eventlog import read_events
-from runtime.core.events import ConnectionRefused, MalformedHeartbeat, StepCompleted, WorkerLost
-from runtime.testing.compare import compare_states
-from runtime.testing.hosts import SimulatedHosts
+from elastic_runtime.cluster import auth
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import ConnectionRefused, MalformedHeartbeat, StepCompleted, WorkerLost
+from elastic_runtime.testing.hosts import SimulatedHosts
 
 # The refusal each kind's first event names (the first of each host is reported at once, with its reason).
 KINDS = {

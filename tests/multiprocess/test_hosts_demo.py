@@ -1,6 +1,6 @@
 """``elastic-runtime demo --hosts N --lose-host-at STEP --json --verify``, end to end through the CLI.
 
-The demo makes its own simulated hosts (``runtime.testing.hosts``: network namespaces, so root), loses
+The demo makes its own simulated hosts (``elastic_runtime.testing.hosts``: network namespaces, so root), loses
 host 1, starts a replacement on an extra host once the survivors re-formed, and compares the final state
 with a fault-free run. With ``--full-restart`` it stops the controller and every worker at the loss and
 starts them all again with ``--resume`` from the replicas on disk (the baseline of
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cli.launch import DEFAULTS
-from runtime.cli.main import main
+from elastic_runtime.cli.launch import DEFAULTS
+from elastic_runtime.cli.main import main
 
 # Found by the heartbeat: the default timeout of a training worker, less a beat (the clock starts at the last
 # heartbeat heard, a little before the host is lost).
@@ -29,7 +29,7 @@ BY_HEARTBEAT_S = DEFAULTS["heartbeat_timeout_s"] - 0.25
 @pytest.mark.heavy
 def test_the_hosts_demo_loses_a_host_and_matches_the_fault_free_run(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
-    command = [sys.executable, "-m", "runtime.cli", "demo", "--hosts", "3", "--lose-host-at", "5", "--json"]
+    command = [sys.executable, "-m", "elastic_runtime.cli", "demo", "--hosts", "3", "--lose-host-at", "5", "--json"]
     command += ["--verify", "--run-dir", str(tmp_path / "demo")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -51,7 +51,17 @@ def test_the_hosts_demo_loses_a_host_and_matches_the_fault_free_run(tmp_path: Pa
 @pytest.mark.heavy
 def test_the_hosts_demo_restarts_everything_from_disk_with_full_restart(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTIC_")}
-    command = [sys.executable, "-m", "runtime.cli", "demo", "--hosts", "3", "--lose-host-at", "5", "--full-restart"]
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_runtime.cli",
+        "demo",
+        "--hosts",
+        "3",
+        "--lose-host-at",
+        "5",
+        "--full-restart",
+    ]
     command += ["--json", "--verify", "--run-dir", str(tmp_path / "demo")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=170)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,5 +1,5 @@
-"""A rack lost at once on simulated hosts (``runtime.testing.hosts``): 4 hosts, one worker x 2 CPU devices each, the
-controller a service in the root namespace (``test_hosts.service_run``). Hosts 1 and 2 go together: both links down,
+"""A rack lost at once on simulated hosts (``elastic_runtime.testing.hosts``): 4 hosts, one worker x 2 CPU devices each,
+the controller a service in the root namespace (``test_hosts.service_run``). Hosts 1 and 2 go together: both links down,
 then every process on them killed, so only the missing heartbeats tell the controller, each worker one timeout after
 its own last heartbeat (within the timeout plus a generous margin, asserted). Lost together or within the settling,
 the two losses must be one re-forming of the two survivors (the settling waits for the rack's second worker,
@@ -22,8 +22,9 @@ from launch_support import STEPS, fault_free_final
 from test_hosts import _WAIT_S, events, service_run, wait_for
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
-from runtime.cli.launch import DEFAULTS
-from runtime.core.events import (
+from elastic_runtime.cli.launch import DEFAULTS
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.events import (
     GroupFormed,
     GroupForming,
     RecoveryStarted,
@@ -32,8 +33,7 @@ from runtime.core.events import (
     WorkerKilled,
     WorkerLost,
 )
-from runtime.testing.compare import compare_states
-from runtime.testing.hosts import SimulatedHosts
+from elastic_runtime.testing.hosts import SimulatedHosts
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -24,11 +24,11 @@ import jax
 import numpy as np
 import pytest
 
-from runtime.cli.demo_multiprocess import run_group, worker_command
-from runtime.cluster.controller.runfolder import default_replica_dir
-from runtime.core.errors import JobUnsupported, RecoveryError, StepError
-from runtime.core.eventlog import read_events
-from runtime.core.events import (
+from elastic_runtime.cli.demo_multiprocess import run_group, worker_command
+from elastic_runtime.cluster.controller.runfolder import default_replica_dir
+from elastic_runtime.core.errors import JobUnsupported, RecoveryError, StepError
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import (
     GroupFormed,
     ReplicaSkipped,
     RunFinished,
@@ -36,10 +36,10 @@ from runtime.core.events import (
     StepFailed,
     WorkerHung,
 )
-from runtime.faults.grammar import parse_faults
-from runtime.testing import launched
-from runtime.testing.launched import alive, events_so_far, wait_for_step, wait_until_gone, worker_pids
-from storage.disk import DiskTier
+from elastic_runtime.faults.grammar import parse_faults
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.testing import launched
+from elastic_runtime.testing.launched import alive, events_so_far, wait_for_step, wait_until_gone, worker_pids
 
 STEPS = 30
 NPROCS = 2

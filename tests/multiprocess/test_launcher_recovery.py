@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
 
-from runtime.cli.demo_multiprocess import run_group
-from runtime.cli.launch import DEFAULTS
-from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
-from runtime.core.eventlog import read_events
-from runtime.core.events import (
+from elastic_runtime.cli.demo_multiprocess import run_group
+from elastic_runtime.cli.launch import DEFAULTS
+from elastic_runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import (
     GroupFormed,
     RecoveryCompleted,
     StateRestored,
@@ -30,8 +30,8 @@ from runtime.core.events import (
     WorkerKilled,
     WorkerLost,
 )
-from runtime.faults.grammar import Fault, parse_faults
-from storage.disk import DiskTier
+from elastic_runtime.faults.grammar import Fault, parse_faults
+from elastic_runtime.storage.disk import DiskTier
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from runtime.cluster.config import LaunchConfig
-from runtime.cluster.protocol import (
+from elastic_runtime.cluster.config import LaunchConfig
+from elastic_runtime.cluster.protocol import (
     MAX_LINE,
     DurableCommitted,
     EventReport,
@@ -28,11 +28,11 @@ from runtime.cluster.protocol import (
     decode_from_worker,
     encode,
 )
-from runtime.cluster.tiers import Tier
-from runtime.cluster.worker import ControllerLink
-from runtime.core.eventlog import encode_event, read_events
-from runtime.core.events import CheckpointCorrupt, ConnectionRefused, MalformedHeartbeat, StepFailed
-from runtime.defaults import default_controller
+from elastic_runtime.cluster.tiers import Tier
+from elastic_runtime.cluster.worker import ControllerLink
+from elastic_runtime.core.eventlog import encode_event, read_events
+from elastic_runtime.core.events import CheckpointCorrupt, ConnectionRefused, MalformedHeartbeat, StepFailed
+from elastic_runtime.defaults import default_controller
 
 
 def test_messages_round_trip_and_garbage_is_named() -> None:
@@ -112,7 +112,7 @@ def test_a_malformed_event_in_a_report_is_named() -> None:
 def test_malformed_heartbeats_and_unknown_ids_do_not_crash_the_controller(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="runtime.cluster.controller")
+    caplog.set_level(logging.WARNING, logger="elastic_runtime.cluster.controller")
     # Stand-in workers that never connect, so the controller waits for them while the test talks to it.
     command = [sys.executable, "-c", "import time; time.sleep(60)"]
     config = LaunchConfig(command=command, nprocs=2, spares=0, run_dir=str(tmp_path), spawn_timeout_s=30)

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from runtime.cluster import auth
-from runtime.cluster.protocol import Hello, Leaving, Stop, WorkerMessage, decode_from_worker, encode
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.protocol import Hello, Leaving, Stop, WorkerMessage, decode_from_worker, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,9 +25,9 @@ SECRET = "s" * 64
 # The worker: opens the link, says hello, leaves on a signal, and exits as a Stop says (as Worker.serve does).
 WORKER = """
 import os, sys
-from runtime.cluster.protocol import Hello, Stop
-from runtime.cluster.worker.leaving import leave_on_signal
-from runtime.cluster.worker.link import ControllerLink
+from elastic_runtime.cluster.protocol import Hello, Stop
+from elastic_runtime.cluster.worker.leaving import leave_on_signal
+from elastic_runtime.cluster.worker.link import ControllerLink
 
 link = ControllerLink(sys.argv[1], sys.argv[2])
 link.send(Hello(worker=7, pid=os.getpid(), target_steps=10))

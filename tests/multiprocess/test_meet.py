@@ -1,4 +1,4 @@
-"""A meeting point before a collective (``runtime.cluster.worker.group.meet``): two real ``jax.distributed``
+"""A meeting point before a collective (``elastic_runtime.cluster.worker.group.meet``): two real ``jax.distributed``
 processes, one late by host work longer than the collective timeout. Met first, the collective runs; not met,
 the early one's collective times out. A meeting nobody else comes to ends at its timeout, when abandoned, or
 when the group is left (an abandoned restore's thread)."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
-from runtime.testing.gcs_emulator import free_port
+from elastic_runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
+from elastic_runtime.testing.gcs_emulator import free_port
 
 MAIN = Path(__file__).with_name("meet_main.py")
 

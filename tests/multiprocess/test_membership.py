@@ -1,6 +1,6 @@
 """Group membership as a state machine, without processes or sockets."""
 
-from runtime.cluster.controller.membership import JoinReport, Membership
+from elastic_runtime.cluster.controller.membership import JoinReport, Membership
 
 
 def test_survivors_keep_their_process_ids_and_recruits_take_the_free_ones() -> None:

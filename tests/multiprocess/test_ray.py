@@ -31,16 +31,16 @@ import ray  # noqa: F401 - a missing Ray fails the collection: no skip
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
-from runtime.cli.demo_multiprocess import worker_command
-from runtime.cli.launch import config_from_args
-from runtime.cluster import auth
-from runtime.cluster.config import LaunchConfig, LaunchResult
-from runtime.cluster.controller.ray_cluster import local_cluster, ray_session
-from runtime.core.errors import ElasticRuntimeError
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, RunStarted, StepCompleted, WorkerLost, WorkerStarted
-from runtime.defaults import ray_controller
-from runtime.testing.compare import compare_states
+from elastic_runtime.cli.demo_multiprocess import worker_command
+from elastic_runtime.cli.launch import config_from_args
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.config import LaunchConfig, LaunchResult
+from elastic_runtime.cluster.controller.ray_cluster import local_cluster, ray_session
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.errors import ElasticRuntimeError
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, RunStarted, StepCompleted, WorkerLost, WorkerStarted
+from elastic_runtime.defaults import ray_controller
 
 # Ray starts its processes with a preexec_fn (ray/_private/services.py), which runs Python's at-fork hooks in
 # this process: JAX's warns that fork and its threads may deadlock. The child execs Ray's binary at once, so
@@ -62,8 +62,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_launch_takes_the_ray_backend_and_refuses_what_it_cannot_do() -> None:
-    from runtime.cli.launch_ray import ray_config
-    from runtime.cli.main import build_parser
+    from elastic_runtime.cli.launch_ray import ray_config
+    from elastic_runtime.cli.main import build_parser
 
     def config(*argv: str) -> LaunchConfig:
         args = build_parser().parse_args(["launch", "--backend", "ray", *argv, "--", "python", "train.py"])
@@ -94,9 +94,18 @@ def cluster() -> Iterator[Any]:
 def test_launch_runs_on_a_ray_cluster_at_an_address(cluster: Any, tmp_path: Path) -> None:
     # The command line, in a process of its own: the Ray driver and the controller, on the test cluster.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTIC_", "RAY_"))}
-    command = [sys.executable, "-m", "runtime.cli", "launch", "--backend", "ray", "--ray-address", cluster.address]
+    command = [
+        sys.executable,
+        "-m",
+        "elastic_runtime.cli",
+        "launch",
+        "--backend",
+        "ray",
+        "--ray-address",
+        cluster.address,
+    ]
     command += ["--nprocs", str(NPROCS), "--steps", "8", "--run-dir", str(tmp_path / "run"), "--"]
-    command += [sys.executable, "-m", "runtime.cli.demo_multiprocess", "--worker", "--steps", "8"]
+    command += [sys.executable, "-m", "elastic_runtime.cli.demo_multiprocess", "--worker", "--steps", "8"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=_WAIT_S, cwd=Path.cwd())
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""A job shaped like a real model's under ``launch`` (``runtime.testing.keyed_model``): typed PRNG keys in the
+"""A job shaped like a real model's under ``launch`` (``elastic_runtime.testing.keyed_model``): typed PRNG keys in the
 state, MaxText-style mesh axes (``data`` across slices, ``fsdp`` and ``tensor`` inside one), a step built per
 concrete mesh. A killed worker is replaced and the group restores from the other slice, or from the durable
 tier; the result is bitwise equal to a fault-free run of the same layout, and every trace in every worker ran
@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 from launch_support import lose_after_durable
 
-from runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
-from runtime.cluster.protocol import ENV_STEP_DELAY_S
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, LikelyMeshesReady, StepCompleted, WorkerKilled
-from runtime.faults.grammar import Fault
-from runtime.testing.compare import compare_states
-from storage.disk import DiskTier
+from elastic_runtime.cli.demo_multiprocess import group_controller, wipe_lost_replicas
+from elastic_runtime.cluster.protocol import ENV_STEP_DELAY_S
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, LikelyMeshesReady, StepCompleted, WorkerKilled
+from elastic_runtime.faults.grammar import Fault
+from elastic_runtime.storage.disk import DiskTier
 
 STEPS = 24
 SCRIPT = Path(__file__).with_name("keyed_train.py")

@@ -18,12 +18,12 @@ import anyio
 import pytest
 from test_auth import against
 
-from runtime.cli.demo_multiprocess import run_group, worker_command
-from runtime.cluster import auth, leftovers
-from runtime.cluster.config import LaunchConfig
-from runtime.cluster.controller.runfolder import default_replica_dir, mark_finished, open_run, save_fences
-from runtime.core.errors import ElasticRuntimeError
-from runtime.defaults import default_controller
+from elastic_runtime.cli.demo_multiprocess import run_group, worker_command
+from elastic_runtime.cluster import auth, leftovers
+from elastic_runtime.cluster.config import LaunchConfig
+from elastic_runtime.cluster.controller.runfolder import default_replica_dir, mark_finished, open_run, save_fences
+from elastic_runtime.core.errors import ElasticRuntimeError
+from elastic_runtime.defaults import default_controller
 
 
 def test_an_unfinished_run_is_continued_and_a_finished_one_is_not(tmp_path: Path) -> None:

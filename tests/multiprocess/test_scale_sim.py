@@ -13,9 +13,9 @@ from pathlib import Path
 from simworkers import Fleet, Loss, start_controller
 from test_supervisor import Run
 
-from runtime.cluster.controller.supervision import RegroupRequested, Start
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupForming, WorkerLost
+from elastic_runtime.cluster.controller.supervision import RegroupRequested, Start
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupForming, WorkerLost
 
 
 def test_the_supervisor_settles_until_the_workers_that_went_silent_together_are_all_found(tmp_path: Path) -> None:

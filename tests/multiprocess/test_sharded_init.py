@@ -20,14 +20,14 @@ import pytest
 from memory_limit import Confinement
 from sharded_train import FEATURES, GLOBAL_BATCH, Rows, host_init, jit_init, job, rows_per_leaf, step
 
-from runtime import ElasticRuntime, MeshPolicy, TrainJob
-from runtime.cluster.config import LaunchConfig, Strategy
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, RunFinished, WorkerKilled
-from runtime.defaults import default_controller
-from runtime.faults.grammar import Fault
-from runtime.testing.compare import compare_states
-from storage.disk import DiskTier
+from elastic_runtime import ElasticRuntime, MeshPolicy, TrainJob
+from elastic_runtime.cluster.config import LaunchConfig, Strategy
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, RunFinished, WorkerKilled
+from elastic_runtime.defaults import default_controller
+from elastic_runtime.faults.grammar import Fault
+from elastic_runtime.storage.disk import DiskTier
 
 SCRIPT = Path(__file__).with_name("sharded_train.py")
 

@@ -14,13 +14,13 @@ import jax
 import pytest
 from launch_support import lose_after_durable
 
-from runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, run_group, wipe_lost_replicas
-from runtime.cluster.protocol import ENV_STEP_DELAY_S
-from runtime.faults.grammar import Fault, parse_faults
-from runtime.testing.compare import compare_states
-from runtime.testing.demo_model import init_state
-from runtime.testing.gcs_emulator import running_emulator
-from storage.disk import DiskTier
+from elastic_runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, run_group, wipe_lost_replicas
+from elastic_runtime.cluster.protocol import ENV_STEP_DELAY_S
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.faults.grammar import Fault, parse_faults
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.testing.demo_model import init_state
+from elastic_runtime.testing.gcs_emulator import running_emulator
 
 STEPS = 30
 

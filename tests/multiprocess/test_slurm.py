@@ -35,10 +35,10 @@ import pytest
 from launch_support import NPROCS, STEPS  # as the fault-free `reference` run (conftest.py) has
 from test_launcher_recovery import assert_no_committed_step_lost, final_state
 
-from runtime.core.eventlog import read_events
-from runtime.core.events import GroupFormed, StepCompleted, WorkerLost
-from runtime.testing.compare import compare_states
-from runtime.testing.slurm import SlurmCluster, SlurmMissing
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import GroupFormed, StepCompleted, WorkerLost
+from elastic_runtime.testing.slurm import SlurmCluster, SlurmMissing
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import msgspec
 
-from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
-from runtime.cluster.controller.heartbeat import HeartbeatMonitor, Hung
-from runtime.cluster.controller.membership import Membership
-from runtime.cluster.controller.processes import ProcessPool, log_tail
-from runtime.cluster.controller.supervision import (
+from elastic_runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
+from elastic_runtime.cluster.controller.heartbeat import HeartbeatMonitor, Hung
+from elastic_runtime.cluster.controller.membership import Membership
+from elastic_runtime.cluster.controller.processes import ProcessPool, log_tail
+from elastic_runtime.cluster.controller.supervision import (
     Action,
     EndRun,
     FillSeats,
@@ -31,12 +31,12 @@ from runtime.cluster.controller.supervision import (
     Tick,
     WorkerChanged,
 )
-from runtime.cluster.controller.supervisor import Supervisor
-from runtime.cluster.protocol import Finished, Hello, Joined, Message, RestoreStep, Stop
-from runtime.cluster.tiers import Tier
-from runtime.core.errors import RecoveryError
-from runtime.core.events import Event, GroupFormed, RecoveryCompleted, StateRestored, StepCompleted
-from runtime.core.recovery import RecoveryTracker
+from elastic_runtime.cluster.controller.supervisor import Supervisor
+from elastic_runtime.cluster.protocol import Finished, Hello, Joined, Message, RestoreStep, Stop
+from elastic_runtime.cluster.tiers import Tier
+from elastic_runtime.core.errors import RecoveryError
+from elastic_runtime.core.events import Event, GroupFormed, RecoveryCompleted, StateRestored, StepCompleted
+from elastic_runtime.core.recovery import RecoveryTracker
 
 TARGET = 100
 
@@ -405,7 +405,10 @@ def test_spares_that_never_say_hello_end_the_run_at_the_spawn_timeout(tmp_path: 
     run.lose(1)
     run.wait(0.1)
     run.wait(21.0)
-    assert isinstance(run.ended, LaunchError) and "only 1 workers ready after 20.0 s" in str(run.ended)
+    assert isinstance(run.ended, LaunchError)
+    assert "a replacement did not come together: 1 of 2 workers connected within 20.0 s (--spawn-timeout" in str(
+        run.ended
+    )
 
 
 def test_a_restarting_worker_the_controller_did_not_start_is_told_to_exit(tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime.cluster import auth
-from runtime.cluster.protocol import (
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.protocol import (
     ENV_CONTROLLER,
     ENV_HEARTBEAT_S,
     ENV_WORKER,
@@ -30,11 +30,11 @@ from runtime.cluster.protocol import (
     decode_from_worker,
     encode,
 )
-from runtime.cluster.worker import ControllerLink, Worker
-from runtime.cluster.worker.settings import WorkerSettings
-from runtime.core.errors import ConfigError
-from runtime.testing.demo_model import demo_job
-from storage.replicas import ReplicaFiles
+from elastic_runtime.cluster.worker import ControllerLink, Worker
+from elastic_runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.core.errors import ConfigError
+from elastic_runtime.storage.replicas import ReplicaFiles
+from elastic_runtime.testing.demo_model import demo_job
 
 SECRET = auth.new_secret()
 

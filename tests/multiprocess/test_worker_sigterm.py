@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from runtime.cli.demo_multiprocess import run_group, worker_command
-from runtime.cluster.protocol import ENV_GRACE_S
-from runtime.core.eventlog import read_events
-from runtime.core.events import (
+from elastic_runtime.cli.demo_multiprocess import run_group, worker_command
+from elastic_runtime.cluster.protocol import ENV_GRACE_S
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import (
     GroupFormed,
     GroupForming,
     RecoveryStarted,
@@ -31,9 +32,8 @@ from runtime.core.events import (
     WorkerSignalled,
     WorkerStarted,
 )
-from runtime.testing import launched
-from runtime.testing.compare import compare_states
-from storage.disk import DiskTier
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.testing import launched
 
 STEPS = 30
 NPROCS = 4

@@ -9,6 +9,6 @@
 the scheduler (``ray_cluster`` connecting to it).
 """
 
-from runtime.cluster.controller.shell import Controller
+from elastic_runtime.cluster.controller.shell import Controller
 
 __all__ = ["Controller"]

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from runtime.cluster.config import LaunchConfig, Strategy
-from runtime.cluster.controller.coordination import ENV_SIMULATED, host_service
-from runtime.cluster.controller.runfolder import save_fences
-from runtime.cluster.controller.supervision import (
+from elastic_runtime.cluster.config import LaunchConfig, Strategy
+from elastic_runtime.cluster.controller.coordination import ENV_SIMULATED, host_service
+from elastic_runtime.cluster.controller.runfolder import save_fences
+from elastic_runtime.cluster.controller.supervision import (
     Action,
     EndRun,
     FillSeats,
@@ -33,12 +33,12 @@ from runtime.cluster.controller.supervision import (
     TopUpSpares,
     WarmSpares,
 )
-from runtime.cluster.controller.workers import spawn, top_up_spares, warm_spares
-from runtime.cluster.protocol import Form
-from runtime.faults.process import worker_faults_text
+from elastic_runtime.cluster.controller.workers import spawn, top_up_spares, warm_spares
+from elastic_runtime.cluster.protocol import Form
+from elastic_runtime.faults.process import worker_faults_text
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.shell import Controller
 
 __all__ = ["carry_out", "fill_seats", "save_fences_now", "send_form", "supervise", "tick_at"]
 
@@ -161,7 +161,7 @@ def fill_seats(controller: Controller, action: FillSeats) -> None:
     if os.environ.get(ENV_SIMULATED) == "1":
         return  # simulated workers wait in no JAX start
     # Imported here: ``python -m`` runs the module, which must not be imported with this package before.
-    from runtime.cluster.controller.standin import command as standin_command
+    from elastic_runtime.cluster.controller.standin import command as standin_command
 
     path = controller.pool.logs / f"standin-{action.generation}.log"
     log.info("generation %d: stand-ins fill seats %s (log %s)", action.generation, action.seats, path)

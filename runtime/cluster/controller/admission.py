@@ -8,15 +8,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from runtime.cluster.controller.connection import Connection
-from runtime.cluster.controller.processes import WorkerProcess, descends_from
-from runtime.cluster.controller.supervision import WorkerChanged
-from runtime.cluster.controller.workers import warm_spares
-from runtime.cluster.protocol import Hello, Message, Stop
-from runtime.core.errors import ConfigError
+from elastic_runtime.cluster.controller.connection import Connection
+from elastic_runtime.cluster.controller.processes import WorkerProcess, descends_from
+from elastic_runtime.cluster.controller.supervision import WorkerChanged
+from elastic_runtime.cluster.controller.workers import warm_spares
+from elastic_runtime.cluster.protocol import Hello, Message, Stop
+from elastic_runtime.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.shell import Controller
 
 __all__ = ["admit", "external_hello", "hello"]
 
@@ -71,6 +71,6 @@ async def admit(controller: Controller, proc: WorkerProcess, message: Hello, str
     if controller.target_steps < 0:
         controller.target_steps = message.target_steps  # the first of the controller's own workers to say hello
     controller.monitor.register(proc.worker)
-    controller.spares_dead_before_hello = 0
+    controller.dead_before_hello = 0
     controller.feed(WorkerChanged(proc.worker))
     return proc

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from runtime.cluster.controller.processes import WorkerProcess
-from runtime.cluster.protocol import DurableCommitted, Saved
-from runtime.core.errors import CheckpointInvalid, StorageError
-from runtime.core.events import CheckpointFailed
+from elastic_runtime.cluster.controller.processes import WorkerProcess
+from elastic_runtime.cluster.protocol import DurableCommitted, Saved
+from elastic_runtime.core.errors import CheckpointInvalid, StorageError
+from elastic_runtime.core.events import CheckpointFailed
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.shell import Controller
 
 __all__ = ["add_saved", "commit", "commit_durable", "not_committed"]
 

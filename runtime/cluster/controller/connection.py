@@ -1,7 +1,7 @@
 """One connection on the controller's port: an asyncio protocol that proves its peer and frames what it sends.
 
 The event loop calls it when bytes arrive; nothing here is awaited and no task waits per connection. Each call
-reads whatever whole lines arrived: until the peer has proved the run's secret (:mod:`runtime.cluster.auth`) the
+reads whatever whole lines arrived: until the peer has proved the run's secret (:mod:`elastic_runtime.cluster.auth`) the
 only line read is its answer to the challenge; after that each line is decoded as a worker's message and handed
 to the connection's :class:`Owner` (the server), which runs the handlers. A malformed line is counted; an
 oversized one, or too many malformed ones, close the connection (only this one) with a report saying why.
@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from runtime.cluster import auth
-from runtime.cluster.lines import LineBuffer, LineTooLong
-from runtime.cluster.protocol import MAX_LINE, MalformedMessage, Message, decode_from_worker
-from runtime.core.errors import AuthenticationFailed
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.lines import LineBuffer, LineTooLong
+from elastic_runtime.cluster.protocol import MAX_LINE, MalformedMessage, Message, decode_from_worker
+from elastic_runtime.core.errors import AuthenticationFailed
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.processes import WorkerProcess
+    from elastic_runtime.cluster.controller.processes import WorkerProcess
 
 __all__ = ["MAX_BACKLOG", "MAX_MALFORMED", "Connection", "Kind", "Owner"]
 

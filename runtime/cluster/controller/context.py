@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from runtime.cluster.config import LaunchConfig, Strategy
-from runtime.core.errors import RecoveryError, UnsupportedInMode
-from runtime.core.events import Event
+from elastic_runtime.cluster.config import LaunchConfig, Strategy
+from elastic_runtime.core.errors import RecoveryError, UnsupportedInMode
+from elastic_runtime.core.events import Event
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller import Controller
+    from elastic_runtime.cluster.controller import Controller
 
 __all__ = ["ControllerContext"]
 

@@ -7,7 +7,7 @@ import os
 import socket
 from typing import Any
 
-from runtime.cluster.config import LaunchError
+from elastic_runtime.cluster.config import LaunchError
 
 __all__ = ["ENV_SIMULATED", "free_port", "host_service", "start_coordination_service"]
 
@@ -52,7 +52,7 @@ def start_coordination_service(host: str, port: int, num_processes: int, *, hear
     ``recoverable``: a task that disappears is not an error for the others. It is not authenticated (JAX
     has no such option for it): keep its ports on a private network.
     """
-    from runtime.compat import jax as jax_compat
+    from elastic_runtime.compat import jax as jax_compat
 
     return jax_compat.distributed_runtime_service(
         f"[{host}]:{port}" if ":" in host else f"{host}:{port}",

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from runtime.cluster.protocol import Stop
+from elastic_runtime.cluster.protocol import Stop
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.shell import Controller
 
 __all__ = ["Drained", "final_checkpoint"]
 

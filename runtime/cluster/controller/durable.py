@@ -12,12 +12,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from runtime.cluster.protocol import Saved
-from runtime.core.errors import StorageError
-from runtime.core.events import CheckpointCommitted
-from storage import sharded
-from storage.manifest import FileEntry, LeafEntry, check_relative
-from storage.sharded import ShardedStore
+from elastic_runtime.cluster.protocol import Saved
+from elastic_runtime.core.errors import StorageError
+from elastic_runtime.core.events import CheckpointCommitted
+from elastic_runtime.storage import sharded
+from elastic_runtime.storage.manifest import FileEntry, LeafEntry, check_relative
+from elastic_runtime.storage.sharded import ShardedStore
 
 __all__ = ["DurableCommits"]
 
@@ -37,9 +37,9 @@ class DurableCommits:
     """Parts of durable checkpoints in flight, per step, for the current generation only.
 
     Args:
-        location: the durable checkpoints' folder or ``gs://`` URI (:class:`~storage.sharded.ShardedStore`).
-        writers: processes that write a part of every step (the first slice).
-        keep: committed checkpoints kept; older ones are deleted after each commit.
+        location: the durable checkpoints' folder or ``gs://`` URI
+        (:class:`~elastic_runtime.storage.sharded.ShardedStore`). writers: processes that write a part of every step
+        (the first slice). keep: committed checkpoints kept; older ones are deleted after each commit.
         metadata: what every manifest carries whatever the writers say (the run's id).
     """
 

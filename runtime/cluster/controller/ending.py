@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from runtime.cluster.controller.drain import final_checkpoint
-from runtime.cluster.controller.runfolder import mark_finished
-from runtime.cluster.controller.workers import stop_all
-from runtime.core.errors import BusClosed
-from runtime.core.events import RunFinished
+from elastic_runtime.cluster.controller.drain import final_checkpoint
+from elastic_runtime.cluster.controller.runfolder import mark_finished
+from elastic_runtime.cluster.controller.workers import stop_all
+from elastic_runtime.core.errors import BusClosed
+from elastic_runtime.core.events import RunFinished
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.shell import Controller
 
 __all__ = ["close_down", "conclude", "first_leaf", "publish_finished", "stop_workers", "watch_signals", "write_summary"]
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from runtime.compat.xla import set_flags as set_xla_flags
+from elastic_runtime.compat.xla import set_flags as set_xla_flags
 
 __all__ = ["ForkServer", "ForkedProcess", "forkable"]
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # What the server imports for its children: JAX and the worker side of the runtime (by name: the controller's
 # code uses nothing of the worker's), which are most of a worker's start-up.
-_PRELOADED = ("jax", "jax.numpy", "runtime.cluster.worker.loop")
+_PRELOADED = ("jax", "jax.numpy", "elastic_runtime.cluster.worker.loop")
 _ANSWER_S = 10.0  # how long a request may wait for the server's answer before the process is started as before
 
 
@@ -250,7 +250,7 @@ def _answer(answers: IO[bytes], message: dict[str, Any]) -> None:
 
 def _run_child(request: dict[str, Any]) -> int | str | None:
     """In the forked child: become the worker ``request`` names, as ``python ARGV...`` would start it."""
-    from runtime.cluster.controller.deathsig import die_with_parent
+    from elastic_runtime.cluster.controller.deathsig import die_with_parent
 
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -2,7 +2,7 @@
 survivors, seat them, send every member ``Form`` and wait for every ``Joined``; a member lost meanwhile drops out
 (the rest re-form), has its seat taken by a spare, or gives the generation up (the rest re-form without it at
 once), and a group that does not form in time restarts. Functions over the
-:class:`~runtime.cluster.controller.supervisor.Supervisor`'s state, synchronous like it.
+:class:`~elastic_runtime.cluster.controller.supervisor.Supervisor`'s state, synchronous like it.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runtime.cluster.config import LaunchError, Strategy
-from runtime.cluster.controller.processes import WorkerProcess
-from runtime.cluster.controller.restore import send_restore
-from runtime.cluster.controller.supervision import (
+from elastic_runtime.cluster.config import LaunchError, Strategy
+from elastic_runtime.cluster.controller.processes import WorkerProcess
+from elastic_runtime.cluster.controller.restore import send_restore
+from elastic_runtime.cluster.controller.supervision import (
     Action,
     FillSeats,
     Input,
@@ -27,11 +27,11 @@ from runtime.cluster.controller.supervision import (
     SendForm,
     Spawn,
 )
-from runtime.cluster.protocol import EXIT_REPLACE, Stop
-from runtime.core.events import GroupForming
+from elastic_runtime.cluster.protocol import EXIT_REPLACE, Stop
+from elastic_runtime.core.events import GroupForming
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.supervisor import Supervisor
+    from elastic_runtime.cluster.controller.supervisor import Supervisor
 
 __all__ = [
     "PLANNED_AHEAD",
@@ -124,9 +124,26 @@ def recruit(sup: Supervisor, out: list[Action], now: float, changed: int | None)
     if (soon or late) and enough:
         seat_members(sup, out, survivors, sup.chosen)  # go on smaller; the next re-forming grows the group back
     elif late:
-        count = len(survivors) + len(chosen)
-        flag = "--start-timeout" if sup.forming == Strategy.START else "--spawn-timeout"
-        sup.end(out, LaunchError(f"only {count} workers ready after {sup.recruit_timeout:.1f} s (raise {flag})"))
+        sup.end(out, LaunchError(recruiting_timed_out(sup, len(survivors) + len(chosen))))
+
+
+def recruiting_timed_out(sup: Supervisor, ready: int) -> str:
+    """Why the run ends when too few workers said hello in time: which wait ran out, and what the rest were doing."""
+    starting = [p for p in sup.pool if p.spare and not p.gone and p.hello is None and p.running()]
+    if sup.forming == Strategy.START:
+        what, flag = "the first group", "--start-timeout"
+    else:
+        what, flag = "a replacement", "--spawn-timeout"
+    doing = (
+        f"{len(starting)} more still starting (their processes run: importing the script and JAX, and the "
+        f"script's own code before it calls run(); a real model's first start takes minutes on a slow host)"
+        if starting
+        else "no other worker process is running"
+    )
+    return (
+        f"{what} did not come together: {ready} of {sup.config.nprocs} workers connected within "
+        f"{sup.recruit_timeout:.1f} s ({flag}, at least {sup.config.min_nprocs} needed), {doing}; raise {flag}"
+    )
 
 
 def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recruits: list[int]) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from runtime.core.events import Event, Straggler, WorkerHung, WorkerLost
+from elastic_runtime.core.events import Event, Straggler, WorkerHung, WorkerLost
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.cluster.tiers import Tier
+from elastic_runtime.cluster.tiers import Tier
 
 __all__ = ["JoinReport", "Membership", "RestorePlan"]
 

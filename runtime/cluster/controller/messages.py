@@ -1,7 +1,8 @@
 """What the controller hears about its workers, in the shell: each message a worker sends (heartbeats, joins,
 restores, failures, durable parts, the script's requests and events, notices, a wish to leave), a closed
 connection, the wire's reports of refused connections and the heartbeat monitor's verdicts; each published on the
-bus or handed to the supervisor as an input. Functions over the :class:`~runtime.cluster.controller.shell.Controller`.
+bus or handed to the supervisor as an input. Functions over the
+:class:`~elastic_runtime.cluster.controller.shell.Controller`.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 import msgspec
 
-from runtime.cluster.controller.commits import add_saved
-from runtime.cluster.controller.heartbeat import Lost, UnknownWorker, Verdict, verdict_event
-from runtime.cluster.controller.processes import WorkerProcess
-from runtime.cluster.controller.server import Report
-from runtime.cluster.controller.supervision import (
+from elastic_runtime.cluster.controller.commits import add_saved
+from elastic_runtime.cluster.controller.heartbeat import Lost, UnknownWorker, Verdict, verdict_event
+from elastic_runtime.cluster.controller.processes import WorkerProcess
+from elastic_runtime.cluster.controller.server import Report
+from elastic_runtime.cluster.controller.supervision import (
     LeaveRequested,
     MemberFinished,
     MemberJoined,
@@ -26,7 +27,7 @@ from runtime.cluster.controller.supervision import (
     RestoreFailed,
     WorkerChanged,
 )
-from runtime.cluster.protocol import (
+from elastic_runtime.cluster.protocol import (
     EXIT_REPLACE,
     EventReport,
     Finished,
@@ -41,9 +42,9 @@ from runtime.cluster.protocol import (
     Saved,
     Stop,
 )
-from runtime.core.errors import BusClosed, JobUnsupported, StepError
-from runtime.core.eventlog import decode_event
-from runtime.core.events import (
+from elastic_runtime.core.errors import BusClosed, JobUnsupported, StepError
+from elastic_runtime.core.eventlog import decode_event
+from elastic_runtime.core.events import (
     CheckpointCorrupt,
     ConnectionRefused,
     Event,
@@ -58,7 +59,7 @@ from runtime.core.events import (
 )
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.shell import Controller
 
 __all__ = [
     "end_on_failure",

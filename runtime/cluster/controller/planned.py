@@ -8,12 +8,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from runtime.cluster.config import Strategy
-from runtime.cluster.controller.forming import PLANNED_AHEAD, cordoned, form_generation, seatable
-from runtime.cluster.controller.supervision import Action, Spawn
+from elastic_runtime.cluster.config import Strategy
+from elastic_runtime.cluster.controller.forming import PLANNED_AHEAD, cordoned, form_generation, seatable
+from elastic_runtime.cluster.controller.supervision import Action, Spawn
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.supervisor import Supervisor
+    from elastic_runtime.cluster.controller.supervisor import Supervisor
 
 __all__ = ["can_grow", "drain"]
 

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.cluster import leftovers
-from runtime.cluster.auth import ENV_TOKEN
-from runtime.cluster.config import LaunchConfig
-from runtime.cluster.controller.connection import Connection
-from runtime.cluster.controller.forkserver import ForkedProcess, ForkServer, forkable
-from runtime.cluster.protocol import (
+from elastic_runtime.cluster import leftovers
+from elastic_runtime.cluster.auth import ENV_TOKEN
+from elastic_runtime.cluster.config import LaunchConfig
+from elastic_runtime.cluster.controller.connection import Connection
+from elastic_runtime.cluster.controller.forkserver import ForkedProcess, ForkServer, forkable
+from elastic_runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
     ENV_CONTROLLER,
     ENV_HEARTBEAT_S,
@@ -29,8 +29,8 @@ from runtime.cluster.protocol import (
     Hello,
     Joined,
 )
-from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
-from runtime.core.folders import COMPILE_CACHE_FOLDER
+from elastic_runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
+from elastic_runtime.core.folders import COMPILE_CACHE_FOLDER
 
 __all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail", "parent_of", "state_of"]
 

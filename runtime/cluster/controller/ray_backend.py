@@ -37,23 +37,31 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from runtime.cluster.auth import ENV_TOKEN, ENV_TOKEN_FILE
-from runtime.cluster.controller import ray_actor
-from runtime.cluster.controller.ray_actor import WorkerActor
-from runtime.cluster.controller.ray_cluster import ray_module
-from runtime.cluster.protocol import ENV_CONTROLLER, ENV_HEARTBEAT_S, ENV_LOCAL_DEVICES, ENV_REPLICA_DIR, ENV_WORKER
-from runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
-from runtime.core.events import WorkerHung, WorkerLost, WorkerStarted
+from elastic_runtime.cluster.auth import ENV_TOKEN, ENV_TOKEN_FILE
+from elastic_runtime.cluster.config import LaunchError
+from elastic_runtime.cluster.controller import ray_actor
+from elastic_runtime.cluster.controller.processes import log_tail
+from elastic_runtime.cluster.controller.ray_actor import WorkerActor
+from elastic_runtime.cluster.controller.ray_cluster import ray_module
+from elastic_runtime.cluster.controller.workers import START_FAILURES
+from elastic_runtime.cluster.protocol import (
+    ENV_CONTROLLER,
+    ENV_HEARTBEAT_S,
+    ENV_LOCAL_DEVICES,
+    ENV_REPLICA_DIR,
+    ENV_WORKER,
+)
+from elastic_runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
+from elastic_runtime.core.events import WorkerHung, WorkerLost, WorkerStarted
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller import Controller
-    from runtime.cluster.controller.context import ControllerContext
+    from elastic_runtime.cluster.controller import Controller
+    from elastic_runtime.cluster.controller.context import ControllerContext
 
 __all__ = ["RayPlacement", "WorkerActor"]
 
 log = logging.getLogger(__name__)
 
-_EARLY_DEATHS = 3  # actors in a row that die before their worker says hello: replaced, then left alone
 _STOP_TIMEOUT_S = 2.0  # a lost worker's actor gets this long to kill its child before Ray kills the actor
 
 
@@ -267,17 +275,20 @@ class RayPlacement:
             placed.settled = True
             self._actor_died(placed, exc)
             return
+        controller = self._controller
+        assert controller is not None
         if placed.pid < 0:
             placed.pid = int(value)
             placed.pending = placed.actor.wait.remote()
-            assert self._controller is not None
-            await self._controller.bus.publish(
-                WorkerStarted(source="ray", worker=placed.worker, pid=placed.pid, spare=True)
-            )
+            await controller.bus.publish(WorkerStarted(source="ray", worker=placed.worker, pid=placed.pid, spare=True))
         else:
-            # The child exited: its connection closed, which the controller saw itself (a loss, or the end).
+            # The child exited: its connection closed, which the controller saw itself (a loss, or the end),
+            # unless it never connected.
             placed.settled = True
             log.info("ray: worker %d's process exited with %s", placed.worker, value)
+            proc = controller.pool.get(placed.worker)
+            if (proc is None or proc.hello is None) and not controller.stopping:
+                self._died_early(placed, f"its process exited with code {value} before connecting")
 
     def _actor_died(self, placed: _Placed, exc: Exception) -> None:
         """Ray's signal: the actor (its process, or its node) died. Handed to the controller's monitor, where
@@ -292,13 +303,27 @@ class RayPlacement:
             return
         proc = controller.pool.get(placed.worker)
         if proc is None or proc.hello is None:  # died before its hello: no verdict will come, replace it now
-            placed.lost = True
             self._suspect_nodes.add(placed.node)
-            self._early_deaths += 1
-            if self._early_deaths <= _EARLY_DEATHS:
-                self._replace(placed.worker, why=reason)
-            else:
-                log.warning("ray: %d actors in a row died before their hello; none placed now", self._early_deaths)
+            self._died_early(placed, reason)
+
+    def _died_early(self, placed: _Placed, why: str) -> None:
+        """Worker ``placed`` ended before its Hello: replaced, unless ``START_FAILURES`` did in a row (the worker
+        command fails before it reaches the runtime; the run ends with the last one's log)."""
+        controller = self._controller
+        assert controller is not None
+        placed.lost = True
+        self._early_deaths += 1
+        if self._early_deaths < START_FAILURES:
+            self._replace(placed.worker, why=why)
+            return
+        path = self.logs / f"worker-{placed.worker}.log"
+        controller.end(
+            LaunchError(
+                f"{self._early_deaths} workers in a row ended before connecting (the last, worker {placed.worker}: "
+                f"{why}): the worker command fails before it reaches the runtime, and every replacement would "
+                f"too. The end of {path} (on its node):\n{log_tail(path)}"
+            )
+        )
 
     def _stop(self, placed: _Placed) -> None:
         ray = ray_module()

@@ -25,14 +25,22 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from runtime.cluster.protocol import Notify, Published, Requested
-from runtime.core.bus import EventBus
-from runtime.core.errors import ConfigError, RecoveryError
-from runtime.core.eventlog import decode_event, encode_event
-from runtime.core.events import Event, GroupFormed, GroupForming, RecoveryStarted, RunFinished, WorkerHung, WorkerLost
+from elastic_runtime.cluster.protocol import Notify, Published, Requested
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.errors import ConfigError, RecoveryError
+from elastic_runtime.core.eventlog import decode_event, encode_event
+from elastic_runtime.core.events import (
+    Event,
+    GroupFormed,
+    GroupForming,
+    RecoveryStarted,
+    RunFinished,
+    WorkerHung,
+    WorkerLost,
+)
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller import Controller
+    from elastic_runtime.cluster.controller import Controller
 
 __all__ = ["SOURCE_PREFIX", "EventRelay"]
 

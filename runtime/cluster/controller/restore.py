@@ -8,15 +8,23 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from runtime.cluster.config import Strategy
-from runtime.cluster.controller.membership import JoinReport
-from runtime.cluster.controller.supervision import Action, Phase, Publish, SaveFences, Send, TopUpSpares, WarmSpares
-from runtime.cluster.protocol import Joined, RestoreStep
-from runtime.core.errors import RecoveryError
-from runtime.core.events import GroupFormed, RunStarted, StateRestored
+from elastic_runtime.cluster.config import Strategy
+from elastic_runtime.cluster.controller.membership import JoinReport
+from elastic_runtime.cluster.controller.supervision import (
+    Action,
+    Phase,
+    Publish,
+    SaveFences,
+    Send,
+    TopUpSpares,
+    WarmSpares,
+)
+from elastic_runtime.cluster.protocol import Joined, RestoreStep
+from elastic_runtime.core.errors import RecoveryError
+from elastic_runtime.core.events import GroupFormed, RunStarted, StateRestored
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.supervisor import Supervisor
+    from elastic_runtime.cluster.controller.supervisor import Supervisor
 
 __all__ = ["send_restore"]
 

@@ -1,12 +1,12 @@
 """The controller's side of the wire: one connection per worker process, one JSON message a line.
 
-Every connection first proves the run's secret (:mod:`runtime.cluster.auth`) within ``auth_timeout_s``;
+Every connection first proves the run's secret (:mod:`elastic_runtime.cluster.auth`) within ``auth_timeout_s``;
 until it has, nothing it sends is read as a message. At most ``max_pending`` connections may be proving it
 at once: a new one beyond that closes the oldest waiting one, so idle connections cannot keep a real worker
 (whose proof takes milliseconds) out. An authenticated connection's first message must be the ``Hello`` of
 a worker the controller started; every later one is checked against that worker's id.
 
-The connections are asyncio protocols (:mod:`runtime.cluster.controller.connection`): the event loop hands
+The connections are asyncio protocols (:mod:`elastic_runtime.cluster.controller.connection`): the event loop hands
 them what arrived, and they decode it where it lands. Their messages wait in one queue, in the order they
 came, for the one task that runs the handlers (:meth:`WorkerServer.serve`): a heartbeat costs no task of its
 own, no wake-up and no pause or resume of its connection's reading. The handlers therefore must not wait
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import anyio
 import anyio.lowlevel
 
-from runtime.cluster.controller.connection import MAX_MALFORMED, Connection, Kind
-from runtime.cluster.controller.processes import WorkerProcess
-from runtime.cluster.protocol import Message, encode
+from elastic_runtime.cluster.controller.connection import MAX_MALFORMED, Connection, Kind
+from elastic_runtime.cluster.controller.processes import WorkerProcess
+from elastic_runtime.cluster.protocol import Message, encode
 
 __all__ = ["MAX_MALFORMED", "Report", "ReportLimiter", "WorkerServer"]
 

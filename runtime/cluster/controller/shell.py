@@ -42,13 +42,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from runtime.cluster import auth
-from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
-from runtime.cluster.controller.actions import supervise
-from runtime.cluster.controller.admission import hello
-from runtime.cluster.controller.commits import commit_durable
-from runtime.cluster.controller.context import ControllerContext
-from runtime.cluster.controller.ending import (
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
+from elastic_runtime.cluster.controller.actions import supervise
+from elastic_runtime.cluster.controller.admission import hello
+from elastic_runtime.cluster.controller.commits import commit_durable
+from elastic_runtime.cluster.controller.context import ControllerContext
+from elastic_runtime.cluster.controller.ending import (
     close_down,
     first_leaf,
     publish_finished,
@@ -56,25 +56,25 @@ from runtime.cluster.controller.ending import (
     watch_signals,
     write_summary,
 )
-from runtime.cluster.controller.heartbeat import HeartbeatMonitor, watch
-from runtime.cluster.controller.membership import Membership
-from runtime.cluster.controller.messages import mark_closed, on_message, publish_report, publish_verdict
-from runtime.cluster.controller.processes import ProcessPool
-from runtime.cluster.controller.relay import EventRelay
-from runtime.cluster.controller.runfolder import default_replica_dir, open_run
-from runtime.cluster.controller.server import WorkerServer
-from runtime.cluster.controller.supervision import DrainRequested, Input, Readmitted, RegroupRequested
-from runtime.cluster.controller.supervisor import Supervisor
-from runtime.cluster.controller.workers import reap, renew_leases, spawn
-from runtime.core.bus import EventBus
-from runtime.core.errors import BusClosed, ElasticRuntimeError
-from runtime.core.eventlog import EventLog
-from runtime.core.events import Event, WorkerKilled
-from runtime.core.folders import PROGRAMS_PREFIX
-from runtime.core.recovery import RecoveryTracker
+from elastic_runtime.cluster.controller.heartbeat import HeartbeatMonitor, watch
+from elastic_runtime.cluster.controller.membership import Membership
+from elastic_runtime.cluster.controller.messages import mark_closed, on_message, publish_report, publish_verdict
+from elastic_runtime.cluster.controller.processes import ProcessPool
+from elastic_runtime.cluster.controller.relay import EventRelay
+from elastic_runtime.cluster.controller.runfolder import default_replica_dir, open_run
+from elastic_runtime.cluster.controller.server import WorkerServer
+from elastic_runtime.cluster.controller.supervision import DrainRequested, Input, Readmitted, RegroupRequested
+from elastic_runtime.cluster.controller.supervisor import Supervisor
+from elastic_runtime.cluster.controller.workers import reap, renew_leases, spawn
+from elastic_runtime.core.bus import EventBus
+from elastic_runtime.core.errors import BusClosed, ElasticRuntimeError
+from elastic_runtime.core.eventlog import EventLog
+from elastic_runtime.core.events import Event, WorkerKilled
+from elastic_runtime.core.folders import PROGRAMS_PREFIX
+from elastic_runtime.core.recovery import RecoveryTracker
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.durable import DurableCommits
+    from elastic_runtime.cluster.controller.durable import DurableCommits
 
 __all__ = ["Controller"]
 
@@ -102,7 +102,7 @@ class Controller:
     coordinates the workers that say hello with the run's secret, judges them by their heartbeats only, and
     takes a replacement in when the orchestrator brings one up.
 
-    It subscribes no handler of its own (``runtime.defaults.default_controller`` adds the built-in ones) but the
+    It subscribes no handler of its own (``elastic_runtime.defaults.default_controller`` adds the built-in ones) but the
     relay that forwards the group's events to the training script's handlers in the workers (``relay.py``).
 
     Raises:
@@ -204,7 +204,7 @@ class Controller:
         # worker's client is still attached makes that client terminate its process.
         self.services: list[Any] = []
         self.standins: list[subprocess.Popen[bytes]] = []  # filling given-up generations' seats (``standin.py``)
-        self.spares_dead_before_hello = 0  # in a row: reset by any Hello
+        self.dead_before_hello = 0  # workers in a row that exited before their Hello: reset by any Hello
         # Ending the run early: an error that ends it (a worker's StepError, JobUnsupported) or a signal
         # (SIGTERM, SIGINT) cancels the supervision, and the run drains like any other end.
         self.supervision: anyio.CancelScope | None = None  # made in the event loop, by run_async
@@ -366,7 +366,7 @@ class Controller:
         config, location = self.config, self.config.durable_dir
         if not location:
             return None
-        from runtime.cluster.controller.durable import DurableCommits  # imports JAX: not before the fork server
+        from elastic_runtime.cluster.controller.durable import DurableCommits  # imports JAX: not before the fork server
 
         metadata = {"run_id": self.record.run_id}
         return DurableCommits(location, writers=config.slice_size, keep=config.durable_keep, metadata=metadata)

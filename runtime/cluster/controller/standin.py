@@ -1,5 +1,5 @@
 """Stand-ins for the lost seats of a generation given up before it formed, run as a process of their own:
-``python -m runtime.cluster.controller.standin COORDINATOR SEAT [SEAT ...]``.
+``python -m elastic_runtime.cluster.controller.standin COORDINATOR SEAT [SEAT ...]``.
 
 A group's members wait in JAX's start (the coordination client's ``connect``) until every seat is taken. When a
 member is lost before it took its seat, the controller forms the next generation without it, and the members
@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any
 
-from runtime.compat import jax as jax_compat
+from elastic_runtime.compat import jax as jax_compat
 
 __all__ = ["command", "main"]
 

@@ -1,5 +1,5 @@
-"""What the controller's :class:`~runtime.cluster.controller.supervisor.Supervisor` is told (inputs) and what it answers
-(actions): plain values, so that the supervisor's tests drive it without processes or sockets and the controller
+"""What the controller's :class:`~elastic_runtime.cluster.controller.supervisor.Supervisor` is told (inputs) and what it
+answers (actions): plain values, so that the supervisor's tests drive it without processes or sockets and the controller
 carries the actions out in the order given; and the phases it goes through."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from runtime.cluster.config import LaunchError, Strategy
-from runtime.cluster.protocol import Message
-from runtime.cluster.tiers import Tier
-from runtime.core.errors import ElasticRuntimeError
-from runtime.core.events import Event
+from elastic_runtime.cluster.config import LaunchError, Strategy
+from elastic_runtime.cluster.protocol import Message
+from elastic_runtime.cluster.tiers import Tier
+from elastic_runtime.core.errors import ElasticRuntimeError
+from elastic_runtime.core.events import Event
 
 __all__ = [
     "Action",

@@ -28,8 +28,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
-from runtime.cluster.controller.forming import (
+from elastic_runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
+from elastic_runtime.cluster.controller.forming import (
     GivenUp,
     await_joins,
     departure_code,
@@ -37,11 +37,11 @@ from runtime.cluster.controller.forming import (
     recruit,
     release_given_up,
 )
-from runtime.cluster.controller.heartbeat import HeartbeatMonitor
-from runtime.cluster.controller.membership import Membership
-from runtime.cluster.controller.planned import can_grow, drain
-from runtime.cluster.controller.processes import ProcessPool, log_tail
-from runtime.cluster.controller.supervision import (
+from elastic_runtime.cluster.controller.heartbeat import HeartbeatMonitor
+from elastic_runtime.cluster.controller.membership import Membership
+from elastic_runtime.cluster.controller.planned import can_grow, drain
+from elastic_runtime.cluster.controller.processes import ProcessPool, log_tail
+from elastic_runtime.cluster.controller.supervision import (
     Action,
     DrainRequested,
     EndRun,
@@ -64,10 +64,10 @@ from runtime.cluster.controller.supervision import (
     TopUpSpares,
     WorkerChanged,
 )
-from runtime.cluster.protocol import EXIT_REPLACE, Stop
-from runtime.core.errors import ElasticRuntimeError, RecoveryError
-from runtime.core.events import StepCompleted, WorkerLost
-from runtime.core.recovery import RecoveryTracker
+from elastic_runtime.cluster.protocol import EXIT_REPLACE, Stop
+from elastic_runtime.core.errors import ElasticRuntimeError, RecoveryError
+from elastic_runtime.core.events import StepCompleted, WorkerLost
+from elastic_runtime.core.recovery import RecoveryTracker
 
 __all__ = ["Supervisor"]
 

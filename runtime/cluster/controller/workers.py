@@ -9,20 +9,23 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from runtime.cluster.controller.processes import WorkerProcess
-from runtime.cluster.controller.supervision import WorkerChanged
-from runtime.cluster.protocol import Lease, Stop, Warm
-from runtime.core.errors import BusClosed
-from runtime.core.events import WorkerExited, WorkerStarted
+from elastic_runtime.cluster.config import LaunchError
+from elastic_runtime.cluster.controller.processes import WorkerProcess, log_tail
+from elastic_runtime.cluster.controller.supervision import WorkerChanged
+from elastic_runtime.cluster.protocol import Lease, Stop, Warm
+from elastic_runtime.core.errors import BusClosed
+from elastic_runtime.core.events import WorkerExited, WorkerStarted
 
 if TYPE_CHECKING:
-    from runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.shell import Controller
 
 __all__ = ["reap", "renew_leases", "spawn", "stop_all", "top_up_spares", "warm_spares"]
 
 log = logging.getLogger(__name__)
 
-_SPARE_RETRIES = 3  # spares in a row replaced at once when they die before their Hello
+# Workers in a row that exit before their Hello: the script fails before it reaches the runtime (an import error, a
+# raise at its top), and every replacement would fail the same way. The run ends, the traceback on the console.
+START_FAILURES = 3
 # A worker's lease, as a share of the heartbeat timeout: it stops stepping before the controller, having heard
 # nothing either, re-forms the group without it.
 _LEASE_SHARE = 0.75
@@ -48,16 +51,25 @@ async def reap(controller: Controller) -> None:
                 )
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
                 return  # the run was cancelled from outside and its bus is gone
-            if proc.spare and proc.hello is None and not controller.stopping:
-                # Never watched, so no verdict would replace it: start its successor now, not at the next
-                # failure (which would then wait for a cold start). Not forever, though: spares that keep
-                # dying before their Hello (a broken environment) are left to the next failure.
-                controller.spares_dead_before_hello += 1
-                if controller.spares_dead_before_hello <= _SPARE_RETRIES:
+            if proc.hello is None and not controller.stopping:
+                controller.dead_before_hello += 1
+                if controller.dead_before_hello >= START_FAILURES:
+                    controller.end(LaunchError(start_failure(controller, proc, code)))
+                elif proc.spare:
+                    # Never watched, so no verdict would replace it: start its successor now, not at the next
+                    # failure (which would then wait for a cold start).
                     top_up_spares(controller)
-                else:
-                    log.warning("%d spares in a row died before their Hello; none started now", _SPARE_RETRIES + 1)
         await anyio.sleep(0.02)
+
+
+def start_failure(controller: Controller, proc: WorkerProcess, code: int) -> str:
+    """Why the run ends: the last of ``START_FAILURES`` workers in a row that exited before their Hello."""
+    path = controller.pool.logs / f"worker-{proc.worker}.log"
+    return (
+        f"{controller.dead_before_hello} workers in a row exited before connecting (the last, worker "
+        f"{proc.worker}, with exit code {code}): the worker command fails before it reaches the runtime, and "
+        f"every replacement would too. The end of {path}:\n{log_tail(path)}"
+    )
 
 
 async def renew_leases(controller: Controller) -> None:

@@ -8,8 +8,8 @@ prepared while it trains); ``handlers`` runs the script's handlers at
 step boundaries, ``settings`` is its environment.
 """
 
-from runtime.cluster.worker.boot import is_worker, run_worker
-from runtime.cluster.worker.link import ControllerLink, connect
-from runtime.cluster.worker.loop import Worker
+from elastic_runtime.cluster.worker.boot import is_worker, run_worker
+from elastic_runtime.cluster.worker.link import ControllerLink, connect
+from elastic_runtime.cluster.worker.loop import Worker
 
 __all__ = ["ControllerLink", "Worker", "connect", "is_worker", "run_worker"]

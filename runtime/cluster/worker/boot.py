@@ -12,22 +12,22 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from runtime.cluster import auth, leftovers
-from runtime.cluster.protocol import ENV_CONTROLLER, Noticed
-from runtime.cluster.worker.handlers import ScriptHandlers
-from runtime.cluster.worker.link import ControllerLink, connect
-from runtime.cluster.worker.loop import Worker
-from runtime.cluster.worker.settings import WorkerSettings
-from runtime.core.bus import Subscription
-from runtime.core.errors import AuthenticationFailed
-from runtime.core.job import TrainJob
-from runtime.core.programs import ProgramStore
-from storage.replicas import ReplicaFiles
+from elastic_runtime.cluster import auth, leftovers
+from elastic_runtime.cluster.protocol import ENV_CONTROLLER, Noticed
+from elastic_runtime.cluster.worker.handlers import ScriptHandlers
+from elastic_runtime.cluster.worker.link import ControllerLink, connect
+from elastic_runtime.cluster.worker.loop import Worker
+from elastic_runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.core.bus import Subscription
+from elastic_runtime.core.errors import AuthenticationFailed
+from elastic_runtime.core.job import TrainJob
+from elastic_runtime.core.programs import ProgramStore
+from elastic_runtime.storage.replicas import ReplicaFiles
 
 log = logging.getLogger(__name__)
 
 # Watches the host's own notices (a metadata server's address) until the process ends, handing each notice's
-# JSON to the callable it is given; ``runtime.defaults.watch_own_host`` is one.
+# JSON to the callable it is given; ``elastic_runtime.defaults.watch_own_host`` is one.
 NoticeWatch = Callable[[str, Callable[[bytes], None]], None]
 
 
@@ -37,11 +37,10 @@ def _log_to_stderr() -> None:
     ``basicConfig`` a no-op, and its WARNING level hid them."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s worker %(name)s: %(message)s"))
-    for name in ("runtime", "storage", "handlers"):
-        logger = logging.getLogger(name)
-        logger.handlers = [handler]
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    logger = logging.getLogger("elastic_runtime")
+    logger.handlers = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def is_worker() -> bool:

@@ -9,13 +9,13 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from runtime.cluster.protocol import Saved
-from runtime.core.errors import CheckpointInvalid
-from runtime.core.snapshot import HostSnapshot
-from storage.manifest import describe_leaves
+from elastic_runtime.cluster.protocol import Saved
+from elastic_runtime.core.errors import CheckpointInvalid
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.manifest import describe_leaves
 
 if TYPE_CHECKING:
-    from runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.loop import Worker
 
 __all__ = ["final_durable", "save_durable"]
 

@@ -13,20 +13,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.cluster.protocol import Form, Joined, Stop
-from runtime.cluster.worker.group import join_group, leave_group
-from runtime.cluster.worker.restore import best_local, local_steps
-from runtime.core.cadence import EveryN
-from runtime.core.errors import MeshUnavailable
-from runtime.core.initial import initial_program
-from runtime.core.process_data import local_rows
-from runtime.faults.process import attach_worker_faults
-from storage.replicas import run_identity
-from storage.sharded import ShardedStore, writes
-from storage.shards import NeighbourShift, SliceRestore, local_like, uses_axis
+from elastic_runtime.cluster.protocol import Form, Joined, Stop
+from elastic_runtime.cluster.worker.group import join_group, leave_group
+from elastic_runtime.cluster.worker.restore import best_local, local_steps
+from elastic_runtime.core.cadence import EveryN
+from elastic_runtime.core.errors import MeshUnavailable
+from elastic_runtime.core.initial import initial_program
+from elastic_runtime.core.process_data import local_rows
+from elastic_runtime.faults.process import attach_worker_faults
+from elastic_runtime.storage.replicas import run_identity
+from elastic_runtime.storage.sharded import ShardedStore, writes
+from elastic_runtime.storage.shards import NeighbourShift, SliceRestore, local_like, uses_axis
 
 if TYPE_CHECKING:
-    from runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.loop import Worker
 
 __all__ = ["form_group", "warm_up"]
 
@@ -45,7 +45,7 @@ def form_group(worker: Worker, form: Form) -> None:
     import jax
     import jax.extend.backend
 
-    from runtime.core.compiler import StepCompiler
+    from elastic_runtime.core.compiler import StepCompiler
 
     started = time.monotonic()
     worker.smaller.stop()  # its compile runs on the backend about to go
@@ -222,7 +222,7 @@ def warm_up(worker: Worker, programs: str) -> None:
     import jax
     import jax.extend.backend
 
-    from runtime.core.compiler import StepCompiler
+    from elastic_runtime.core.compiler import StepCompiler
 
     started = time.monotonic()
     kept = worker.replicas.directory / programs if programs else None

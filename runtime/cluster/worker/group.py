@@ -12,8 +12,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
-from runtime.cluster.protocol import Form
-from runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.cluster.protocol import Form
+from elastic_runtime.cluster.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def join_group(form: Form, settings: WorkerSettings, given_up: Callable[[], bool
     is then killed every survivor's coordination client polls an error and terminates its process (and a
     Python error callback cannot stand in: jaxlib 0.10.2 aborts casting its status). With the service in
     the never-restarted controller, any worker, process 0 included, can die without taking the others down.
-    This uses the same private entry points ``initialize`` uses, through :mod:`runtime.compat.jax`.
+    This uses the same private entry points ``initialize`` uses, through :mod:`elastic_runtime.compat.jax`.
 
     The connect waits for every seat of the group. When a member is lost before it took its seat and the
     controller forms the next generation without it, the connect can neither be cancelled nor be left to fail
@@ -41,7 +41,7 @@ def join_group(form: Form, settings: WorkerSettings, given_up: Callable[[], bool
     fills the lost seats with stand-ins (``standin.py``) once every member has left the group, so that it
     returns and is shut down.
     """
-    from runtime.compat import jax as jax_compat
+    from elastic_runtime.compat import jax as jax_compat
 
     state = jax_compat.distributed_state()
     if state.client is not None:
@@ -90,7 +90,7 @@ def _leave_given_up(client: Any, generation: int, connecting: Future[None]) -> N
 
 def leave_group() -> None:
     """Disconnect from the old group's service (still up in the controller, so this returns at once)."""
-    from runtime.compat import jax as jax_compat
+    from elastic_runtime.compat import jax as jax_compat
 
     state = jax_compat.distributed_state()
     client, state.client = state.client, None
@@ -120,7 +120,7 @@ def meet(name: str, timeout_s: float, abandoned: threading.Event | None = None) 
         RuntimeError: the worker left the group, or abandoned the wait, first.
         TimeoutError: not every process came within ``timeout_s``.
     """
-    from runtime.compat import jax as jax_compat
+    from elastic_runtime.compat import jax as jax_compat
 
     state = jax_compat.distributed_state()
     client, members = state.client, state.num_processes

@@ -13,7 +13,7 @@ something (one 4-byte all-gather a step).
 Requests: ``transform_state`` (applied in every process at that boundary), ``request_checkpoint`` (a durable
 checkpoint of the step, with ``launch --durable``), ``abort`` (the controller ends the run, once),
 ``publish`` (the lead's events go to the controller's bus and log). What this mode cannot do (``remesh``,
-``cordon``, ...: the controller owns the group) raises :class:`~runtime.core.errors.UnsupportedInMode`.
+``cordon``, ...: the controller owns the group) raises :class:`~elastic_runtime.core.errors.UnsupportedInMode`.
 """
 
 from __future__ import annotations
@@ -29,15 +29,15 @@ import anyio
 import msgspec
 import numpy as np
 
-from runtime.cluster.protocol import Notify, Published, Requested
-from runtime.core.bus import EventBus, Subscription
-from runtime.core.errors import UnsupportedInMode
-from runtime.core.eventlog import decode_event, encode_event
-from runtime.core.events import Event, HandlerFailed, StateTransformed, StepFailed
+from elastic_runtime.cluster.protocol import Notify, Published, Requested
+from elastic_runtime.core.bus import EventBus, Subscription
+from elastic_runtime.core.errors import UnsupportedInMode
+from elastic_runtime.core.eventlog import decode_event, encode_event
+from elastic_runtime.core.events import Event, HandlerFailed, StateTransformed, StepFailed
 
 if TYPE_CHECKING:
-    from runtime.cluster.worker import Worker
-    from runtime.core.job import PyTree
+    from elastic_runtime.cluster.worker import Worker
+    from elastic_runtime.core.job import PyTree
 
 __all__ = ["Boundary", "ScriptHandlers", "WorkerContext"]
 

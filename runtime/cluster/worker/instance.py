@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 
-from runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.cluster.worker.settings import WorkerSettings
 
 __all__ = ["instance_name", "metadata_instance_name"]
 

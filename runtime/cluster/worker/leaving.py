@@ -19,8 +19,8 @@ import sys
 import threading
 from types import FrameType
 
-from runtime.cluster.protocol import Leaving
-from runtime.cluster.worker.link import ControllerLink
+from elastic_runtime.cluster.protocol import Leaving
+from elastic_runtime.cluster.worker.link import ControllerLink
 
 __all__ = ["leave_on_signal"]
 

@@ -11,8 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from runtime.cluster import auth
-from runtime.cluster.protocol import (
+from elastic_runtime.cluster import auth
+from elastic_runtime.cluster.protocol import (
     EXIT_REPLACE,
     DurableCommitted,
     Form,

@@ -1,18 +1,18 @@
 """The worker side of a multi-process run: the loop each process of ``elastic-runtime launch`` runs.
 
-A training script hands its :class:`~runtime.core.job.TrainJob` to :func:`run_worker`; everything else comes from
-the controller through the environment (its address, this worker's id, where replica files live) and over
+A training script hands its :class:`~elastic_runtime.core.job.TrainJob` to :func:`run_worker`; everything else comes
+from the controller through the environment (its address, this worker's id, where replica files live) and over
 the wire (which group to form, which step to restore from whom).
 
 The layout: ``data`` is the replica axis across slices of processes and ``model`` spans the devices of a
-slice's processes (:mod:`storage.shards`); with one process per slice each process holds the whole state. Every
-committed step's own shards are copied to host memory (the RAM replica) and, in the background, to a replica
-file in ``/dev/shm``; with neighbour replicas, the previous process's shards are copied to host memory too.
+slice's processes (:mod:`elastic_runtime.storage.shards`); with one process per slice each process holds the whole
+state. Every committed step's own shards are copied to host memory (the RAM replica) and, in the background, to a
+replica file in ``/dev/shm``; with neighbour replicas, the previous process's shards are copied to host memory too.
 
 Re-forming in-process (measured on jax 0.10.2, CPU, gloo): when a peer is killed, a step blocked in a gloo
 collective never returns and raises nothing, even after JAX's own heartbeat timeout. The worker therefore
-runs each step in a thread and, when the controller sends :class:`~runtime.cluster.protocol.Form` while a step is still
-running, abandons that thread (it stays blocked; it is never joined), shuts ``jax.distributed`` down, clears
+runs each step in a thread and, when the controller sends :class:`~elastic_runtime.cluster.protocol.Form` while a step
+is still running, abandons that thread (it stays blocked; it is never joined), shuts ``jax.distributed`` down, clears
 the backends and joins the new group. With ``jax_enable_recoverability`` on, this works in the same process.
 Because abandoned threads are blocked inside XLA, the process ends with ``os._exit`` after flushing.
 
@@ -32,33 +32,33 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from runtime.cluster.protocol import EventReport, Form, Heartbeat, Hello, Message, RestoreStep, Stop, Warm
-from runtime.cluster.tiers import Tier
-from runtime.cluster.worker.durable import final_durable
-from runtime.cluster.worker.forming import form_group, warm_up
-from runtime.cluster.worker.handlers import ScriptHandlers
-from runtime.cluster.worker.instance import instance_name
-from runtime.cluster.worker.leaving import leave_on_signal
-from runtime.cluster.worker.link import ControllerLink, Inbound
-from runtime.cluster.worker.restore import adopt_restored, restore_step
-from runtime.cluster.worker.settings import WorkerSettings
-from runtime.cluster.worker.smaller import SmallerGroup
-from runtime.cluster.worker.spares import SpareStates
-from runtime.cluster.worker.stepping import await_step
-from runtime.cluster.worker.training import train
-from runtime.core.events import StepFailed
-from runtime.core.initial import abstract_state
-from runtime.core.job import PyTree, TrainJob
-from runtime.core.keys import with_key_data
-from runtime.core.ledger import StepLedger
-from runtime.core.memory import resident, return_freed_memory
-from runtime.core.process_data import batch_example
-from runtime.core.programs import ProgramStore
-from runtime.core.snapshot import HostSnapshot
-from storage.disk import DiskTier
-from storage.replicas import ReplicaFiles, run_identity
-from storage.sharded import ShardedStore
-from storage.shards import NeighbourShift, SliceRestore
+from elastic_runtime.cluster.protocol import EventReport, Form, Heartbeat, Hello, Message, RestoreStep, Stop, Warm
+from elastic_runtime.cluster.tiers import Tier
+from elastic_runtime.cluster.worker.durable import final_durable
+from elastic_runtime.cluster.worker.forming import form_group, warm_up
+from elastic_runtime.cluster.worker.handlers import ScriptHandlers
+from elastic_runtime.cluster.worker.instance import instance_name
+from elastic_runtime.cluster.worker.leaving import leave_on_signal
+from elastic_runtime.cluster.worker.link import ControllerLink, Inbound
+from elastic_runtime.cluster.worker.restore import adopt_restored, restore_step
+from elastic_runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.cluster.worker.smaller import SmallerGroup
+from elastic_runtime.cluster.worker.spares import SpareStates
+from elastic_runtime.cluster.worker.stepping import await_step
+from elastic_runtime.cluster.worker.training import train
+from elastic_runtime.core.events import StepFailed
+from elastic_runtime.core.initial import abstract_state
+from elastic_runtime.core.job import PyTree, TrainJob
+from elastic_runtime.core.keys import with_key_data
+from elastic_runtime.core.ledger import StepLedger
+from elastic_runtime.core.memory import resident, return_freed_memory
+from elastic_runtime.core.process_data import batch_example
+from elastic_runtime.core.programs import ProgramStore
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.replicas import ReplicaFiles, run_identity
+from elastic_runtime.storage.sharded import ShardedStore
+from elastic_runtime.storage.shards import NeighbourShift, SliceRestore
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Worker:
         script: ScriptHandlers | None = None,
         programs: ProgramStore | None = None,
     ) -> None:
-        # The job as it runs: typed PRNG keys in its state held as key data (runtime.core.keys).
+        # The job as it runs: typed PRNG keys in its state held as key data (elastic_runtime.core.keys).
         self.job, self.keys = with_key_data(job)
         if settings.return_freed_memory:
             return_freed_memory()
@@ -97,12 +97,12 @@ class Worker:
         self.replicas = replicas
         link.on_committed = replicas.committed
         # Called with the step once its result is ready, before it is committed; one that raises (or never
-        # returns) stops the step there. Fault injection uses it (runtime.faults.process).
+        # returns) stops the step there. Fault injection uses it (elastic_runtime.faults.process).
         self.step_checks: list[Callable[[int], None]] = []
         self.generation = 0
         self.layout: dict[str, str] = {}  # which shards this process holds, in every replica's metadata
         self.slice_size = 1  # processes per slice (storage/shards.py)
-        self.local_like: PyTree = None  # shapes of this process's shards (storage.shards.local_like)
+        self.local_like: PyTree = None  # shapes of this process's shards (elastic_runtime.storage.shards.local_like)
         self.process_id = -1
         self.num_processes = 0
         self.initialized = False

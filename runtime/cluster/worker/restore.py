@@ -12,22 +12,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.cluster.protocol import EventReport, Restored, RestoreStep
-from runtime.cluster.tiers import Tier
-from runtime.cluster.worker.group import meet
-from runtime.core import restore as core_restore
-from runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
-from runtime.core.events import CheckpointCorrupt
-from runtime.core.initial import initial_program
-from runtime.core.job import PyTree
-from runtime.core.restore import CorruptionListener
-from runtime.core.snapshot import HostSnapshot
-from storage.disk import DiskTier
-from storage.replicas import MAX_PINS, replica
-from storage.shards import local_copy
+from elastic_runtime.cluster.protocol import EventReport, Restored, RestoreStep
+from elastic_runtime.cluster.tiers import Tier
+from elastic_runtime.cluster.worker.group import meet
+from elastic_runtime.core import restore as core_restore
+from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
+from elastic_runtime.core.events import CheckpointCorrupt
+from elastic_runtime.core.initial import initial_program
+from elastic_runtime.core.job import PyTree
+from elastic_runtime.core.restore import CorruptionListener
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.replicas import MAX_PINS, replica
+from elastic_runtime.storage.shards import local_copy
 
 if TYPE_CHECKING:
-    from runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.loop import Worker
 
 __all__ = [
     "Restoration",
@@ -198,7 +198,7 @@ def read_own(worker: Worker, restore: RestoreStep, files: dict[int, list[DiskTie
 @dataclass
 class _Holder:
     """A tier holding this process's shards of ``step``, as the core's restore routine reads a source
-    (``runtime.core.restore.RestoreSource``)."""
+    (``elastic_runtime.core.restore.RestoreSource``)."""
 
     tier: Tier
     step: int

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from runtime.cluster.protocol import (
+from elastic_runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
     ENV_CONNECT_S,
     ENV_CONTROLLER,
@@ -34,8 +34,8 @@ from runtime.cluster.protocol import (
     ENV_STEP_DELAY_S,
     ENV_WORKER,
 )
-from runtime.core.config import NonNegative, Positive, Seconds, SecondsOrZero, check_ranges
-from runtime.core.errors import ConfigError
+from elastic_runtime.core.config import NonNegative, Positive, Seconds, SecondsOrZero, check_ranges
+from elastic_runtime.core.errors import ConfigError
 
 __all__ = ["WorkerSettings"]
 

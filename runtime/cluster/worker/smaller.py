@@ -5,7 +5,7 @@ Where the group may go on without a lost slice (``Form.min_processes`` at most i
 ``--min-nprocs``, the service mode's orchestrator-replaced workers), the survivors re-form on a new backend, and
 every program of the smaller layout (the step, its spare state's maker, the restore and neighbour programs) is new
 to them: each survivor traced and compiled them all during the re-form. Yet compiled code names places in the
-mesh, not devices (``runtime.core.same_shape``). So each member compiles them now, on the current backend, for a
+mesh, not devices (``elastic_runtime.core.same_shape``). So each member compiles them now, on the current backend, for a
 mesh of the smaller shape made of this group's devices less one other slice, and its ``ProgramStore`` keeps them
 by shape: in the smaller group it loads them onto its new devices (``ProgramStore.compiled``).
 
@@ -23,13 +23,13 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from runtime.cluster.protocol import EventReport, Form
-from runtime.core.events import LikelyMeshesReady
-from runtime.core.mesh import mesh_shape
-from runtime.core.programs import Stopped
+from elastic_runtime.cluster.protocol import EventReport, Form
+from elastic_runtime.core.events import LikelyMeshesReady
+from elastic_runtime.core.mesh import mesh_shape
+from elastic_runtime.core.programs import Stopped
 
 if TYPE_CHECKING:
-    from runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.loop import Worker
 
 __all__ = ["SmallerGroup"]
 
@@ -96,8 +96,8 @@ def _program_sets(worker: Worker, form: Form, place: tuple[int, int]) -> Iterato
     devices less another slice than this process's; yields after each set (kept in ``worker.programs``)."""
     import jax
 
-    from runtime.core.compiler import StepCompiler
-    from storage.shards import NeighbourShift, SliceRestore
+    from elastic_runtime.core.compiler import StepCompiler
+    from elastic_runtime.storage.shards import NeighbourShift, SliceRestore
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     slices = form.num_processes // form.slice_size

@@ -1,10 +1,11 @@
 """The buffers a worker's step writes its new state into: those of a replica replaced unread, two steps back, so
-that a step takes no fresh memory (``runtime.core.compiler``, ``into_spare``).
+that a step takes no fresh memory (``elastic_runtime.core.compiler``, ``into_spare``).
 
-The RAM replica of each committed step is that step's state on the devices (``storage.replicas.device_replica``);
-when the next commit replaces it and no one has read it (no restore, no durable write, no neighbour copy took its
-host copy) its arrays are handed back here. Fresh memory for every step's state cost the most on CPU devices,
-where it is pages the kernel faults in and zeroes (docs/benchmarks.md, "Multi-process steady state").
+The RAM replica of each committed step is that step's state on the devices
+(``elastic_runtime.storage.replicas.device_replica``); when the next commit replaces it and no one has read it (no
+restore, no durable write, no neighbour copy took its host copy) its arrays are handed back here. Fresh memory for every
+step's state cost the most on CPU devices, where it is pages the kernel faults in and zeroes (docs/benchmarks.md,
+"Multi-process steady state").
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from runtime.cluster.protocol import Form, Stop
-from runtime.cluster.worker.link import Inbound
-from runtime.core.classify import classify
-from runtime.core.events import StepFailed
+from elastic_runtime.cluster.protocol import Form, Stop
+from elastic_runtime.cluster.worker.link import Inbound
+from elastic_runtime.core.classify import classify
+from elastic_runtime.core.events import StepFailed
 
 if TYPE_CHECKING:
-    from runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.loop import Worker
 
 __all__ = ["await_step", "defer", "defer_head", "wait_fenced"]
 

@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from runtime.cluster.protocol import Finished, Message
-from runtime.cluster.worker.durable import save_durable
-from runtime.cluster.worker.group import meet
-from runtime.cluster.worker.handlers import Boundary
-from runtime.cluster.worker.link import Inbound
-from runtime.cluster.worker.stepping import await_step, defer, wait_fenced
-from runtime.core.job import PyTree
-from runtime.core.process_data import place_batch
-from storage.disk import DiskTier
-from storage.replicas import device_replica, replica
+from elastic_runtime.cluster.protocol import Finished, Message
+from elastic_runtime.cluster.worker.durable import save_durable
+from elastic_runtime.cluster.worker.group import meet
+from elastic_runtime.cluster.worker.handlers import Boundary
+from elastic_runtime.cluster.worker.link import Inbound
+from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenced
+from elastic_runtime.core.job import PyTree
+from elastic_runtime.core.process_data import place_batch
+from elastic_runtime.storage.disk import DiskTier
+from elastic_runtime.storage.replicas import device_replica, replica
 
 if TYPE_CHECKING:
-    from runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.loop import Worker
 
 __all__ = ["apply_boundary", "finish", "gather_whole", "run_step", "train"]
 
