@@ -31,6 +31,7 @@ from elastic_runtime.core.errors import (
 )
 from elastic_runtime.core.events import *  # noqa: F403 - the event catalogue is part of the public API
 from elastic_runtime.core.events import __all__ as _event_names
+from elastic_runtime.core.handler_context import HandlerContext
 from elastic_runtime.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ __all__ = [
     "ElasticRuntime",
     "ElasticRuntimeError",
     "EventLogError",
+    "HandlerContext",
     "IndexedBatches",
     "JobUnsupported",
     "MeshPolicy",

@@ -15,6 +15,7 @@ from typing import Any
 from elastic_runtime.cli.launch import (
     add_handlers_argument,
     add_maintenance_arguments,
+    add_quiet_argument,
     add_replica_file_argument,
     add_timeout_arguments,
 )
@@ -62,6 +63,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_replica_file_argument(parser)
     add_handlers_argument(parser)
     add_maintenance_arguments(parser)
+    add_quiet_argument(parser)
     parser.set_defaults(func=controller_main)
     return parser
 
@@ -101,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         start_timeout_s=args.start_timeout,
         form_timeout_s=args.form_timeout,
         spawn_timeout_s=args.spawn_timeout,
+        progress=not args.quiet,
         max_failures=args.max_failures,
         replica_file_every=args.replica_file_every,
         run_dir=args.run_dir,

@@ -91,7 +91,7 @@ def main(args: argparse.Namespace) -> int:
     global_batch = base * max(1, 96 // base)
     policy = MeshPolicy({"data": slices, "model": SLICE_SIZE}, global_batch=global_batch, slice_size=SLICE_SIZE)
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    config = RuntimeConfig(run_dir=str(run_dir), scale_up_poll_s=0.1)
+    config = RuntimeConfig(run_dir=str(run_dir), scale_up_poll_s=0.1, progress=False)  # the demo prints its own
     job = demo_job(global_batch=global_batch)
     injector = FaultInjector()
     devices = len(jax.devices())
@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
     if args.verify:
         say("verifying: fault-free reference run of the same length ...")
         reference = ElasticRuntime(
-            job, config=RuntimeConfig(scale_up_poll_s=None, precompile=False), mesh_policy=policy
+            job, config=RuntimeConfig(scale_up_poll_s=None, precompile=False, progress=False), mesh_policy=policy
         ).run(steps)
         full = all(entry["shape"] == policy.target_shape for entry in summary["mesh_history"])
         summary["reference_match"] = compare_states(result.state, reference.state, bitwise=full)

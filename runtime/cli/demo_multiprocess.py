@@ -82,6 +82,7 @@ def group_controller(
         result_path=str(run_dir / "final"),
         faults=faults,
         strategy=Strategy(strategy),
+        progress=False,  # the demo prints its own (``printer``)
         **({"target_steps": steps} | extra),
     )
     controller = default_controller(config)

@@ -115,6 +115,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_replica_file_argument(parser)
     add_handlers_argument(parser)
     add_maintenance_arguments(parser)
+    add_quiet_argument(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- python train.py ...")
     parser.set_defaults(func=launch_main)
     return parser
@@ -172,6 +173,16 @@ def add_replica_file_argument(parser: argparse.ArgumentParser) -> None:
         help="steps between a process's replica files where every process holds the whole state and the group "
         "re-forms in place (a whole group lost then goes back up to N-1 steps); every step otherwise "
         "(default: %(default)s)",
+    )
+
+
+def add_quiet_argument(parser: argparse.ArgumentParser) -> None:
+    """``--quiet``, as ``launch`` and ``controller`` take it."""
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on the console (default: what the first group waits for, the steps every 10 s, every "
+        "lost worker, re-forming and recovery, on stderr)",
     )
 
 
@@ -234,6 +245,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         start_timeout_s=args.start_timeout,
         form_timeout_s=args.form_timeout,
         spawn_timeout_s=args.spawn_timeout,
+        progress=not args.quiet,
         run_dir=args.run_dir,
         result_path=args.result,
         replica_dir=args.replica_dir,

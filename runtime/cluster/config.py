@@ -122,6 +122,9 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         fork_spares: workers, the first ones and the spares, are forked from a process that imported JAX already
             (``runtime/cluster/controller/forkserver.py``), ready without JAX's import; False: each is a new
             process. Only for a command that runs Python with ``-m module`` or a script.
+        progress: print the group's progress on the controller's console (stderr): what the first group waits
+            for while it starts, the steps now and then, every lost worker, re-forming and recovery
+            (``runtime/cluster/controller/console.py``). ``launch --quiet`` turns it off.
     """
 
     command: list[str]
@@ -166,6 +169,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     maintenance_subscription: str | None = None
     drain_lead_s: SecondsOrZero = 60.0
     fork_spares: bool = True
+    progress: bool = True
 
     @property
     def slice_size(self) -> int:

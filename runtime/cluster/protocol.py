@@ -133,6 +133,7 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     step: int
     step_time_s: float | None = None
     loss: float | None = None  # the loss of ``step`` (the job's ``loss_key`` in its metrics), where it has one
+    metrics: dict[str, float] = {}  # every scalar metric of ``step`` (elastic_runtime.core.metrics)
     sent_at: float  # the worker's wall clock; the controller times silence with its own monotonic clock
     held: bool = False  # it stopped stepping when told (``Stop.hold``): ``step`` is its last
     # Bytes: the process's resident memory (``peak_rss``, ``rss``) and its host copies of the state (``ram``: its

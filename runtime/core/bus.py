@@ -45,6 +45,9 @@ class Subscription(Generic[E]):
     timeout: float | None
     name: str
     order: int = field(compare=False)
+    # Run in the lead process only (``ctx.lead``): once per event however many processes a group has. In one
+    # process every handler runs once anyway.
+    once: bool = False
 
 
 class EventBus:
@@ -90,16 +93,18 @@ class EventBus:
         *,
         priority: int = 0,
         timeout: float | str | None = "default",
+        once: bool = False,
     ) -> Subscription[E]:
         """Call ``handler(event, context)`` for every event of ``event_type`` or a subclass of it.
 
-        Higher ``priority`` runs first. ``timeout`` overrides the bus's ``handler_timeout``.
+        Higher ``priority`` runs first. ``timeout`` overrides the bus's ``handler_timeout``. ``once``: in a
+        multi-process group, run in the lead process only (once per event) rather than in every process.
         """
         limit = self.handler_timeout if timeout == "default" else timeout
         if limit is not None and not isinstance(limit, int | float):
             raise TypeError(f"timeout must be a number of seconds or None, not {limit!r}")
         name = getattr(handler, "__qualname__", repr(handler))
-        sub = Subscription(event_type, handler, priority, limit, name, next(self._order))
+        sub = Subscription(event_type, handler, priority, limit, name, next(self._order), once)
         self._subs.append(sub)
         self._by_type.clear()
         return sub
@@ -114,12 +119,12 @@ class EventBus:
         self._by_type.clear()
 
     def on(
-        self, event_type: type[E], *, priority: int = 0, timeout: float | str | None = "default"
+        self, event_type: type[E], *, priority: int = 0, timeout: float | str | None = "default", once: bool = False
     ) -> Callable[[Handler[E]], Handler[E]]:
         """Decorator form of :meth:`subscribe`."""
 
         def register(handler: Handler[E]) -> Handler[E]:
-            self.subscribe(event_type, handler, priority=priority, timeout=timeout)
+            self.subscribe(event_type, handler, priority=priority, timeout=timeout, once=once)
             return handler
 
         return register

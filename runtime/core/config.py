@@ -68,6 +68,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         event_batch_s: steps run back to back in the worker thread for up to this long before their events
             are published, while the next step computes (a handler's command interrupts at once); 0
             publishes after every step.
+        progress: print the run's progress to stderr: the first step, then a line every ``progress_every_s``
+            (step, loss and the step's other metrics, step time, mesh, goodput so far), one line per failure,
+            re-mesh and recovery, and the end. Off for a quiet run (``--quiet`` on the command line).
+        progress_every_s: seconds between two progress lines about steps.
 
     Checkpointing (``storage/``; see docs/storage.md):
         ram_dir: mirror every RAM snapshot into this directory (e.g. under ``/dev/shm``) so that it survives a
@@ -108,6 +112,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     compile_cache: str = "run_dir"
     event_batch_s: SecondsOrZero = 0.05
     check_data: bool = False
+    progress: bool = True
+    progress_every_s: Seconds = 10.0
     # --- checkpointing (storage/) ---------------------------------------------------------------------
     ram_dir: str | None = None
     checkpoint_dir: str | None = None

@@ -1,4 +1,7 @@
-"""The context a handler receives: what it may look at and the requests it may make.
+"""The context a handler receives in one process: what it may look at and the requests it may make.
+
+:class:`RuntimeContext` is the embedded mode's :class:`~elastic_runtime.core.handler_context.HandlerContext`, the
+members every ``ctx`` has in every mode.
 
 Requests to the executor (pause, resume, re-mesh, restore, abort) never block: they are queued and carried
 out at the next step boundary, in order, and each is announced by an event (``MeshChanged``,
@@ -17,6 +20,7 @@ from elastic_runtime.core.bus import Handler, Subscription
 from elastic_runtime.core.commands import Abort, Pause, Remesh, Restore, Resume, TransformState
 from elastic_runtime.core.config import RuntimeConfig
 from elastic_runtime.core.events import Event, SaveCheckpoint
+from elastic_runtime.core.handler_context import Mode
 from elastic_runtime.core.mesh import MeshPolicy, device_ids
 
 if TYPE_CHECKING:
@@ -26,10 +30,30 @@ E = TypeVar("E", bound=Event)
 
 
 class RuntimeContext:
-    """Handed to every handler as ``ctx``."""
+    """Handed to every handler as ``ctx`` in one process (embedded): a :class:`HandlerContext`."""
 
     def __init__(self, runtime: Runtime) -> None:
         self._runtime = runtime
+
+    @property
+    def mode(self) -> Mode:
+        """``embedded``: this process drives every device of the run."""
+        return "embedded"
+
+    @property
+    def lead(self) -> bool:
+        """Always True: one process, so every handler runs once per event."""
+        return True
+
+    @property
+    def process_id(self) -> int:
+        """0: the one process."""
+        return 0
+
+    @property
+    def num_processes(self) -> int:
+        """1: the one process."""
+        return 1
 
     @property
     def config(self) -> RuntimeConfig:

@@ -9,6 +9,7 @@ message, never pickled. The JSON tag of an event is its class name, so a user-de
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import msgspec
 
@@ -110,11 +111,13 @@ class StepCompleted(Event, frozen=True, kw_only=True):
     the RAM tier holds the state after this step; ``snapshot_wait_s`` is what that copy added to the step:
     the step's time over the running average of steps without a copy (0 when the copy is compiled into the
     step, as with a snapshot every step, or when there is no copy: on CPU devices the snapshot is the state
-    itself), and ``duration_s`` is the step's time less it.
+    itself), and ``duration_s`` is the step's time less it. ``metrics`` holds every scalar the step returned, by
+    name (nested keys joined with ``/``); ``loss`` is the one the job's ``loss_key`` names.
     """
 
     duration_s: float
     loss: float | None = None
+    metrics: dict[str, float] = {}
     mesh_shape: dict[str, int]
     data_position: int
     data_s: float = 0.0
@@ -502,3 +505,42 @@ def event_types() -> tuple[type[Event], ...]:
         found.append(cls)
         pending.extend(cls.__subclasses__())
     return tuple(found)
+
+
+# --- which mode publishes what ---------------------------------------------------------------------------
+
+# Events one mode never gives a handler, each with what to subscribe to there instead. Embedded: nothing is a
+# worker or a group. Under ``launch`` (the script's handlers in every worker, fed by the controller): the
+# controller replaces whole processes, so a device is never lost alone, never returns alone, and is never drained.
+_NEVER = {
+    "embedded": {
+        "WorkerLost": "a lost device or slice is DeviceLost / SliceLost in one process",
+        "WorkerHung": "a hung step is a StepFailed in one process",
+        "Straggler": "one process has no slower peer",
+        "GroupForming": "one process forms no group",
+        "GroupFormed": "one process forms no group; a new mesh is MeshChanged",
+        "WorkerStarted": "one process starts no worker",
+        "WorkerExited": "one process starts no worker",
+        "WorkerSignalled": "one process starts no worker",
+        "WorkerKilled": "one process starts no worker",
+        "MalformedHeartbeat": "one process has no heartbeats",
+        "ConnectionRefused": "one process takes no connection",
+        "ReplicaSkipped": "one process has no replica files",
+    },
+    "launch": {
+        "DeviceLost": "a worker's lost device is its WorkerLost (or WorkerHung)",
+        "SliceLost": "a worker's lost device is its WorkerLost (or WorkerHung)",
+        "ScaleUpAvailable": "a group grows back when a replacement joins: MeshChanged",
+        "MeshReady": "a re-formed group loads the programs prepared ahead: GroupFormed",
+        "MeshReduced": "the group starts on --nprocs workers: RunStarted",
+        "Drain": "the controller drains a host's workers itself (docs/gcp-setup.md)",
+    },
+}
+
+
+def never_published(mode: str, subscribed: Iterable[type[Event]]) -> list[str]:
+    """Of the event types ``subscribed`` to, each one that ``mode`` (``embedded`` or ``launch``) never publishes,
+    as ``Name (why; what instead)``: a handler for it would never run."""
+    never = _NEVER[mode]
+    names = sorted({kind.__name__ for kind in subscribed if kind.__name__ in never})
+    return [f"{name} ({never[name]})" for name in names]

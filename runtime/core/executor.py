@@ -50,6 +50,7 @@ from elastic_runtime.core.job import PyTree, TrainJob
 from elastic_runtime.core.keys import with_key_data
 from elastic_runtime.core.ledger import StepLedger
 from elastic_runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
+from elastic_runtime.core.metrics import scalar_metrics
 from elastic_runtime.core.prefetch import BatchPrefetcher
 from elastic_runtime.core.restore import RestoreSource, refuse_earlier_checkpoints, restore_newest
 from elastic_runtime.core.snapshot import RamTier, in_host_memory
@@ -67,6 +68,7 @@ def _is_async(fn: Any) -> bool:
 class _StepDone(NamedTuple):
     state: PyTree
     loss: float | None
+    metrics: dict[str, float]  # every scalar the step returned (elastic_runtime.core.metrics)
     seconds: float  # the step's computation
     data_s: float  # loading its batch
     snapshot_wait_s: float  # what its snapshot's copy added to the step (0 when compiled into the step)
@@ -167,6 +169,8 @@ class StepExecutor:
         self.mesh: Mesh | None = None
         self.state: PyTree | None = None
         self.loss: float | None = None
+        self.metrics: dict[str, float] = {}  # of the newest committed step
+        self.productive_s = 0.0  # the committed steps' computation, in all (progress lines, goodput so far)
         self.paused = False
         self.mesh_history: list[dict[str, int]] = []
         self._recovery_deadline = math.inf  # when the handlers must have resumed the current recovery
@@ -531,6 +535,7 @@ class StepExecutor:
                 source="executor",
                 duration_s=done.seconds,
                 loss=done.loss,
+                metrics=done.metrics,
                 mesh_shape=shape,
                 data_position=position,
                 data_s=done.data_s,
@@ -538,7 +543,8 @@ class StepExecutor:
                 snapshot_wait_s=done.snapshot_wait_s,
             )
         )
-        self.state, self.loss = done.state, done.loss
+        self.state, self.loss, self.metrics = done.state, done.loss, done.metrics
+        self.productive_s += done.seconds
         # Last: the step counts as committed once everything above is in place.
         self._from_threads.extend(self.ledger.commit(step, data_position=position, mesh_shape=shape).events)
 
@@ -603,8 +609,8 @@ class StepExecutor:
         jax.block_until_ready((flight.new_state, flight.host) if fused else flight.new_state)
         for check in self.step_checks:
             check(flight.step, device_ids(mesh))
-        metrics = flight.metrics
-        loss = self.job.loss(metrics)
+        metrics = scalar_metrics(flight.metrics)
+        loss = self.job.loss(flight.metrics)
         loss_value = None if loss is None else float(np.asarray(loss))
         host, copy_s = flight.host, 0.0
         copied_here = host is not None and not (fused or self._by_reference)  # a copy queued behind the step
@@ -626,7 +632,7 @@ class StepExecutor:
                 self.cadence.copied(extra)  # signed, so that the noise of step times averages out
             copy_s = max(extra, 0.0)
             seconds -= copy_s
-        return _StepDone(flight.new_state, loss_value, seconds, flight.data_s, copy_s, host)
+        return _StepDone(flight.new_state, loss_value, metrics, seconds, flight.data_s, copy_s, host)
 
     def _snapshot_failed(self, step: int, exc: BaseException) -> None:
         reason = f"host copy failed: {type(exc).__name__}: {exc}"

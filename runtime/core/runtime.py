@@ -32,11 +32,19 @@ from elastic_runtime.core.config import RuntimeConfig
 from elastic_runtime.core.context import RuntimeContext
 from elastic_runtime.core.errors import BusClosed
 from elastic_runtime.core.eventlog import EventLog
-from elastic_runtime.core.events import Event, LikelyMeshesReady, MeshReady, RunFinished, ScaleUpAvailable
+from elastic_runtime.core.events import (
+    Event,
+    LikelyMeshesReady,
+    MeshReady,
+    RunFinished,
+    ScaleUpAvailable,
+    never_published,
+)
 from elastic_runtime.core.executor import BoundaryHook, RunResult, StepExecutor
 from elastic_runtime.core.health import DeviceHealth
 from elastic_runtime.core.job import TrainJob
 from elastic_runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
+from elastic_runtime.core.progress import ProgressLines
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +99,18 @@ class Runtime:
         )
         self.executor = StepExecutor(job, bus=self.bus, config=self.config, policy=self.policy, health=self.health)
         self.components: list[Component] = []
+        if self.config.progress:
+            self.add_component(ProgressLines(self.executor, every_s=self.config.progress_every_s))
         self._used = False
 
     # --- the user's hooks ------------------------------------------------------------------------------
 
     def on(
-        self, event_type: type[E], *, priority: int = 0, timeout: float | str | None = "default"
+        self, event_type: type[E], *, priority: int = 0, timeout: float | str | None = "default", once: bool = False
     ) -> Callable[[Handler[E]], Handler[E]]:
-        """Decorator: call the handler for every event of ``event_type`` (and its subclasses)."""
-        return self.bus.on(event_type, priority=priority, timeout=timeout)
+        """Decorator: call the handler for every event of ``event_type`` (and its subclasses); see
+        :meth:`subscribe`."""
+        return self.bus.on(event_type, priority=priority, timeout=timeout, once=once)
 
     def subscribe(
         self,
@@ -108,11 +119,17 @@ class Runtime:
         *,
         priority: int = 0,
         timeout: float | str | None = "default",
+        once: bool = False,
     ) -> Subscription[E]:
         """Call ``handler`` for every event of ``event_type`` (and its subclasses); returns the subscription,
         which :meth:`RuntimeContext.unsubscribe` ends. ``priority``: higher runs first; ``timeout``: seconds a
-        call may take before it counts as failed (``"default"``: the config's handler timeout)."""
-        return self.bus.subscribe(event_type, handler, priority=priority, timeout=timeout)
+        call may take before it counts as failed (``"default"``: the config's handler timeout).
+
+        ``once``: under ``elastic-runtime launch`` a handler runs in every worker process by default, at the
+        same step boundary, because a request that changes the state (``ctx.transform_state``) must be made in
+        every process; ``once=True`` runs it in the lead process only, for side effects wanted once per event (a
+        message, a page, a file). In one process both mean the same."""
+        return self.bus.subscribe(event_type, handler, priority=priority, timeout=timeout, once=once)
 
     def add_component(self, component: Component) -> Component:
         """Start ``component.run(ctx)`` with the run and cancel it when the run ends."""
@@ -151,6 +168,9 @@ class Runtime:
         self._used = True
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        never = never_published("embedded", [sub.event_type for sub in self.bus.subscriptions])
+        if never:
+            log.warning("handlers subscribed to events one process never publishes: %s", "; ".join(never))
         with persistent_cache(self.config.compile_cache, self.config.run_dir):
             return await self._run(steps, resume)
 

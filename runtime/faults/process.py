@@ -29,7 +29,11 @@ class _Context(Protocol):
 
 
 class ProcessFaults:
-    """The controller-side faults of a run: ``kill``, ``stop`` and ``term`` of a member by process id."""
+    """The controller-side faults of a run: ``kill``, ``stop`` and ``term`` of a member by process id.
+
+    ``kill:P@S`` names a position in the group (process ``P``, as ``jax.process_index()`` counts), not a worker
+    id: after a re-forming another worker holds it. The ``WorkerKilled`` event names both, as does its reason.
+    """
 
     def __init__(self, faults: Iterable[Fault]) -> None:
         self.pending = [fault for fault in faults if fault.kind == "process"]
@@ -45,15 +49,19 @@ class ProcessFaults:
         for fault in [f for f in self.pending if not f.forming and f.due(step)]:
             self.pending.remove(fault)
             if fault.target < len(ctx.members):
-                ctx.signal(ctx.members[fault.target], PROCESS_SIGNALS[fault.action], f"fault injection: {fault}")
+                worker = ctx.members[fault.target]
+                why = f"fault injection: {fault} (process {fault.target} of the group: worker {worker})"
+                ctx.signal(worker, PROCESS_SIGNALS[fault.action], why)
 
     async def on_forming(self, event: GroupForming, ctx: _Context) -> None:
         if event.strategy == "start":  # "forming" means a re-forming after a failure
             return
         for fault in [f for f in self.pending if f.forming]:
             self.pending.remove(fault)
-            target = event.members[min(fault.target, len(event.members) - 1)]
-            ctx.signal(target, PROCESS_SIGNALS[fault.action], f"fault injection: {fault}")
+            position = min(fault.target, len(event.members) - 1)
+            worker = event.members[position]
+            why = f"fault injection: {fault} (process {position} of the forming group: worker {worker})"
+            ctx.signal(worker, PROCESS_SIGNALS[fault.action], why)
 
 
 def worker_faults_text(faults: Iterable[Fault], process_id: int) -> str:

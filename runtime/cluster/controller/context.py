@@ -1,17 +1,20 @@
 """The ``ctx`` a controller-side handler receives: the group, and the requests it may make.
 
-Requests mean what they mean on a single-process ``RuntimeContext``; those about the state (it lives in the
-workers) raise :class:`UnsupportedInMode` pointing to the script's own handlers, which run in every worker.
+A :class:`~elastic_runtime.core.context.HandlerContext` with the controller's own requests besides (drain, kill,
+regroup ...). Requests mean what they mean on a single-process ``RuntimeContext``; those about the state or the
+devices (they live in the workers) raise :class:`UnsupportedInMode` pointing to the script's own handlers, which
+run in every worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from elastic_runtime.cluster.config import LaunchConfig, Strategy
 from elastic_runtime.core.errors import RecoveryError, UnsupportedInMode
 from elastic_runtime.core.events import Event
+from elastic_runtime.core.handler_context import Mode
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.controller import Controller
@@ -29,6 +32,36 @@ class ControllerContext:
     def config(self) -> LaunchConfig:
         """The launch's configuration."""
         return self._c.config
+
+    @property
+    def mode(self) -> Mode:
+        """``controller``: the one process where the group's events exist once."""
+        return "controller"
+
+    @property
+    def lead(self) -> bool:
+        """Always True: a controller-side handler runs once per event."""
+        return True
+
+    @property
+    def process_id(self) -> int:
+        """-1: the controller is no process of the group."""
+        return -1
+
+    @property
+    def num_processes(self) -> int:
+        """The group's processes (its members)."""
+        return len(self._c.members)
+
+    @property
+    def mesh(self) -> None:
+        """None: the controller runs no JAX (the group's mesh is in ``RunStarted`` and ``MeshChanged``)."""
+        return None
+
+    @property
+    def recovering(self) -> bool:
+        """True from a failure until the re-formed group's first committed step."""
+        return self._c.recovery.current is not None
 
     @property
     def step(self) -> int:
@@ -100,6 +133,37 @@ class ControllerContext:
             UnsupportedInMode: always.
         """
         raise UnsupportedInMode(f"ctx.request_checkpoint is not available on the controller: {_IN_WORKERS}")
+
+    def _unsupported(self, request: str) -> NoReturn:
+        raise UnsupportedInMode(f"ctx.{request} is not available on the controller: {_IN_WORKERS}")
+
+    def pause(self, reason: str = "") -> None:
+        """Not on the controller: members that stop stepping are the script's to pause (raises)."""
+        self._unsupported("pause")
+
+    def resume(self, reason: str = "") -> None:
+        """Not on the controller (raises UnsupportedInMode)."""
+        self._unsupported("resume")
+
+    def remesh(self, mesh: Any, reason: str = "") -> None:
+        """Not on the controller, which forms the group from processes: ``regroup`` or ``drain`` (raises)."""
+        self._unsupported("remesh")
+
+    def restore(self, source: str = "latest") -> None:
+        """Not on the controller, which picks every re-formed group's restore itself (raises)."""
+        self._unsupported("restore")
+
+    def cordon(self, devices: tuple[int, ...]) -> None:
+        """Not on the controller, which replaces processes, not devices: ``drain`` a host (raises)."""
+        self._unsupported("cordon")
+
+    def uncordon(self, devices: tuple[int, ...]) -> None:
+        """Not on the controller: ``readmit`` a host (raises UnsupportedInMode)."""
+        self._unsupported("uncordon")
+
+    async def healthy_devices(self) -> list[Any]:
+        """Not on the controller, which sees no device (raises UnsupportedInMode)."""
+        self._unsupported("healthy_devices")
 
 
 _IN_WORKERS = (

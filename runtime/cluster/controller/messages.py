@@ -129,7 +129,7 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
                 return
             if gen == controller.group.generation and controller.group.has(worker):
                 proc.step, proc.generation = step, gen
-                controller.feed(Progress(worker, step, seconds, loss))
+                controller.feed(Progress(worker, step, seconds, loss, message.metrics))
         case Joined(generation=gen) if gen == controller.group.generation:
             proc.joined = message
             await publish_skipped(controller, proc, message.skipped)

@@ -21,7 +21,7 @@ from elastic_runtime.cluster.controller.supervision import (
 )
 from elastic_runtime.cluster.protocol import Joined, RestoreStep
 from elastic_runtime.core.errors import RecoveryError
-from elastic_runtime.core.events import GroupFormed, RunStarted, StateRestored
+from elastic_runtime.core.events import GroupFormed, MeshChanged, RunStarted, StateRestored
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.controller.supervisor import Supervisor
@@ -93,6 +93,21 @@ def send_restore(sup: Supervisor, out: list[Action]) -> None:
         instances=tuple(_instance_of(sup, w) for w in members),
     )
     out.append(Publish(formed))
+    shape = sup.mesh_shape()
+    if sup.group_shape and shape != sup.group_shape:
+        # The data-parallel size changed (a group gone on smaller, or grown back): the same event as in one
+        # process, so that the script's handlers for it (a learning rate scaled to the size) run in every mode.
+        changed = MeshChanged(
+            step=plan.step,
+            source="controller",
+            old_shape=sup.group_shape,
+            new_shape=shape,
+            devices=tuple(range(len(members) * sup.config.local_devices)),
+            reason=f"generation {group.generation}: {len(members)} workers ({strategy}: {sup.forming_reason})",
+            needs_restore=strategy == Strategy.RESTART,
+        )
+        out.append(Publish(changed))
+    sup.group_shape = shape
     if strategy == Strategy.START:
         started = RunStarted(
             step=plan.step,

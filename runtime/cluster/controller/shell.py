@@ -47,6 +47,7 @@ from elastic_runtime.cluster.config import LaunchConfig, LaunchError, LaunchResu
 from elastic_runtime.cluster.controller.actions import supervise
 from elastic_runtime.cluster.controller.admission import hello
 from elastic_runtime.cluster.controller.commits import commit_durable
+from elastic_runtime.cluster.controller.console import GroupConsole
 from elastic_runtime.cluster.controller.context import ControllerContext
 from elastic_runtime.cluster.controller.ending import (
     close_down,
@@ -215,6 +216,23 @@ class Controller:
         # Tasks run beside the wire and the monitor, and cancelled with them before the bus closes: a scheduler
         # backend's placement and watch loop (``runtime/cluster/controller/ray_backend.py``).
         self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        if config.progress:
+            console = GroupConsole(self.waiting_for)
+            console.attach(self.bus)
+            self.companions.append(console.run)
+
+    def waiting_for(self) -> str:
+        """What the first group waits for, in words (the console says it while a real model starts)."""
+        procs = [p for p in self.pool if not p.gone]
+        connected = sum(p.hello is not None for p in procs)
+        joined = sum(p.joined is not None for p in procs)
+        n = self.config.nprocs
+        if joined:
+            return f"{joined} of {n} workers joined the first group; the others are joining (connecting, compiling)"
+        return (
+            f"{connected} of {n} workers connected; the others are starting (importing the script and JAX, and "
+            "the script's own code before it calls run())"
+        )
 
     @property
     def members(self) -> list[int]:

@@ -4,7 +4,7 @@ carries the actions out in the order given; and the phases it goes through."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from elastic_runtime.cluster.config import LaunchError, Strategy
@@ -92,6 +92,7 @@ class Progress:
     step: int
     step_time_s: float | None = None
     loss: float | None = None  # of ``step``
+    metrics: dict[str, float] = field(default_factory=dict)  # of ``step``
 
 
 @dataclass(frozen=True)

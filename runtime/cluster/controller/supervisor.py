@@ -129,6 +129,7 @@ class Supervisor:
         # The generation being formed.
         self.forming = Strategy.START
         self.forming_reason = ""
+        self.group_shape: dict[str, int] = {}  # the mesh of the newest generation formed (MeshChanged)
         self.forming_started = 0.0
         self.recruit_timeout = 0.0
         self.survivors: list[int] = []
@@ -190,11 +191,11 @@ class Supervisor:
             case MemberRestored(tier=tier, nbytes=nbytes):
                 if nbytes:  # a member that took every shard from the others delivered nothing itself
                     self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
-            case Progress(worker=worker, step=step, step_time_s=seconds, loss=loss):
+            case Progress(worker=worker, step=step, step_time_s=seconds, loss=loss, metrics=metrics):
                 if 0 <= self.target_steps <= step:  # done: finishing (its last writes) is no hang
                     self.monitor.expect_progress(worker, False)
                     self.monitor.starting(worker)  # nor judged by the training timeout
-                self._progress(out, worker, step, seconds, loss)
+                self._progress(out, worker, step, seconds, loss, metrics)
             case MemberFinished():
                 members = self.group.members
                 if members and all(self.pool[w].finished is not None for w in members):
@@ -359,14 +360,27 @@ class Supervisor:
 
     # --- training ------------------------------------------------------------------------------------------
 
-    def completed(self, step: int, seconds: float, loss: float | None = None) -> StepCompleted:
-        shape = self.mesh_shape()
+    def completed(
+        self, step: int, seconds: float, loss: float | None = None, metrics: dict[str, float] | None = None
+    ) -> StepCompleted:
         return StepCompleted(
-            step=step, source="controller", duration_s=seconds, loss=loss, mesh_shape=shape, data_position=step
+            step=step,
+            source="controller",
+            duration_s=seconds,
+            loss=loss,
+            metrics=metrics or {},
+            mesh_shape=self.mesh_shape(),
+            data_position=step,
         )
 
     def _progress(
-        self, out: list[Action], worker: int, reported: int, step_time_s: float | None, loss: float | None
+        self,
+        out: list[Action],
+        worker: int,
+        reported: int,
+        step_time_s: float | None,
+        loss: float | None,
+        metrics: dict[str, float],
     ) -> None:
         # ``reported`` is the heartbeat's own step, not the worker's newest: a supervisor behind its queue would
         # otherwise give this heartbeat's loss to a later step.
@@ -375,7 +389,10 @@ class Supervisor:
             return
         for step in self.group.report(worker, reported):
             # The loss is that of the step the worker reported; the steps before it, counted now, have none here.
-            out.append(Publish(self.completed(step, step_time_s or 0.0, loss if step == reported else None)))
+            mine = step == reported
+            out.append(
+                Publish(self.completed(step, step_time_s or 0.0, loss if mine else None, metrics if mine else {}))
+            )
             recovery = self.recovery.current
             completed = self.recovery.committed(step, self.mesh_shape())
             if recovery is not None and completed is not None:

@@ -20,6 +20,7 @@ from elastic_runtime.cluster.worker.loop import Worker
 from elastic_runtime.cluster.worker.settings import WorkerSettings
 from elastic_runtime.core.bus import Subscription
 from elastic_runtime.core.errors import AuthenticationFailed
+from elastic_runtime.core.events import never_published
 from elastic_runtime.core.job import TrainJob
 from elastic_runtime.core.programs import ProgramStore
 from elastic_runtime.storage.replicas import ReplicaFiles
@@ -75,6 +76,9 @@ def run_worker(
     import jax.extend.backend
 
     _log_to_stderr()
+    never = never_published("launch", [sub.event_type for sub in handlers])
+    if never:
+        log.warning("handlers subscribed to events a worker under launch never gets: %s", "; ".join(never))
     # The script may have touched a device already (a default mesh policy does): that local backend must go
     # before the device count is set and the process joins a group.
     jax.extend.backend.clear_backends()

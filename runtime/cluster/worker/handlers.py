@@ -34,8 +34,11 @@ from elastic_runtime.core.bus import EventBus, Subscription
 from elastic_runtime.core.errors import UnsupportedInMode
 from elastic_runtime.core.eventlog import decode_event, encode_event
 from elastic_runtime.core.events import Event, HandlerFailed, StateTransformed, StepFailed
+from elastic_runtime.core.handler_context import Mode
 
 if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
     from elastic_runtime.cluster.worker import Worker
     from elastic_runtime.core.job import PyTree
 
@@ -63,12 +66,18 @@ class _Requests:
 
 
 class WorkerContext:
-    """The ``ctx`` the script's handlers get in a worker. Requests mean what they mean in one process; those
-    this mode cannot carry out raise :class:`UnsupportedInMode` naming it."""
+    """The ``ctx`` the script's handlers get in a worker: a :class:`~elastic_runtime.core.context.HandlerContext`.
+    Requests mean what they mean in one process; those this mode cannot carry out raise
+    :class:`UnsupportedInMode` naming it."""
 
     def __init__(self, worker: Worker, requests: _Requests) -> None:
         self._w = worker
         self._requests = requests
+
+    @property
+    def mode(self) -> Mode:
+        """``worker``: one process of a ``launch`` group."""
+        return "worker"
 
     @property
     def step(self) -> int:
@@ -82,23 +91,29 @@ class WorkerContext:
 
     @property
     def process_id(self) -> int:
+        """This process's index in the group."""
         return self._w.process_id
 
     @property
     def num_processes(self) -> int:
+        """The group's processes."""
         return self._w.num_processes
 
     @property
     def generation(self) -> int:
+        """The group's generation: one more at every re-forming."""
         return self._w.generation
 
     @property
-    def mesh(self) -> Any:
-        return self._w.mesh
+    def mesh(self) -> Mesh | None:
+        """The group's mesh (across every process's devices)."""
+        mesh: Mesh | None = self._w.mesh
+        return mesh
 
     @property
     def recovering(self) -> bool:
-        return False  # handlers run at a boundary of a formed, restored group
+        """Always False: handlers run at a boundary of a formed, restored group."""
+        return False
 
     def transform_state(self, fn: Callable[[Any], Any], reason: str = "") -> None:
         """Replace the state at this boundary with ``fn(state)``, in every process (``fn`` is traced with
@@ -213,6 +228,8 @@ class ScriptHandlers:
         async def dispatch() -> None:
             bus = EventBus(ctx, handler_timeout=self.handler_timeout)
             for sub in self.subscriptions:
+                if sub.once and not ctx.lead:
+                    continue  # run once per event: in the lead process
                 bus.subscribe(sub.event_type, sub.handler, priority=sub.priority, timeout=sub.timeout)
             bus.subscribe(HandlerFailed, failed, priority=10**9)
             async with anyio.create_task_group() as tg:

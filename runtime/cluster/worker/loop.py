@@ -111,6 +111,7 @@ class Worker:
         self.ledger = StepLedger("worker")
         self.step_time_s: float | None = None
         self.loss: float | None = None  # of the newest committed step
+        self.metrics: dict[str, float] = {}  # every scalar metric of the newest committed step
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
         self.file_after_s = 0.0  # a step running this long gets the RAM replica's file (Form.file_after_s)
         # With neighbour replicas: the previous process's shards of the same step, and the permute that moves them.
@@ -241,6 +242,7 @@ class Worker:
                 step=self.step,
                 step_time_s=self.step_time_s,
                 loss=self.loss,
+                metrics=self.metrics,
                 sent_at=time.time(),
                 held=self.held,
                 memory=self._memory() if memory else {},

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_runtime.cluster.protocol import Form, Stop
 from elastic_runtime.cluster.worker.link import Inbound
 from elastic_runtime.core.classify import classify
-from elastic_runtime.core.events import StepFailed
+from elastic_runtime.core.events import ProcessLost, StepFailed
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.worker.loop import Worker
@@ -77,13 +77,22 @@ def await_step(
             if worker.link.inbox.empty() or defer_head(worker):
                 continue
         except Exception as exc:
-            failure = classify(exc, step=worker.step + 1, in_group=True, source="worker") if users_code else None
-            if isinstance(failure, StepFailed):
+            failure = classify(exc, step=worker.step + 1, in_group=True, source="worker")
+            if users_code and isinstance(failure, StepFailed):
                 # The same data and program would fail again in any group: the run ends, not this worker.
                 log.exception("step %d failed in the user's code; reporting it to the controller", worker.step + 1)
                 worker.report_failure(failure, traceback.format_exc())
+            elif isinstance(failure, ProcessLost):
+                # A collective (the step's, the handlers' boundary agreement, a restore's) met a dead peer: the
+                # peer's loss, which the controller reports, not a failure of what ran here.
+                log.warning(
+                    "%s was cut off by a lost peer (%s: %s); waiting for the group to re-form",
+                    what,
+                    type(exc).__name__,
+                    exc,
+                )
             else:
-                log.error("%s failed: %s: %s; waiting for the group to re-form", what, type(exc), exc)
+                log.error("%s failed: %s: %s; waiting for the group to re-form", what, type(exc).__name__, exc)
             # Its traceback holds the failed step's frames, whose arrays hold the old group's backend: without
             # this, a survivor whose step failed kept that backend after the re-forming, and the collection that
             # follows it (forming.py) did not free it (bench_after_loss.py; which references close the loop is

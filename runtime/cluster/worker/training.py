@@ -54,7 +54,9 @@ def train(worker: Worker, target: int) -> Inbound | None:
                 return heard
         if worker.script is not None:
             handled = await_step(
-                worker, worker.step_pool.submit(worker.script.boundary, worker), what="the script's handlers"
+                worker,
+                worker.step_pool.submit(worker.script.boundary, worker),
+                what="the step boundary of the script's handlers (an all-gather of the group)",
             )
             if isinstance(handled, Message) or handled is None or handled[0].stop:
                 return handled if isinstance(handled, Message) else None
@@ -65,7 +67,7 @@ def train(worker: Worker, target: int) -> Inbound | None:
             return outcome
         if outcome is None:  # the step raised: not committed; wait for the controller to re-form
             return None
-        (new_state, moved, worker.loss), seconds = outcome
+        (new_state, moved, worker.loss, worker.metrics), seconds = outcome
         worker.state, worker.step_time_s = new_state, seconds
         step, position = worker.step + 1, position + 1
         # Its host copy is made by the replica file's writer, not here: the next step need not wait for it.
@@ -121,9 +123,14 @@ def apply_boundary(worker: Worker, done: Boundary) -> None:
             save_durable(worker, final=False)
 
 
-def run_step(worker: Worker, state: PyTree, position: int, step: int) -> tuple[tuple[PyTree, Any, float | None], float]:
-    """The step, its neighbour shift, and its loss as a number (the loss is replicated: every process has it)."""
+def run_step(
+    worker: Worker, state: PyTree, position: int, step: int
+) -> tuple[tuple[PyTree, Any, float | None, dict[str, float]], float]:
+    """The step, its neighbour shift, its loss as a number and every scalar metric it returned (the metrics are
+    replicated: every process has them)."""
     import jax
+
+    from elastic_runtime.core.metrics import scalar_metrics
 
     started = time.perf_counter()
     batch, worker.batch_bytes = place_batch(
@@ -135,13 +142,14 @@ def run_step(worker: Worker, state: PyTree, position: int, step: int) -> tuple[t
         new_state, metrics = worker.compiled(state, batch)
     jax.block_until_ready(new_state)
     loss = worker.job.loss(metrics)
+    scalars = scalar_metrics(metrics)
     for check in worker.step_checks:
         check(step)
     # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
     moved = worker.shift(new_state) if worker.shift is not None else []
     if worker.settings.step_delay_s:
         time.sleep(worker.settings.step_delay_s)
-    return (new_state, moved, number(loss)), time.perf_counter() - started
+    return (new_state, moved, number(loss), scalars), time.perf_counter() - started
 
 
 def number(loss: Any) -> float | None:
