@@ -213,6 +213,8 @@ def main() -> None:
 
     started = time.perf_counter()
     result = runtime.run(steps=args.steps, resume=args.resume)
+    if result.state is None:  # a worker of `elastic-runtime launch` other than the lead: the lead reports
+        return
     summary.update(
         step=result.step,
         loss=result.loss,
@@ -220,7 +222,7 @@ def main() -> None:
         meshes=result.mesh_history,
         digest=digest(result.state),
     )
-    if not args.no_reference:
+    if not args.no_reference and result.mode == "embedded":  # under launch, the launch's --result is compared
         reference = ElasticRuntime(job, config=RuntimeConfig(precompile=False), mesh_policy=policy).run(args.steps)
         summary["reference"] = compare_states(result.state, reference.state, bitwise=False)
         summary["reference_digest"] = digest(reference.state)

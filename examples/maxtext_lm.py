@@ -325,7 +325,8 @@ def main() -> None:
     if args.lose_slice_at:
         injector.lose_slice(at_step=args.lose_slice_at, slice_index=args.lose_slice, slice_size=SLICE_SIZE)
     # Under `elastic-runtime launch` run() becomes this process's worker (the injector and policy are for one
-    # process: the controller injects --fault, the group's mesh is job.process_mesh) and does not return.
+    # process: the controller injects --fault, the group's mesh is job.process_mesh); it returns once the group
+    # finished, the final state in the lead process only.
     runtime = injector.attach(ElasticRuntime(job, config=runtime_config, mesh_policy=policy))
     summary = {"run_dir": run_dir, "recovery_s": None, "compile_wait_s": None, "lost_steps": None}
 
@@ -340,6 +341,8 @@ def main() -> None:
 
     started = time.perf_counter()
     result = runtime.run(args.steps)
+    if result.state is None:  # a worker of `elastic-runtime launch` other than the lead: the lead reports
+        return
     summary.update(
         step=result.step,
         loss=result.loss,
@@ -350,7 +353,7 @@ def main() -> None:
     ok = not args.lose_slice_at or summary["lost_steps"] == 0
     if args.save_state:
         np.savez(args.save_state, *jax.tree.leaves(comparable(result.state)))
-    if not args.no_reference and not args.compare_state:
+    if not args.no_reference and not args.compare_state and result.mode == "embedded":
         # The fault-free run of the same length, in a process of its own: a second runtime in this process
         # hung twice in an XLA CPU collective (docs/maxtext.md, "Known issue").
         reference_dir = os.path.join(run_dir, "reference")

@@ -5,7 +5,7 @@
 
 Under ``elastic-runtime launch`` each process becomes one worker of a ``jax.distributed`` group (the
 ``data`` axis spans processes, ``model`` the devices inside each), the controller supervises them, and
-``run`` does not return in the workers: the controller reports the result.
+``run`` returns in every worker once the group finished (the final state in the lead, process 0, only).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def main() -> None:
     # Single-process layout; under the launcher the worker builds the multi-process mesh itself.
     runtime = ElasticRuntime(job, mesh_policy=MeshPolicy({"data": 1, "model": 1}))
     result = runtime.run(args.steps)
-    print(f"trained {result.step} steps, loss {result.loss:.5f}")
+    if result.lead:  # once, whatever the number of processes
+        print(f"trained {result.step} steps, loss {result.loss:.5f} ({result.mode})")
 
 
 if __name__ == "__main__":

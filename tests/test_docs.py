@@ -30,7 +30,7 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
         "MalformedHeartbeat", "ConnectionRefused", "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt",
         "MalformedNotice", "NoticeIgnored", "RecoveryFailed", "DataMismatch",
     ]),
-    ("Conditions", ev, ["Straggler", "MeshReduced"]),
+    ("Conditions", ev, ["Straggler", "MeshReduced", "ConfigOverridden"]),
     ("Maintenance notices (all derive from `Notice`)", ev, [
         "Notice", "MaintenanceScheduled", "MaintenanceStarted", "MaintenanceCompleted", "Preempted", "HostError",
     ]),

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from elastic_runtime import GroupFormed, read_events
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -110,8 +112,11 @@ def test_the_same_folder_under_launch(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["ok"] is True and summary["step"] == 3
-    # Every worker imported the user's own modules (its log holds what the script printed).
-    logs = sorted((tmp_path / "run" / "workers").glob("worker-*.log"))
-    assert len(logs) >= 2
-    for log in logs:
-        assert '{"mine": ["user handlers", "user runtime", "user storage"]}' in log.read_text()
+    # Every worker imported the user's own modules, and its run() returned, its RunFinished handler run (its log
+    # holds what the script printed).
+    [formed] = [e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, GroupFormed)]
+    assert len(formed.members) == 2
+    for member in formed.members:  # a spare never trained: it just exits
+        text = (tmp_path / "run" / "workers" / f"worker-{member}.log").read_text()
+        assert '{"mine": ["user handlers", "user runtime", "user storage"]}' in text
+        assert '{"step": 3, "finished": [true]}' in text

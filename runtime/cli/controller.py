@@ -104,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         form_timeout_s=args.form_timeout,
         spawn_timeout_s=args.spawn_timeout,
         progress=not args.quiet,
+        finish_timeout_s=args.finish_timeout,
         max_failures=args.max_failures,
         replica_file_every=args.replica_file_every,
         run_dir=args.run_dir,

@@ -177,7 +177,15 @@ def add_replica_file_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_quiet_argument(parser: argparse.ArgumentParser) -> None:
-    """``--quiet``, as ``launch`` and ``controller`` take it."""
+    """``--quiet`` and ``--finish-timeout``, as ``launch`` and ``controller`` take them."""
+    parser.add_argument(
+        "--finish-timeout",
+        type=float,
+        default=DEFAULTS["finish_timeout_s"],
+        metavar="SECONDS",
+        help="after the run finished, how long the workers' scripts may go on after run() returned "
+        f"(default {DEFAULTS['finish_timeout_s']:g})",
+    )
     parser.add_argument(
         "--quiet",
         action="store_true",
@@ -246,6 +254,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         form_timeout_s=args.form_timeout,
         spawn_timeout_s=args.spawn_timeout,
         progress=not args.quiet,
+        finish_timeout_s=args.finish_timeout,
         run_dir=args.run_dir,
         result_path=args.result,
         replica_dir=args.replica_dir,

@@ -77,7 +77,10 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         replica_dir: the workers' replica files; default ``/dev/shm/elastic-runtime-<hash of run_dir>``,
             removed when the controller ends (it stays only when the controller itself was killed).
         resume: require an unfinished run in ``run_dir`` to continue (raise ValueError if there is none).
-        drain_timeout_s: on SIGTERM/SIGINT or at the end, how long workers get to stop before SIGKILL.
+        drain_timeout_s: on SIGTERM/SIGINT or at the end of a failed run, how long workers get to stop before
+            SIGKILL.
+        finish_timeout_s: after a finished run, how long the workers' scripts may go on after ``run()`` returned
+            (an evaluation, a save) before SIGKILL.
         grace_s: on SIGTERM/SIGINT with a durable tier, how long after the signal the group may take to hold
             and commit a durable checkpoint of its newest step (``controller/drain.py``); within a scheduler's
             grace period (Kubernetes: 30 s by default).
@@ -156,6 +159,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     faults: list[Fault] = []
     resume: bool = False
     drain_timeout_s: SecondsOrZero = 10.0
+    finish_timeout_s: Seconds = 3600.0
     grace_s: SecondsOrZero = 25.0
     extra_env: dict[str, str] = {}
     target_steps: NonNegative | None = None

@@ -123,6 +123,9 @@ class Hello(Message, frozen=True, kw_only=True):
     # Where it runs: its GCE instance or TPU VM worker, its node (runtime/cluster/worker/instance.py); maintenance
     # notices name hosts by it. "": unknown.
     instance: str = ""
+    # The script's own settings of what the launch sets for the whole group (its run folder, its durable tier's
+    # cadence, its mesh): setting -> value. The controller applies or refuses each (controller/admission.py).
+    settings: dict[str, str] = {}
 
 
 class Heartbeat(Message, frozen=True, kw_only=True):

@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointSkipped",
     "CheckpointStarted",
+    "ConfigOverridden",
     "ConnectionRefused",
     "DataMismatch",
     "DeviceLost",
@@ -192,6 +193,15 @@ class DataMismatch(Failure, frozen=True, kw_only=True):
     position: int
     expected_crc32c: str
     got_crc32c: str
+
+
+class ConfigOverridden(Event, frozen=True, kw_only=True):
+    """Under ``launch``, a setting the training script gave (``setting``, as ``value``) that the launch sets for the
+    whole group, with its flag (``flag``): the script's value does not apply there, and the log says so."""
+
+    setting: str
+    value: str
+    flag: str
 
 
 class MeshReduced(Event, frozen=True, kw_only=True):

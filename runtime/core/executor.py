@@ -101,7 +101,22 @@ def _drain(flight: _InFlight | None) -> None:
 
 @dataclass
 class RunResult:
-    """What a finished run leaves: the final state on the host, and where its record is."""
+    """What a finished run leaves: the final state on the host, and where its record is.
+
+    Attributes:
+        state: the final state, in host memory. Under ``elastic-runtime launch``, in the lead process (process 0)
+            only, gathered from every process's shards; None in the others.
+        step: the last committed step.
+        data_position: the data position after it.
+        loss: its loss (the job's ``loss_key``), where the step reports one.
+        mesh_history: every mesh the run trained on, in order.
+        recoveries: the failures recovered from.
+        events_path: the event log (``RuntimeConfig.run_dir``, or the launch's run folder); None without one.
+        mode: ``embedded`` (one process), or ``worker`` (one process of an ``elastic-runtime launch`` group).
+        lead: whether this process holds the run's result for everyone: always embedded; process 0 under launch.
+        process_id: this process's index in the group (0 embedded).
+        extra: more, for a caller's own use.
+    """
 
     state: PyTree
     step: int
@@ -110,6 +125,9 @@ class RunResult:
     mesh_history: list[dict[str, int]]
     recoveries: int
     events_path: str | None = None
+    mode: str = "embedded"
+    lead: bool = True
+    process_id: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 

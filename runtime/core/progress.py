@@ -16,6 +16,7 @@ import anyio
 
 from elastic_runtime.core.bus import Subscription
 from elastic_runtime.core.events import (
+    ConfigOverridden,
     Failure,
     HandlerFailed,
     MeshChanged,
@@ -76,6 +77,8 @@ def describe_event(event: Any) -> str | None:
             return f"restored step {event.step} from {event.restored_from} in {event.seconds:.3f} s"
         case MeshChanged():
             return f"mesh {describe_mesh(event.old_shape)} -> {describe_mesh(event.new_shape)}: {event.reason}"
+        case ConfigOverridden():
+            return f"the script's {event.setting}={event.value} does not apply under launch: {event.flag} sets it"
         case HandlerFailed():
             return f"a handler failed ({event.handler} on {event.event_type}): {event.error_type}: {event.message}"
         case Failure():

@@ -88,6 +88,7 @@ class Runtime:
         self.job = job
         self.config = config or RuntimeConfig()
         self.policy = mesh_policy or MeshPolicy({"data": len(jax.devices())})
+        self.policy_given = mesh_policy is not None
         self.health = DeviceHealth()
         self.event_log = EventLog(Path(self.config.run_dir) / "events.jsonl") if self.config.run_dir else None
         self.context = RuntimeContext(self)

@@ -8,6 +8,7 @@ through the same calls a user makes (``subscribe``, ``add_component``). To repla
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ import anyio.to_thread
 from elastic_runtime.cluster.worker import is_worker, run_worker
 from elastic_runtime.core.bus import EventBus
 from elastic_runtime.core.config import RuntimeConfig
+from elastic_runtime.core.errors import UnsupportedInMode
 from elastic_runtime.core.eventlog import encode_event
 from elastic_runtime.core.events import (
     DeviceLost,
@@ -95,16 +97,53 @@ class ElasticRuntime(Runtime):
         """Run to ``steps`` committed steps in a new event loop (see :meth:`Runtime.run_async`).
 
         Under ``elastic-runtime launch`` this process is one worker of a multi-process group: the job runs
-        as that worker (``elastic_runtime.cluster.worker.run_worker``) and the process exits when the group is done,
-        so ``run`` does not return there; the controller keeps the run's record. The handlers the script
+        as that worker (``elastic_runtime.cluster.worker.run_worker``) and ``run`` returns this process's result
+        once the whole group finished (``RunResult.lead`` in process 0, which alone holds the final state), so
+        the code after it runs in every worker; the controller keeps the run's record. The handlers the script
         subscribed (not the built-in ones: the controller re-forms the group) run in every worker for the
         group's events the controller forwards (``docs/handlers.md``, *Under launch*).
         """
         if is_worker():
             mine = [sub for sub in self.bus.subscriptions if id(sub) not in self._builtin]
-            timeout = self.config.handler_timeout_s
-            run_worker(self.job, steps, handlers=mine, handler_timeout=timeout, watch_notices=watch_own_host)
+            return run_worker(
+                self.job,
+                steps,
+                handlers=mine,
+                handler_timeout=self.config.handler_timeout_s,
+                watch_notices=watch_own_host,
+                script_settings=launch_owned(self.config, self.policy if self.policy_given else None, resume),
+            )
         return super().run(steps, resume=resume)
+
+    async def run_async(self, steps: int, *, resume: bool = False) -> RunResult:
+        """See :meth:`Runtime.run_async`. Under ``elastic-runtime launch`` a worker runs in its process's main
+        thread (it takes the signals a node drain sends): call :meth:`run` there.
+
+        Raises:
+            UnsupportedInMode: in a worker of ``elastic-runtime launch``.
+        """
+        if is_worker():
+            raise UnsupportedInMode(
+                "run_async under `elastic-runtime launch` (a worker of a multi-process group): call run(), which "
+                "returns once the group finished"
+            )
+        return await super().run_async(steps, resume=resume)
+
+
+def launch_owned(config: RuntimeConfig, policy: MeshPolicy | None, resume: bool) -> dict[str, str]:
+    """What the script set, of what ``elastic-runtime launch`` sets for the whole group: the run folder, the durable
+    tier, the mesh, resuming. The controller applies or refuses each (``Hello.settings``), so that none is ignored
+    without a word."""
+    default = RuntimeConfig()
+    owned = {"run_dir": os.path.abspath(config.run_dir)} if config.run_dir else {}
+    for name in ("checkpoint_dir", "disk_every", "keep", "gcs_uri", "gcs_every", "ram_dir"):
+        if getattr(config, name) != getattr(default, name):
+            owned[name] = str(getattr(config, name))
+    if policy is not None:
+        owned["mesh_policy"] = ",".join(f"{axis}={size}" for axis, size in policy.target_shape.items())
+    if resume:
+        owned["resume"] = "true"
+    return owned
 
 
 # --- maintenance notices -----------------------------------------------------------------------------

@@ -53,11 +53,13 @@ MODES = {  # name -> (strategy, environment)
 DURABLE = {"slices": 1, "durable_every": 5}
 
 
-def command(model: str, steps: int) -> list[str]:
+def command(model: str, steps: int, run_dir: Path) -> list[str]:
     if model == "keyed":
         return [sys.executable, str(ROOT / "tests/multiprocess/keyed_train.py"), "--steps", str(steps)]
     script = {"flax": "examples/flax_lm.py", "maxtext": "examples/maxtext_lm.py"}[model]
-    return [sys.executable, str(ROOT / script), "--steps", str(steps), "--lose-slice-at", "0", "--no-reference"]
+    # The example's run folder is the launch's: a script naming another one is refused under launch.
+    flags = ["--steps", str(steps), "--lose-slice-at", "0", "--no-reference", "--run-dir", str(run_dir)]
+    return [sys.executable, str(ROOT / script), *flags]
 
 
 def one(
@@ -74,7 +76,7 @@ def one(
         run_dir=run_dir,
         faults=[] if kill_at is None else [Fault("kill", 1, step=kill_at)],
         strategy=strategy,
-        command=command(model, steps),
+        command=command(model, steps, run_dir),
         replica_dir=str(run_dir / "replicas"),
         extra_env=env,
         start_timeout_s=600.0,
@@ -119,7 +121,7 @@ def one_smaller(model: str, prepared: bool, *, steps: int, kill_at: int, hang_ti
         steps=steps,
         run_dir=run_dir,
         faults=[],
-        command=command(model, steps),
+        command=command(model, steps, run_dir),
         replica_dir=str(run_dir / "replicas"),
         extra_env={} if prepared else {"ELASTIC_PREPARE_SMALLER": "0"},
         start_timeout_s=600.0,

@@ -6,6 +6,7 @@ this run; and only when it asks for the run's target step.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from elastic_runtime.cluster.controller.connection import Connection
@@ -14,6 +15,7 @@ from elastic_runtime.cluster.controller.supervision import WorkerChanged
 from elastic_runtime.cluster.controller.workers import warm_spares
 from elastic_runtime.cluster.protocol import Hello, Message, Stop
 from elastic_runtime.core.errors import ConfigError
+from elastic_runtime.core.events import ConfigOverridden
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.controller.shell import Controller
@@ -44,7 +46,51 @@ async def hello(controller: Controller, message: Message, stream: Connection, pe
         # run, and every replacement would too. End the run rather than replace workers forever.
         controller.end(ConfigError(f"{why}: the worker command and `launch --steps` must agree"))
         return why
+    if not controller.settings_checked:
+        controller.settings_checked = True
+        refused = await apply_settings(controller, message.settings)
+        if refused:
+            controller.end(ConfigError(refused))
+            return refused
     return await admit(controller, proc, message, stream)
+
+
+# What the launch sets of what a script may set itself, and the flag that sets it.
+_OVERRIDDEN = {
+    "mesh_policy": "--nprocs, --slices and --local-devices (a group's mesh is the job's process_mesh laid out on them)",
+    "checkpoint_dir": "--durable DIR (the group's durable tier)",
+    "disk_every": "--durable-every",
+    "keep": "--durable-keep",
+    "gcs_uri": "--durable gs://BUCKET/PREFIX",
+    "gcs_every": "--durable-every",
+    "ram_dir": "--replica-dir",
+}
+
+
+async def apply_settings(controller: Controller, settings: dict[str, str]) -> str:
+    """The training script's own settings of what the launch sets for the group (``Hello.settings``), from the
+    first worker that says hello: each is applied, or refused (the returned reason ends the run), or announced as
+    overridden (``ConfigOverridden``, on the console too). Nothing the script set is ignored without a word."""
+    where = settings.get("run_dir")
+    ours = controller.run_dir.resolve()
+    if where is not None and controller.config.starts_workers and Path(where).resolve() != ours:
+        if controller.config.run_dir:  # two run folders named: which one the user meant is not ours to guess
+            return (
+                f"the training script's RuntimeConfig.run_dir={where!r} is not the launch's run folder "
+                f"(`--run-dir` {ours}): give the launch `--run-dir {where}`, or leave RuntimeConfig.run_dir unset"
+            )
+        flag = f"--run-dir (this run's folder: {ours}; give `--run-dir {where}` to use the script's)"
+        await controller.bus.publish(ConfigOverridden(source="controller", setting="run_dir", value=where, flag=flag))
+    if settings.get("resume") and not controller.config.resume:
+        return (
+            "the training script asks for run(resume=True); under launch resuming is the launch's: start it with "
+            "`launch --resume --run-dir DIR` (the run folder of the run to go on with)"
+        )
+    for setting, flag in _OVERRIDDEN.items():
+        if setting in settings:
+            value = settings[setting]
+            await controller.bus.publish(ConfigOverridden(source="controller", setting=setting, value=value, flag=flag))
+    return ""
 
 
 async def external_hello(controller: Controller, message: Hello, stream: Connection) -> WorkerProcess | str:

@@ -206,6 +206,7 @@ class Controller:
         self.services: list[Any] = []
         self.standins: list[subprocess.Popen[bytes]] = []  # filling given-up generations' seats (``standin.py``)
         self.dead_before_hello = 0  # workers in a row that exited before their Hello: reset by any Hello
+        self.settings_checked = False  # the script's own settings (Hello.settings), taken from the first Hello
         # Ending the run early: an error that ends it (a worker's StepError, JobUnsupported) or a signal
         # (SIGTERM, SIGINT) cancels the supervision, and the run drains like any other end.
         self.supervision: anyio.CancelScope | None = None  # made in the event loop, by run_async

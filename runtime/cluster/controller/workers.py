@@ -5,6 +5,7 @@ noticed at once by the reaper, their leases renewed in the service mode, and all
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import anyio
@@ -15,6 +16,7 @@ from elastic_runtime.cluster.controller.supervision import WorkerChanged
 from elastic_runtime.cluster.protocol import Lease, Stop, Warm
 from elastic_runtime.core.errors import BusClosed
 from elastic_runtime.core.events import WorkerExited, WorkerStarted
+from elastic_runtime.core.progress import say
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.controller.shell import Controller
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 # Workers in a row that exit before their Hello: the script fails before it reaches the runtime (an import error, a
 # raise at its top), and every replacement would fail the same way. The run ends, the traceback on the console.
 START_FAILURES = 3
+_TELL_AFTER_S = 10.0  # a finished run's workers still running their scripts this long: the console says so
 # A worker's lease, as a share of the heartbeat timeout: it stops stepping before the controller, having heard
 # nothing either, re-forms the group without it.
 _LEASE_SHARE = 0.75
@@ -86,6 +89,9 @@ async def renew_leases(controller: Controller) -> None:
 
 
 async def stop_all(controller: Controller, reason: str, *, finished: bool = False) -> None:
+    """Every worker told to stop (one still starting, or stopped, killed) and waited for, then killed. After a
+    finished run each worker's ``run()`` returns and the script goes on (an evaluation, a save): those get
+    ``finish_timeout_s`` to end on their own, the others ``drain_timeout_s``."""
     for proc in controller.pool:
         if not proc.running():
             continue
@@ -95,8 +101,18 @@ async def stop_all(controller: Controller, reason: str, *, finished: bool = Fals
             proc.popen.kill()
         else:
             await controller.server.send(proc, Stop(reason=reason, finished=finished))
-    with anyio.move_on_after(controller.config.drain_timeout_s):
+    config = controller.config
+    started = time.monotonic()
+    told = False
+    with anyio.move_on_after(config.finish_timeout_s if finished else config.drain_timeout_s):
         while controller.pool.running():
+            if finished and config.progress and not told and time.monotonic() - started > _TELL_AFTER_S:
+                told = True
+                running = sum(proc.running() for proc in controller.pool)
+                say(
+                    f"the run finished; {running} worker(s) still run the script's code after run() (their logs: "
+                    f"{controller.pool.logs}); killed after {config.finish_timeout_s:g} s (--finish-timeout)"
+                )
             await anyio.sleep(0.05)
     controller.pool.kill_all()
 

@@ -7,8 +7,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -18,9 +18,11 @@ from elastic_runtime.cluster.worker.handlers import ScriptHandlers
 from elastic_runtime.cluster.worker.link import ControllerLink, connect
 from elastic_runtime.cluster.worker.loop import Worker
 from elastic_runtime.cluster.worker.settings import WorkerSettings
+from elastic_runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 from elastic_runtime.core.bus import Subscription
-from elastic_runtime.core.errors import AuthenticationFailed
+from elastic_runtime.core.errors import AuthenticationFailed, UnsupportedInMode
 from elastic_runtime.core.events import never_published
+from elastic_runtime.core.executor import RunResult
 from elastic_runtime.core.job import TrainJob
 from elastic_runtime.core.programs import ProgramStore
 from elastic_runtime.storage.replicas import ReplicaFiles
@@ -44,6 +46,9 @@ def _log_to_stderr() -> None:
     logger.propagate = False
 
 
+_ran = False  # a worker runs one job: its process was one member of the launch's group
+
+
 def is_worker() -> bool:
     """Whether this process was started by ``elastic-runtime launch``."""
     return ENV_CONTROLLER in os.environ
@@ -56,22 +61,35 @@ def run_worker(
     handlers: Sequence[Subscription[Any]] = (),
     handler_timeout: float | None = 30.0,
     watch_notices: NoticeWatch | None = None,
-) -> NoReturn:
-    """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; never returns.
+    script_settings: Mapping[str, str] | None = None,
+) -> RunResult:
+    """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; returns this
+    process's :class:`RunResult` once the whole group finished (the state in the lead, process 0, only).
 
     ``handlers``: the script's own subscriptions; they run for the group's events the controller forwards, at
     a step boundary every member agrees on (``runtime/cluster/worker/handlers.py``). ``watch_notices``: with
     ``ELASTIC_METADATA_HOST`` set, watches this host's notices and the worker forwards them to the controller.
+    ``script_settings``: what the script set of what the launch sets for the group (``Hello.settings``).
 
     ``ElasticRuntime.run`` calls it when the process was started by ``elastic-runtime launch``. It drops any
     backend the script created, then configures the CPU device count, gloo collectives and recoverability.
-    Exits the process (``os._exit``) when the controller says stop.
+    Once the group finished, the process leaves it (the group's arrays go with its backend; the script may use
+    JAX again on a fresh local one) and the script goes on after ``run()``. A run that ends otherwise (a failure
+    the controller ends the run with, a signal, a replacement) exits the process (``os._exit``), as does a
+    finished one while a step thread abandoned in a dead peer's collective is still blocked inside XLA.
 
     Raises:
         RuntimeError: not started by ``elastic-runtime launch`` (no controller address in the environment).
     """
+    global _ran
     if not is_worker():
         raise RuntimeError(f"run_worker needs {ENV_CONTROLLER}: start the script with `elastic-runtime launch`")
+    if _ran:
+        raise UnsupportedInMode(
+            "a second run in a worker of `elastic-runtime launch`: this process's group has finished its run; run "
+            "another job (a fault-free reference, say) outside the launch (RunResult.mode says which mode ran)"
+        )
+    _ran = True
     import jax
     import jax.extend.backend
 
@@ -114,20 +132,38 @@ def run_worker(
         script = ScriptHandlers(handlers, handler_timeout=handler_timeout) if handlers else None
         # Files of compiled programs are signed with the run's secret; kept=False: traced at every re-forming.
         programs = ProgramStore(secret) if settings.keep_programs else None
-        loop = Worker(job, steps, settings=settings, link=link, replicas=replicas, script=script, programs=programs)
+        loop = Worker(
+            job,
+            steps,
+            settings=settings,
+            link=link,
+            replicas=replicas,
+            script=script,
+            programs=programs,
+            script_settings=dict(script_settings or {}),
+        )
         if watch_notices is not None and settings.metadata_host:
             forward_notices(watch_notices, settings.metadata_host, link, loop)
         code = loop.serve()
         replicas.wait()
-        if in_memory and loop.stopped_by is not None and loop.stopped_by.finished:
+        finished = loop.stopped_by is not None and loop.stopped_by.finished
+        if in_memory and finished:
             leftovers.remove(folder, f"worker-{worker}")  # the run finished: no resume will read them
+        if finished and code == 0 and loop.result is not None:
+            # Abandoned step threads end when the old group's sockets close, or at the collective timeout.
+            if loop.can_return(float(os.environ.get(ENV_COLLECTIVE_TIMEOUT, "10")) + 5.0):
+                loop.leave()
+                if script is not None:
+                    script.finished(loop)
+                log.info("worker %d: the group finished; run() returns to the script", worker)
+                return loop.result
+            log.warning("worker %d: a step thread is still blocked in a dead peer's collective; exiting", worker)
     except Exception:
         log.exception("worker %d failed", worker)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # Abandoned step threads are blocked inside XLA; a normal exit would run destructors under them.
-        os._exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Abandoned step threads are blocked inside XLA; a normal exit would run destructors under them.
+    os._exit(code)
 
 
 def forward_notices(watch: NoticeWatch, metadata_host: str, link: ControllerLink, process: Worker) -> None:

@@ -167,6 +167,9 @@ def form_group(worker: Worker, form: Form) -> None:
         ", ".join(kept.traced) or "nothing",
         ", ".join(kept.loaded) or "nothing",
     )
+    shape = {str(name): int(size) for name, size in worker.mesh.shape.items()}
+    if not worker.mesh_history or worker.mesh_history[-1] != shape:
+        worker.mesh_history.append(shape)
     worker.link.send(
         Joined(
             worker=worker.worker,
@@ -180,7 +183,7 @@ def form_group(worker: Worker, form: Form) -> None:
             skipped=worker.skipped,
             phases=phases,
             traced=tuple(kept.traced),
-            mesh_shape={str(name): int(size) for name, size in worker.mesh.shape.items()},
+            mesh_shape=shape,
         )
     )
 

@@ -33,7 +33,7 @@ from elastic_runtime.cluster.protocol import Notify, Published, Requested
 from elastic_runtime.core.bus import EventBus, Subscription
 from elastic_runtime.core.errors import UnsupportedInMode
 from elastic_runtime.core.eventlog import decode_event, encode_event
-from elastic_runtime.core.events import Event, HandlerFailed, StateTransformed, StepFailed
+from elastic_runtime.core.events import Event, HandlerFailed, RunFinished, StateTransformed, StepFailed
 from elastic_runtime.core.handler_context import Mode
 
 if TYPE_CHECKING:
@@ -216,6 +216,16 @@ class ScriptHandlers:
         if requests.transforms and not done.stop:
             done.state, done.stop = self._transform(worker, requests.transforms)
         return done, 0.0
+
+    def finished(self, worker: Worker) -> None:
+        """The group finished: the script's ``RunFinished`` handlers, in every worker, as the run's last event (the
+        controller publishes its own after the workers have gone; in one process it is the last one too)."""
+        result = worker.result
+        step = result.step if result is not None else worker.step
+        event = RunFinished(step=step, source=f"worker-{worker.worker}", ok=True)
+        notify = Notify(seq=0, generation=worker.generation, event=msgspec.Raw(encode_event(event)))
+        if any(issubclass(RunFinished, sub.event_type) for sub in self.subscriptions):
+            self._run([notify], WorkerContext(worker, _Requests()))
 
     def _run(self, due: list[Notify], ctx: WorkerContext) -> list[HandlerFailed]:
         """Dispatch ``due``'s events to the script's handlers on a local bus (priorities, timeouts and

@@ -30,12 +30,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from elastic_runtime.cluster.protocol import EventReport, Form, Heartbeat, Hello, Message, RestoreStep, Stop, Warm
 from elastic_runtime.cluster.tiers import Tier
 from elastic_runtime.cluster.worker.durable import final_durable
 from elastic_runtime.cluster.worker.forming import form_group, warm_up
+from elastic_runtime.cluster.worker.group import leave_group
 from elastic_runtime.cluster.worker.handlers import ScriptHandlers
 from elastic_runtime.cluster.worker.instance import instance_name
 from elastic_runtime.cluster.worker.leaving import leave_on_signal
@@ -47,6 +49,7 @@ from elastic_runtime.cluster.worker.spares import SpareStates
 from elastic_runtime.cluster.worker.stepping import await_step
 from elastic_runtime.cluster.worker.training import train
 from elastic_runtime.core.events import StepFailed
+from elastic_runtime.core.executor import RunResult
 from elastic_runtime.core.initial import abstract_state
 from elastic_runtime.core.job import PyTree, TrainJob
 from elastic_runtime.core.keys import with_key_data
@@ -81,6 +84,7 @@ class Worker:
         replicas: ReplicaFiles,
         script: ScriptHandlers | None = None,
         programs: ProgramStore | None = None,
+        script_settings: dict[str, str] | None = None,
     ) -> None:
         # The job as it runs: typed PRNG keys in its state held as key data (elastic_runtime.core.keys).
         self.job, self.keys = with_key_data(job)
@@ -161,6 +165,13 @@ class Worker:
         self.durable_last = -1  # the step of the newest durable write started
         self.held = False  # told to stop stepping (``Stop.hold``): the run is draining
         self.stopped_by: Stop | None = None  # the Stop it exits on
+        # Step threads left blocked in a dead peer's collective (stepping.py): while one is, this process can only
+        # end with os._exit, so run() returns only once they have ended.
+        self.abandoned: list[Future[Any]] = []
+        self.mesh_history: list[dict[str, int]] = []  # the mesh of every generation it trained in
+        self.result: RunResult | None = None  # once the group finished (training.finish)
+        self.ended = threading.Event()  # the heartbeats stop
+        self.script_settings = script_settings or {}  # what the script set of what the launch sets (Hello.settings)
 
     @property
     def step(self) -> int:
@@ -173,7 +184,14 @@ class Worker:
         events = self.script.events if self.script is not None else ()
         where = instance_name(self.settings)
         self.link.send(
-            Hello(worker=self.worker, pid=os.getpid(), target_steps=self.target_steps, events=events, instance=where)
+            Hello(
+                worker=self.worker,
+                pid=os.getpid(),
+                target_steps=self.target_steps,
+                events=events,
+                instance=where,
+                settings=self.script_settings,
+            )
         )
         leave_on_signal(self.link, self.worker, self.settings.grace_s)  # a node drain is a departure, not a loss
         threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
@@ -223,13 +241,37 @@ class Worker:
 
     def _beat(self) -> None:
         due = time.monotonic()
-        while True:
+        while not self.ended.is_set():
             late = time.monotonic() - due
             if late > _LATE_BEAT_S:
                 log.warning("worker %d: heartbeat %.2f s late (waited for the GIL or a CPU)", self.worker, late)
             self.heartbeat(memory=True)
             due = time.monotonic() + self.settings.heartbeat_s
-            time.sleep(self.settings.heartbeat_s)
+            self.ended.wait(self.settings.heartbeat_s)
+
+    def can_return(self, wait_s: float) -> bool:
+        """Whether ``run()`` may return to the script: every abandoned step thread has ended (they end when the
+        old group's sockets close, or at the collective timeout), waiting up to ``wait_s`` for them. One still
+        blocked in XLA would make a normal exit run XLA's destructors under it."""
+        deadline = time.monotonic() + wait_s
+        for future in self.abandoned:
+            try:
+                future.exception(timeout=max(deadline - time.monotonic(), 0.0))
+            except FutureTimeout:
+                return False
+        return True
+
+    def leave(self) -> None:
+        """The run is over and the script goes on: no more heartbeats, the link closed, the group left (its
+        coordination service goes when the controller ends), the group's backend dropped."""
+        import jax.extend.backend
+
+        self.ended.set()
+        self.link.close()
+        self.smaller.stop()
+        self.state = self.compiled = self.ram = self.neighbour = None
+        leave_group()
+        jax.extend.backend.clear_backends()
 
     def heartbeat(self, *, memory: bool = False) -> None:
         """Tell the controller the step it holds. The memory report (read from ``/proc``) rides on the periodic

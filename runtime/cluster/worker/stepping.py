@@ -106,6 +106,7 @@ def await_step(
             # another survivor's old backend is freed (its sockets close), or at the latest at the collective
             # timeout (runtime/compat/xla.py); the old group's backend it holds goes with it.
             log.warning("abandoning %s, blocked in a collective; re-forming", what)
+            worker.abandoned.append(future)
             future.add_done_callback(lambda done: _abandoned_ended(what, done))
             worker.step_pool.shutdown(wait=False)
             worker.step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")

@@ -20,6 +20,7 @@ from elastic_runtime.cluster.worker.group import meet
 from elastic_runtime.cluster.worker.handlers import Boundary
 from elastic_runtime.cluster.worker.link import Inbound
 from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenced
+from elastic_runtime.core.executor import RunResult
 from elastic_runtime.core.job import PyTree
 from elastic_runtime.core.process_data import place_batch
 from elastic_runtime.storage.disk import DiskTier
@@ -175,7 +176,7 @@ def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
     meet(f"gather/{worker.generation}", _GATHER_MEET_S)  # the others' final writes may take longer
     # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local
     # device), and hashing one joined copy two more: at a GB of state 4 workers ran the machine out of memory.
-    keep = bool(worker.settings.result) and worker.process_id == 0
+    keep = worker.process_id == 0  # the lead's run() returns it; with --result it is written there too
     hasher = hashlib.sha256()
     kept: list[np.ndarray] = []
     for leaf in jax.tree.leaves(worker.state):
@@ -195,6 +196,18 @@ def finish(worker: Worker, target: int, gathered: tuple[str, PyTree | None]) -> 
     if result and whole is not None:  # in the disk tier's format: verified, and plain Orbax reads it
         final = replica(target, worker.ram.data_position, whole, worker.identity)
         DiskTier(result, name="result", check_space=False).save(final, timeout=600.0)
+    # What the script's run() returns once the group is done (boot.py): the state in the lead only.
+    worker.result = RunResult(
+        state=None if whole is None else worker.keys.to_keys(whole),
+        step=target,
+        data_position=worker.ram.data_position,
+        loss=worker.loss,
+        mesh_history=list(worker.mesh_history),
+        recoveries=max(worker.generation - 1, 0),
+        mode="worker",
+        lead=worker.process_id == 0,
+        process_id=worker.process_id,
+    )
     # The run's memory report ends at its last step: a few steps can run between two periodic beats.
     worker.heartbeat(memory=True)
     worker.link.send(Finished(worker=worker.worker, generation=worker.generation, step=target, digest=digest))
