@@ -367,11 +367,13 @@ class MeshChanged(Event, frozen=True, kw_only=True):
 
 
 class StateRestored(Event, frozen=True, kw_only=True):
-    """The state of ``step`` was restored from ``restored_from`` onto the current mesh."""
+    """The state of ``step`` was restored from ``restored_from`` onto the current mesh. ``reason``: why a run that
+    had committed steps went back to the initial state (``restored_from`` ``init``): what was missing."""
 
     restored_from: str
     lost_steps: int
     seconds: float
+    reason: str = ""
 
 
 class StateTransformed(Event, frozen=True, kw_only=True):

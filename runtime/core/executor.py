@@ -279,6 +279,8 @@ class StepExecutor:
             resumed = await self._resume(durable, steps, mesh)
         else:
             await anyio.to_thread.run_sync(refuse_earlier_checkpoints, durable, self.config.checkpoint_timeout_s)
+        if resumed is None and self.config.snapshot_every > 0:
+            self._snapshot_initial(mesh)
         await self.bus.publish(
             RunStarted(
                 step=self.step,
@@ -311,6 +313,16 @@ class StepExecutor:
         return self.ledger.restored(
             snapshot.step, data_position=snapshot.data_position, restored_from=found.name, seconds=seconds
         )
+
+    def _snapshot_initial(self, mesh: Mesh) -> None:
+        """Step 0 is a step: the initial state is the RAM snapshot until the first step's, so a loss at step 1
+        restores it rather than running ``init`` again (19.5 s of a 22.1 s recovery for MaxText's model). On CPU
+        devices it is the state itself; elsewhere a copy in the background, beside the first step's compile."""
+        metadata = {"mesh": mesh_shape(mesh)}
+        if self._by_reference:
+            self.ram.commit(self.state, step=0, data_position=0, metadata=metadata, notify=False)
+        else:
+            self.ram.capture(self.state, step=0, data_position=0, metadata=metadata, notify=False)
 
     def _set_mesh(self, mesh: Mesh) -> None:
         self.mesh = mesh

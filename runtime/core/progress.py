@@ -74,7 +74,8 @@ def describe_event(event: Any) -> str | None:
                 f"{event.lost_steps} step(s) lost"
             )
         case StateRestored():
-            return f"restored step {event.step} from {event.restored_from} in {event.seconds:.3f} s"
+            why = f" ({event.lost_steps} step(s) lost: {event.reason})" if event.reason else ""
+            return f"restored step {event.step} from {event.restored_from} in {event.seconds:.3f} s{why}"
         case MeshChanged():
             return f"mesh {describe_mesh(event.old_shape)} -> {describe_mesh(event.new_shape)}: {event.reason}"
         case ConfigOverridden():

@@ -187,8 +187,11 @@ class RamTier:
             self.report_failure(step, exc)
             return None
 
-    def capture(self, state: PyTree, *, step: int, data_position: int, metadata: dict[str, Any]) -> None:
-        """Copy ``state`` (device arrays) to host memory in the background; it is committed once complete.
+    def capture(
+        self, state: PyTree, *, step: int, data_position: int, metadata: dict[str, Any], notify: bool = True
+    ) -> None:
+        """Copy ``state`` (device arrays) to host memory in the background; it is committed once complete
+        (``notify``: see :meth:`commit`).
 
         Returns at once (the training loop goes on meanwhile; jax arrays are immutable, so the state cannot
         change under the copy); waits first for a copy still in flight, so at most one runs. Never raises: a
@@ -203,7 +206,9 @@ class RamTier:
             copied = self.copy_to_host(state, step=step)
             if copied is not None:
                 seconds = time.perf_counter() - started
-                self.commit(copied[0], step=step, data_position=data_position, metadata=metadata, seconds=seconds)
+                self.commit(
+                    copied[0], step=step, data_position=data_position, metadata=metadata, seconds=seconds, notify=notify
+                )
 
         self._in_flight = self._pool.submit(copy)
 
@@ -236,10 +241,13 @@ class RamTier:
         metadata: dict[str, Any],
         seconds: float = 0.0,
         reuse: bool = False,
+        notify: bool = True,
     ) -> None:
         """Make ``host`` (complete host-memory arrays of the state after ``step``) the committed snapshot.
 
         With ``reuse`` its buffers become the spare (``take_spare``) once it is replaced and dropped unread.
+        ``notify``: tell the ``listeners`` (the durable tiers); not for the initial state, a restore point that no
+        durable tier needs (``init`` makes it again).
         """
         nbytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(host))
         snapshot = HostSnapshot(
@@ -252,11 +260,13 @@ class RamTier:
             on_unread=self._spares.append if reuse else None,
         )
         with self._lock:
+            if self._committed is not None and self._committed.step > step:
+                return  # a background copy (the initial state's) that ended after a newer step's commit
             replaced, self._committed = self._committed, snapshot
         if replaced is not None and not reuse:  # freeing its buffers takes a while: not in the training thread
             self._pool.submit(_release, replaced)
         del replaced  # with reuse: its buffers are the spare now, unless a reader still holds it
-        for listener in self.listeners:
+        for listener in self.listeners if notify else ():
             listener(snapshot)
 
     def take_spare(self, shardings: PyTree) -> PyTree | None:

@@ -9,8 +9,9 @@ Orbax in this one process onto another mesh.
 Bad input (issue 19), truncated or bit-flipped in every tier the lost shards can come from: the lost process's
 own replica files, a durable chunk on disk, a durable chunk in GCS. Each is found by its checksum when the group
 restores it, and the next source is used (its replica file -> the durable tier for the same step -> an older
-step); with every copy of its shards damaged, the run ends with a RecoveryError naming the step and the
-process, and nothing is trained.
+step); with every copy of its shards damaged (or none written yet), the group goes back to the initial state
+(``init`` is deterministic: steps are lost, never the run), says why in ``StateRestored.reason``, and ends equal
+to a fault-free run.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from elastic_runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, wipe_lost_replicas
 from elastic_runtime.cluster.protocol import ENV_STEP_DELAY_S
 from elastic_runtime.core.compare import compare_states
-from elastic_runtime.core.errors import CheckpointInvalid, RecoveryError
+from elastic_runtime.core.errors import CheckpointInvalid
 from elastic_runtime.core.eventlog import read_events
 from elastic_runtime.core.events import (
     CheckpointCommitted,
@@ -73,6 +74,7 @@ def run(
     steps_past: int = 0,
     step_delay_s: float = 0.0,
     every: int = EVERY,
+    kill_at: int = 13,
 ) -> tuple[Any, list[int]]:
     """The demo job on 1 slice x 4 processes; the killed worker's replica files are deleted as it dies, or, with
     ``lost_replicas``, damaged so (each one's chunk of w1). ``damage`` maps the n-th durable step committed
@@ -86,7 +88,7 @@ def run(
         slices=1,
         steps=STEPS,
         run_dir=run_dir,
-        faults=[] if kill is None else [Fault("kill", kill, step=13)],
+        faults=[] if kill is None else [Fault("kill", kill, step=kill_at)],
         replica_dir=str(replicas),
         durable_dir=durable or str(run_dir / "durable"),
         durable_every=every,
@@ -355,43 +357,53 @@ def test_in_gcs_only_the_lost_process_shards_are_read_from_the_bucket(gcs: str, 
 
 
 @pytest.mark.timeout(300)
-def test_in_gcs_damaged_chunks_are_found_and_with_no_copy_left_the_run_ends_naming_step_and_process(
-    gcs: str, tmp_path: Path
+def test_in_gcs_damaged_chunks_are_found_and_with_no_copy_left_the_group_starts_again_from_init(
+    gcs: str, tmp_path: Path, fault_free: Path
 ) -> None:
     # Process 2's chunk of w1 is truncated in the first durable step committed and bit-flipped in the second;
     # then process 2 is killed, its replica files with it. The group tries the second step (the lost shards from
     # the bucket), finds them damaged, withdraws it; the first, the same. No copy of process 2's shards is left
-    # at any step: the run ends with a RecoveryError, and the group trains nothing after the loss.
+    # at any step: the group goes back to the initial state (before: the run ended with a RecoveryError), says
+    # which shards were nowhere, and ends equal to the fault-free run.
     run_dir, durable = tmp_path / "run", f"{gcs}-damaged"
-    with pytest.raises(RecoveryError) as caught:
-        run(
-            run_dir,
-            kill=None,
-            durable=durable,
-            damage={1: "truncated", 2: "bit-flipped"},
-            kill_after_commits=2,
-            step_delay_s=0.3,
-        )
+    result, _ = run(
+        run_dir,
+        kill=None,
+        durable=durable,
+        damage={1: "truncated", 2: "bit-flipped"},
+        kill_after_commits=2,
+        step_delay_s=0.3,
+    )
+    assert result.ok and result.step == STEPS, result.reason
     events = list(read_events(run_dir / "events.jsonl"))
-    older, newer = [e.step or 0 for e in events if isinstance(e, CheckpointCommitted)]
+    committed = [e.step or 0 for e in events if isinstance(e, CheckpointCommitted)]
+    older, newer = committed[:2]
     corrupt = [e for e in events if isinstance(e, CheckpointCorrupt)]
     assert [(e.step, e.tier) for e in corrupt] == [(newer, "durable"), (older, "durable")], corrupt
     for event, how in zip(corrupt, ["bit-flipped", "truncated"], strict=True):
         assert event.path == f"{durable}/{step_dirname(event.step or 0)}/state/params.w1/0.{LOST}", event
         assert event.reason.startswith(REASON[how]), event
-    assert restored_steps(events) == [newer, older]
-    assert GcsTier(durable).steps(timeout=60) == []  # both withdrawn
-    message = str(caught.value)
-    found = re.search(r"the shards of process\(es\) \[([\d, ]+)\] at step (\d+) are nowhere", message)
-    assert found is not None, message
-    # The lost process, and a survivor that was a step behind when it was lost, if one was (seen once, loaded).
-    named = [int(p) for p in found[1].split(",")]
-    # The newest step the survivors hold: the older durable step (their own shards of it, read when the group
-    # tried it), or the one they were at when process 2 was lost: the newer durable step itself when it was
-    # lost as that step's commit came in (before the survivors' next step; seen once), or one past it.
-    assert LOST in named and (int(found[2]) == older or int(found[2]) >= newer), message
-    assert caught.value.last_committed_step == older
-    # Nothing trained on a partial state: no step completed after the first restore, no final state written.
-    restored_at = next(e.mono_time for e in events if isinstance(e, StateRestored))
-    assert not [e.step for e in events if isinstance(e, StepCompleted) and e.mono_time > restored_at]
-    assert not (run_dir / "final").exists()
+    assert restored_steps(events)[:3] == [newer, older, 0]
+    back = [e for e in events if isinstance(e, StateRestored) and e.restored_from == "init"]
+    assert len(back) == 1 and back[0].lost_steps >= older, back
+    found = re.search(r"the shards of process\(es\) \[([\d, ]+)\] at step (\d+) are nowhere", back[0].reason)
+    assert found is not None and LOST in [int(p) for p in found[1].split(",")], back[0].reason
+    assert compare_states(final(run_dir), final(fault_free), bitwise=True)["match"]
+
+
+@pytest.mark.timeout(300)
+def test_a_loss_before_any_durable_step_goes_back_to_the_initial_state_and_ends_bitwise(
+    tmp_path: Path, fault_free: Path
+) -> None:
+    # Issue 62, hole 1: killed at step 3, its replica files gone, no durable step yet (every 10): no slice holds
+    # any step whole. Before, the run ended ("no slice holds one step whole"); now it starts again from init.
+    run_dir = tmp_path / "run"
+    result, committed = run(run_dir, kill=LOST, kill_at=3, every=10)
+    assert result.ok and result.step == STEPS, result.reason
+    events = list(read_events(run_dir / "events.jsonl"))
+    lost_at = next(e.mono_time for e in events if isinstance(e, WorkerLost))
+    assert not [c for c in committed if c] or min(committed) >= 10
+    [back] = [e for e in events if isinstance(e, StateRestored)]
+    assert back.mono_time > lost_at and (back.step, back.restored_from) == (0, "init")
+    assert back.lost_steps >= 2 and "nowhere" in back.reason, back
+    assert compare_states(final(run_dir), final(fault_free), bitwise=True)["match"]

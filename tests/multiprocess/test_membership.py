@@ -94,18 +94,27 @@ def test_two_neighbours_lost_together_roll_back_to_a_step_the_durable_tier_holds
     assert (plan.step, plan.from_neighbour, plan.lost_steps) == (20, (), 5)
 
 
-def test_no_slice_holding_one_step_whole_is_said_and_nothing_is_restored() -> None:
+def test_no_slice_holding_one_step_whole_goes_back_to_the_initial_state_and_says_why() -> None:
+    # Never end a run that can go on (issue 62, hole 1): init is deterministic, so the steps are lost, not the job.
     group = Membership(size=2, slice_size=2)
+    group.progress([9, 9])
     plan = group.plan_restore([JoinReport(9, "ram"), JoinReport(0, "none")])
-    assert plan.source == -1 and "no slice holds one step whole" in plan.missing
-    assert "the shards of process(es) [1] at step 9 are nowhere" in plan.missing
+    assert (plan.step, plan.source, plan.restored_from, plan.lost_steps) == (0, -1, "init", 9)
+    assert "no slice holds one step whole" in plan.fallback
+    assert "the shards of process(es) [1] at step 9 are nowhere" in plan.fallback
 
 
-def test_a_group_that_committed_steps_but_holds_none_is_said_rather_than_started_again() -> None:
+def test_a_group_that_committed_steps_but_holds_none_starts_again_and_says_why() -> None:
     group = Membership(size=2)
     group.progress([9, 9])
     plan = group.plan_restore([JoinReport(0, "none"), JoinReport(0, "none")])
-    assert plan.source == -1 and "committed step 9, but no member holds any step" in plan.missing
+    assert (plan.step, plan.source, plan.lost_steps) == (0, -1, 9)
+    assert "committed step 9, but no member holds any step" in plan.fallback
+
+
+def test_a_group_that_committed_nothing_starts_from_init_with_nothing_to_explain() -> None:
+    plan = Membership(size=2).plan_restore([JoinReport(0, "none"), JoinReport(0, "none")])
+    assert (plan.step, plan.source, plan.lost_steps, plan.fallback) == (0, -1, 0, "")
 
 
 def test_a_restore_fences_every_earlier_generation_at_the_step_the_group_went_on_from() -> None:

@@ -40,7 +40,9 @@ class RestorePlan:
     source: int  # slice index in the new generation (its process id with one process a slice); -1: initial state
     restored_from: str  # the source's tier, "+peer" when some member takes the state from another
     lost_steps: int  # committed steps that are run again
-    missing: str = ""  # members hold committed steps, but no slice holds one step whole: what is missing
+    # Why the group goes back to the initial state though it committed steps: what is missing (no slice holds
+    # one step whole, or no member holds any). "" when it restores a committed step, or has committed none.
+    fallback: str = ""
     # Positions in the source slice whose shards come from the next process's neighbour replica.
     from_neighbour: tuple[int, ...] = ()
 
@@ -127,8 +129,9 @@ class Membership:
         holds the step nowhere but the durable tier: the neighbour's RAM is the faster source.
 
         ``reports`` are the members' in process-id order. With one process per slice this is the newest step
-        any member holds. When members hold committed steps but no slice holds one whole (its processes at
-        different steps), the plan says what is missing and restores nothing.
+        any member holds. When no slice holds a committed step whole (its processes at different steps, a
+        process's shards lost everywhere), the group goes back to the initial state (``init`` is deterministic:
+        the run loses its steps, not its job), and the plan's ``fallback`` says what was missing.
         """
         n = self.slice_size
         best: tuple[int, int] = (0, 0)  # (step, processes restoring it from memory), the larger the better
@@ -148,21 +151,21 @@ class Membership:
         lost_steps = max(0, self.high_water - best_step)
         if source < 0:
             held_any = sorted({s for r in reports for s in r.holds() if s > 0})
-            missing = ""
-            if not held_any and self.high_water > 0:  # never start again from the initial state by accident
-                missing = (
+            fallback = ""
+            if not held_any and self.high_water > 0:
+                fallback = (
                     f"the group committed step {self.high_water}, but no member holds any step of this run "
                     "(replicas lost, fenced or unreadable; durable steps withdrawn)"
                 )
             elif held_any:
                 newest = held_any[-1]
                 lacking = [i for i, r in enumerate(reports) if newest not in r.holds()]
-                missing = (
+                fallback = (
                     f"no slice holds one step whole: the shards of process(es) {lacking} at step {newest} are "
                     f"nowhere (members hold {[(i, sorted(r.holds())) for i, r in enumerate(reports)]} "
                     "as (process, steps))"
                 )
-            return RestorePlan(step=0, source=-1, restored_from="init", lost_steps=lost_steps, missing=missing)
+            return RestorePlan(step=0, source=-1, restored_from="init", lost_steps=lost_steps, fallback=fallback)
         # Where the source slice's processes take their shards: "ram", a replica file ("shm", "disk", or "file"
         # when not its newest), "durable", or the next process's "neighbour" copy.
         sources = reports[source * n : (source + 1) * n]

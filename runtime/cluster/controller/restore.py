@@ -43,10 +43,14 @@ def send_restore(sup: Supervisor, out: list[Action]) -> None:
         )
     plan = group.plan_restore(reports)
     log.info("generation %d restores %s from %s", group.generation, plan, reports)
-    if plan.missing:
-        why = f"cannot restore generation {group.generation}: {plan.missing}"
-        sup.end(out, RecoveryError(why, last_committed_step=group.step))
-        return
+    if plan.fallback:
+        # The run goes on from the initial state rather than ending: StateRestored says how many steps and why.
+        log.warning(
+            "generation %d goes back to the initial state, %d step(s) lost: %s",
+            group.generation,
+            plan.lost_steps,
+            plan.fallback,
+        )
     if 0 <= sup.target_steps < plan.step:
         why = f"refusing to restore step {plan.step}: past the run's target of {sup.target_steps} steps"
         sup.end(out, RecoveryError(why, last_committed_step=group.step))
@@ -128,6 +132,7 @@ def send_restore(sup: Supervisor, out: list[Action]) -> None:
             restored_from=plan.restored_from,
             lost_steps=plan.lost_steps,
             seconds=sup.clock() - recovery.started,
+            reason=plan.fallback,
         )
         out.append(Publish(state))
     # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
