@@ -472,3 +472,25 @@ def test_a_failed_workers_log_is_quoted_from_its_last_traceback_or_else_by_its_l
     log.write_text("\n".join([*lines, "Traceback (most recent call last):", '  File "x.py"', "ValueError: bad"]))
     assert log_tail(log) == 'Traceback (most recent call last):\n  File "x.py"\nValueError: bad'
     assert log_tail(tmp_path / "missing.log").startswith("(no log:")
+
+
+def test_with_no_ready_spare_the_group_goes_on_smaller_at_once_and_grows_back_when_one_joins(tmp_path: Path) -> None:
+    """Issue 61: a lost worker whose replacement is still starting (a cold start) is not waited for where
+    min_nprocs allows: the survivors form the next generation at once, the reason says why, and the group grows
+    back once the replacement has said hello (before: it waited up to --spawn-timeout, idle)."""
+    run = Run(tmp_path, nprocs=3, spares=0, min_nprocs=2, spawn_timeout_s=60.0)
+    run.spawn(3)
+    run.feed(Start())
+    run.hello(0, 1, 2)
+    run.join()
+    run.commit(10)
+    run.lose(1)
+    run.wait(0.1)  # settling after the loss; no time passes beyond it
+    assert [f.members for f in run.forms] == [(0, 1, 2), (0, 2)]
+    assert run.now < 1.0  # not the spawn timeout's 60 s
+    assert "going on with 2 of 3 workers (no ready spare for its seat; at least 2)" in run.supervisor.forming_reason
+    run.join(step=10, tier="ram")
+    run.commit(12)
+    replacement = max(run.pool.procs)
+    run.hello(replacement)  # the replacement, up at last: the group grows back at a planned step
+    assert run.forms[-1].members == (0, 2, replacement) and run.forms[-1].strategy == Strategy.GROW

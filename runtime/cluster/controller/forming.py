@@ -115,13 +115,26 @@ def recruit(sup: Supervisor, out: list[Action], now: float, changed: int | None)
         coming = [p for p in coming if p.hello is None or seatable(sup, p)]
         if len(coming) + len(chosen) < need:
             out.append(Spawn(need - len(coming) - len(chosen)))
+        # After a loss with no ready spare for a seat (only processes still starting: a cold start, seconds to
+        # minutes for a real model), going on smaller at once beats waiting idle: the survivors train while the
+        # replacement starts, and the group grows back at a step boundary once it has joined (planned.py).
+        cold = sup.forming == Strategy.REFORM and not any(p.hello is not None for p in coming)
+    else:
+        cold = False
     # Workers the controller does not start are the orchestrator's to replace: after a loss the group goes
     # on without them at once where min_nprocs allows, and grows back when they say hello.
-    soon = (not sup.config.starts_workers or sup.forming == Strategy.DRAIN) and bool(survivors)
+    soon = (not sup.config.starts_workers or sup.forming == Strategy.DRAIN or cold) and bool(survivors)
     assert sup.config.min_nprocs is not None
     late = sup.deadline is not None and now > sup.deadline
     enough = (soon or late) and len(sup.group.seat(survivors, sup.chosen)) >= sup.config.min_nprocs  # slices
     if (soon or late) and enough:
+        short = sup.config.nprocs - len(survivors) - len(sup.chosen)
+        if short > 0:
+            why = "no ready spare for its seat" if soon else f"no replacement ready within {sup.recruit_timeout:g} s"
+            sup.forming_reason += (
+                f"; going on with {sup.config.nprocs - short} of {sup.config.nprocs} workers ({why}; at least "
+                f"{sup.config.min_nprocs}), growing back once a replacement joins"
+            )
         seat_members(sup, out, survivors, sup.chosen)  # go on smaller; the next re-forming grows the group back
     elif late:
         sup.end(out, LaunchError(recruiting_timed_out(sup, len(survivors) + len(chosen))))
