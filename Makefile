@@ -16,7 +16,7 @@ TORCHFT := .venv-torchft
 TORCHFT_STAMP := $(TORCHFT)/.installed
 TORCHFT_PIP_ARGS ?=
 
-.PHONY: demo test test-heavy test-latest test-slurm maxtext maxtext-launch lint slurm bench bench-torchft clean chaos chaos-ray docs docs-serve
+.PHONY: demo test test-heavy test-latest test-slurm maxtext maxtext-launch lint slurm bench bench-torchft clean chaos chaos-ray soak docs docs-serve
 
 $(STAMP): pyproject.toml constraints/default.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -116,6 +116,12 @@ bench-torchft: $(STAMP) $(TORCHFT_STAMP)
 # Multi-process chaos loop: random kill -9 / SIGSTOP of real worker processes, checked bitwise.
 chaos: $(STAMP)
 	$(BIN)/python tests/multiprocess/chaos.py --rounds $(or $(ROUNDS),10)
+
+# The soak campaign (tests/benchmarks/soak.py): seeded rounds of every fault kind, one process and multi-process, each
+# checked against a fault-free run, until FAULTS faults were injected (hours for 1000 on 2 cores). The last line is
+# JSON; a failed round's seed replays it (--round SEED). .ci/run runs a short one.
+soak: $(STAMP)
+	$(BIN)/python tests/benchmarks/soak.py --faults $(or $(FAULTS),1000) --seed $(or $(SEED),1)
 
 # Ray: a node of a local multi-node Ray test cluster removed in each of ROUNDS runs (tests/benchmarks/bench_ray.py).
 chaos-ray: $(STAMP)

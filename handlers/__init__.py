@@ -1,5 +1,6 @@
 """Built-in handlers, written with exactly the API a user's handler has."""
 
+from elastic_runtime.handlers.integrity import heal_silent_corruption
 from elastic_runtime.handlers.maintenance import (
     DrainScheduler,
     checkpoint_on_notice,
@@ -17,6 +18,7 @@ __all__ = [
     "checkpoint_on_notice",
     "checkpoint_on_preemption",
     "drain_on_start",
+    "heal_silent_corruption",
     "plan_drain",
     "remesh_on_device_loss",
     "restore_after_remesh",

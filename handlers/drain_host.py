@@ -19,6 +19,11 @@ which instance (host) they run on in their ``Hello`` (``ctx.instances``), so a n
   its announced window has ended.
 - A notice about an instance none of the workers runs on changes nothing and is counted: ``NoticeIgnored``.
 
+As in one process, each notice is folded into its host's reconciled window
+(``elastic_runtime.maintenance.reconcile``) and acted on as that window and the current time imply: a notice of
+a window whose announced end has passed (a backlog found after a restart) drains nothing and counts no loss,
+and a planned drain that comes due after its window ended is not carried out.
+
 Timed work (the drain at its deadline) lives in :meth:`HostDrains.run`, a companion task of the controller: a
 handler must return at once (the bus dispatches one event at a time).
 """
@@ -44,6 +49,7 @@ from elastic_runtime.core.events import (
     Preempted,
     SaveCheckpoint,
 )
+from elastic_runtime.maintenance.reconcile import Verdict, Window, fold, verdict, when
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.controller.context import ControllerContext
@@ -51,10 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["HostDrains", "save_when_asked"]
 
 log = logging.getLogger(__name__)
-
-
-def _when(epoch: float | None) -> str:
-    return "an unknown time" if epoch is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 
 class HostDrains:
@@ -67,7 +69,7 @@ class HostDrains:
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self.pending: dict[str, tuple[float, str]] = {}  # instance -> (when to drain it, why)
-        self.windows: dict[str, float] = {}  # instance -> when its announced window ends (then it is readmitted)
+        self.windows: dict[str, Window] = {}  # instance -> its maintenance window, as its notices so far tell it
         self._wake = anyio.Event()
 
     def attach(self, bus: EventBus) -> None:
@@ -78,32 +80,58 @@ class HostDrains:
         bus.subscribe(MaintenanceCompleted, self.readmit)
 
     async def plan(self, event: MaintenanceScheduled, ctx: ControllerContext) -> None:
-        """On MaintenanceScheduled: drain the host ``drain_lead_s`` before its window (a late notice: a loss)."""
+        """On MaintenanceScheduled: drain the host ``drain_lead_s`` before its window (a late notice: a loss; a
+        window already over: nothing)."""
         if not await self._ours(event, ctx):
             return
-        now = self.clock()
-        if event.window_end is not None:
-            self.windows[event.instance] = event.window_end
-            self._wake.set()
-        if event.window_start is not None and event.window_start <= now:
-            await self.lose(event, ctx)
+        decided = self._reconcile(event, ctx)
+        if decided.drain_at is None:
+            self._over(event.instance, decided, ctx)
             return
-        why = f"maintenance of {event.instance} ({event.kind or 'unspecified'}) from {_when(event.window_start)}"
+        if decided.opened:
+            self._lose(event, ctx)
+            return
+        why = f"maintenance of {event.instance} ({event.kind or 'unspecified'}) from {when(event.window_start)}"
         if ctx.config.durable_dir:
             # Before the drain is asked for: the workers hear of it (relayed) before the group re-forms.
             await ctx.publish(SaveCheckpoint(step=ctx.step, source="controller", tiers=("durable",), reason=why))
-        deadline = now if event.window_start is None else event.window_start - ctx.config.drain_lead_s
-        if deadline <= now:
+        if decided.drain_at <= self.clock():
             self.pending.pop(event.instance, None)
             ctx.drain(event.instance, why)
             return
-        self.pending[event.instance] = (deadline, why)
+        self.pending[event.instance] = (decided.drain_at, why)
         self._wake.set()
 
     async def lose(self, event: Notice, ctx: ControllerContext) -> None:
-        """The host's window is open (or it is being preempted): its members are lost now, and counted."""
+        """The host's window is open (or it is being preempted): its members are lost now, and counted. A
+        ``Started`` of a window whose announced end has passed changes nothing but the readmission."""
         if not await self._ours(event, ctx):
             return
+        decided = self._reconcile(event, ctx)
+        if decided.drain_at is None:
+            self._over(event.instance, decided, ctx)
+            return
+        self._lose(event, ctx)
+
+    async def readmit(self, event: MaintenanceCompleted, ctx: ControllerContext) -> None:
+        """On MaintenanceCompleted: forget a pending drain; the host's workers may be seated again."""
+        self.pending.pop(event.instance, None)
+        self.windows.pop(event.instance, None)  # over: nothing of it is kept
+        if event.instance in ctx.cordoned:
+            log.info("maintenance of %s is over: its workers may join again", event.instance)
+            ctx.readmit(event.instance)
+        elif not await self._ours(event, ctx):
+            return
+
+    def _reconcile(self, event: Notice, ctx: ControllerContext) -> Verdict:
+        """Fold ``event`` into its host's window; what that window implies now."""
+        now = self.clock()
+        window = fold(self.windows.get(event.instance), event, now)
+        self.windows[event.instance] = window
+        self._wake.set()
+        return verdict(window, now, ctx.config.drain_lead_s)
+
+    def _lose(self, event: Notice, ctx: ControllerContext) -> None:
         self.pending.pop(event.instance, None)
         on_host = {w for w, where in ctx.instances.items() if where == event.instance}
         members = on_host & set(ctx.members)
@@ -114,15 +142,15 @@ class HostDrains:
             ctx.regroup(members, reason=why)
         ctx.drain(event.instance, why)  # no worker of it is seated until its maintenance is over
 
-    async def readmit(self, event: MaintenanceCompleted, ctx: ControllerContext) -> None:
-        """On MaintenanceCompleted: forget a pending drain; the host's workers may be seated again."""
-        self.pending.pop(event.instance, None)
-        self.windows.pop(event.instance, None)
-        if event.instance in ctx.cordoned:
-            log.info("maintenance of %s is over: its workers may join again", event.instance)
-            ctx.readmit(event.instance)
-        elif not await self._ours(event, ctx):
-            return
+    def _over(self, instance: str, decided: Verdict, ctx: ControllerContext) -> None:
+        """The host's window is over: nothing pending, and its workers may be seated again."""
+        self.pending.pop(instance, None)
+        self.windows.pop(instance, None)
+        if instance in ctx.cordoned:
+            log.info("maintenance of %s is over (%s): its workers may join again", instance, decided.reason)
+            ctx.readmit(instance)
+        else:
+            log.info("maintenance of %s: %s", instance, decided.reason)
 
     async def _ours(self, event: Notice, ctx: ControllerContext) -> bool:
         """Whether a worker of the run runs on the notice's instance; if not, the notice is counted as ignored."""
@@ -141,21 +169,26 @@ class HostDrains:
         return False
 
     async def run(self, ctx: ControllerContext) -> None:
-        """Drain each pending host when its time comes (a companion task of the controller)."""
+        """Drain each pending host when its time comes, and readmit one whose window has ended (a companion task
+        of the controller)."""
         while True:
             self._wake = anyio.Event()
-            now = self.clock()
+            lead = ctx.config.drain_lead_s
             for instance, (deadline, why) in list(self.pending.items()):
-                if deadline <= now:
+                if deadline <= self.clock():
                     del self.pending[instance]
+                    window = self.windows.get(instance)
+                    if window is not None and verdict(window, self.clock(), lead).drain_at is None:
+                        continue  # its window ended before the drain came due: readmitted below
                     ctx.drain(instance, why)
-            for instance, end in list(self.windows.items()):
-                if end <= now and instance not in self.pending:
-                    del self.windows[instance]
-                    if instance in ctx.cordoned:
-                        log.info("the maintenance window of %s has ended: its workers may join again", instance)
-                        ctx.readmit(instance)
-            times = [d for d, _ in self.pending.values()] + list(self.windows.values())
+            ends: list[float] = []
+            for instance, window in list(self.windows.items()):
+                decided = verdict(window, self.clock(), lead)
+                if decided.drain_at is None:
+                    self._over(instance, decided, ctx)
+                elif decided.ends_at is not None:
+                    ends.append(decided.ends_at)
+            times = [d for d, _ in self.pending.values()] + ends
             wait = min(times, default=math.inf) - self.clock()
             with anyio.move_on_after(max(wait, 0)):
                 await self._wake.wait()

@@ -239,7 +239,7 @@ class TieredCheckpointer:
 
     def _mirror_final(self) -> None:
         try:
-            final = self.ram.latest(None, self.timeout_s)
+            final = self.ram.latest_verified(None, self.timeout_s)
         except SnapshotUnavailable:
             return
         if self._shm_lane.step < final.step:
@@ -248,7 +248,7 @@ class TieredCheckpointer:
     def _commit_final(self) -> None:
         assert self.disk is not None
         try:
-            final = self.ram.latest(None, self.timeout_s)
+            final = self.ram.latest_verified(None, self.timeout_s)
         except SnapshotUnavailable:
             return
         with self._lock:
@@ -303,7 +303,11 @@ class TieredCheckpointer:
     # --- requests --------------------------------------------------------------------------------------
 
     async def handle_save_request(self, event: SaveCheckpoint, ctx: RuntimeContext) -> None:
-        """On SaveCheckpoint: commit the newest RAM snapshot to the requested tiers (all durable by default)."""
+        """On SaveCheckpoint: commit the newest RAM snapshot to the requested tiers (all durable by default).
+
+        The newest, not the newest verified (runtime/core/fingerprint.py): a request (a notice before a preemption)
+        is for the progress made, and the state is at most ``fingerprint_every - 1`` steps past a verified one;
+        the cadence's saves and the final one are of verified states."""
         wanted = set(event.tiers) or {t.name for t in self.tiers}
         unknown = wanted - {t.name for t in self.tiers}
         for name in sorted(unknown):

@@ -28,16 +28,17 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Failures (all derive from `Failure`)", ev, [
         "Failure", "StepFailed", "DeviceLost", "SliceLost", "ProcessLost", "WorkerLost", "WorkerHung",
         "MalformedHeartbeat", "ConnectionRefused", "HandlerFailed", "CheckpointFailed", "CheckpointCorrupt",
-        "MalformedNotice", "NoticeIgnored", "RecoveryFailed", "DataMismatch",
+        "MalformedNotice", "NoticeIgnored", "NoticeSourceFailed", "RecoveryFailed", "DataMismatch",
+        "SilentCorruption",
     ]),
-    ("Conditions", ev, ["Straggler", "MeshReduced", "ConfigOverridden"]),
+    ("Conditions", ev, ["Straggler", "MeshReduced", "ConfigOverridden", "NoticeSourceReady"]),
     ("Maintenance notices (all derive from `Notice`)", ev, [
         "Notice", "MaintenanceScheduled", "MaintenanceStarted", "MaintenanceCompleted", "Preempted", "HostError",
     ]),
     ("Checkpoints", ev, ["CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped", "ReplicaSkipped"]),
     ("Recovery", ev, [
         "RecoveryStarted", "MeshChanged", "StateRestored", "RecoveryCompleted", "ScaleUpAvailable", "StateTransformed",
-        "MeshReady", "LikelyMeshesReady",
+        "MeshReady", "LikelyMeshesReady", "CorruptionHealed",
     ]),
     ("Requests", ev, ["SaveCheckpoint", "Drain"]),
     ("Multi-process groups (logged by the controller)", ev, [

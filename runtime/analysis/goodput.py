@@ -31,6 +31,7 @@ from elastic_runtime.core.events import (
     RecoveryCompleted,
     RunFinished,
     RunStarted,
+    SilentCorruption,
     StateRestored,
     StepCompleted,
     WorkerHung,
@@ -45,6 +46,9 @@ UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME = "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME"
 WASTED_PROGRESS_FROM_DISRUPTION = "WASTED_PROGRESS_FROM_DISRUPTION"
 INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION = "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION"
 ELASTIC_SCALE_UP = "ELASTIC_SCALE_UP"
+# Not ml_goodput_measurement's: the time a silent data corruption cost, found, replayed and healed (its re-run
+# steps are wasted progress, as after any disruption).
+SILENT_DATA_CORRUPTION = "SILENT_DATA_CORRUPTION"
 OTHER = "OTHER"
 BADPUT_TYPES = (
     PROGRAM_STARTUP,
@@ -54,10 +58,11 @@ BADPUT_TYPES = (
     WASTED_PROGRESS_FROM_DISRUPTION,
     INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION,
     ELASTIC_SCALE_UP,
+    SILENT_DATA_CORRUPTION,
     OTHER,
 )
 
-_DISRUPTIONS = (DeviceLost, ProcessLost, WorkerLost, WorkerHung)
+_DISRUPTIONS = (DeviceLost, ProcessLost, WorkerLost, WorkerHung, SilentCorruption)
 
 
 @dataclass
@@ -260,7 +265,9 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
                 restore = sum(e.seconds for e in window if isinstance(e, StateRestored))
             badput[PROGRAM_STARTUP] += programs
             badput[UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME] += restore
-            badput[INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION] += max(done.recovery_s - restore - rerun - programs, 0.0)
+            recovery = max(done.recovery_s - restore - rerun - programs, 0.0)
+            silent = isinstance(failure, SilentCorruption)
+            badput[SILENT_DATA_CORRUPTION if silent else INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION] += recovery
     accounted = productive + sum(v for k, v in badput.items() if k != OTHER)
     badput[OTHER] = max(wall - accounted, 0.0)
     return GoodputReport(

@@ -117,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         handlers=list(args.handlers),
         maintenance_subscription=args.maintenance_subscription,
         drain_lead_s=args.drain_lead,
+        require_maintenance_notices=args.require_maintenance_notices,
     )
 
 

@@ -32,6 +32,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--repair-at", type=int, default=None, help="step at which it returns (default 2*steps/3)")
     parser.add_argument("--no-fault", action="store_true", help="run without injecting a fault")
     parser.add_argument(
+        "--corrupt-at",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="silent data corruption instead of a lost slice: a bit of one device's copy of the state flipped after "
+        "STEP (found by the state's fingerprint, every step here; healed by replay)",
+    )
+    parser.add_argument(
+        "--persistent", action="store_true", help="with --corrupt-at: the device computes wrong from then on (evicted)"
+    )
+    parser.add_argument(
         "--fault-schedule",
         metavar="ITEMS",
         help="faults to inject instead, e.g. 'lose-slice:1@50,repair-slice:1@120,lose-device:0@30s' "
@@ -91,7 +102,10 @@ def main(args: argparse.Namespace) -> int:
     global_batch = base * max(1, 96 // base)
     policy = MeshPolicy({"data": slices, "model": SLICE_SIZE}, global_batch=global_batch, slice_size=SLICE_SIZE)
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    config = RuntimeConfig(run_dir=str(run_dir), scale_up_poll_s=0.1, progress=False)  # the demo prints its own
+    # The demo prints its own progress; with --corrupt-at every step's state is fingerprinted.
+    config = RuntimeConfig(
+        run_dir=str(run_dir), scale_up_poll_s=0.1, progress=False, fingerprint_every=1 if args.corrupt_at else None
+    )
     job = demo_job(global_batch=global_batch)
     injector = FaultInjector()
     devices = len(jax.devices())
@@ -102,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
             )
         else:
             default = f"lose-slice:{slices - 1}@{fault_at},repair-slice:{slices - 1}@{repair_at}"
-            text = "" if args.no_fault else (args.fault_schedule or default)
+            text = "" if args.no_fault or args.corrupt_at else (args.fault_schedule or default)
             schedule = FaultSchedule.parse(text, slice_size=SLICE_SIZE, devices=devices)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -111,13 +125,21 @@ def main(args: argparse.Namespace) -> int:
     say(f"elastic-runtime demo: {steps} steps on {devices} CPU devices, mesh {policy.target_shape}")
     say(f"  faults (slices of {SLICE_SIZE} devices): {schedule}")
 
+    if args.corrupt_at:
+        suspect = devices - SLICE_SIZE  # the last slice's first device
+        how = "from then on" if args.persistent else "once"
+        say(f"  silent data corruption: a bit of device {suspect}'s copy flipped after step {args.corrupt_at}, {how}")
+        injector.corrupt(args.corrupt_at, suspect, persistent=args.persistent)
     runtime = injector.attach(ElasticRuntime(job, config=config, mesh_policy=policy))
     runtime.at_step_boundary(schedule.hook(injector))
     if not args.quiet:
         runtime.subscribe(Event, ProgressPrinter(), priority=-100)
     started = time.monotonic()
     result = runtime.run(steps)
-    summary = summarize(read_events(result.events_path or run_dir / "events.jsonl"))
+    events = read_events(result.events_path or run_dir / "events.jsonl")
+    summary = summarize(events)
+    if args.corrupt_at:
+        summary["corruption"] = corruption_summary(events, args.corrupt_at)
     summary["run_dir"] = str(run_dir)
     summary["seconds"] = round(time.monotonic() - started, 3)
 
@@ -133,6 +155,25 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] and summary.get("reference_match", {}).get("match", True) else 1
+
+
+def corruption_summary(events: list[Any], injected_at: int) -> dict[str, Any]:
+    """What the fingerprints found and how the run healed (the demo's JSON ``corruption``)."""
+    from elastic_runtime import CorruptionHealed, RecoveryCompleted, SilentCorruption
+
+    found = [e for e in events if isinstance(e, SilentCorruption)]
+    healed = [e for e in events if isinstance(e, CorruptionHealed)]
+    recovered = [e for e in events if isinstance(e, RecoveryCompleted) and e.cause == "SilentCorruption"]
+    return {
+        "injected_after_step": injected_at,
+        "detected_step": found[0].step if found else None,
+        "suspects": list(found[0].suspects) if found else [],
+        "attributed": found[0].attributed if found else None,
+        "kind": healed[-1].kind if healed else None,
+        "evicted": list(healed[-1].evicted) if healed else [],
+        "lost_steps": sum(e.lost_steps for e in recovered),
+        "healed_s": round(healed[-1].seconds, 3) if healed else None,
+    }
 
 
 def render(summary: dict[str, Any]) -> str:

@@ -207,7 +207,8 @@ def add_handlers_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_maintenance_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--maintenance-subscription`` and ``--drain-lead``, as ``launch`` and ``controller`` take them."""
+    """``--maintenance-subscription``, ``--drain-lead`` and ``--require-maintenance-notices``, as ``launch`` and
+    ``controller`` take them."""
     parser.add_argument(
         "--maintenance-subscription",
         default=None,
@@ -221,6 +222,12 @@ def add_maintenance_arguments(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         metavar="SECONDS",
         help="drain a host this long before its maintenance window starts (default 60)",
+    )
+    parser.add_argument(
+        "--require-maintenance-notices",
+        action="store_true",
+        help="fail at start when the maintenance subscription cannot be read (no credentials, it does not exist, "
+        "no permission), instead of running without maintenance protection",
     )
 
 
@@ -265,6 +272,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         handlers=list(args.handlers),
         maintenance_subscription=args.maintenance_subscription,
         drain_lead_s=args.drain_lead,
+        require_maintenance_notices=args.require_maintenance_notices,
     )
 
 

@@ -122,6 +122,10 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             maintenance notices and drains a host's workers before its window (``handlers/drain_host.py``);
             notices about another project's instances (not P) are ignored. None: no notices.
         drain_lead_s: drain a host's workers this long before its maintenance window starts.
+        require_maintenance_notices: a ``maintenance_subscription`` the controller cannot read at start (no
+            credentials, it does not exist, no permission) ends the run with a ``ConfigError`` naming it and why,
+            at once (workers already started are stopped); off: it is a ``NoticeSourceFailed`` event and the run
+            goes on without that protection while the listener retries (``launch --require-maintenance-notices``).
         fork_spares: workers, the first ones and the spares, are forked from a process that imported JAX already
             (``runtime/cluster/controller/forkserver.py``), ready without JAX's import; False: each is a new
             process. Only for a command that runs Python with ``-m module`` or a script.
@@ -172,6 +176,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     handlers: list[str] = []
     maintenance_subscription: str | None = None
     drain_lead_s: SecondsOrZero = 60.0
+    require_maintenance_notices: bool = False
     fork_spares: bool = True
     progress: bool = True
 
@@ -215,6 +220,8 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ConfigError(f"{_ORIGIN}: coordinator_ports={low}-{high} must be a range LO-HI within 1-65535")
         if self.maintenance_subscription:
             check_subscription(self.maintenance_subscription, field=f"{_ORIGIN}: maintenance_subscription")
+        elif self.require_maintenance_notices:
+            raise ConfigError(f"{_ORIGIN}: require_maintenance_notices needs a maintenance_subscription")
 
     def _check_group(self) -> None:
         """The group's sizes against each other: ``min_nprocs`` and ``slices`` against ``nprocs``."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from jax.errors import JaxRuntimeError
 
-from elastic_runtime.core.events import DeviceLost, Failure, ProcessLost, SliceLost, StepFailed
+from elastic_runtime.core.events import DeviceLost, Failure, ProcessLost, SilentCorruption, SliceLost, StepFailed
+from elastic_runtime.core.fingerprint import StateDiverged
 
 SLICE_DOWN_STATUSES = ("DATA_LOSS", "DEADLINE_EXCEEDED", "NOT_FOUND", "INTERNAL")
 
@@ -59,6 +60,19 @@ def classify(
     may raise one (rather than hang), and re-forming the group recovers from it.
     """
     error_type, message = type(exc).__name__, str(exc)
+    if isinstance(exc, StateDiverged):  # found by the state's fingerprint: no exception of the devices' own
+        found = exc.divergence
+        return SilentCorruption(
+            step=step,
+            source=source,
+            error_type=error_type,
+            message=message,
+            suspects=found.suspects,
+            digests={str(device): digest for device, digest in found.digests.items()},
+            replicas=found.replicas,
+            attributed=found.attributed,
+            persistent=exc.persistent,
+        )
     if _is_process_failure(exc) or (in_group and isinstance(exc, JaxRuntimeError)):
         return ProcessLost(step=step, source=source, error_type=error_type, message=message)
     if not is_infrastructure_failure(exc):

@@ -72,6 +72,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             (step, loss and the step's other metrics, step time, mesh, goodput so far), one line per failure,
             re-mesh and recovery, and the end. Off for a quiet run (``--quiet`` on the command line).
         progress_every_s: seconds between two progress lines about steps.
+        fingerprint_every: compare the state's data-parallel replicas (a digest per device, on the devices) every
+            this many steps, to find silent data corruption: a replica that differs is replayed from the newest
+            verified state, and evicted if it differs again (``SilentCorruption``, ``CorruptionHealed``). Unset:
+            as often as costs at most 1% of a step (every step on an accelerator, sparser on CPU devices); 0: off.
 
     Checkpointing (``storage/``; see docs/storage.md):
         ram_dir: mirror every RAM snapshot into this directory (e.g. under ``/dev/shm``) so that it survives a
@@ -96,6 +100,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         preemption_checkpoint_tiers: tiers saved to on a preemption notice; empty: every durable tier.
         pubsub_max_messages: Pub/Sub flow control: messages outstanding at most.
         metadata_poll_timeout_s: ``timeout_sec`` of each metadata long poll.
+        require_maintenance_notices: a notice source that does not work at start (no credentials, a subscription
+            that does not exist, no permission to read it, a metadata server that does not answer) is a
+            ``ConfigError`` before the first step, naming the source and why; off: it is a ``NoticeSourceFailed``
+            event and the run goes on without that protection while the source retries. Needs a source.
     """
 
     run_dir: str | None = None
@@ -114,6 +122,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     check_data: bool = False
     progress: bool = True
     progress_every_s: Seconds = 10.0
+    fingerprint_every: NonNegative | None = None
     # --- checkpointing (storage/) ---------------------------------------------------------------------
     ram_dir: str | None = None
     checkpoint_dir: str | None = None
@@ -135,6 +144,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     preemption_checkpoint_tiers: tuple[str, ...] = ()
     pubsub_max_messages: Positive = 100
     metadata_poll_timeout_s: Seconds = 60.0
+    require_maintenance_notices: bool = False
     # --- end maintenance notices -------------------------------------------------------------------------
 
     def __post_init__(self) -> None:
@@ -165,6 +175,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             check_subscription(self.maintenance_subscription, field="config: maintenance_subscription")
         if self.metadata_host is not None and not self.metadata_host.strip():
             raise ConfigError("config: metadata_host='' names no host (leave it unset to turn the watcher off)")
+        if self.require_maintenance_notices and not (self.maintenance_subscription or self.metadata_host):
+            raise ConfigError(
+                "config: require_maintenance_notices needs a notice source: maintenance_subscription or metadata_host"
+            )
         owner: dict[int, str] = {}
         for instance, devices in self.instance_devices.items():
             for device in devices:

@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointStarted",
     "ConfigOverridden",
     "ConnectionRefused",
+    "CorruptionHealed",
     "DataMismatch",
     "DeviceLost",
     "Drain",
@@ -41,6 +42,8 @@ __all__ = [
     "MeshReduced",
     "Notice",
     "NoticeIgnored",
+    "NoticeSourceFailed",
+    "NoticeSourceReady",
     "Preempted",
     "ProcessLost",
     "RecoveryCompleted",
@@ -51,6 +54,7 @@ __all__ = [
     "RunStarted",
     "SaveCheckpoint",
     "ScaleUpAvailable",
+    "SilentCorruption",
     "SliceLost",
     "StateRestored",
     "StateTransformed",
@@ -178,6 +182,32 @@ class WorkerHung(Failure, frozen=True, kw_only=True):
     stalled_s: float
 
 
+class SilentCorruption(Failure, frozen=True, kw_only=True):
+    """Replicas of the state that must be bitwise equal differ after ``step`` (silent data corruption: a device
+    that computed wrong, a flipped bit), found by the state's fingerprint (``RuntimeConfig.fingerprint_every``).
+    ``suspects``: the devices that disagree with the majority of their ``replicas`` (``attributed``), or every
+    replica of the block when no majority says which (two replicas); ``digests`` by device. ``persistent``: it
+    came back when the step was replayed from the newest verified state (or the device was a suspect before):
+    faulty hardware, evicted like a lost slice; else a transient flip, healed by the replay."""
+
+    suspects: tuple[int, ...]
+    digests: dict[str, str]
+    replicas: int
+    attributed: bool
+    persistent: bool = False
+
+
+class CorruptionHealed(Event, frozen=True, kw_only=True):
+    """The state's replicas agree again at ``step`` after a ``SilentCorruption``: ``kind`` ``transient`` (the
+    replay from the newest verified state agreed) or ``persistent`` (the ``evicted`` devices were taken out of the
+    mesh), ``seconds`` after it was found."""
+
+    kind: str
+    suspects: tuple[int, ...]
+    evicted: tuple[int, ...] = ()
+    seconds: float
+
+
 class Straggler(Event, frozen=True, kw_only=True):
     """``worker``'s step time is far above the group's median."""
 
@@ -275,6 +305,27 @@ class NoticeIgnored(Failure, frozen=True, kw_only=True):
     instance: str
     message_id: str = ""
     reason: str
+
+
+class NoticeSourceFailed(Failure, frozen=True, kw_only=True):
+    """The notice source ``source`` (``pubsub``, ``metadata``) cannot read ``address`` (the subscription, or the
+    metadata server): ``reason`` says why (no credentials, the subscription does not exist, permission denied,
+    unreachable). ``permanent``: an error that does not go away by itself (it needs an operator). Until a
+    ``NoticeSourceReady`` the run has no maintenance protection from that source; the source tries again, at
+    most ``retry_s`` apart."""
+
+    address: str
+    reason: str
+    permanent: bool = False
+    retry_s: float = 0.0
+
+
+class NoticeSourceReady(Event, frozen=True, kw_only=True):
+    """The notice source ``source`` (``pubsub``, ``metadata``) reads ``address`` (the subscription, or the
+    metadata server): the run's maintenance notices come through it. Published when it first connects, and again
+    once it recovered from a ``NoticeSourceFailed``."""
+
+    address: str
 
 
 # --- maintenance notices ------------------------------------------------------------------------------

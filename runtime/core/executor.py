@@ -35,6 +35,7 @@ from elastic_runtime.core.datacheck import DataCheck
 from elastic_runtime.core.errors import ConfigError, RecoveryError, SnapshotUnavailable, StepError
 from elastic_runtime.core.events import (
     CheckpointFailed,
+    CorruptionHealed,
     Event,
     MeshChanged,
     MeshReduced,
@@ -44,6 +45,7 @@ from elastic_runtime.core.events import (
     StepCompleted,
     StepFailed,
 )
+from elastic_runtime.core.fingerprint import Healed, Integrity, StateDiverged
 from elastic_runtime.core.health import DeviceHealth
 from elastic_runtime.core.initial import abstract_state, initial_program
 from elastic_runtime.core.job import PyTree, TrainJob
@@ -73,6 +75,7 @@ class _StepDone(NamedTuple):
     data_s: float  # loading its batch
     snapshot_wait_s: float  # what its snapshot's copy added to the step (0 when compiled into the step)
     host: PyTree | None  # the state in host memory, when this step is snapshotted
+    verified: bool  # its replicas were compared and agree, or are never compared (no fingerprints)
 
 
 class _InFlight(NamedTuple):
@@ -153,6 +156,12 @@ class StepExecutor:
         # Called with (step, device ids) once a step's results are ready, before it is committed; one that
         # raises fails the step as that exception (a site's result validation, or a fault injector).
         self.step_checks: list[StepCheck] = []
+        # Fault injection's way to make a device compute wrong: each maps (step, the state the step is about to
+        # read) to the state it reads instead (elastic_runtime.testing.faults).
+        self.input_faults: list[Callable[[int, PyTree], PyTree]] = []
+        # The state's data-parallel replicas compared (silent data corruption): runtime/core/fingerprint.py.
+        every = config.fingerprint_every
+        self.integrity = Integrity(every, policy.batch_axis) if every != 0 else None
         self.ram = RamTier()
         self._by_reference = False  # a snapshot is the state itself (devices whose memory is the host's)
         # The RAM snapshot's cadence, and the measure of a step without a copy that Young-Daly plans by.
@@ -226,6 +235,9 @@ class StepExecutor:
         """Run until ``steps`` steps are committed (``resume``: from the newest step the durable tiers hold).
         Raises StepError, RecoveryError or ConfigError when it cannot."""
         await self._start(steps, resume)
+        if self.integrity is not None:
+            self.integrity.durable_every = (self.config.disk_every, self.config.gcs_every)
+            self.integrity.final = steps
         try:
             while self.step < steps:
                 await self._boundary()
@@ -338,6 +350,8 @@ class StepExecutor:
         self.compiler.get(mesh)
         if not (self.compiler.host_copy or self._by_reference) and self.config.snapshot_every > 0:
             compiled = self.ram.prepare(self.compiler.state_abstract(mesh)) or compiled
+        if self.integrity is not None:
+            self.integrity.fingerprinter.prepare(self.compiler.state_abstract(mesh))
         return time.perf_counter() - started if compiled else 0.0
 
     def _place_initial(self, mesh: Mesh) -> PyTree:
@@ -558,6 +572,8 @@ class StepExecutor:
                 metadata={"mesh": shape},
                 seconds=done.snapshot_wait_s,
                 reuse=self.compiler is not None and self.compiler.host_copy,  # fused copies write into spares
+                notify=done.verified,  # a state whose replicas were not compared goes to no durable tier
+                verified=done.verified,
             )
         self._from_threads.append(
             StepCompleted(
@@ -585,6 +601,8 @@ class StepExecutor:
         call at a time); ``data_s`` is only the time this step waited for its batch.
         """
         assert self.compiler is not None
+        for fault in self.input_faults:
+            state = fault(step, state)
         loading = time.perf_counter()
         host_batch = self._batches.batch(position)
         if self._data_check is not None:
@@ -639,6 +657,13 @@ class StepExecutor:
         jax.block_until_ready((flight.new_state, flight.host) if fused else flight.new_state)
         for check in self.step_checks:
             check(flight.step, device_ids(mesh))
+        verified = self.integrity is None
+        if self.integrity is not None and self.integrity.due(flight.step):
+            # Raises StateDiverged: the step is not committed, and the recovery replays it (_on_failure).
+            healed = self.integrity.check(flight.new_state, flight.step, self.cadence.step_s)
+            verified = True
+            if healed is not None:
+                self._from_threads.append(self._healed(healed, flight.step))
         metrics = scalar_metrics(flight.metrics)
         loss = self.job.loss(flight.metrics)
         loss_value = None if loss is None else float(np.asarray(loss))
@@ -662,7 +687,19 @@ class StepExecutor:
                 self.cadence.copied(extra)  # signed, so that the noise of step times averages out
             copy_s = max(extra, 0.0)
             seconds -= copy_s
-        return _StepDone(flight.new_state, loss_value, metrics, seconds, flight.data_s, copy_s, host)
+        return _StepDone(flight.new_state, loss_value, metrics, seconds, flight.data_s, copy_s, host, verified)
+
+    def _healed(self, healed: Healed, step: int) -> CorruptionHealed:
+        """The replicas agree again at ``step``: healed by the replay, or by evicting the suspects."""
+        suspects = healed.divergence.suspects
+        return CorruptionHealed(
+            step=step,
+            source="executor",
+            kind="persistent" if healed.persistent else "transient",
+            suspects=suspects,
+            evicted=suspects if healed.persistent else (),
+            seconds=healed.seconds,
+        )
 
     def _snapshot_failed(self, step: int, exc: BaseException) -> None:
         reason = f"host copy failed: {type(exc).__name__}: {exc}"
@@ -678,6 +715,8 @@ class StepExecutor:
 
     async def _on_failure(self, exc: Exception, step: int, mesh: Mesh) -> None:
         failed_at = time.monotonic()
+        if isinstance(exc, StateDiverged):
+            self.ram.fall_back_to_verified()  # the steps after the newest verified state are replayed
         in_mesh = list(mesh.devices.flat)
         healthy = await anyio.to_thread.run_sync(self.health.healthy, in_mesh)
         lost = tuple(sorted(set(device_ids(mesh)) - {d.id for d in healthy}))

@@ -17,9 +17,12 @@ import anyio
 from elastic_runtime.core.bus import Subscription
 from elastic_runtime.core.events import (
     ConfigOverridden,
+    CorruptionHealed,
     Failure,
     HandlerFailed,
     MeshChanged,
+    NoticeSourceFailed,
+    NoticeSourceReady,
     RecoveryCompleted,
     RunFinished,
     RunStarted,
@@ -78,6 +81,18 @@ def describe_event(event: Any) -> str | None:
             return f"restored step {event.step} from {event.restored_from} in {event.seconds:.3f} s{why}"
         case MeshChanged():
             return f"mesh {describe_mesh(event.old_shape)} -> {describe_mesh(event.new_shape)}: {event.reason}"
+        case CorruptionHealed():
+            how = (
+                f"devices {list(event.evicted)} evicted" if event.evicted else "replayed from the newest verified state"
+            )
+            return f"silent data corruption healed at step {event.step} ({event.kind}): {how}"
+        case NoticeSourceFailed():
+            return (
+                f"maintenance notices from {event.source} ({event.address}) unavailable: {event.reason}; "
+                f"retrying every {event.retry_s:g} s at most (no maintenance protection meanwhile)"
+            )
+        case NoticeSourceReady():
+            return f"maintenance notices from {event.source} ({event.address}) ready"
         case ConfigOverridden():
             return f"the script's {event.setting}={event.value} does not apply under launch: {event.flag} sets it"
         case HandlerFailed():

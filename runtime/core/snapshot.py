@@ -152,6 +152,8 @@ class RamTier:
         self.corruption_listeners: list[Callable[[str, int, CheckpointInvalid], None]] = []  # host memory: never
         self._lock = threading.Lock()
         self._committed: HostSnapshot | None = None
+        # The newest snapshot whose replicas agreed (runtime/core/fingerprint.py): where a divergence goes back to.
+        self._verified: HostSnapshot | None = None
         self._copies: dict[Any, Any] = {}  # (tree structure, host shardings) -> the compiled copy
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ram-snapshot")
         self._in_flight: Future[None] | None = None
@@ -242,12 +244,14 @@ class RamTier:
         seconds: float = 0.0,
         reuse: bool = False,
         notify: bool = True,
+        verified: bool = True,
     ) -> None:
         """Make ``host`` (complete host-memory arrays of the state after ``step``) the committed snapshot.
 
         With ``reuse`` its buffers become the spare (``take_spare``) once it is replaced and dropped unread.
         ``notify``: tell the ``listeners`` (the durable tiers); not for the initial state, a restore point that no
-        durable tier needs (``init`` makes it again).
+        durable tier needs (``init`` makes it again), nor a state whose replicas were not compared. ``verified``:
+        its replicas agreed (or none was compared: no fingerprints); :meth:`fall_back_to_verified` returns to it.
         """
         nbytes = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(host))
         snapshot = HostSnapshot(
@@ -263,11 +267,19 @@ class RamTier:
             if self._committed is not None and self._committed.step > step:
                 return  # a background copy (the initial state's) that ended after a newer step's commit
             replaced, self._committed = self._committed, snapshot
+            if verified:
+                self._verified = snapshot
         if replaced is not None and not reuse:  # freeing its buffers takes a while: not in the training thread
             self._pool.submit(_release, replaced)
         del replaced  # with reuse: its buffers are the spare now, unless a reader still holds it
         for listener in self.listeners if notify else ():
             listener(snapshot)
+
+    def fall_back_to_verified(self) -> None:
+        """The state's replicas diverged: the snapshots after the newest verified one may hold the corruption.
+        The verified one is the RAM tier's snapshot again (and a restore takes it)."""
+        with self._lock:
+            self._committed = self._verified
 
     def take_spare(self, shardings: PyTree) -> PyTree | None:
         """Host arrays no snapshot uses any more, laid out as ``shardings`` (a spare of another layout, from
@@ -300,6 +312,20 @@ class RamTier:
             snapshot = self._committed
         if snapshot is None:
             raise SnapshotUnavailable("the RAM tier holds no snapshot yet")
+        return snapshot
+
+    def latest_verified(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
+        """The newest snapshot whose replicas agreed (the newest of all when the state is not fingerprinted):
+        what a durable tier may hold.
+
+        Raises:
+            SnapshotUnavailable: none has completed yet.
+        """
+        self.wait(timeout)
+        with self._lock:
+            snapshot = self._verified
+        if snapshot is None:
+            raise SnapshotUnavailable("the RAM tier holds no verified snapshot yet")
         return snapshot
 
     def steps(self, *, timeout: float) -> list[int]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from elastic_runtime.cluster.config import LaunchConfig
+from elastic_runtime.core.errors import ConfigError
 from elastic_runtime.core.events import Straggler, WorkerHung, WorkerLost
 from elastic_runtime.faults.process import ProcessFaults
 from elastic_runtime.handlers.drain_host import HostDrains
 from elastic_runtime.handlers.regroup import log_straggler, regroup_on_worker_failure
 from elastic_runtime.maintenance.intake import NoticeIntake
-from elastic_runtime.maintenance.source import BusContext
+from elastic_runtime.maintenance.source import BusContext, require_working
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.controller import Controller
@@ -49,7 +50,9 @@ def default_controller(config: LaunchConfig) -> Controller:
 def attach_controller_maintenance(controller: Controller, *, default_handlers: bool = True) -> HostDrains | None:
     """The controller's notice source (``config.maintenance_subscription``) and the drain handlers
     (``handlers/drain_host.py``), which map a notice to the workers on its instance. ``default_handlers=False``
-    leaves the handlers out, for your own on ``controller.bus`` (with ``ctx.drain``, ``ctx.readmit``)."""
+    leaves the handlers out, for your own on ``controller.bus`` (with ``ctx.drain``, ``ctx.readmit``). With
+    ``config.require_maintenance_notices`` a subscription that cannot be read at start ends the run with a
+    ``ConfigError`` naming it and why."""
     config = controller.config
     if config.maintenance_subscription:
         # google-cloud-pubsub only when a subscription is named
@@ -59,6 +62,15 @@ def attach_controller_maintenance(controller: Controller, *, default_handlers: b
         intake = NoticeIntake(project=project, report_ignored=True)
         listener = PubSubListener(config.maintenance_subscription, intake)
         controller.companions.append(lambda: listener.run(BusContext(controller.bus)))
+        if config.require_maintenance_notices:
+
+            async def check_listener() -> None:
+                try:
+                    await require_working([listener])
+                except ConfigError as exc:
+                    controller.end(exc)
+
+            controller.companions.append(check_listener)
     if not default_handlers:
         return None
     drains = HostDrains()

@@ -30,6 +30,7 @@ from elastic_runtime.core.events import (
     Preempted,
     SaveCheckpoint,
     ScaleUpAvailable,
+    SilentCorruption,
 )
 from elastic_runtime.core.executor import RunResult
 from elastic_runtime.core.job import TrainJob
@@ -40,6 +41,7 @@ from elastic_runtime.handlers import (
     checkpoint_on_notice,
     checkpoint_on_preemption,
     drain_on_start,
+    heal_silent_corruption,
     plan_drain,
     remesh_on_device_loss,
     restore_after_remesh,
@@ -48,7 +50,7 @@ from elastic_runtime.handlers import (
 from elastic_runtime.handlers.drain_host import save_when_asked
 from elastic_runtime.maintenance.intake import NoticeIntake
 from elastic_runtime.maintenance.metadata import MetadataWatcher
-from elastic_runtime.maintenance.source import BusContext
+from elastic_runtime.maintenance.source import BusContext, NoticeSource, require_working
 from elastic_runtime.storage.cascade import TieredCheckpointer
 
 if TYPE_CHECKING:
@@ -83,6 +85,7 @@ class ElasticRuntime(Runtime):
             self.subscribe(DeviceLost, remesh_on_device_loss, timeout=wait)
             self.subscribe(MeshChanged, restore_after_remesh)
             self.subscribe(ScaleUpAvailable, scale_up)
+            self.subscribe(SilentCorruption, heal_silent_corruption, timeout=wait)
         # The durable checkpoint tiers (disk, GCS) the config asks for; None when it names none.
         self.checkpointer = TieredCheckpointer.from_config(self.config, self.executor.ram)
         if self.checkpointer is not None:
@@ -157,7 +160,7 @@ class Maintenance:
     listener: PubSubListener | None = None
     watcher: MetadataWatcher | None = None
     scheduler: DrainScheduler | None = None
-    sources: list[object] = field(default_factory=list)
+    sources: list[NoticeSource] = field(default_factory=list)
 
 
 def intake_from_config(config: RuntimeConfig) -> NoticeIntake:
@@ -171,7 +174,9 @@ def intake_from_config(config: RuntimeConfig) -> NoticeIntake:
 def attach_maintenance(runtime: Runtime, *, default_handlers: bool = True) -> Maintenance:
     """Add the configured notice sources as components and subscribe the built-in maintenance handlers.
 
-    Sources start only when named in the config (``maintenance_subscription``, ``metadata_host``).
+    Sources start only when named in the config (``maintenance_subscription``, ``metadata_host``). With
+    ``require_maintenance_notices`` each is checked before the first step: the run then raises ``ConfigError``
+    (naming the source and why) when one does not work.
     """
     config = runtime.config
     parts = Maintenance(intake=intake_from_config(config))
@@ -190,6 +195,16 @@ def attach_maintenance(runtime: Runtime, *, default_handlers: bool = True) -> Ma
         )
         runtime.add_component(parts.watcher)
         parts.sources.append(parts.watcher)
+    if config.require_maintenance_notices:
+
+        async def check_sources(step: int) -> None:
+            # An async hook makes every step hop to the event loop: once it ran it gives its place to a sync
+            # no-op (in place, as the executor may be going through the list), and the steps run batched again.
+            hooks = runtime.executor.hooks
+            hooks[hooks.index(check_sources)] = _checked
+            await require_working(parts.sources)
+
+        runtime.at_step_boundary(check_sources)
     if default_handlers:
         # The checkpoint is asked for before the drain, so it saves the state the instance still holds.
         runtime.subscribe(MaintenanceScheduled, checkpoint_on_notice, priority=10)
@@ -201,6 +216,10 @@ def attach_maintenance(runtime: Runtime, *, default_handlers: bool = True) -> Ma
         parts.scheduler.attach(runtime.context)
         runtime.add_component(parts.scheduler)
     return parts
+
+
+def _checked(step: int) -> None:
+    """What the start-up check of the notice sources leaves in its place among the boundary hooks."""
 
 
 def watch_own_host(metadata_host: str, forward: Callable[[bytes], None]) -> None:

@@ -12,7 +12,13 @@ window announced by both is published once):
 - **this project's only** (when one is named): a notice whose source names another project is not ours, even
   when an instance there has the same name as one of ours.
 - **in order**: a maintenance notice issued before the newest one already seen for its instance is stale
-  (``Started`` delivered after ``Completed``) and dropped. Preemption and host errors are never stale.
+  (``Started`` delivered after ``Completed``) and dropped; of two issued at the same time, the one further
+  along (scheduled, started, completed) is the newer. Preemption and host errors are never stale. So the
+  handlers see each instance's notices oldest first, and the last one they see is the newest
+  (:mod:`.reconcile`).
+- **current**: a ``Started`` issued within the window its instance's ``Scheduled`` announced, when that window
+  has ended by now, is old news (a backlog found after a restart) and dropped; the handlers, which see no issue
+  times, would take it for a new maintenance.
 
 A message is marked handled only by :meth:`NoticeIntake.settle`, after its events were dispatched: a
 message whose handling was interrupted is taken again on redelivery.
@@ -36,6 +42,7 @@ from elastic_runtime.core.events import (
     NoticeIgnored,
 )
 from elastic_runtime.maintenance.formats import ParsedNotice
+from elastic_runtime.maintenance.reconcile import status_rank
 
 __all__ = ["InstanceMatcher", "NoticeIntake"]
 
@@ -123,7 +130,8 @@ class NoticeIntake:
         self._handled_ids = RecentKeys(memory)
         self._in_flight: dict[str, tuple[object, ...]] = {}
         self._published = RecentKeys(memory)
-        self._newest: dict[str, float] = {}
+        self._newest: dict[str, tuple[float, int]] = {}  # instance -> (issue time, status rank) of its newest
+        self._ends: dict[str, float] = {}  # instance -> the end of the window its newest Scheduled announced
 
     def is_handled(self, message_id: str) -> bool:
         """Whether the message was already handled (a redelivery, to be acked and otherwise ignored)."""
@@ -159,6 +167,9 @@ class NoticeIntake:
             if self._stale(event, notice.issued_at):
                 log.info("notice %s: %s for %s is older than one already seen", message_id, type(event).__name__, name)
                 continue
+            if self._ended(event, notice.issued_at, now):
+                log.info("notice %s: %s for %s is of a window that has ended", message_id, type(event).__name__, name)
+                continue
             admitted.append(event)
             keys.append(key)
         self._in_flight[message_id] = tuple(keys)
@@ -189,11 +200,27 @@ class NoticeIntake:
     def _stale(self, event: Notice, issued_at: float | None) -> bool:
         if issued_at is None or not isinstance(event, _LIFECYCLE):
             return False
+        order = (issued_at, status_rank(event))
         newest = self._newest.get(event.instance)
-        if newest is not None and issued_at < newest:
+        if newest is not None and order < newest:
             return True
-        self._newest[event.instance] = issued_at
+        self._newest[event.instance] = order
         return False
+
+    def _ended(self, event: Notice, issued_at: float | None, now: float) -> bool:
+        if isinstance(event, MaintenanceScheduled):
+            if event.window_end is None:
+                self._ends.pop(event.instance, None)
+            else:
+                self._ends[event.instance] = event.window_end
+            return False
+        if isinstance(event, MaintenanceCompleted):
+            self._ends.pop(event.instance, None)
+            return False
+        end = self._ends.get(event.instance)
+        if not isinstance(event, MaintenanceStarted) or issued_at is None or end is None:
+            return False
+        return issued_at <= end <= now
 
 
 def _ignored(event: Notice, message_id: str, reason: str) -> NoticeIgnored:

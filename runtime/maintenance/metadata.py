@@ -14,7 +14,9 @@ timeout passes, with the value's ``ETag``. Keys:
 - ``instance/preempted``: ``TRUE`` is ``Preempted``.
 
 What the VM sees is what it reports: only transitions are published, so a value that stays put is not
-announced twice; the first value read counts as a transition from "nothing".
+announced twice; the first value read counts as a transition from "nothing". A server that cannot be reached
+is a ``NoticeSourceFailed`` event (once, while it lasts; polls go on with backoff), the first answer a
+``NoticeSourceReady``.
 The HTTP calls are blocking ``urllib`` calls, each in a daemon thread of its own that is left behind on
 cancellation (it ends by its own timeout), because a long poll must neither hold the event loop nor delay
 its shutdown.
@@ -48,7 +50,7 @@ from elastic_runtime.core.events import (
 )
 from elastic_runtime.maintenance.formats import ParsedNotice, parse_upcoming_maintenance
 from elastic_runtime.maintenance.intake import NoticeIntake
-from elastic_runtime.maintenance.source import DispatchTracker, SourceContext
+from elastic_runtime.maintenance.source import DispatchTracker, NoticeSourceUnavailable, SourceContext, SourceStatus
 
 __all__ = [
     "DEFAULT_KEYS",
@@ -192,6 +194,7 @@ class MetadataWatcher:
         keys: the keys to watch (default: :data:`DEFAULT_KEYS`).
         poll_timeout_s: ``timeout_sec`` of each long poll.
         retry_max_s: longest wait after an error or a 503 before polling again.
+        check_timeout_s: deadline of :meth:`check`.
         fetch: the blocking HTTP GET (injectable for tests).
         sleep: the async sleep used between retries (injectable for tests).
     """
@@ -205,6 +208,7 @@ class MetadataWatcher:
         keys: Sequence[str] = DEFAULT_KEYS,
         poll_timeout_s: float = 60.0,
         retry_max_s: float = 10.0,
+        check_timeout_s: float = 10.0,
         fetch: Fetch = http_get,
         sleep: Callable[[float], Any] = anyio.sleep,
     ) -> None:
@@ -215,6 +219,8 @@ class MetadataWatcher:
         self.keys = tuple(keys)
         self.poll_timeout_s = poll_timeout_s
         self.retry_max_s = retry_max_s
+        self.check_timeout_s = check_timeout_s
+        self.status = SourceStatus("metadata", self.base, retry_s=retry_max_s)
         self.fetch = fetch
         self.sleep = sleep
         self.polls = 0
@@ -222,10 +228,10 @@ class MetadataWatcher:
 
     async def run(self, ctx: SourceContext) -> None:
         """Watch until cancelled. Each key has its own long poll, so one task per key."""
-        instance = self.instance or await self._read_instance_name()
-        tracker = NoticeTracker(instance)
         self._tracker.attach(ctx)
         try:
+            instance = self.instance or await self._read_instance_name(ctx)
+            tracker = NoticeTracker(instance)
             # One long poll per key must be in flight at once; a small task group of our own is the
             # least concurrency that allows it.
             async with anyio.create_task_group() as tg:
@@ -249,10 +255,32 @@ class MetadataWatcher:
             before_sleep=before_sleep,
         )
 
-    async def _read_instance_name(self) -> str:
+    async def check(self) -> None:
+        """Check that the server answers (``instance/name``), within ``check_timeout_s``.
+
+        Raises:
+            NoticeSourceUnavailable: it cannot be reached, or does not answer as a metadata server does.
+        """
+        try:
+            status, _, body = await self._get("instance/name", {}, timeout=self.check_timeout_s)
+        except MetadataUnavailable as exc:
+            raise self._unavailable(exc) from exc
+        if status != 200 or not body.strip():
+            raise self._unavailable(MetadataUnavailable(f"instance/name answered status {status}"))
+
+    def _unavailable(self, exc: MetadataUnavailable) -> NoticeSourceUnavailable:
+        return NoticeSourceUnavailable(
+            f"metadata server {self.base} cannot be read: {exc}",
+            address=self.base,
+            reason=str(exc),
+            permanent=False,
+            error_type=type(exc).__name__,
+        )
+
+    async def _read_instance_name(self, ctx: SourceContext) -> str:
         async for attempt in self._retrying("instance/name", first=0.5):
             with attempt:
-                status, _, body = await self._get("instance/name", {}, timeout=10.0)
+                status, _, body = await self._get_reporting(ctx, "instance/name", {}, timeout=10.0)
                 if status != 200 or not body.strip():
                     raise PollLater(f"cannot read instance/name: status {status}")
                 return body.decode().strip()
@@ -262,6 +290,18 @@ class MetadataWatcher:
         url = self.base + key + ("?" + urllib.parse.urlencode(query) if query else "")
         self.polls += 1
         return await run_in_daemon_thread(self.fetch, url, timeout)
+
+    async def _get_reporting(
+        self, ctx: SourceContext, key: str, query: dict[str, str], *, timeout: float
+    ) -> HttpResponse:
+        """:meth:`_get`, and whether the server answered as an event (once, while that does not change)."""
+        try:
+            answer = await self._get(key, query, timeout=timeout)
+        except MetadataUnavailable as exc:
+            await self.status.fails(ctx, self._unavailable(exc))
+            raise
+        await self.status.works(ctx)
+        return answer
 
     async def _watch(self, key: str, tracker: NoticeTracker, ctx: SourceContext) -> None:
         """Long-poll ``key`` forever; each successful poll starts the backoff from the beginning again."""
@@ -286,7 +326,7 @@ class MetadataWatcher:
         query = {"alt": "json"} if key.endswith("upcoming-maintenance") else {}
         if etag:
             query |= {"wait_for_change": "true", "last_etag": etag, "timeout_sec": f"{self.poll_timeout_s:g}"}
-        status, headers, body = await self._get(key, query, timeout=self.poll_timeout_s + 10)
+        status, headers, body = await self._get_reporting(ctx, key, query, timeout=self.poll_timeout_s + 10)
         if status not in (200, 404, 503):
             raise PollLater(f"unexpected status {status}")
         new_etag = next((v for k, v in headers.items() if k.lower() == "etag"), "")

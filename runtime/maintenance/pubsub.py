@@ -13,10 +13,16 @@ through their handlers; only then is the message acked. So:
 - a malformed or unknown message is logged, published as ``MalformedNotice`` and acked, never redelivered
   forever.
 
-The client library reconnects a broken stream by itself on transient errors. When the stream ends for good
-(the subscription was deleted or is not there yet, permission denied, the emulator restarted and lost it)
-the listener opens a new one after an exponential, jittered backoff (tenacity), forever: a notice source
-must outlive outages.
+Before each stream it opens, the listener checks the subscription (:meth:`PubSubListener.check`:
+``get_subscription``, within ``check_timeout_s``): a client without credentials, a subscription that does not
+exist or that this account may not read is a ``NoticeSourceFailed`` event at once (and a console line), the
+first check that passes a ``NoticeSourceReady``, so the event log says whether the run had maintenance
+protection. The client library reconnects a broken stream by itself on transient errors. When the stream ends
+for good, or the check fails, the listener tries again after an exponential, jittered backoff (tenacity), up to
+``reconnect_max_s`` apart, forever, permanent errors too: each of them is fixed by an operator while the job
+runs (the subscription created, an IAM binding propagated, the GKE metadata server up), and a listener that
+gave up would leave the run unprotected for good after the fix. The event says so once, not at every retry;
+``require_maintenance_notices`` makes a source that does not work at start an error instead.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
+import google.auth.exceptions
+from google.api_core import exceptions as api_exceptions
 from google.cloud import pubsub_v1
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential, wait_random
 
@@ -39,7 +47,7 @@ from elastic_runtime.core.errors import ElasticRuntimeError, NoticeMalformed
 from elastic_runtime.core.events import Event, MalformedNotice
 from elastic_runtime.maintenance.formats import parse_message
 from elastic_runtime.maintenance.intake import NoticeIntake
-from elastic_runtime.maintenance.source import DispatchTracker, SourceContext
+from elastic_runtime.maintenance.source import DispatchTracker, NoticeSourceUnavailable, SourceContext, SourceStatus
 
 __all__ = ["PubSubListener", "StreamBroken"]
 
@@ -48,6 +56,31 @@ log = logging.getLogger(__name__)
 
 class StreamBroken(ElasticRuntimeError):
     """The streaming pull ended with an error the client library does not retry by itself."""
+
+
+# What roles/pubsub.subscriber grants: enough to pull, not to read the subscription's settings (get_subscription).
+CONSUME = "pubsub.subscriptions.consume"
+
+# Errors an operator must fix; the others (a deadline, an unreachable endpoint) may pass by themselves.
+_PERMANENT: tuple[tuple[type[Exception], str], ...] = (
+    (google.auth.exceptions.DefaultCredentialsError, "no credentials"),
+    (api_exceptions.Unauthenticated, "the credentials were refused"),
+    (api_exceptions.NotFound, "the subscription does not exist"),
+    (api_exceptions.PermissionDenied, f"permission denied (the account needs {CONSUME}: roles/pubsub.subscriber)"),
+)
+
+
+def unavailable(subscription: str, exc: Exception) -> NoticeSourceUnavailable:
+    """``exc``, raised by the Pub/Sub client for ``subscription``, as a NoticeSourceUnavailable."""
+    reason, permanent = next(((why, True) for kind, why in _PERMANENT if isinstance(exc, kind)), ("", False))
+    reason = reason or f"{type(exc).__name__}: {exc}"
+    return NoticeSourceUnavailable(
+        f"Pub/Sub subscription {subscription} cannot be read: {reason} ({exc})",
+        address=subscription,
+        reason=reason,
+        permanent=permanent,
+        error_type=type(exc).__name__,
+    )
 
 
 class PubSubListener:
@@ -59,6 +92,7 @@ class PubSubListener:
         max_messages: flow control: messages outstanding (received, not yet acked) at most.
         max_bytes: flow control: bytes outstanding at most.
         reconnect_max_s: longest wait between two attempts to open the stream.
+        check_timeout_s: deadline of the subscription check before each stream.
         healthy_stream_s: a stream that lived this long before it broke is reopened at once, with the
             backoff reset.
         client_factory: builds the ``SubscriberClient`` (in a worker thread); the default honours
@@ -75,6 +109,7 @@ class PubSubListener:
         max_messages: int = 100,
         max_bytes: int = 10 * 1024 * 1024,
         reconnect_max_s: float = 30.0,
+        check_timeout_s: float = 10.0,
         healthy_stream_s: float = 60.0,
         client_factory: Callable[[], pubsub_v1.SubscriberClient] = pubsub_v1.SubscriberClient,
         on_message: Callable[[str, float, float], None] | None = None,
@@ -86,11 +121,14 @@ class PubSubListener:
         self.intake = intake or NoticeIntake()
         self.flow_control = pubsub_v1.types.FlowControl(max_messages=max_messages, max_bytes=max_bytes)
         self.reconnect_max_s = reconnect_max_s
+        self.check_timeout_s = check_timeout_s
         self.healthy_stream_s = healthy_stream_s
+        self.status = SourceStatus("pubsub", subscription, retry_s=reconnect_max_s)
         self._last_stream_s = 0.0
         self.client_factory = client_factory
         self.on_message = on_message
         self.streams_opened = 0
+        self.messages_handled = 0  # acked after their events went through their handlers
         self._tracker = DispatchTracker()
         self._flights: dict[str, anyio.Event] = {}
 
@@ -102,7 +140,7 @@ class PubSubListener:
                 # A fresh policy after each stream that lived long: its break is news, not the next failure
                 # of a series, so it is reopened at once and the backoff starts from the beginning.
                 retrying = AsyncRetrying(
-                    retry=retry_if_exception_type(StreamBroken),
+                    retry=retry_if_exception_type((StreamBroken, NoticeSourceUnavailable)),
                     stop=self._lived_long,
                     wait=wait_exponential(multiplier=0.2, max=self.reconnect_max_s) + wait_random(0, 0.2),
                     before_sleep=self._log_retry,
@@ -111,11 +149,71 @@ class PubSubListener:
                 try:
                     async for attempt in retrying:
                         with attempt:
-                            await self._stream(ctx)
+                            await self._connect(ctx)
                 except StreamBroken as exc:
                     log.warning("Pub/Sub %s after %.0f s; reopening now", exc, self._last_stream_s)
         finally:
             self._tracker.detach(ctx)
+
+    async def check(self) -> None:
+        """Check that the subscription exists and this account may pull from it, within ``check_timeout_s``.
+
+        Raises:
+            NoticeSourceUnavailable: no credentials, no such subscription, no permission, or no answer in time.
+        """
+        client = await self._client()
+        try:
+            await anyio.to_thread.run_sync(self._check, client, abandon_on_cancel=True)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_close, None, client)
+
+    async def _client(self) -> pubsub_v1.SubscriberClient:
+        """A new client (in a worker thread: it may look for credentials)."""
+        try:
+            return await anyio.to_thread.run_sync(self.client_factory)
+        except Exception as exc:  # no credentials, a bad endpoint
+            raise unavailable(self.subscription, exc) from exc
+
+    def _check(self, client: pubsub_v1.SubscriberClient) -> None:
+        """:meth:`check`'s blocking calls (in a worker thread)."""
+        try:
+            client.get_subscription(subscription=self.subscription, timeout=self.check_timeout_s, retry=None)
+        except api_exceptions.PermissionDenied as exc:
+            # The subscriber role may pull but not read the subscription: ask whether it may pull. (A subscription
+            # that does not exist grants nothing either.)
+            try:
+                granted = client.test_iam_permissions(
+                    request={"resource": self.subscription, "permissions": [CONSUME]},
+                    timeout=self.check_timeout_s,
+                    retry=None,
+                )
+            except Exception as second:
+                raise unavailable(self.subscription, exc) from second
+            if CONSUME not in granted.permissions:
+                raise unavailable(self.subscription, exc) from exc
+        except Exception as exc:
+            raise unavailable(self.subscription, exc) from exc
+
+    async def _connect(self, ctx: SourceContext) -> None:
+        """Check the subscription (an event says how that went), then stream from it until the stream breaks."""
+        self._last_stream_s = 0.0  # a failed check is the next failure of a series, whatever came before
+        try:
+            client = await self._client()
+        except NoticeSourceUnavailable as exc:
+            await self.status.fails(ctx, exc)
+            raise
+        try:
+            try:
+                await anyio.to_thread.run_sync(self._check, client, abandon_on_cancel=True)
+            except NoticeSourceUnavailable as exc:
+                await self.status.fails(ctx, exc)
+                raise
+            await self.status.works(ctx)
+            await self._stream(ctx, client)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_close, None, client)
 
     def _lived_long(self, state: RetryCallState) -> bool:
         return self._last_stream_s >= self.healthy_stream_s
@@ -124,9 +222,10 @@ class PubSubListener:
         outcome = state.outcome
         error = outcome.exception() if outcome is not None else None
         wait = state.next_action.sleep if state.next_action is not None else 0.0
-        log.warning("Pub/Sub stream on %s broke (%s); reopening in %.1f s", self.subscription, error, wait)
+        log.warning("Pub/Sub on %s: %s; trying again in %.1f s", self.subscription, error, wait)
 
-    async def _stream(self, ctx: SourceContext) -> None:
+    async def _stream(self, ctx: SourceContext, client: pubsub_v1.SubscriberClient) -> None:
+        """Stream from the subscription with ``client`` until the stream breaks."""
         token = anyio.lowlevel.current_token()
         ended = anyio.Event()
 
@@ -138,10 +237,6 @@ class PubSubListener:
         def callback(message: Any) -> None:
             self._on_message(message, ctx, token)
 
-        try:
-            client = await anyio.to_thread.run_sync(self.client_factory)
-        except Exception as exc:  # no credentials, bad endpoint: retried like a broken stream, never fatal
-            raise StreamBroken(f"cannot create a Pub/Sub client for {self.subscription}: {exc}") from exc
         future: Any = None
         self._last_stream_s = 0.0
         opened = time.monotonic()
@@ -164,7 +259,7 @@ class PubSubListener:
             if future is not None:
                 self._last_stream_s = time.monotonic() - opened
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_close, future, client)
+                await anyio.to_thread.run_sync(_close, future, None)
 
     def _on_message(self, message: Any, ctx: SourceContext, token: anyio.lowlevel.EventLoopToken) -> None:
         """Runs on the client's thread pool: hand the message to the loop, ack once it was handled."""
@@ -213,6 +308,7 @@ class PubSubListener:
             for event in events:
                 await self._tracker.publish_and_wait(ctx, event)
             handled = True
+            self.messages_handled += 1
         finally:
             self.intake.settle(key, handled=handled)
             del self._flights[key]
@@ -220,11 +316,12 @@ class PubSubListener:
         return True
 
 
-def _close(future: Any, client: pubsub_v1.SubscriberClient) -> None:
-    """Stop the stream (if it was opened) and release the client (blocking; runs in a worker thread)."""
+def _close(future: Any, client: pubsub_v1.SubscriberClient | None) -> None:
+    """Stop the stream and release the client, those given (blocking; runs in a worker thread)."""
     if future is not None:
         future.cancel()
         # The stream's own error, if any, was reported by the caller already.
         with contextlib.suppress(Exception):
             future.result(timeout=10)
-    client.close()
+    if client is not None:
+        client.close()

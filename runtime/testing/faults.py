@@ -1,9 +1,14 @@
-"""Fault injection for demos and tests: lose devices or slices at chosen steps, bring them back later.
+"""Fault injection for demos and tests: lose devices or slices at chosen steps, bring them back later, or make a
+device compute wrong.
 
 A lost device fails the step that runs on it with the exception a real runtime raises, a
 ``jax.errors.JaxRuntimeError`` whose status is one Pathways reads as a lost slice (DATA_LOSS by default),
 and it fails health probes until it is repaired. The fault surfaces after the step's computation, as it
 does when a real device dies mid-step and ``block_until_ready`` reports it; the step's result is discarded.
+
+Silent data corruption raises nothing: a bit of one device's copy of a replicated leaf is flipped in the state
+the next step reads, once (a transient flip) or before every step from then on (a device that computes wrong),
+the way a bad processor or memory would leave it. Only the state's fingerprint can tell.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import jax
+import numpy as np
 from jax.errors import JaxRuntimeError
 
 from elastic_runtime.core.runtime import Runtime
@@ -30,6 +37,16 @@ class DeviceFault:
     at_step: int
     devices: tuple[int, ...]
     status: str = "DATA_LOSS"
+
+
+@dataclass(frozen=True)
+class Corruption:
+    """Device ``device``'s copy of the state is corrupted in what step ``at_step + 1`` reads: once, or, with
+    ``persistent``, before every step from then on while the device is in the mesh."""
+
+    at_step: int
+    device: int
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,6 +66,8 @@ class FaultInjector:
         # device id -> (status it fails with, first step that fails on it). A step already running when a
         # fault is applied for a later step (the executor keeps one in flight) still completes.
         self._dead: dict[int, tuple[str, int]] = {}
+        self._corruptions: list[Corruption] = []
+        self.corrupted: list[tuple[int, int]] = []  # (step that read it, device) of every corruption done
 
     def attach(self, runtime: R) -> R:
         """Plug into ``runtime`` through the hooks it has for every user: a dead device fails its health
@@ -56,8 +75,27 @@ class FaultInjector:
         scheduled faults and repairs apply at step boundaries. Returns ``runtime``."""
         runtime.health.checks.append(lambda device_id: not self.is_dead(device_id))
         runtime.executor.step_checks.append(self.check)
+        runtime.executor.input_faults.append(self.corrupt_input)
         runtime.at_step_boundary(self.advance)
         return runtime
+
+    def corrupt(self, at_step: int, device: int, *, persistent: bool = False) -> FaultInjector:
+        """Flip a bit of ``device``'s copy of a replicated leaf in the state step ``at_step + 1`` reads; with
+        ``persistent``, in what every later step reads too (a device that computes wrong)."""
+        with self._lock:
+            self._corruptions.append(Corruption(at_step, device, persistent))
+        return self
+
+    def corrupt_input(self, step: int, state: Any) -> Any:
+        """The executor's input fault (``StepExecutor.input_faults``): ``state`` as step ``step`` reads it."""
+        with self._lock:
+            due = [c for c in self._corruptions if c.at_step + 1 == step or (c.persistent and c.at_step < step)]
+            self._corruptions = [c for c in self._corruptions if c.persistent or c.at_step + 1 != step]
+        for corruption in due:
+            state, hit = flip_a_bit(state, corruption.device)
+            if hit:
+                self.corrupted.append((step, corruption.device))
+        return state
 
     def lose_devices(self, at_step: int, devices: Iterable[int], status: str = "DATA_LOSS") -> FaultInjector:
         with self._lock:
@@ -111,6 +149,28 @@ class FaultInjector:
             status = self._dead[hit[0]][0] if hit else ""
         if hit:
             raise JaxRuntimeError(f"{status}: device(s) {hit} stopped responding during step {step} (injected)")
+
+
+def flip_a_bit(state: Any, device: int) -> tuple[Any, bool]:
+    """``state`` with one bit of ``device``'s copy of its first replicated 32-bit leaf flipped, and whether
+    ``device`` holds such a leaf at all."""
+    leaves, tree = jax.tree.flatten(state)
+    for i, leaf in enumerate(leaves):
+        shards = leaf.addressable_shards
+        replicated = len({str(s.index) for s in shards}) < len(shards)
+        if leaf.dtype.itemsize != 4 or not replicated or all(s.device.id != device for s in shards):
+            continue
+        blocks = []
+        for shard in shards:
+            block = shard.data
+            if shard.device.id == device:
+                words = np.array(block).reshape(-1).view(np.uint32)
+                words[0] ^= 1 << 7
+                block = jax.device_put(words.view(leaf.dtype).reshape(block.shape), shard.device)
+            blocks.append(block)
+        leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, blocks)
+        return jax.tree.unflatten(tree, leaves), True
+    return state, False
 
 
 # --- schedules: the same faults at the same points, for reproducible demos and benchmarks ----------------

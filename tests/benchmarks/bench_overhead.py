@@ -9,7 +9,8 @@ the same job with snapshots off, with a RAM snapshot every step (both without th
 default on (RAM snapshot every step, disk every 100 steps, background compiles, the scale-up watcher), and with
 the defaults but RAM snapshots at the Young-Daly interval for an MTBF of 60 s (``snapshot_mtbf_s``); those two
 are measured after their first 600 steps, by when the background compiles of the likely degraded meshes are
-done.
+done. The state's fingerprint (silent data corruption) is on at its default in every runtime contender; three
+more take it off, and on every step and every 10 steps, beside the RAM snapshot every step.
 
 Each repeat runs every contender once, one after another; a contender's time is its median time per step
 over the steady state (the first 20 steps, which include compiles, are left out). Its overhead is the ratio
@@ -118,6 +119,29 @@ def main() -> None:
             "precompile": False,
             "scale_up_poll_s": None,
             "checkpoint_dir": "",
+        },
+        # The state's fingerprint (runtime/core/fingerprint.py) against the line above, which has it at its
+        # default (as often as costs 1% of a step): off, every step, every 10 steps.
+        "runtime, RAM snapshot every step, no fingerprint": {
+            "snapshot_every": 1,
+            "precompile": False,
+            "scale_up_poll_s": None,
+            "checkpoint_dir": "",
+            "fingerprint_every": 0,
+        },
+        "runtime, RAM snapshot + fingerprint every step": {
+            "snapshot_every": 1,
+            "precompile": False,
+            "scale_up_poll_s": None,
+            "checkpoint_dir": "",
+            "fingerprint_every": 1,
+        },
+        "runtime, RAM snapshot + fingerprint every 10": {
+            "snapshot_every": 1,
+            "precompile": False,
+            "scale_up_poll_s": None,
+            "checkpoint_dir": "",
+            "fingerprint_every": 10,
         },
         # Its first steps share the cores with the background compiles of the degraded meshes (about 5 s
         # here, once per run and after each mesh change): measured after them, like the others' steady state.

@@ -108,6 +108,44 @@ def test_a_notice_whose_window_is_open_is_a_loss_and_says_it_came_late() -> None
     assert [lost for lost, _ in ctx.regroups] == [{3}]
 
 
+def test_a_backlog_of_a_window_that_has_ended_drains_nothing_and_counts_no_loss() -> None:
+    """Found after a restart: a window that opened ten minutes ago and ended a minute ago is old news."""
+    drains, ctx = HostDrains(clock=lambda: NOW), four_hosts()
+    ended = MaintenanceScheduled(instance="host2", window_start=NOW - 600, window_end=NOW - 60)
+    run(drains.plan(ended, ctx))  # type: ignore[arg-type]
+    assert ctx.regroups == [] and ctx.drains == [] and ctx.cordoned == set() and drains.pending == {}
+
+
+def test_a_scheduled_started_completed_backlog_ends_with_the_host_readmitted() -> None:
+    drains, ctx = HostDrains(clock=lambda: NOW), four_hosts()
+    run(drains.plan(scheduled("host2", NOW + 30), ctx))  # type: ignore[arg-type]
+    run(drains.lose(MaintenanceStarted(instance="host2"), ctx))  # type: ignore[arg-type]
+    run(drains.readmit(MaintenanceCompleted(instance="host2"), ctx))  # type: ignore[arg-type]
+    assert ctx.cordoned == set() and ctx.readmitted == ["host2"] and drains.pending == {} and drains.windows == {}
+
+
+def test_a_host_whose_window_ends_without_a_completion_is_readmitted_then() -> None:
+    now = [NOW]
+    drains, ctx = HostDrains(clock=lambda: now[0]), four_hosts()
+    run(drains.lose(scheduled("host1", NOW - 1), ctx))  # type: ignore[arg-type]
+    run(drains.lose(MaintenanceStarted(instance="host1"), ctx))  # type: ignore[arg-type]
+    assert ctx.cordoned == {"host1"}
+
+    async def until_readmitted() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(drains.run, ctx)
+            await anyio.sleep(0)
+            assert ctx.readmitted == []
+            now[0] = NOW + 60  # the end of the window the Scheduled announced
+            drains._wake.set()
+            while not ctx.readmitted:
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+    anyio.run(until_readmitted)
+    assert ctx.readmitted == ["host1"] and ctx.cordoned == set() and drains.windows == {}
+
+
 def test_a_notice_for_a_host_no_worker_runs_on_changes_nothing_and_is_counted() -> None:
     drains, ctx = HostDrains(clock=lambda: NOW), four_hosts()
     run(drains.plan(scheduled("elsewhere", NOW + 100), ctx))  # type: ignore[arg-type]

@@ -2,7 +2,8 @@
 
 The real chain (real runtime, real emulator, real re-mesh) is in test_maintenance_e2e.py; these cover the
 cases a run rarely meets: a window moved before its drain, a maintenance completed before its drain, a drain
-that leaves no mesh, an instance without devices.
+that leaves no mesh, an instance without devices, a backlog's drains dispatched after its completion, a window
+already over.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import pytest
 
 from elastic_runtime.core.config import RuntimeConfig
 from elastic_runtime.core.errors import MeshUnavailable
-from elastic_runtime.core.events import Drain, MaintenanceCompleted
+from elastic_runtime.core.events import (
+    Drain,
+    MaintenanceCompleted,
+    MaintenanceScheduled,
+    MaintenanceStarted,
+    Preempted,
+)
 from elastic_runtime.handlers.maintenance import DrainScheduler, devices_of
 
 pytestmark = pytest.mark.anyio
@@ -80,11 +87,11 @@ async def test_completion_before_the_drain_cancels_it_and_readmits_after_it() ->
     now = [1000.0]
     scheduler, ctx = DrainScheduler(clock=lambda: now[0]), Recorder()
     await scheduler.plan(Drain(instance="w-0", deadline=2000.0), ctx)
-    await scheduler.readmit(MaintenanceCompleted(instance="w-0"), ctx)
+    await scheduler.reconcile(MaintenanceCompleted(instance="w-0"), ctx)
     assert scheduler.pending == {} and ctx.cordoned == set()
     await scheduler.plan(Drain(instance="t1v-n-ab-w-2", deadline=None), ctx)
     assert ctx.cordoned == {4, 5} and ctx.remeshed == ["drain t1v-n-ab-w-2: "]
-    await scheduler.readmit(MaintenanceCompleted(instance="t1v-n-ab-w-2"), ctx)
+    await scheduler.reconcile(MaintenanceCompleted(instance="t1v-n-ab-w-2"), ctx)
     assert ctx.cordoned == set()
 
 
@@ -94,3 +101,60 @@ async def test_a_drain_that_leaves_no_mesh_keeps_the_current_one() -> None:
     assert ctx.remeshed == [] and ctx.cordoned == set() and scheduler.drained == set()
     await scheduler.plan(Drain(instance="w-unknown"), ctx)
     assert ctx.remeshed == [] and ctx.cordoned == set()
+
+
+async def test_a_backlogs_drains_dispatched_after_its_completion_are_not_carried_out() -> None:
+    """Scheduled, Started and Completed queued together: their handlers' Drains come after all three."""
+    now = 1000.0
+    scheduler, ctx = DrainScheduler(clock=lambda: now), Recorder()
+    await scheduler.reconcile(MaintenanceScheduled(instance="w-1", window_start=now + 30, window_end=now + 600), ctx)
+    await scheduler.reconcile(MaintenanceStarted(instance="w-1"), ctx)
+    await scheduler.reconcile(MaintenanceCompleted(instance="w-1"), ctx)
+    await scheduler.plan(Drain(source="maintenance", instance="w-1", deadline=now - 30, reason="opens soon"), ctx)
+    await scheduler.plan(Drain(source="maintenance", instance="w-1", deadline=now, reason="started"), ctx)
+    assert ctx.remeshed == [] and ctx.cordoned == set() and scheduler.drained == set() and scheduler.pending == {}
+    # A drain asked for otherwise (not by the notice handlers) is carried out as asked.
+    await scheduler.plan(Drain(source="operator", instance="w-1", deadline=None, reason="by hand"), ctx)
+    assert ctx.cordoned == {2, 3}
+
+
+async def test_a_window_already_over_drains_nothing_and_undoes_a_drain() -> None:
+    now = 1000.0
+    scheduler, ctx = DrainScheduler(clock=lambda: now), Recorder()
+    await scheduler.reconcile(MaintenanceStarted(instance="w-0"), ctx)
+    await scheduler.plan(Drain(source="maintenance", instance="w-0", deadline=now), ctx)
+    assert ctx.cordoned == {0, 1}
+    # A newer notice of the same window says it ended a minute ago: the drain is undone, and none is done again.
+    ended = MaintenanceScheduled(instance="w-0", window_start=now - 600, window_end=now - 60)
+    await scheduler.reconcile(ended, ctx)
+    assert ctx.cordoned == set() and scheduler.drained == set()
+    await scheduler.plan(Drain(source="maintenance", instance="w-0", deadline=now - 660), ctx)
+    assert ctx.cordoned == set() and len(ctx.remeshed) == 1
+
+
+async def test_an_instance_drained_for_a_window_is_readmitted_when_the_window_ends() -> None:
+    now = [1000.0]
+    scheduler, ctx = DrainScheduler(clock=lambda: now[0]), Recorder()
+    await scheduler.reconcile(MaintenanceScheduled(instance="w-1", window_start=1010.0, window_end=1100.0), ctx)
+    await scheduler.plan(Drain(source="maintenance", instance="w-1", deadline=1000.0), ctx)
+    await scheduler.reconcile(MaintenanceStarted(instance="w-1"), ctx)
+    assert ctx.cordoned == {2, 3}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scheduler.run, ctx)
+        await anyio.sleep(0.05)
+        assert ctx.cordoned == {2, 3}
+        now[0] = 1100.0  # no MaintenanceCompleted came, but the announced window is over
+        scheduler._wake.set()
+        with anyio.fail_after(5):
+            while ctx.cordoned:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert scheduler.drained == set() and scheduler.by_notice == set()
+
+
+async def test_a_preemption_after_a_completed_window_still_drains() -> None:
+    scheduler, ctx = DrainScheduler(clock=lambda: 1000.0), Recorder()
+    await scheduler.reconcile(MaintenanceCompleted(instance="w-1"), ctx)
+    await scheduler.reconcile(Preempted(instance="w-1"), ctx)
+    await scheduler.plan(Drain(source="maintenance", instance="w-1", deadline=1000.0, reason="preempted"), ctx)
+    assert ctx.cordoned == {2, 3} and ctx.remeshed == ["drain w-1: preempted"]

@@ -1,0 +1,212 @@
+"""The soak campaign (issue 62, ``make soak``): seeded rounds, each drawing a mode and its faults, run, and checked
+against a fault-free run of the same layout; the last line is JSON.
+
+Fault kinds, each round one or more of them:
+
+- one process, the demo model on 8 virtual CPU devices (data 4 x model 2): a slice lost (``lose-slice``, repaired
+  later or not), a device lost (``lose-device``), a slice lost while the degraded meshes compile in the background
+  (``lose-compiling``), during a disk save (``lose-saving``), two slices one after the other (``lose-two``), a bit
+  flipped in one replica (``sdc``) and a device that computes wrong (``sdc-persistent``);
+- multi-process, 3 workers under a controller: every case of the chaos loop (``tests/multiprocess/chaos.py``):
+  ``kill`` (kill -9), ``stop`` (SIGSTOP), ``two``, ``together``, ``during-recovery``, ``midstep``, ``replica``
+  (mid replica-file write), ``hang``, ``impostor``, ``flood``, ``leave`` (SIGTERM of a worker), ``leave-killed``,
+  ``resume`` (the controller killed, then ``--resume``), ``sigterm`` and ``sigterm-durable`` (the controller
+  stopped).
+
+Every round runs in a process of its own, bounded in time (past it: ``hung``), and kills only the processes it
+started. A round is ``wrong`` when its final state differs from the fault-free run's (bitwise when it ends on its
+original mesh, within ``compare_states``' tolerance otherwise), ``ended`` when it stopped with an error although a
+restore was possible, ``recovered`` otherwise. The JSON: ``faults``, ``recovered``, ``wrong``, ``hung``, ``ended``,
+per kind the faults, the recovered and the median and 99th percentile recovery time, and the seed of every round
+that failed (``--round SEED`` replays one).
+
+    .venv/bin/python tests/benchmarks/soak.py --faults 1000 --seed 1 [--kinds lose-slice,kill] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "multiprocess"))  # chaos.py and its attacker
+
+ONE_PROCESS = ("lose-slice", "lose-device", "lose-compiling", "lose-saving", "lose-two", "sdc", "sdc-persistent")
+MULTI_PROCESS = (
+    "kill", "stop", "two", "together", "during-recovery", "midstep", "replica", "hang", "impostor", "flood", "leave",
+    "leave-killed", "resume", "sigterm", "sigterm-durable",
+)  # fmt: skip
+KINDS = ONE_PROCESS + MULTI_PROCESS
+ROUND_TIMEOUT_S = 300.0  # a round past this is hung (a multi-process round takes 10-40 s here)
+STEPS = 60  # of a one-process round
+
+
+def one_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str, Any]:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    from elastic_runtime import ElasticRuntime, MeshPolicy, RecoveryCompleted, RuntimeConfig, read_events
+    from elastic_runtime.core.compare import compare_states
+    from elastic_runtime.testing import FaultInjector
+    from elastic_runtime.testing.demo_model import demo_job
+
+    policy = MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2)
+    job = demo_job(global_batch=24, features=16, hidden=64)
+    step = rng.randrange(3, STEPS - 12)
+    injector = FaultInjector()
+    options: dict[str, Any] = {"precompile": False, "scale_up_poll_s": 0.2}
+    faults = 1
+    if kind == "lose-slice":
+        chosen = rng.randrange(4)
+        injector.lose_slice(step, chosen, 2)
+        if rng.random() < 0.5:
+            injector.repair(step + rng.randrange(3, 10), range(2 * chosen, 2 * chosen + 2))
+    elif kind == "lose-device":
+        injector.lose_devices(step, [rng.randrange(8)])
+    elif kind == "lose-compiling":
+        options["precompile"] = True  # the likely meshes compile in the background from the first step
+        injector.lose_slice(rng.randrange(1, 4), rng.randrange(4), 2)
+    elif kind == "lose-saving":
+        options["disk_every"] = 5
+        injector.lose_slice(5 * rng.randrange(1, STEPS // 5 - 2) + 1, rng.randrange(4), 2)
+    elif kind == "lose-two":
+        first, second = rng.sample(range(4), 2)
+        injector.lose_slice(step, first, 2).lose_slice(step + rng.randrange(1, 4), second, 2)
+        faults = 2
+    else:  # sdc, sdc-persistent
+        options["fingerprint_every"] = 1
+        injector.corrupt(step, rng.randrange(8), persistent=kind == "sdc-persistent")
+    reference_config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
+    reference = ElasticRuntime(job, config=reference_config, mesh_policy=policy).run(STEPS).state
+    config = RuntimeConfig(run_dir=str(run_dir), progress=False, **options)
+    result = injector.attach(ElasticRuntime(job, config=config, mesh_policy=policy)).run(STEPS)
+    events = read_events(run_dir / "events.jsonl")
+    full = result.mesh_history[-1] == policy.target_shape
+    match = compare_states(result.state, reference, bitwise=full)
+    recoveries = [e for e in events if isinstance(e, RecoveryCompleted)]
+    return {
+        "faults": faults,
+        "problems": [] if match["match"] else [f"final state differs: {match}"],
+        "recovery_s": [e.recovery_s for e in recoveries],
+        "lost_steps": sum(e.lost_steps for e in recoveries),
+    }
+
+
+def multi_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str, Any]:
+    import chaos  # tests/multiprocess/chaos.py
+
+    reference = run_dir.parent / "reference"
+    if not (reference / "final").exists():
+        done = chaos.run_group(processes=chaos.NPROCS, steps=chaos.STEPS, run_dir=reference, faults=[])
+        assert done.ok, done.reason
+    spec = chaos.plan(rng, (kind,))
+    faults = len(spec.get("faults", [])) or 1
+    if "case" in spec:
+        problems = chaos.controller_round(spec["case"], spec["step"], run_dir, reference / "final")
+        return {"faults": faults, "problems": problems, "recovery_s": [], "lost_steps": 0}
+    result, problems = chaos.run_round(run_dir, dict(spec))
+    problems += [] if result.ok else [f"run failed: {result.reason}"]
+    if result.ok:
+        problems += chaos.check(run_dir, reference / "final")
+    problems += chaos.false_alarms(run_dir, spec)
+    return {
+        "faults": faults,
+        "problems": problems,
+        "recovery_s": [r["recovery_s"] for r in result.recoveries],
+        "lost_steps": sum(r["lost_steps"] for r in result.recoveries),
+        "ended": not result.ok,
+    }
+
+
+def play(seed: int, kinds: tuple[str, ...], root: Path) -> dict[str, Any]:
+    """One round, in this process: its kind drawn from ``kinds`` by ``seed``."""
+    rng = random.Random(seed)
+    kind = rng.choice(kinds)
+    run_dir = root / f"round-{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        out = (one_process_round if kind in ONE_PROCESS else multi_process_round)(kind, rng, run_dir)
+    except Exception as exc:  # the run stopped with an error: a restore was possible for every kind here
+        out = {"faults": 1, "problems": [f"{type(exc).__name__}: {str(exc)[:300]}"], "ended": True}
+    return {"seed": seed, "kind": kind, "seconds": round(time.monotonic() - started, 1)} | out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--faults", type=int, default=100, help="stop once this many faults were injected")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to draw from")
+    parser.add_argument("--round", type=int, default=None, help=argparse.SUPPRESS)  # one round, in a child
+    parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    kinds = tuple(args.kinds.split(","))
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    if args.round is not None:
+        print(json.dumps(play(args.round, kinds, Path(args.root))), flush=True)
+        return 0
+    root = Path(tempfile.mkdtemp(prefix="soak-"))
+    rounds: list[dict[str, Any]] = []
+    injected, index = 0, 0
+    while injected < args.faults:
+        seed = args.seed * 100_000 + index
+        index += 1
+        command = [sys.executable, __file__, "--round", str(seed), "--kinds", args.kinds, "--root", str(root)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=ROUND_TIMEOUT_S)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            outcome = json.loads(lines[-1]) if lines else {"seed": seed, "kind": "?", "faults": 1, "ended": True}
+            if not lines:
+                outcome["problems"] = [f"the round's process exited with {done.returncode}: {done.stderr[-500:]}"]
+        except subprocess.TimeoutExpired:
+            outcome = {"seed": seed, "kind": "?", "faults": 1, "hung": True, "problems": ["past its bound"]}
+        rounds.append(outcome)
+        injected += outcome.get("faults", 1)
+        verdict = "ok" if not outcome.get("problems") else "FAIL " + "; ".join(outcome["problems"])
+        print(f"round {index} seed {seed} {outcome.get('kind')}: {verdict}", file=sys.stderr, flush=True)
+    print(json.dumps(summarize(rounds, args.seed)), flush=True)
+    return 1 if any(r.get("problems") for r in rounds) else 0
+
+
+def summarize(rounds: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+    failed = [r for r in rounds if r.get("problems")]
+    per_kind: dict[str, dict[str, Any]] = {}
+    for kind in sorted({r["kind"] for r in rounds}):
+        mine = [r for r in rounds if r["kind"] == kind]
+        times = [t for r in mine for t in r.get("recovery_s", []) if t is not None]
+        per_kind[kind] = {
+            "faults": sum(r.get("faults", 1) for r in mine),
+            "recovered": sum(r.get("faults", 1) for r in mine if not r.get("problems")),
+            "median_recovery_s": round(float(np.median(times)), 3) if times else None,
+            "p99_recovery_s": round(float(np.percentile(times, 99)), 3) if times else None,
+            "median_lost_steps": float(np.median([r.get("lost_steps", 0) for r in mine])),
+        }
+    return {
+        "seed": seed,
+        "rounds": len(rounds),
+        "faults": sum(r.get("faults", 1) for r in rounds),
+        "recovered": sum(r.get("faults", 1) for r in rounds if not r.get("problems")),
+        "wrong": sum(any("differ" in p for p in r.get("problems", [])) for r in rounds),
+        "hung": sum(bool(r.get("hung")) for r in rounds),
+        "ended": sum(bool(r.get("ended")) for r in rounds if r.get("problems")),
+        "per_kind": per_kind,
+        "failed_seeds": [r["seed"] for r in failed],
+        "load_average": os.getloadavg(),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Silent data corruption in one process: the state's fingerprint finds a replica that differs, the replay tells
+a transient flip from a device that computes wrong, and the run heals either way (runtime/core/fingerprint.py,
+handlers/integrity.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from elastic_runtime import (
+    CorruptionHealed,
+    ElasticRuntime,
+    MeshChanged,
+    MeshPolicy,
+    RecoveryCompleted,
+    RuntimeConfig,
+    SilentCorruption,
+    read_events,
+)
+from elastic_runtime.analysis.goodput import goodput
+from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.fingerprint import Fingerprinter, compare_replicas
+from elastic_runtime.testing import FaultInjector
+from elastic_runtime.testing.demo_model import demo_job
+from elastic_runtime.testing.faults import flip_a_bit
+
+STEPS = 40
+POLICY = MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2)
+
+
+def small_job() -> Any:
+    return demo_job(global_batch=24, features=16, hidden=64)
+
+
+def placed(tree: Any, spec: P | None = None) -> Any:
+    mesh = POLICY.fit(jax.devices())
+    return jax.device_put(tree, NamedSharding(mesh, spec or P()))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int64, jnp.bool_, jnp.uint8])
+def test_every_replica_has_the_same_digest_and_one_flipped_bit_is_found_on_its_device(dtype: Any) -> None:
+    values = (np.arange(64 * 6).reshape(64, 6) % 7).astype(np.dtype(dtype)) if dtype != jnp.bool_ else None
+    tree = {"a": placed(values if values is not None else np.arange(64 * 6).reshape(64, 6) % 2 == 0)}
+    tree["f"] = placed(np.ones((8, 4), np.float32), P(None, "model"))  # split over model: compared per block
+    fingerprinter = Fingerprinter("data")
+    digests, mesh = fingerprinter.digests(tree)
+    assert compare_replicas(digests, mesh, "data", step=1) is None
+    bad, hit = flip_a_bit({"f": tree["f"]}, device=3)
+    assert hit
+    digests, mesh = fingerprinter.digests({"a": tree["a"], "f": bad["f"]})
+    found = compare_replicas(digests, mesh, "data", step=2)
+    assert found is not None and found.suspects == (3,) and found.attributed and found.replicas == 4
+
+
+def test_two_replicas_that_differ_cannot_say_which_is_wrong() -> None:
+    small = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    tree = jax.device_put(np.ones((4, 4), np.float32), NamedSharding(small, P()))
+    bad, _ = flip_a_bit(tree, device=small.devices[1, 0].id)
+    digests, mesh = Fingerprinter("data").digests(bad)
+    found = compare_replicas(digests, mesh, "data", step=5)
+    assert found is not None and not found.attributed
+    assert set(found.suspects) == {small.devices[0, 0].id, small.devices[1, 0].id}
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    config = RuntimeConfig(precompile=False, progress=False, scale_up_poll_s=None, fingerprint_every=0)
+    return ElasticRuntime(small_job(), config=config, mesh_policy=POLICY).run(STEPS).state
+
+
+def corrupted_run(tmp_path: Path, *, persistent: bool) -> tuple[Any, list[Any], FaultInjector]:
+    config = RuntimeConfig(run_dir=str(tmp_path), precompile=False, scale_up_poll_s=None, fingerprint_every=1)
+    injector = FaultInjector().corrupt(12, device=5, persistent=persistent)
+    result = injector.attach(ElasticRuntime(small_job(), config=config, mesh_policy=POLICY)).run(STEPS)
+    return result, read_events(tmp_path / "events.jsonl"), injector
+
+
+def test_a_transient_flip_is_found_at_the_next_step_and_healed_by_replay_bitwise(
+    tmp_path: Path, reference: Any
+) -> None:
+    result, events, injector = corrupted_run(tmp_path, persistent=False)
+    assert injector.corrupted and injector.corrupted[0] == (13, 5)  # the state step 13 read
+    [found] = [e for e in events if isinstance(e, SilentCorruption)]
+    assert found.step <= 14 and found.suspects == (5,) and found.attributed and not found.persistent
+    [healed] = [e for e in events if isinstance(e, CorruptionHealed)]
+    assert (healed.kind, healed.suspects, healed.evicted) == ("transient", (5,), ())
+    [recovery] = [e for e in events if isinstance(e, RecoveryCompleted)]
+    assert recovery.lost_steps == 0
+    assert not [e for e in events if isinstance(e, MeshChanged)]  # no device evicted
+    assert compare_states(result.state, reference, bitwise=True)["match"]
+    report = goodput(events)  # booked as its own badput category, not as a lost device's recovery
+    assert [f.kind for f in report.failures] == ["SilentCorruption"]
+    assert (
+        report.badput_s["INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION"] == 0.0
+        and "SILENT_DATA_CORRUPTION" in report.badput_s
+    )
+
+
+def test_a_device_that_computes_wrong_is_evicted_and_the_run_stays_within_tolerance(
+    tmp_path: Path, reference: Any
+) -> None:
+    result, events, _ = corrupted_run(tmp_path, persistent=True)
+    found = [e for e in events if isinstance(e, SilentCorruption)]
+    assert [(e.suspects, e.persistent) for e in found] == [((5,), False), ((5,), True)]  # replayed, came back
+    [healed] = [e for e in events if isinstance(e, CorruptionHealed)]
+    assert (healed.kind, healed.evicted) == ("persistent", (5,))
+    [change] = [e for e in events if isinstance(e, MeshChanged)]
+    assert 5 not in change.devices and change.new_shape == {"data": 3, "model": 2}
+    assert result.step == STEPS and compare_states(result.state, reference, bitwise=False)["match"]
+
+
+def test_fault_free_runs_raise_no_false_alarm(tmp_path: Path, reference: Any) -> None:
+    config = RuntimeConfig(run_dir=str(tmp_path), precompile=False, scale_up_poll_s=None, fingerprint_every=1)
+    result = ElasticRuntime(small_job(), config=config, mesh_policy=POLICY).run(STEPS)
+    events = read_events(tmp_path / "events.jsonl")
+    assert not [e for e in events if isinstance(e, SilentCorruption | CorruptionHealed)]
+    assert compare_states(result.state, reference, bitwise=True)["match"]
