@@ -11,12 +11,12 @@ out at the next step boundary, in order, and each is announced by an event (``Me
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 from jax.sharding import Mesh
 
-from elastic_runtime.core.bus import Handler, Subscription
+from elastic_runtime.core.bus import EventBus, Handler, Subscription
 from elastic_runtime.core.commands import Abort, Pause, Remesh, Restore, Resume, TransformState
 from elastic_runtime.core.config import RuntimeConfig
 from elastic_runtime.core.events import Event, SaveCheckpoint
@@ -24,15 +24,26 @@ from elastic_runtime.core.handler_context import Mode
 from elastic_runtime.core.mesh import MeshPolicy, device_ids
 
 if TYPE_CHECKING:
-    from elastic_runtime.core.runtime import Runtime
+    from elastic_runtime.core.executor import StepExecutor
+    from elastic_runtime.core.health import DeviceHealth
 
 E = TypeVar("E", bound=Event)
+
+
+class _Runtime(Protocol):
+    """What the context reads of its runtime (``Runtime``, which makes it: no import back to it)."""
+
+    config: RuntimeConfig
+    policy: MeshPolicy
+    bus: EventBus
+    health: DeviceHealth
+    executor: StepExecutor
 
 
 class RuntimeContext:
     """Handed to every handler as ``ctx`` in one process (embedded): a :class:`HandlerContext`."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: _Runtime) -> None:
         self._runtime = runtime
 
     @property

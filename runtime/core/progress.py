@@ -55,11 +55,12 @@ def say(text: str, out: IO[str] | None = None) -> None:
 
 
 def describe_mesh(shape: dict[str, int]) -> str:
-    """``data=4xmodel=2 (8 devices)``."""
+    """``data=4xmodel=2 (8 devices)``; axes of size 1 are left out (MaxText's mesh names a dozen)."""
     devices = 1
     for size in shape.values():
         devices *= size
-    return "x".join(f"{axis}={size}" for axis, size in shape.items()) + f" ({devices} devices)"
+    sized = [f"{axis}={size}" for axis, size in shape.items() if size > 1] or [f"{next(iter(shape), 'data')}=1"]
+    return "x".join(sized) + f" ({devices} devices)"
 
 
 def describe_metrics(metrics: dict[str, float], *, limit: int = 6) -> str:

@@ -10,15 +10,12 @@ oversized one, or too many malformed ones, close the connection (only this one) 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 from elastic_runtime.cluster import auth
 from elastic_runtime.cluster.lines import LineBuffer, LineTooLong
 from elastic_runtime.cluster.protocol import MAX_LINE, MalformedMessage, Message, decode_from_worker
 from elastic_runtime.core.errors import AuthenticationFailed
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.processes import WorkerProcess
 
 __all__ = ["MAX_BACKLOG", "MAX_MALFORMED", "Connection", "Kind", "Owner"]
 
@@ -60,7 +57,6 @@ class Connection(asyncio.Protocol):
     def __init__(self, owner: Owner) -> None:
         self.owner = owner
         self.host = "unknown"
-        self.proc: WorkerProcess | None = None  # set by the server once its Hello is taken
         self.is_proved = False
         self.turned_away = False  # its Hello was refused: nothing it sent after that is handed on
         self.ended = False  # closed by either side

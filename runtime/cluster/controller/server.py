@@ -153,6 +153,7 @@ class WorkerServer:
         self._paused: list[Connection] = []
         self._wake: anyio.Event | None = None  # set when the queue gets something; None while serve() is busy
         self._over = False  # serve() ended: the run is over
+        self._worker_of: dict[Connection, WorkerProcess] = {}  # the worker each connection's Hello was taken for
         self._sends = 0
 
     async def listen(self, host: str, port: int) -> WorkerServer:
@@ -247,14 +248,14 @@ class WorkerServer:
             return
         if conn.turned_away:
             return  # what it sent after the Hello that was refused
-        proc = conn.proc
+        proc = self._worker_of.get(conn)
         if proc is None:
             outcome = await self.on_hello(message, conn, conn.host)
             if isinstance(outcome, str):
                 conn.turned_away = True
                 conn.close("refused", outcome)
             else:
-                conn.proc = outcome
+                self._worker_of[conn] = outcome
             return
         if getattr(message, "worker", proc.worker) != proc.worker:
             self.note("malformed", conn.host, f"worker {proc.worker}'s connection sent {message!r}; ignored")
@@ -278,9 +279,10 @@ class WorkerServer:
 
     def _closed(self, conn: Connection, reason: str) -> None:
         """Tell the handlers once that ``conn``'s worker is gone."""
-        if conn.proc is not None and not conn.lost_noted:
+        proc = self._worker_of.get(conn)
+        if proc is not None and not conn.lost_noted:
             conn.lost_noted = True
-            self.on_closed(conn.proc, reason)
+            self.on_closed(proc, reason)
 
     async def report_due(self, interval_s: float = 1.0) -> None:
         """Report the summaries whose interval ended, forever (run it in the controller's task group)."""
