@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -113,10 +114,16 @@ def test_architecture_names_only_modules_that_exist() -> None:
 
 
 @pytest.mark.parametrize(
-    "page", sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks-history.md")
+    "page",
+    sorted(
+        str(p.relative_to(ROOT / "docs"))
+        for p in [*(ROOT / "docs").glob("*.md"), *(ROOT / "docs").glob("internals/*.md")]
+        if p.name != "benchmarks-history.md"
+    ),
 )
 def test_every_page_names_only_paths_that_exist(page: str) -> None:
-    """The history page names modules as they were on the day of each run; every other page, as they are."""
+    """The history page names modules as they were on the day of each run; every other page (the internals of
+    docs/internals/ too), as they are."""
     paths = named_paths((ROOT / "docs" / page).read_text())
     assert sorted(p for p in paths if not (ROOT / p).exists()) == []
 
@@ -179,3 +186,46 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     print(render_catalogue(), end="")
+
+
+SHOWN = re.compile(r"(?:^|\s|/)elastic-runtime ((?:demo|launch|controller|listen|report|checkpoints)(?:\s.*)?)$")
+
+
+def shown_commands(text: str) -> list[str]:
+    """Every ``elastic-runtime`` command in a page's code blocks (continuation lines joined)."""
+    commands: list[str] = []
+    for block in re.findall(r"```[^\n]*\n(.*?)```", text, re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.strip().removeprefix("$ ")
+            found = re.search(
+                r"(?:^|\s|/)elastic-runtime ((?:demo|launch|controller|listen|report|checkpoints)(?:\s.*)?)$", line
+            )
+            if found and not line.startswith("#"):
+                commands.append(found.group(1).split(" #")[0].split(" | ")[0].strip())
+    return commands
+
+
+PAGES = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("page", [*PAGES, "README.md"])
+def test_every_command_the_docs_show_parses(page: str) -> None:
+    """A command a reader copies runs: each one shown parses with the real command line's parser."""
+    from elastic_runtime.cli.main import build_parser
+
+    path = ROOT / page
+    parser = build_parser()
+    for command in shown_commands(path.read_text()):
+        try:
+            parser.parse_args(shlex.split(command))
+        except SystemExit:
+            pytest.fail(f"{page}: `elastic-runtime {command}` does not parse")
+
+
+def test_the_command_check_finds_one_that_does_not_parse() -> None:
+    from elastic_runtime.cli.main import build_parser
+
+    [command] = shown_commands("```\nelastic-runtime launch --nprocs three -- python t.py\n```\n")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(shlex.split(command))

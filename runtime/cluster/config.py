@@ -60,7 +60,7 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             ``model`` axis); slices replicate each other (``data``). Losing a process loses its slice until a
             replacement takes the process's place; ``min_nprocs`` then counts whole slices.
         heartbeat_interval_s, heartbeat_timeout_s, heartbeat_start_timeout_s, hang_timeout_s: see
-            :class:`HeartbeatMonitor`. 1 s of silence loses a training worker (under the chaos loop's load its
+            :class:`HeartbeatMonitor`. 0.8 s of silence loses a training worker (under the chaos loop's load its
             longest silence was 0.29 s); 2 s (never less than the first) one that has not stepped in its group
             yet: joining, restoring, compiling, where long silences were seen (a first compile starved of CPU
             at load 2.5: 2.03 s). docs/benchmarks.md, *Heartbeat timeouts under load*, has the figures.

@@ -98,15 +98,19 @@ class FaultInjector:
         return state
 
     def lose_devices(self, at_step: int, devices: Iterable[int], status: str = "DATA_LOSS") -> FaultInjector:
+        """Kill ``devices`` before step ``at_step``: it fails with a ``JaxRuntimeError`` of ``status``."""
         with self._lock:
             self._pending.append(DeviceFault(at_step, tuple(devices), status))
         return self
 
     def lose_slice(self, at_step: int, slice_index: int, slice_size: int) -> FaultInjector:
+        """Kill slice ``slice_index`` (devices ``slice_index * slice_size`` on, ``slice_size`` of them) before
+        step ``at_step``."""
         first = slice_index * slice_size
         return self.lose_devices(at_step, range(first, first + slice_size))
 
     def repair(self, at_step: int, devices: Iterable[int]) -> FaultInjector:
+        """Bring ``devices`` back before step ``at_step``: healthy again, the scale-up watcher offers them."""
         with self._lock:
             self._pending.append(DeviceRepair(at_step, tuple(devices)))
         return self
@@ -117,16 +121,19 @@ class FaultInjector:
             self._dead.update(dict.fromkeys(devices, (status, from_step)))
 
     def repair_now(self, devices: Iterable[int]) -> None:
+        """Bring ``devices`` back now."""
         with self._lock:
             for device in devices:
                 self._dead.pop(device, None)
 
     @property
     def dead(self) -> frozenset[int]:
+        """The devices dead now."""
         with self._lock:
             return frozenset(self._dead)
 
     def is_dead(self, device_id: int) -> bool:
+        """Whether device ``device_id`` is dead now (its health check fails)."""
         with self._lock:
             return device_id in self._dead
 

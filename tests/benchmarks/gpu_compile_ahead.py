@@ -84,7 +84,15 @@ def main() -> None:
                 break
             started = time.monotonic()
             with bench.each_mesh_compiled(False):  # the runtime as it is; clears JAX's caches after
-                late.append(bench.in_process(job, f"{tmp}/late-{i}", late=True, rng=rng))
+                try:
+                    late.append(bench.in_process(job, f"{tmp}/late-{i}", late=True, rng=rng))
+                except AssertionError as exc:
+                    # On 2 busy cores the likely meshes may not all compile within a tiny run: nothing to measure
+                    # there (on the GPU host's 16 cores they do), which is no failure of the campaign.
+                    if not args.tiny or late:
+                        raise
+                    print(json.dumps({"skipped": f"the background compiles did not end within the run: {exc}"}))
+                    return
             with bench.each_mesh_compiled(False):
                 early.append(bench.in_process(job, f"{tmp}/early-{i}", late=False, rng=rng))
             if not args.no_restart:

@@ -144,27 +144,35 @@ class WorkerContext:
         raise UnsupportedInMode(f"ctx.{what} is not available under {MODE}: {why}")
 
     def remesh(self, mesh: Any, reason: str = "") -> None:
+        """Not in a worker: raises ``UnsupportedInMode`` (the controller forms the group's mesh)."""
         self._unsupported("remesh", "the controller forms the group's mesh (from --nprocs, --slices)")
 
     def restore(self, source: str = "latest") -> None:
+        """Not in a worker: raises ``UnsupportedInMode`` (the controller picks every restore)."""
         self._unsupported("restore", "the controller picks the step every re-formed group restores")
 
     def pause(self, reason: str = "") -> None:
+        """Not in a worker: raises ``UnsupportedInMode`` (a member that stops stepping stalls its peers)."""
         self._unsupported("pause", "a member that stops stepping stalls its peers' collectives")
 
     def resume(self, reason: str = "") -> None:
+        """Not in a worker: raises ``UnsupportedInMode`` (a member that stops stepping stalls its peers)."""
         self._unsupported("resume", "a member that stops stepping stalls its peers' collectives")
 
     def cordon(self, devices: tuple[int, ...]) -> None:
+        """Not in a worker: raises ``UnsupportedInMode`` (the controller replaces processes, not devices)."""
         self._unsupported("cordon", "the controller replaces whole processes, not devices")
 
     def uncordon(self, devices: tuple[int, ...]) -> None:
+        """Not in a worker: raises ``UnsupportedInMode`` (the controller replaces processes, not devices)."""
         self._unsupported("uncordon", "the controller replaces whole processes, not devices")
 
     async def healthy_devices(self) -> list[Any]:
+        """Not in a worker: raises ``UnsupportedInMode`` (the controller judges processes)."""
         self._unsupported("healthy_devices", "a worker sees its own devices only; the controller judges processes")
 
     def subscribe(self, *args: Any, **kwargs: Any) -> Any:
+        """Not in a worker: raises ``UnsupportedInMode`` (subscribe on the script's runtime before run())."""
         self._unsupported("subscribe", "subscribe on the script's runtime before run()")
 
 
