@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -18,7 +19,6 @@ from elastic_runtime.cluster.worker.handlers import ScriptHandlers
 from elastic_runtime.cluster.worker.link import ControllerLink, connect
 from elastic_runtime.cluster.worker.loop import Worker
 from elastic_runtime.cluster.worker.settings import WorkerSettings
-from elastic_runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 from elastic_runtime.core.bus import Subscription
 from elastic_runtime.core.errors import AuthenticationFailed, UnsupportedInMode
 from elastic_runtime.core.events import never_published
@@ -47,6 +47,29 @@ def _log_to_stderr() -> None:
 
 
 _ran = False  # a worker runs one job: its process was one member of the launch's group
+# How long a finished run waits for step threads abandoned in a dead peer's collective to end before run() returns
+# anyway: most have long ended; one still blocked only changes how the process exits (exit_without_destructors).
+_BLOCKED_WAIT_S = 2.0
+
+
+def exit_without_destructors() -> None:
+    """When the script ends, end the process with ``os._exit``: a step thread still blocked inside XLA would
+    see XLA's destructors run under it at a normal exit. The exit code is 1 if an exception ended the script,
+    else 0 (a ``sys.exit(n)``'s code is not seen)."""
+    failed: list[bool] = []
+    hook = sys.excepthook
+
+    def note(kind: type[BaseException], value: BaseException, trace: Any) -> None:
+        failed.append(True)
+        hook(kind, value, trace)
+
+    def end() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if failed else 0)
+
+    sys.excepthook = note
+    atexit.register(end)
 
 
 def is_worker() -> bool:
@@ -75,8 +98,9 @@ def run_worker(
     backend the script created, then configures the CPU device count, gloo collectives and recoverability.
     Once the group finished, the process leaves it (the group's arrays go with its backend; the script may use
     JAX again on a fresh local one) and the script goes on after ``run()``. A run that ends otherwise (a failure
-    the controller ends the run with, a signal, a replacement) exits the process (``os._exit``), as does a
-    finished one while a step thread abandoned in a dead peer's collective is still blocked inside XLA.
+    the controller ends the run with, a signal, a replacement) exits the process (``os._exit``). With a step
+    thread still blocked in a dead peer's collective, the process ends with ``os._exit`` once the script does
+    (:func:`exit_without_destructors`).
 
     Raises:
         RuntimeError: not started by ``elastic-runtime launch`` (no controller address in the environment).
@@ -150,14 +174,15 @@ def run_worker(
         if in_memory and finished:
             leftovers.remove(folder, f"worker-{worker}")  # the run finished: no resume will read them
         if finished and code == 0 and loop.result is not None:
-            # Abandoned step threads end when the old group's sockets close, or at the collective timeout.
-            if loop.can_return(float(os.environ.get(ENV_COLLECTIVE_TIMEOUT, "10")) + 5.0):
-                loop.leave()
-                if script is not None:
-                    script.finished(loop)
-                log.info("worker %d: the group finished; run() returns to the script", worker)
-                return loop.result
-            log.warning("worker %d: a step thread is still blocked in a dead peer's collective; exiting", worker)
+            if loop.still_blocked(_BLOCKED_WAIT_S):
+                # Its thread is a daemon, so nothing waits for it; but XLA's destructors must not run under it.
+                log.info("worker %d: a step thread is still blocked in a dead peer's collective", worker)
+                exit_without_destructors()
+            loop.leave()
+            if script is not None:
+                script.finished(loop)
+            log.info("worker %d: the group finished; run() returns to the script", worker)
+            return loop.result
     except Exception:
         log.exception("worker %d failed", worker)
     sys.stdout.flush()

@@ -46,7 +46,7 @@ from elastic_runtime.cluster.worker.restore import adopt_restored, restore_step
 from elastic_runtime.cluster.worker.settings import WorkerSettings
 from elastic_runtime.cluster.worker.smaller import SmallerGroup
 from elastic_runtime.cluster.worker.spares import SpareStates
-from elastic_runtime.cluster.worker.stepping import await_step
+from elastic_runtime.cluster.worker.stepping import StepThread, await_step
 from elastic_runtime.cluster.worker.training import train
 from elastic_runtime.core.events import StepFailed
 from elastic_runtime.core.executor import RunResult
@@ -149,7 +149,7 @@ class Worker:
         self.state_shardings: Any = None
         self.batch_shardings: Any = None
         self.state: Any = None
-        self.step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self.step_pool = StepThread()
         # The compiled step, snapshot and restore programs of every layout this process was in, kept to be
         # loaded, not traced, when a later group has the same layout (runtime/core/programs.py).
         self.programs = programs if programs is not None else ProgramStore(keep=False)
@@ -249,17 +249,16 @@ class Worker:
             due = time.monotonic() + self.settings.heartbeat_s
             self.ended.wait(self.settings.heartbeat_s)
 
-    def can_return(self, wait_s: float) -> bool:
-        """Whether ``run()`` may return to the script: every abandoned step thread has ended (they end when the
-        old group's sockets close, or at the collective timeout), waiting up to ``wait_s`` for them. One still
-        blocked in XLA would make a normal exit run XLA's destructors under it."""
+    def still_blocked(self, wait_s: float) -> bool:
+        """Whether a step thread abandoned in a dead peer's collective is still blocked in XLA, after waiting up
+        to ``wait_s`` for them all (they end when the old group's sockets close, or at the collective timeout)."""
         deadline = time.monotonic() + wait_s
         for future in self.abandoned:
             try:
                 future.exception(timeout=max(deadline - time.monotonic(), 0.0))
             except FutureTimeout:
-                return False
-        return True
+                return True
+        return False
 
     def leave(self) -> None:
         """The run is over and the script goes on: no more heartbeats, the link closed, the group left (its

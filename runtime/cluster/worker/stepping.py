@@ -10,9 +10,11 @@ import gc
 import logging
 import math
 import queue
+import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +26,7 @@ from elastic_runtime.core.events import ProcessLost, StepFailed
 if TYPE_CHECKING:
     from elastic_runtime.cluster.worker.loop import Worker
 
-__all__ = ["await_step", "defer", "defer_head", "wait_fenced"]
+__all__ = ["StepThread", "await_step", "defer", "defer_head", "wait_fenced"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,36 @@ log = logging.getLogger(__name__)
 # most recoveries (0.2 s was two fifths of a `kill -9`'s recovery at the demo's size), and a step it lets finish
 # is one the group restores before anyway.
 _ABANDON_GRACE_S = 0.05
+
+
+class StepThread:
+    """One daemon thread that runs the calls submitted to it in order, each answering a ``Future``: the step
+    thread. A daemon, so that a call left blocked in a dead peer's collective (abandoned) never holds up the
+    process's exit the way an executor's thread, joined at exit, would."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None]
+        self._calls = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="step", daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """No more calls: the thread ends after the one it runs, if that ever returns."""
+        self._calls.put(None)
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
 
 
 def wait_fenced(worker: Worker) -> Inbound | None:
@@ -108,8 +140,8 @@ def await_step(
             log.warning("abandoning %s, blocked in a collective; re-forming", what)
             worker.abandoned.append(future)
             future.add_done_callback(lambda done: _abandoned_ended(what, done))
-            worker.step_pool.shutdown(wait=False)
-            worker.step_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+            worker.step_pool.shutdown()
+            worker.step_pool = StepThread()
             return worker.link.inbox.get()
         except Exception as exc:  # failed within the grace: the group re-forms all the same
             exc.__traceback__ = None
