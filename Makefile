@@ -78,12 +78,13 @@ test-slurm: $(STAMP) slurm
 
 # Lint and mypy run once, in `make test`; this runs, on the newest JAX, jaxlib, orbax-checkpoint and flax, the tests
 # whose outcome depends on them: JAX's private entry points (runtime/compat), compiling and tracing under a mesh,
-# serialized executables, the RAM snapshot, a lost slice in one process, Orbax's format, the flax example, and
+# serialized executables, the RAM snapshot, a lost slice in one process, the state's fingerprint (shard_map) and the
+# step's metrics, Orbax's format, the flax example, and
 # multi-process groups re-forming (jax.distributed, gloo, shard_map, kept programs, a generation given up). The
 # rest (the bus, events, config, the controller's decisions, notices, docs) is plain Python that `make test`
 # covers once. LATEST_TESTS=tests runs everything.
 LATEST_TESTS ?= tests/test_compat.py tests/test_compiler.py tests/test_same_shape.py tests/test_compile_cache.py tests/test_real_model_shape.py \
-	tests/test_ram.py tests/test_spares.py tests/test_flax_lm.py tests/checkpoints \
+	tests/test_ram.py tests/test_spares.py tests/test_flax_lm.py tests/test_integrity.py tests/test_metrics.py tests/checkpoints \
 	tests/multiprocess/test_real_model_launch.py tests/multiprocess/test_slices.py tests/multiprocess/test_given_up.py
 test-latest: $(LATEST_STAMP)
 	$(LATEST)/bin/pytest $(LATEST_TESTS)

@@ -26,6 +26,8 @@ def test_a_script_that_raises_at_import_ends_the_launch_with_its_error(tmp_path:
     assert f"{START_FAILURES} workers in a row exited before connecting" in done.stderr
     assert str(tmp_path / "run" / "workers") in done.stderr
     started = [e for e in read_events(tmp_path / "run" / "events.jsonl") if isinstance(e, WorkerStarted)]
-    assert len(started) <= 2 + spares + START_FAILURES  # the first ones, and at most a few replacements
+    # The first ones, and a few replacements: those started while the third exit was on its way are counted too
+    # (before the change: 3,355 in two minutes).
+    assert len(started) <= 2 * (2 + spares) + START_FAILURES
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["ok"] is False and "before connecting" in summary["reason"]
