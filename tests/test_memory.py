@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from elastic_runtime.cluster.protocol import ENV_CONTROLLER, ENV_RETURN_FREED_MEMORY, ENV_WORKER
 from elastic_runtime.cluster.worker.settings import WorkerSettings
 from elastic_runtime.core.errors import ConfigError
+from elastic_runtime.core.memory import _cgroup_room
 
 # A 4 MiB block freed raises glibc's own threshold past it: a 2 MiB block then comes from the heap, unless the
 # threshold was fixed at 1 MiB, which gives it a mapping of its own (returned to the kernel when freed); a 256 KiB
@@ -48,3 +50,23 @@ def test_workers_return_freed_memory_unless_their_environment_says_0() -> None:
     assert not WorkerSettings.from_env(base | {ENV_RETURN_FREED_MEMORY: "0"}).return_freed_memory
     with pytest.raises(ConfigError, match=ENV_RETURN_FREED_MEMORY):
         WorkerSettings.from_env(base | {ENV_RETURN_FREED_MEMORY: "sometimes"})
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_a_cgroups_room_is_its_limit_less_its_usage_in_either_cgroup_version(tmp_path: Path, version: str) -> None:
+    # The lead gathers the whole final state only where it fits (``can_hold``): a worker confined to less than the
+    # state (tests/multiprocess/test_sharded_init.py) was OOM-killed when its cgroup was not read.
+    cgroups = tmp_path / "cgroup"
+    if version == "v1":
+        cgroups.write_text("9:name=systemd:/\n4:memory:/jobs/w1\n0::/\n")
+        folder, limit, usage = tmp_path / "memory" / "jobs" / "w1", "memory.limit_in_bytes", "memory.usage_in_bytes"
+    else:
+        cgroups.write_text("0::/jobs/w1\n")
+        folder, limit, usage = tmp_path / "jobs" / "w1", "memory.max", "memory.current"
+    folder.mkdir(parents=True)
+    (folder / limit).write_text("1000\n")
+    (folder / usage).write_text("300\n")
+    assert _cgroup_room(cgroups, tmp_path) == 700
+    (folder / limit).write_text("max\n")
+    with pytest.raises(ValueError):  # v2's "no limit"; v1 writes a huge number instead
+        _cgroup_room(cgroups, tmp_path)

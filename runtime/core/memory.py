@@ -4,11 +4,12 @@ host copies, so that a run's memory per process can be checked against the state
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from pathlib import Path
 
-__all__ = ["resident", "return_freed_memory"]
+__all__ = ["can_hold", "resident", "return_freed_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,32 @@ def resident(status: Path = Path("/proc/self/status")) -> dict[str, int]:
         if name in _FIELDS:
             out[_FIELDS[name]] = int(value.split()[0]) * 1024  # the kernel writes kB
     return out
+
+
+def can_hold(nbytes: int, *, share: float = 0.5) -> bool:
+    """Whether this process can take ``nbytes`` more: at most ``share`` of what it may still use, the least of the
+    machine's available memory (``MemAvailable``) and its memory cgroup's room (its limit less its usage; cgroup v1
+    or v2). True where the kernel does not say (not Linux)."""
+    room: list[int] = []
+    with contextlib.suppress(OSError, ValueError):  # what could be read is what counts
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                room.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, ValueError):
+        room.append(_cgroup_room())
+    return not room or nbytes <= share * min(room)
+
+
+def _cgroup_room(cgroups: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int:
+    """This process's memory cgroup's limit less its usage: v1's ``memory`` hierarchy where it has one, else v2's
+    unified one. Raises OSError where neither can be read, ValueError where v2 says there is no limit ("max")."""
+    paths = dict(line.split(":", 2)[1:] for line in cgroups.read_text().splitlines())
+    v1 = next((path for controllers, path in paths.items() if "memory" in controllers.split(",")), None)
+    if v1 is not None:
+        folder, limit, usage = root / "memory" / v1.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes"
+    else:
+        folder, limit, usage = root / paths.get("", "/").lstrip("/"), "memory.max", "memory.current"
+    return int((folder / limit).read_text()) - int((folder / usage).read_text())
 
 
 def return_freed_memory(threshold: int = 1024 * 1024) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import hashlib
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from elastic_runtime.cluster.worker.link import Inbound
 from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenced
 from elastic_runtime.core.executor import RunResult
 from elastic_runtime.core.job import PyTree
+from elastic_runtime.core.memory import can_hold
 from elastic_runtime.core.process_data import place_batch
 from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.replicas import device_replica, replica
@@ -176,7 +178,12 @@ def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
     meet(f"gather/{worker.generation}", _GATHER_MEET_S)  # the others' final writes may take longer
     # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local
     # device), and hashing one joined copy two more: at a GB of state 4 workers ran the machine out of memory.
-    keep = worker.process_id == 0  # the lead's run() returns it; with --result it is written there too
+    # The lead's run() returns it (with --result it is written there too), where the process can hold it: a state
+    # larger than a worker's memory is never gathered into one (its shards are written where they are).
+    nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(worker.state))
+    keep = worker.process_id == 0 and (bool(worker.settings.result) or can_hold(nbytes))
+    if worker.process_id == 0 and not keep:
+        log.warning("the final state (%d MB) is more than this process can hold: run() returns it as None", nbytes >> 20)
     hasher = hashlib.sha256()
     kept: list[np.ndarray] = []
     for leaf in jax.tree.leaves(worker.state):
