@@ -23,11 +23,10 @@ async def regroup_on_worker_failure(event: WorkerLost | WorkerHung, ctx: Control
     ctx.regroup({event.worker}, reason=type(event).__name__)
 
 
-async def log_straggler(event: Straggler, ctx: ControllerContext) -> None:
-    """On Straggler: log it. Replacing a slow-but-correct worker costs more than it saves on this scale."""
-    log.warning(
-        "worker %d is a straggler: %.3f s per step against a group median of %.3f s",
-        event.worker,
-        event.step_time_s,
-        event.group_median_s,
-    )
+async def replace_straggler(event: Straggler, ctx: ControllerContext) -> None:
+    """On Straggler: do what the controller chose (``event.action``; ``cluster/controller/stragglers.py``): replace
+    the worker with a ready spare at a planned step (nothing lost, no failure counted), or keep it; log which and
+    why. Subscribe your own handler instead to decide otherwise (for example: keep every straggler, page someone)."""
+    log.warning("worker %d is a straggler: %s", event.worker, event.reason)
+    if event.action == "replace":
+        ctx.replace(event.worker, reason=f"straggler: {event.reason}")

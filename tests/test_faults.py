@@ -91,7 +91,7 @@ def test_the_health_probe_leaves_dead_and_cordoned_devices_out_and_compiles_noth
 
 
 def test_one_grammar_for_device_process_and_worker_faults() -> None:
-    text = "lose-slice:3@100, repair-slice:random@90s, kill:1@40, stop:0@20, term:2@forming, hang:1@12"
+    text = "lose-slice:3@100, repair-slice:random@90s, kill:1@40, stop:0@20, term:2@forming, hang:1@12, slow:2@20x3"
     faults = parse_faults(text)
     assert [(f.kind, f.action, f.target) for f in faults] == [
         ("device", "lose-slice", 3),
@@ -100,8 +100,10 @@ def test_one_grammar_for_device_process_and_worker_faults() -> None:
         ("process", "stop", 0),
         ("process", "term", 2),
         ("worker", "hang", 1),
+        ("worker", "slow", 2),
     ]
     assert faults[1].seconds == 90 and faults[4].forming and faults[5].step == 12
+    assert (faults[6].step, faults[6].factor) == (20, 3.0)
     assert parse_faults(format_faults(faults)) == faults  # the text form reads back
     assert worker_faults_text(faults, 1) == "hang:1@12" and worker_faults_text(faults, 0) == ""
 
@@ -114,6 +116,8 @@ def test_one_grammar_for_device_process_and_worker_faults() -> None:
         ("kill:random@4", ("process",), "kill:random@4"),
         ("hang:1@forming", ("worker",), "hang:1@forming"),
         ("kill:1@-3", ("process",), "step must be >= 0"),
+        ("slow:1@20", ("worker",), "STEPxFACTOR"),
+        ("slow:1@20x0.5", ("worker",), "a factor > 1"),
     ],
 )
 def test_a_fault_outside_its_kinds_or_malformed_is_refused(text: str, kinds: tuple[str, ...], message: str) -> None:

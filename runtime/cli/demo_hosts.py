@@ -53,8 +53,15 @@ def add_hosts_arguments(parser: argparse.ArgumentParser) -> None:
         help="on the loss stop the controller and every worker, then start them all again with --resume",
     )
     group.add_argument(
-        "--step-delay", type=float, default=0.25, metavar="S", help="extra seconds per step (default %(default)s)"
+        "--step-delay",
+        type=float,
+        default=None,
+        metavar="S",
+        help="extra seconds per step, in every worker (default 0.25 with --hosts, else 0)",
     )
+
+
+_HOSTS_STEP_DELAY_S = 0.25  # room to see the hosts' steps and the loss
 
 
 class _DemoError(Exception):
@@ -123,7 +130,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         faulty = fault is not None and not full_restart
         run = _Service(hosts, run_dir, steps=steps, nprocs=hosts_count, faulty=faulty, disk=disk)
         stack.callback(run.stop)
-        run.start(step_delay_s=args.step_delay, controller_args=["--max-failures", "0"] if full_restart else [])
+        delay = _HOSTS_STEP_DELAY_S if args.step_delay is None else args.step_delay
+        run.start(step_delay_s=delay, controller_args=["--max-failures", "0"] if full_restart else [])
         lost_at = None
         if fault and fault_at is not None:
             at = fault_at
@@ -139,7 +147,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             stack.callback(run.stop)
             # What a cluster does after a failure: the whole job again, the lost host's share on a new one.
             run.start(
-                step_delay_s=args.step_delay,
+                step_delay_s=delay,
                 controller_args=["--resume"],
                 hosts=[k if k != LOST_HOST else hosts_count for k in range(hosts_count)],
             )

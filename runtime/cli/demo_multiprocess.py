@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -38,6 +39,12 @@ def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kill-worker-at", type=int, default=None, help="kill -9 a worker at this step")
     group.add_argument("--kill-process", type=int, default=1, help="process id to kill (default 1; 0 works too)")
     group.add_argument("--strategy", choices=("reform", "restart"), default="reform", help="recovery strategy")
+    group.add_argument(
+        "--slow-worker",
+        default=None,
+        metavar="P:FACTOR@STEP",
+        help="process P becomes a straggler from STEP: each iteration FACTOR times its own work (e.g. 2:3@20)",
+    )
     group.add_argument(
         "--durable", default=None, metavar="DIR|gs://B/P", help="durable checkpoints of the sharded state (a folder)"
     )
@@ -102,9 +109,11 @@ def run_group(**kwargs: Any) -> Any:
 def run_multiprocess_demo(args: argparse.Namespace) -> int:
     """The ``demo --processes N`` entry point."""
     from elastic_runtime.cli.progress import ProgressPrinter
+    from elastic_runtime.cluster.protocol import ENV_STEP_DELAY_S
     from elastic_runtime.core.compare import compare_states
     from elastic_runtime.core.errors import ConfigError
-    from elastic_runtime.faults.grammar import Fault
+    from elastic_runtime.core.eventlog import read_events
+    from elastic_runtime.faults.grammar import Fault, parse_faults
     from elastic_runtime.storage.disk import DiskTier
     from elastic_runtime.testing.gcs_emulator import running_emulator
 
@@ -121,6 +130,17 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     faults = [] if kill_at is None or args.no_fault else [Fault("kill", args.kill_process, step=kill_at)]
     if faults:
         say(f"  process {args.kill_process} gets kill -9 at step {kill_at}; strategy {args.strategy}")
+    slow = None
+    if args.slow_worker and not args.no_fault:
+        try:
+            process, _, rest = args.slow_worker.partition(":")
+            factor, _, at = rest.partition("@")
+            (slow,) = parse_faults(f"slow:{process}@{at}x{factor}", kinds=("worker",))
+        except ValueError as exc:
+            print(f"error: --slow-worker {args.slow_worker!r}: {exc}; expected P:FACTOR@STEP (2:3@20)", file=sys.stderr)
+            return 2
+        faults.append(slow)
+        say(f"  process {slow.target} becomes {slow.factor:g}x slower from step {slow.step}")
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         durable = args.durable
@@ -130,6 +150,8 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
             durable = "gs://demo/run"
         if durable:
             say(f"  durable checkpoints every {args.durable_every} steps in {durable}")
+        if args.step_delay:  # the workers read it at their start, the reference run's too
+            stack.enter_context(_environment(ENV_STEP_DELAY_S, str(args.step_delay)))
         try:
             controller = group_controller(
                 processes=args.processes,
@@ -167,11 +189,18 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
         "world_size_history": result.world_size_history,
         "run_dir": str(run_dir),
     }
+    if slow is not None:
+        summary["straggler"] = straggler_summary(read_events(run_dir / "run" / "events.jsonl"), slow)
     if args.verify:
         say("verifying: fault-free run of the same group ...")
-        reference = run_group(
-            processes=args.processes, steps=steps, run_dir=run_dir / "reference", faults=[], slices=args.slices
-        )
+        with _environment(ENV_STEP_DELAY_S, str(args.step_delay or 0.0)):
+            reference = run_group(
+                processes=args.processes,
+                steps=steps,
+                run_dir=run_dir / "reference",
+                faults=[],
+                slices=args.slices,
+            )
         full = all(size == args.processes for size in result.world_size_history)
         if reference.ok and full:
             got, want = (DiskTier(run_dir / name / "final").latest(None).tree for name in ("run", "reference"))
@@ -189,6 +218,40 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     return 0 if result.ok and summary.get("reference_match", {}).get("match", True) else 1
+
+
+def straggler_summary(events: list[Any], slow: Any) -> dict[str, Any]:
+    """What the controller made of the straggler ``slow`` (a ``slow`` fault): its first ``Straggler`` event (the
+    step it was found at, the action and why), and the group's median step time before the slowdown, while it
+    lasted and after the group re-formed without it (``step_time_ratio_after``: after / before)."""
+    from elastic_runtime.core.events import GroupFormed, StepCompleted, Straggler
+
+    found = next((e for e in events if isinstance(e, Straggler)), None)
+    at = {e.step: e.mono_time for e in events if isinstance(e, StepCompleted) and e.step is not None}
+    last = max(at, default=0)
+    formed = next((e for e in events if isinstance(e, GroupFormed) and found and e.mono_time > found.mono_time), None)
+
+    def median_step(first: int, last: int) -> float | None:
+        gaps = [at[s] - at[s - 1] for s in range(first + 1, last + 1) if s in at and s - 1 in at]
+        return round(statistics.median(gaps), 4) if gaps else None
+
+    before = median_step(max(slow.step - 10, 1), slow.step)
+    during = median_step(slow.step + 1, found.step if found and found.step is not None else last)
+    after = median_step(formed.restore_step + 2, last) if formed else None
+    return {
+        "process": slow.target,
+        "factor": slow.factor,
+        "from_step": slow.step,
+        "detected_step": found.step if found else None,
+        "worker": found.worker if found else None,
+        "slowdown": round(found.slowdown, 3) if found else None,
+        "action": found.action if found else None,
+        "reason": found.reason if found else "not found",
+        "step_time_before_s": before,
+        "step_time_during_s": during,
+        "step_time_after_s": after,
+        "step_time_ratio_after": round(after / before, 3) if after and before else None,
+    }
 
 
 def wipe_lost_replicas(controller: Any) -> None:

@@ -135,6 +135,9 @@ class Heartbeat(Message, frozen=True, kw_only=True):
     generation: int
     step: int
     step_time_s: float | None = None
+    # Its newest iteration, and of it the seconds outside the step's collectives (worker/pace.py): stragglers.
+    iteration_s: float | None = None
+    outside_s: float | None = None
     loss: float | None = None  # the loss of ``step`` (the job's ``loss_key`` in its metrics), where it has one
     metrics: dict[str, float] = {}  # every scalar metric of ``step`` (elastic_runtime.core.metrics)
     sent_at: float  # the worker's wall clock; the controller times silence with its own monotonic clock

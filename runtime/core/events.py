@@ -209,11 +209,17 @@ class CorruptionHealed(Event, frozen=True, kw_only=True):
 
 
 class Straggler(Event, frozen=True, kw_only=True):
-    """``worker``'s step time is far above the group's median."""
+    """The group would step ``slowdown`` times faster without ``worker``: it spends ``excess_s`` more per iteration
+    outside the step's collectives than the group's median (``iteration_s``), and the others wait for it. ``action``
+    is the controller's choice, ``replace`` (at a planned step, by a ready spare: nothing lost) or ``keep``, and
+    ``reason`` says why (what the slowdown costs over the remaining steps against what a re-forming costs)."""
 
     worker: int
-    step_time_s: float
-    group_median_s: float
+    slowdown: float
+    excess_s: float
+    iteration_s: float
+    action: str = "keep"
+    reason: str = ""
 
 
 class DataMismatch(Failure, frozen=True, kw_only=True):

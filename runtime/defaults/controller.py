@@ -14,7 +14,7 @@ from elastic_runtime.core.errors import ConfigError
 from elastic_runtime.core.events import Straggler, WorkerHung, WorkerLost
 from elastic_runtime.faults.process import ProcessFaults
 from elastic_runtime.handlers.drain_host import HostDrains
-from elastic_runtime.handlers.regroup import log_straggler, regroup_on_worker_failure
+from elastic_runtime.handlers.regroup import regroup_on_worker_failure, replace_straggler
 from elastic_runtime.maintenance.intake import NoticeIntake
 from elastic_runtime.maintenance.source import BusContext, require_working
 
@@ -40,7 +40,7 @@ def default_controller(config: LaunchConfig) -> Controller:
         ProcessFaults(config.faults).attach(controller.bus)
     controller.bus.subscribe(WorkerLost, regroup_on_worker_failure)
     controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
-    controller.bus.subscribe(Straggler, log_straggler)
+    controller.bus.subscribe(Straggler, replace_straggler)
     attach_controller_maintenance(controller)
     script = script_folder(config.command)
     subscribe_named(controller.bus, config.handlers, first=[script] if script else [])

@@ -7,10 +7,12 @@
   ``term`` (SIGKILL, SIGSTOP, SIGTERM); TARGET a process id in the group; WHEN a step the group commits, or
   ``forming``: while the next group forms after a failure.
 - Workers (a worker does it to itself at that exact point): ``die-midstep`` (computed, not committed),
-  ``die-writing-replica``, ``hang`` (a deadlock in the step); TARGET a process id in the first group; WHEN
-  a step.
+  ``die-writing-replica``, ``hang`` (a deadlock in the step), ``slow`` (a straggler: from that step on, each of
+  its iterations takes FACTOR times its own work, the sleep outside the step's collectives); TARGET a process id
+  in the first group; WHEN a step, for ``slow`` ``STEPxFACTOR``.
 
-Examples: ``lose-slice:3@100,repair-slice:3@200``; ``kill:1@40``; ``kill:1@10,kill:2@forming``; ``hang:1@12``.
+Examples: ``lose-slice:3@100,repair-slice:3@200``; ``kill:1@40``; ``kill:1@10,kill:2@forming``; ``hang:1@12``;
+``slow:2@20x3``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ __all__ = [
 
 DEVICE_ACTIONS = ("lose-slice", "lose-device", "repair-slice", "repair-device")
 PROCESS_SIGNALS = {"kill": "KILL", "stop": "STOP", "term": "TERM"}
-WORKER_ACTIONS = ("die-midstep", "die-writing-replica", "hang")
+WORKER_ACTIONS = ("die-midstep", "die-writing-replica", "hang", "slow")
 FORMING = "forming"
 
 
@@ -43,10 +45,12 @@ class Fault:
     seconds: float | None = None  # of training, since the schedule was started
     repeat_s: float | None = None  # applied again this many seconds later, and so on
     forming: bool = False  # while the next group forms after a failure
+    factor: float | None = None  # ``slow``: how many times its own work each iteration takes
 
     def __str__(self) -> str:
         target = "random" if self.target < 0 else str(self.target)
         when = FORMING if self.forming else f"{self.step}" if self.step is not None else f"{self.seconds:g}s"
+        when += f"x{self.factor:g}" if self.factor is not None else ""
         return f"{self.action}:{target}@{when}" + (f" (every {self.repeat_s:g}s)" if self.repeat_s else "")
 
     @property
@@ -82,6 +86,11 @@ def parse_faults(text: str, *, kinds: Iterable[str] = ("device", "process", "wor
                 faults.append(Fault(action, index, forming=True))
             elif when.endswith("s") and action in DEVICE_ACTIONS:
                 faults.append(Fault(action, index, seconds=float(when[:-1])))
+            elif action == "slow":
+                at, x, factor = when.partition("x")
+                if not x or not float(factor) > 1:
+                    raise ValueError("slow's WHEN is STEPxFACTOR, a factor > 1 (slow:2@20x3)")
+                faults.append(Fault(action, index, step=int(at), factor=float(factor)))
             else:
                 step = int(when)
                 if step < 0:

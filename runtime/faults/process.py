@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -89,6 +90,9 @@ def attach_worker_faults(worker: _Worker, text: str) -> None:
             worker.replicas.on_write.append(_at(fault.step, _die, or_later=True))
         elif fault.action == "die-midstep":  # computed but not committed: the new state must not count
             worker.step_checks.append(_at(fault.step, _die))
+        elif fault.action == "slow":
+            assert fault.step is not None and fault.factor is not None
+            worker.step_checks.append(_slow(fault.step, fault.factor))
         else:  # hang: a deadlock in the step; heartbeats go on, progress stops
             worker.step_checks.append(_at(fault.step, lambda: threading.Event().wait()))
 
@@ -97,6 +101,21 @@ def _at(step: int | None, act: Callable[[], object], *, or_later: bool = False) 
     def check(current: int) -> None:
         if current == step or (or_later and step is not None and current > step):
             act()
+
+    return check
+
+
+def _slow(step: int, factor: float) -> Callable[[int], None]:
+    """From ``step`` on, sleep ``factor - 1`` times the work done since the last sleep: a straggler's iteration
+    takes ``factor`` times its own work (it arrives last at the collectives, so that work includes no wait)."""
+    ended: list[float] = []
+
+    def check(current: int) -> None:
+        if current < step:
+            return
+        if ended:
+            time.sleep((factor - 1) * (time.perf_counter() - ended[0]))
+        ended[:] = [time.perf_counter()]
 
     return check
 

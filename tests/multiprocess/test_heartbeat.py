@@ -234,28 +234,38 @@ def test_progress_resets_the_hang_clock(clock: FakeClock) -> None:
     assert m.check() == []
 
 
-def test_a_straggler_is_far_above_the_group_median(clock: FakeClock) -> None:
-    m = monitor(clock, straggler_factor=3.0, straggler_min_s=0.05, straggler_every_s=10.0)
+def test_a_straggler_is_the_worker_the_others_wait_for(clock: FakeClock) -> None:
+    # Every member's iteration takes the slowest's 0.3 s; worker 3 spends 0.22 s of it outside the collectives
+    # (its own work) where the others spend 0.02 s: without it the group would step in 0.1 s, 3x faster.
+    m = monitor(clock, straggler_factor=1.5, straggler_min_s=0.05, straggler_every_s=10.0)
     m.register(3)
     for step in range(1, 6):
-        clock.advance(0.1)
-        for w, seconds in ((0, 0.1), (1, 0.11), (2, 0.09), (3, 0.5)):
-            m.observe(w, step, seconds)
+        clock.advance(0.3)
+        for w, outside in ((0, 0.02), (1, 0.021), (2, 0.019), (3, 0.22)):
+            m.observe(w, step, (0.3, outside))
     [verdict] = m.check()
     assert isinstance(verdict, Straggling) and verdict.worker == 3
-    assert verdict.group_median_s == pytest.approx(0.105, abs=0.01)
+    assert verdict.slowdown == pytest.approx(3.0, rel=0.05) and verdict.excess_s == pytest.approx(0.2, abs=0.01)
     clock.advance(1)
     for w in (0, 1, 2, 3):
-        m.observe(w, 6, 0.1)
+        m.observe(w, 6, (0.3, 0.22 if w == 3 else 0.02))
     assert m.check() == []  # reported at most every straggler_every_s
 
 
-def test_small_differences_are_not_stragglers(clock: FakeClock) -> None:
-    m = monitor(clock, straggler_factor=3.0, straggler_min_s=0.05)
+@pytest.mark.parametrize(
+    ("outsides", "why"),
+    [
+        ((0.001, 0.001, 0.01), "10x the median outside, but 9 ms of a 0.1 s step is noise"),
+        ((0.02, 0.02, 0.08), "60 ms more of a 0.5 s iteration: 1.14x, below the factor"),
+    ],
+)
+def test_small_or_cheap_differences_are_not_stragglers(clock: FakeClock, outsides: tuple[float, ...], why: str) -> None:
+    m = monitor(clock, straggler_factor=1.5, straggler_min_s=0.05)
+    iteration = 0.1 if outsides[0] < 0.01 else 0.5
     for step in range(1, 6):
-        for w, seconds in ((0, 0.001), (1, 0.001), (2, 0.01)):
-            m.observe(w, step, seconds)
-    assert m.check() == []  # 10x the median, but 9 ms is noise
+        for w, outside in enumerate(outsides):
+            m.observe(w, step, (iteration, outside))
+    assert m.check() == [], why
 
 
 def test_unknown_workers_are_refused(clock: FakeClock) -> None:
@@ -279,8 +289,8 @@ def test_verdicts_become_events() -> None:
     assert isinstance(lost, WorkerLost) and lost.worker == 1 and lost.silent_s == 2.5 and lost.step == 7
     hung = verdict_event(Hung(2, 3.0, 6), step=7)
     assert isinstance(hung, WorkerHung) and hung.stalled_s == 3.0 and "step 6" in hung.message
-    slow = verdict_event(Straggling(3, 0.5, 0.1), step=7)
-    assert isinstance(slow, Straggler) and slow.group_median_s == 0.1
+    slow = verdict_event(Straggling(3, 3.0, 0.2, 0.3), step=7)
+    assert isinstance(slow, Straggler) and (slow.slowdown, slow.excess_s, slow.iteration_s) == (3.0, 0.2, 0.3)
 
 
 def test_more_losses_may_come_while_one_is_long_silent_or_a_lost_one_is_not_forgotten(clock: FakeClock) -> None:

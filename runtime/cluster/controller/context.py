@@ -110,6 +110,12 @@ class ControllerContext:
         """Send ``SIG<signal>`` (``KILL``, ``STOP``, ``TERM``) to ``worker``'s process; logged as WorkerKilled."""
         self._c.kill(worker, signal, reason)
 
+    def replace(self, worker: int, reason: str) -> None:
+        """Take member ``worker`` out of the group at a planned step, a ready spare in its seat (nothing is lost
+        or counted as a failure; while no spare is ready and the group is at ``min_nprocs``, one is started and the
+        worker stays). Queued; done by the controller's supervisor once the group is training."""
+        self._c.request_leave(worker, reason)
+
     def regroup(self, lost: Iterable[int], reason: str, strategy: Strategy | None = None) -> None:
         """Replace ``lost`` workers and re-form the group (queued; done by the controller's supervisor)."""
         self._c.request_regroup(set(lost), reason, strategy)

@@ -13,7 +13,9 @@ tests run without waiting. :func:`watch` is the thin async shell the controller 
   live one's heartbeats past a short timeout (seen on CI);
 - hung: heartbeats still arrive but the committed step has not moved for ``hang_timeout_s`` while progress is
   expected (a stuck collective, a deadlock);
-- straggler: the worker's recent step time is ``straggler_factor`` times the group median or more.
+- straggler: the group would step ``straggler_factor`` times faster or more without the worker: its recent time
+  outside the step's collectives (its own work: data, host code, writes) exceeds the group's median by that much
+  of the group's iteration (worker/pace.py says why the time outside, not the step's time, tells it).
 
 Each verdict is given once per worker; :meth:`HeartbeatMonitor.forget` or :meth:`HeartbeatMonitor.register`
 resets it.
@@ -64,8 +66,9 @@ class Hung:
 @dataclass(frozen=True)
 class Straggling:
     worker: int
-    step_time_s: float
-    group_median_s: float
+    slowdown: float  # the group's iteration / what it would be without the worker
+    excess_s: float  # per iteration: the worker's time outside the collectives less the group's median
+    iteration_s: float  # the group's median iteration
 
 
 Verdict = Lost | Hung | Straggling
@@ -82,7 +85,8 @@ class _Worker:
     start_step: int = -1
     gone: str = ""  # why the controller knows it is gone, if it does
     gone_by: str = "heartbeat"  # which signal said so first
-    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+    iterations: deque[float] = field(default_factory=lambda: deque(maxlen=8))
+    outsides: deque[float] = field(default_factory=lambda: deque(maxlen=8))  # of each, outside the collectives
     reported: bool = False  # lost or hung was reported
     straggler_reported_at: float = -1e18
 
@@ -95,8 +99,8 @@ class HeartbeatMonitor:
         start_timeout_s: the same for a worker that has not committed a step in its group yet; never shorter
             than ``timeout_s``; None: ``timeout_s``.
         hang_timeout_s: how long a worker that still sends heartbeats may make no step progress.
-        straggler_factor: a recent mean step time this many times the group median marks a straggler.
-        straggler_min_s: ... and only when it exceeds the median by at least this much (noise floor).
+        straggler_factor: a worker without which the group would step this many times faster is a straggler.
+        straggler_min_s: ... and only when it costs the group at least this much per iteration (noise floor).
         straggler_every_s: report the same straggler at most this often.
         alive: whether a silent worker's process is known to run (and is not stopped); None: nothing is known,
             silence alone decides.
@@ -112,7 +116,7 @@ class HeartbeatMonitor:
         timeout_s: float = 2.0,
         start_timeout_s: float | None = None,
         hang_timeout_s: float = 5.0,
-        straggler_factor: float = 3.0,
+        straggler_factor: float = 1.5,
         straggler_min_s: float = 0.05,
         straggler_every_s: float = 30.0,
         alive: Callable[[int], bool] | None = None,
@@ -193,8 +197,9 @@ class HeartbeatMonitor:
             if expected and not entry.reported:
                 self._by_progress[worker] = None  # the newest progress_at: last in order
 
-    def observe(self, worker: int, step: int, step_time_s: float | None = None) -> None:
-        """Record a heartbeat. Raises UnknownWorker for an id that is not registered."""
+    def observe(self, worker: int, step: int, pace: tuple[float, float] | None = None) -> None:
+        """Record a heartbeat with the worker's newest iteration and its time outside collectives (``pace``).
+        Raises UnknownWorker for an id that is not registered."""
         entry = self._workers.get(worker)
         if entry is None:
             raise UnknownWorker(worker)
@@ -216,8 +221,9 @@ class HeartbeatMonitor:
             entry.progress_at = now
             if worker in self._by_progress:
                 self._by_progress.move_to_end(worker)
-            if step_time_s is not None and step_time_s >= 0:
-                entry.step_times.append(step_time_s)
+            if pace is not None and min(pace) >= 0:
+                entry.iterations.append(pace[0])
+                entry.outsides.append(pace[1])
 
     def mark_gone(self, worker: int, reason: str, *, detected_by: str = "heartbeat") -> None:
         """The controller knows ``worker`` is gone (its connection closed or its process exited), or a scheduler
@@ -330,17 +336,26 @@ class HeartbeatMonitor:
         return entry
 
     def _stragglers(self, now: float) -> list[Straggling]:
-        means = {w: statistics.fmean(e.step_times) for w, e in self._workers.items() if len(e.step_times) >= 3}
-        if len(means) < 3:  # a median of two says nothing about which one is slow
+        # Medians over each worker's window: a stall of one iteration (a loaded machine, a durable write) is not
+        # a straggler, a slowdown of most of them is.
+        paced = {
+            w: (statistics.median(e.iterations), statistics.median(e.outsides))
+            for w, e in self._workers.items()
+            if len(e.outsides) >= 3 and not e.reported
+        }
+        if len(paced) < 3:  # a median of two says nothing about which one is slow
             return []
-        median = statistics.median(means.values())
+        iteration = statistics.median(i for i, _ in paced.values())
+        usual = statistics.median(o for _, o in paced.values())
         found = []
-        for worker, mean in means.items():
+        for worker, (_, outside) in paced.items():
+            excess = outside - usual
+            slowdown = iteration / max(iteration - excess, 1e-9)
             entry = self._workers[worker]
-            slow = mean >= self.straggler_factor * median and mean - median >= self.straggler_min_s
+            slow = slowdown >= self.straggler_factor and excess >= self.straggler_min_s
             if slow and now - entry.straggler_reported_at >= self.straggler_every_s:
                 entry.straggler_reported_at = now
-                found.append(Straggling(worker, mean, median))
+                found.append(Straggling(worker, slowdown, excess, iteration))
         return found
 
 
@@ -364,9 +379,14 @@ def verdict_event(verdict: Verdict, *, step: int | None) -> Event:
                 stalled_s=stalled_s,
                 message=f"no progress past step {at_step} for {stalled_s:.2f} s",
             )
-        case Straggling(worker, step_time_s, median):
+        case Straggling(worker, slowdown, excess_s, iteration_s):
             return Straggler(
-                step=step, source="heartbeat", worker=worker, step_time_s=step_time_s, group_median_s=median
+                step=step,
+                source="heartbeat",
+                worker=worker,
+                slowdown=slowdown,
+                excess_s=excess_s,
+                iteration_s=iteration_s,
             )
 
 

@@ -15,9 +15,11 @@ import anyio
 import msgspec
 
 from elastic_runtime.cluster.controller.commits import add_saved
+from elastic_runtime.cluster.controller.forming import seatable
 from elastic_runtime.cluster.controller.heartbeat import Lost, UnknownWorker, Verdict, verdict_event
 from elastic_runtime.cluster.controller.processes import WorkerProcess
 from elastic_runtime.cluster.controller.server import Report
+from elastic_runtime.cluster.controller.stragglers import judge_straggler
 from elastic_runtime.cluster.controller.supervision import (
     LeaveRequested,
     MemberFinished,
@@ -54,6 +56,7 @@ from elastic_runtime.core.events import (
     NoticeIgnored,
     ReplicaSkipped,
     StepFailed,
+    Straggler,
     WorkerHung,
     WorkerSignalled,
 )
@@ -123,7 +126,15 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
             if proc.gone or controller.stopping:
                 return
             try:
-                controller.monitor.observe(worker, step, seconds)
+                pace = (
+                    None
+                    if message.iteration_s is None or message.outside_s is None
+                    else (
+                        message.iteration_s,
+                        message.outside_s,
+                    )
+                )
+                controller.monitor.observe(worker, step, pace)
             except UnknownWorker:
                 log.warning("controller: heartbeat from worker %d, which is not watched; ignored", worker)
                 return
@@ -245,6 +256,8 @@ def mark_closed(controller: Controller, proc: WorkerProcess, reason: str) -> Non
 async def publish_verdict(controller: Controller, verdict: Verdict) -> None:
     proc = controller.pool.get(verdict.worker)
     event = verdict_event(verdict, step=controller.group_step)
+    if isinstance(event, Straggler):
+        event = judged(controller, event)
     if isinstance(verdict, Lost) and proc is not None and proc.stopped():
         event = WorkerHung(
             step=controller.group_step,
@@ -257,3 +270,18 @@ async def publish_verdict(controller: Controller, verdict: Verdict) -> None:
     if killed is not None:
         controller.result.detected_after_s.append(event.mono_time - killed)
     await publish_or_log(controller, event)
+
+
+def judged(controller: Controller, event: Straggler) -> Straggler:
+    """``event`` with the controller's choice for its straggler and the reason (``judge_straggler``): a re-forming is
+    costed at this run's newest one (its first, compile included, until it has re-formed)."""
+    sup = controller.supervisor
+    target = controller.target_steps
+    action, reason = judge_straggler(
+        excess_s=event.excess_s,
+        slowdown=event.slowdown,
+        remaining_steps=None if target < 0 else max(target - controller.group_step, 0),
+        reform_s=sup.reform_s,
+        spare_ready=any(seatable(sup, p) for p in controller.pool),
+    )
+    return msgspec.structs.replace(event, action=action, reason=reason)

@@ -97,6 +97,8 @@ def send_restore(sup: Supervisor, out: list[Action]) -> None:
         instances=tuple(_instance_of(sup, w) for w in members),
     )
     out.append(Publish(formed))
+    if strategy != Strategy.START or not sup.reform_s:  # what replacing a straggler would cost (stragglers.py)
+        sup.reform_s = formed.seconds
     shape = sup.mesh_shape()
     if sup.group_shape and shape != sup.group_shape:
         # The data-parallel size changed (a group gone on smaller, or grown back): the same event as in one

@@ -64,7 +64,13 @@ from elastic_runtime.cluster.controller.processes import ProcessPool
 from elastic_runtime.cluster.controller.relay import EventRelay
 from elastic_runtime.cluster.controller.runfolder import default_replica_dir, open_run
 from elastic_runtime.cluster.controller.server import WorkerServer
-from elastic_runtime.cluster.controller.supervision import DrainRequested, Input, Readmitted, RegroupRequested
+from elastic_runtime.cluster.controller.supervision import (
+    DrainRequested,
+    Input,
+    LeaveRequested,
+    Readmitted,
+    RegroupRequested,
+)
 from elastic_runtime.cluster.controller.supervisor import Supervisor
 from elastic_runtime.cluster.controller.workers import reap, renew_leases, spawn
 from elastic_runtime.core.bus import EventBus
@@ -432,6 +438,11 @@ class Controller:
     def readmit(self, instance: str) -> None:
         """Workers on ``instance`` may be seated again."""
         self.feed(Readmitted(instance))
+
+    def request_leave(self, worker: int, reason: str) -> None:
+        """Take member ``worker`` out at a planned step, as if it had asked to leave (``Leaving``)."""
+        if not self.stopping:
+            self.feed(LeaveRequested(worker, reason))
 
     def request_regroup(self, lost: set[int], reason: str, strategy: Strategy | None) -> None:
         """Replace ``lost`` workers and re-form the group; each lost member counts against the budget."""

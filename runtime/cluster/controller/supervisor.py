@@ -125,6 +125,7 @@ class Supervisor:
         self.strategy: Strategy | None = None
         self.unreadable = ""  # the current generation's restore failed: why
         self.failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
+        self.reform_s = 0.0  # the newest formation's seconds (the first's, compile included, until a re-forming)
         self.slowest_join = 0.0  # the longest a member of a formed group took to join (its compile included)
         # The generation being formed.
         self.forming = Strategy.START

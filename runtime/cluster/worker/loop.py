@@ -42,6 +42,7 @@ from elastic_runtime.cluster.worker.handlers import ScriptHandlers
 from elastic_runtime.cluster.worker.instance import instance_name
 from elastic_runtime.cluster.worker.leaving import leave_on_signal
 from elastic_runtime.cluster.worker.link import ControllerLink, Inbound
+from elastic_runtime.cluster.worker.pace import Pace
 from elastic_runtime.cluster.worker.restore import adopt_restored, restore_step
 from elastic_runtime.cluster.worker.settings import WorkerSettings
 from elastic_runtime.cluster.worker.smaller import SmallerGroup
@@ -114,6 +115,7 @@ class Worker:
         # tier is due. Failures and the budget are the controller's: it counts them for the whole group.
         self.ledger = StepLedger("worker")
         self.step_time_s: float | None = None
+        self.pace = Pace()  # its iterations and their time outside collectives, for the controller's straggler check
         self.loss: float | None = None  # of the newest committed step
         self.metrics: dict[str, float] = {}  # every scalar metric of the newest committed step
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
@@ -282,6 +284,8 @@ class Worker:
                 generation=self.generation,
                 step=self.step,
                 step_time_s=self.step_time_s,
+                iteration_s=self.pace.iteration_s,
+                outside_s=self.pace.outside_s,
                 loss=self.loss,
                 metrics=self.metrics,
                 sent_at=time.time(),

@@ -55,6 +55,8 @@ def train(worker: Worker, target: int) -> Inbound | None:
             heard = wait_fenced(worker)
             if heard is not None:
                 return heard
+        began = time.perf_counter()
+        waited = 0.0  # in the iteration's collectives, where a worker waits for its slowest peer
         if worker.script is not None:
             handled = await_step(
                 worker,
@@ -64,14 +66,16 @@ def train(worker: Worker, target: int) -> Inbound | None:
             if isinstance(handled, Message) or handled is None or handled[0].stop:
                 return handled if isinstance(handled, Message) else None
             apply_boundary(worker, handled[0])
+            waited = time.perf_counter() - began
         future = worker.step_pool.submit(run_step, worker, worker.state, position, worker.step + 1)
         outcome = await_step(worker, future, users_code=True)
         if isinstance(outcome, Message):
             return outcome
         if outcome is None:  # the step raised: not committed; wait for the controller to re-form
             return None
-        (new_state, moved, worker.loss, worker.metrics), seconds = outcome
+        (new_state, moved, worker.loss, worker.metrics, in_program), seconds = outcome
         worker.state, worker.step_time_s = new_state, seconds
+        worker.pace.record(worker.generation, worker.step + 1, began, waited + in_program)
         step, position = worker.step + 1, position + 1
         # Its host copy is made by the replica file's writer, not here: the next step need not wait for it.
         metadata = worker.identity | worker.layout
@@ -93,7 +97,9 @@ def train(worker: Worker, target: int) -> Inbound | None:
         if leased and worker.durable is not None and "durable" in due:
             worker.replicas.pin(worker.step)
             if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
+                writing = time.perf_counter()
                 save_durable(worker, final=worker.step == target)
+                worker.pace.exclude(time.perf_counter() - writing)  # its role's work, not a slower pace
         worker.heartbeat()
         if worker.collect_in is not None:
             worker.collect_in -= 1
@@ -128,9 +134,9 @@ def apply_boundary(worker: Worker, done: Boundary) -> None:
 
 def run_step(
     worker: Worker, state: PyTree, position: int, step: int
-) -> tuple[tuple[PyTree, Any, float | None, dict[str, float]], float]:
-    """The step, its neighbour shift, its loss as a number and every scalar metric it returned (the metrics are
-    replicated: every process has them)."""
+) -> tuple[tuple[PyTree, Any, float | None, dict[str, float], float], float]:
+    """The step, its neighbour shift, its loss as a number, every scalar metric it returned (the metrics are
+    replicated: every process has them) and the seconds spent in its programs (collectives included)."""
     import jax
 
     from elastic_runtime.core.metrics import scalar_metrics
@@ -139,20 +145,24 @@ def run_step(
     batch, worker.batch_bytes = place_batch(
         worker.job.data, position, worker.batch_shardings, worker.batch_like, worker.batch_rows
     )
+    entered = time.perf_counter()
     if worker.spares.on:  # the new state is written into a spare state's buffers
         new_state, metrics = worker.compiled(state, batch, worker.spares.take(state))
     else:
         new_state, metrics = worker.compiled(state, batch)
     jax.block_until_ready(new_state)
+    in_program = time.perf_counter() - entered
     loss = worker.job.loss(metrics)
     scalars = scalar_metrics(metrics)
     for check in worker.step_checks:
         check(step)
     # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
+    shifted = time.perf_counter()
     moved = worker.shift(new_state) if worker.shift is not None else []
+    in_program += time.perf_counter() - shifted
     if worker.settings.step_delay_s:
         time.sleep(worker.settings.step_delay_s)
-    return (new_state, moved, number(loss), scalars), time.perf_counter() - started
+    return (new_state, moved, number(loss), scalars, in_program), time.perf_counter() - started
 
 
 def number(loss: Any) -> float | None:
@@ -183,7 +193,9 @@ def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
     nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(worker.state))
     keep = worker.process_id == 0 and (bool(worker.settings.result) or can_hold(nbytes))
     if worker.process_id == 0 and not keep:
-        log.warning("the final state (%d MB) is more than this process can hold: run() returns it as None", nbytes >> 20)
+        log.warning(
+            "the final state (%d MB) is more than this process can hold: run() returns it as None", nbytes >> 20
+        )
     hasher = hashlib.sha256()
     kept: list[np.ndarray] = []
     for leaf in jax.tree.leaves(worker.state):
