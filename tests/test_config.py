@@ -70,6 +70,7 @@ def test_launch_config_defaults_construct_and_stand_for_the_group() -> None:
         ({"spawn_timeout_s": 0}, r"spawn_timeout_s=0 is out of range \(must be > 0\)"),
         ({"hang_timeout_s": -1.0}, r"hang_timeout_s=-1.0 is out of range"),
         ({"heartbeat_timeout_s": 0.0}, r"heartbeat_timeout_s=0.0 is out of range"),
+        ({"heartbeat_interval_s": 1.0}, r"heartbeat_interval_s=1 must be shorter than heartbeat_timeout_s=0.8"),
         ({"start_timeout_s": -5}, r"start_timeout_s=-5"),
         ({"drain_timeout_s": -1}, r"drain_timeout_s=-1 is out of range \(must be >= 0\)"),
         ({"nprocs": 0}, r"nprocs=0 is out of range \(must be >= 1\)"),

@@ -214,6 +214,12 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if not self.starts_workers:
             msgspec.structs.force_setattr(self, "spares", 0)  # nothing to start: the orchestrator brings one up
         self._check_group()
+        if self.heartbeat_interval_s >= min(self.heartbeat_timeout_s, self.hang_timeout_s):
+            raise ConfigError(
+                f"{_ORIGIN}: heartbeat_interval_s={self.heartbeat_interval_s:g} must be shorter than "
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s:g} and hang_timeout_s={self.hang_timeout_s:g}: "
+                "every live worker would be judged lost between two beats"
+            )
         if self.coordinator_ports is not None:
             low, high = self.coordinator_ports
             if not 0 < low <= high < 65536:
