@@ -1,7 +1,7 @@
 """The controller's choice for a straggler (``cluster/controller/stragglers.py``), from numbers alone: replaced by
 a ready spare when its cost over the remaining steps exceeds a re-forming's, kept otherwise, the reason naming the
 figures either way. Found by the heartbeat monitor (tests/multiprocess/test_heartbeat.py); acted on under launch in
-tests/multiprocess/test_stragglers.py."""
+tests/multiprocess/test_straggler_replaced.py."""
 
 from __future__ import annotations
 
