@@ -10,8 +10,8 @@ Fault kinds, each round one or more of them:
 - multi-process, 3 workers under a controller: every case of the chaos loop (``tests/multiprocess/chaos.py``):
   ``kill`` (kill -9), ``stop`` (SIGSTOP), ``two``, ``together``, ``during-recovery``, ``midstep``, ``replica``
   (mid replica-file write), ``hang``, ``impostor``, ``flood``, ``leave`` (SIGTERM of a worker), ``leave-killed``,
-  ``resume`` (the controller killed, then ``--resume``), ``sigterm`` and ``sigterm-durable`` (the controller
-  stopped).
+  ``slow`` (a straggler, 3x), ``resume`` (the controller killed, then ``--resume``), ``sigterm`` and
+  ``sigterm-durable`` (the controller stopped).
 
 Every round runs in a process of its own, bounded in time (past it: ``hung``), and kills only the processes it
 started. A round is ``wrong`` when its final state differs from the fault-free run's (bitwise when it ends on its
@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE.parent / "multiprocess"))  # chaos.py and its attack
 ONE_PROCESS = ("lose-slice", "lose-device", "lose-compiling", "lose-saving", "lose-two", "sdc", "sdc-persistent")
 MULTI_PROCESS = (
     "kill", "stop", "two", "together", "during-recovery", "midstep", "replica", "hang", "impostor", "flood", "leave",
-    "leave-killed", "resume", "sigterm", "sigterm-durable",
+    "leave-killed", "slow", "resume", "sigterm", "sigterm-durable",
 )  # fmt: skip
 KINDS = ONE_PROCESS + MULTI_PROCESS
 ROUND_TIMEOUT_S = 300.0  # a round past this is hung (a multi-process round takes 10-40 s here)

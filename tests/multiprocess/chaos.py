@@ -16,6 +16,7 @@ workers killed at the same instant with one warm spare; ``during-recovery``: a s
 re-forms) are judged on "no survivor killed" and "one re-form" too. ``leave``: a worker SIGTERMed by its host
 (``term``), a planned departure: no loss, no kill, no recovery; ``leave-killed``: the same worker then killed
 0.1 s later, before the step it was to leave at (a grace period cut short), judged as a correlated loss.
+``slow``: a worker 3x slower from a step (a straggler), replaced at a planned step or kept, judged like ``leave``.
 
     .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1] [--cases resume,sigterm,repeat]
 """
@@ -42,6 +43,7 @@ from attacker import run_under_attack
 from elastic_runtime.cli.demo_multiprocess import group_controller, run_group, worker_command
 from elastic_runtime.cluster.config import LaunchConfig
 from elastic_runtime.cluster.controller.runfolder import default_replica_dir
+from elastic_runtime.cluster.protocol import ENV_STEP_DELAY_S
 from elastic_runtime.core.errors import RecoveryError
 from elastic_runtime.core.eventlog import read_events
 from elastic_runtime.core.events import (
@@ -84,6 +86,7 @@ CASES = (
     "flood",
     "leave",
     "leave-killed",
+    "slow",
     *CONTROLLER_CASES,
 )
 
@@ -128,6 +131,12 @@ def plan(rng: random.Random, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
             return {"faults": [Fault("term", pid, step=step)], "planned": True}
         case "leave-killed":
             return {"faults": [Fault("term", pid, step=step)], "correlated": True, "kill_leaver": True}
+        case "slow":
+            # A straggler (3x from the step), its steps long enough to be told from noise (0.1 s more each, every
+            # worker): replaced by the spare at a planned step (the strategies say "drain"), or kept near the
+            # run's end; either way nothing is lost, killed or counted.
+            delay = {"extra_env": {ENV_STEP_DELAY_S: "0.1"}}
+            return {"faults": [Fault("slow", pid, step=min(step, STEPS // 3), factor=3.0)], "planned": True} | delay
         case _:
             return {"faults": [Fault("die-writing-replica", pid, step=step)]}
 
