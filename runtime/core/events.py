@@ -210,7 +210,8 @@ class CorruptionHealed(Event, frozen=True, kw_only=True):
 
 class Straggler(Event, frozen=True, kw_only=True):
     """The group would step ``slowdown`` times faster without ``worker``: it spends ``excess_s`` more per iteration
-    outside the step's collectives than the group's median (``iteration_s``), and the others wait for it. ``action``
+    outside the step's collectives than the group's median, and the others wait for it (``iteration_s``: the group's
+    iteration with it). ``action``
     is the controller's choice, ``replace`` (at a planned step, by a ready spare: nothing lost) or ``keep``, and
     ``reason`` says why (what the slowdown costs over the remaining steps against what a re-forming costs)."""
 

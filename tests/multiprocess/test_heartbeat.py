@@ -252,6 +252,21 @@ def test_a_straggler_is_the_worker_the_others_wait_for(clock: FakeClock) -> None
     assert m.check() == []  # reported at most every straggler_every_s
 
 
+def test_a_slowdown_that_just_started_is_not_overstated(clock: FakeClock) -> None:
+    # Worker 3 slowed down after step 3 (0.1 s iterations, 0.02 s of them outside the collectives, then 0.3 s with
+    # 0.22 s outside); the others' iterations grow one step later (they wait in the next step's collectives). Their
+    # windows' median iteration was still halfway, which overstated the slowdown 10-30x: 3x it is.
+    m = monitor(clock, straggler_factor=1.5, straggler_min_s=0.05)
+    m.register(3)
+    for step in range(1, 9):
+        clock.advance(0.2)
+        for w in range(4):
+            slowed = step > (3 if w == 3 else 4)
+            m.observe(w, step, (0.3, 0.22 if w == 3 else 0.02) if slowed else (0.1, 0.02))
+    [verdict] = m.check()
+    assert verdict.worker == 3 and verdict.slowdown == pytest.approx(3.0, rel=0.05)
+
+
 @pytest.mark.parametrize(
     ("outsides", "why"),
     [

@@ -68,7 +68,7 @@ class Straggling:
     worker: int
     slowdown: float  # the group's iteration / what it would be without the worker
     excess_s: float  # per iteration: the worker's time outside the collectives less the group's median
-    iteration_s: float  # the group's median iteration
+    iteration_s: float  # the group's iteration with the worker (its own: inside the collectives and outside)
 
 
 Verdict = Lost | Hung | Straggling
@@ -337,25 +337,29 @@ class HeartbeatMonitor:
 
     def _stragglers(self, now: float) -> list[Straggling]:
         # Medians over each worker's window: a stall of one iteration (a loaded machine, a durable write) is not
-        # a straggler, a slowdown of most of them is.
+        # a straggler, a slowdown of most of them is. The group's pace without a worker is the usual time outside
+        # the collectives plus the worker's own time inside them: it arrives last, so that time is compute, no
+        # wait. (Its iterations, taken alone, mix paces while a slowdown starts, and overstated it 10-30x.)
         paced = {
-            w: (statistics.median(e.iterations), statistics.median(e.outsides))
+            w: (
+                statistics.median(i - o for i, o in zip(e.iterations, e.outsides, strict=True)),
+                statistics.median(e.outsides),
+            )
             for w, e in self._workers.items()
             if len(e.outsides) >= 3 and not e.reported
         }
         if len(paced) < 3:  # a median of two says nothing about which one is slow
             return []
-        iteration = statistics.median(i for i, _ in paced.values())
         usual = statistics.median(o for _, o in paced.values())
         found = []
-        for worker, (_, outside) in paced.items():
+        for worker, (inside, outside) in paced.items():
             excess = outside - usual
-            slowdown = iteration / max(iteration - excess, 1e-9)
+            slowdown = (inside + outside) / max(inside + usual, 1e-9)
             entry = self._workers[worker]
             slow = slowdown >= self.straggler_factor and excess >= self.straggler_min_s
             if slow and now - entry.straggler_reported_at >= self.straggler_every_s:
                 entry.straggler_reported_at = now
-                found.append(Straggling(worker, slowdown, excess, iteration))
+                found.append(Straggling(worker, slowdown, excess, inside + outside))
         return found
 
 
