@@ -119,10 +119,10 @@ chaos: $(STAMP)
 	$(BIN)/python tests/multiprocess/chaos.py --rounds $(or $(ROUNDS),10)
 
 # The soak campaign (tests/benchmarks/soak.py): seeded rounds of every fault kind, one process and multi-process, each
-# checked against a fault-free run, until FAULTS faults were injected (hours for 1000 on 2 cores). The last line is
-# JSON; a failed round's seed replays it (--round SEED). .ci/run runs a short one.
+# checked against a fault-free run, until FAULTS faults were injected (hours for 1000 on 2 cores) or MINUTES passed.
+# The last line is JSON; a failed round's seed replays it (--round SEED). .ci/run runs a short one.
 soak: $(STAMP)
-	$(BIN)/python tests/benchmarks/soak.py --faults $(or $(FAULTS),1000) --seed $(or $(SEED),1)
+	$(BIN)/python tests/benchmarks/soak.py --faults $(or $(FAULTS),1000) --seed $(or $(SEED),1) $(if $(MINUTES),--minutes $(MINUTES))
 
 # Ray: a node of a local multi-node Ray test cluster removed in each of ROUNDS runs (tests/benchmarks/bench_ray.py).
 chaos-ray: $(STAMP)

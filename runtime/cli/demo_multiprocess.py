@@ -231,8 +231,8 @@ def straggler_summary(events: list[Any], slow: Any) -> dict[str, Any]:
     last = max(at, default=0)
     formed = next((e for e in events if isinstance(e, GroupFormed) and found and e.mono_time > found.mono_time), None)
 
-    def median_step(first: int, last: int) -> float | None:
-        gaps = [at[s] - at[s - 1] for s in range(first + 1, last + 1) if s in at and s - 1 in at]
+    def median_step(first: int, until: int) -> float | None:
+        gaps = [at[s] - at[s - 1] for s in range(first + 1, until + 1) if s in at and s - 1 in at]
         return round(statistics.median(gaps), 4) if gaps else None
 
     before = median_step(max(slow.step - 10, 1), slow.step)

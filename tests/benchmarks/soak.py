@@ -20,7 +20,7 @@ restore was possible, ``recovered`` otherwise. The JSON: ``faults``, ``recovered
 per kind the faults, the recovered and the median and 99th percentile recovery time, and the seed of every round
 that failed (``--round SEED`` replays one).
 
-    .venv/bin/python tests/benchmarks/soak.py --faults 1000 --seed 1 [--kinds lose-slice,kill] [--json]
+    .venv/bin/python tests/benchmarks/soak.py --faults 1000 --seed 1 [--minutes M] [--kinds lose-slice,kill] [--json]
 """
 
 from __future__ import annotations
@@ -146,6 +146,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--faults", type=int, default=100, help="stop once this many faults were injected")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--minutes", type=float, default=None, help="start no round after this many minutes")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated kinds to draw from")
     parser.add_argument("--round", type=int, default=None, help=argparse.SUPPRESS)  # one round, in a child
     parser.add_argument("--root", default=None, help=argparse.SUPPRESS)
@@ -161,7 +162,9 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="soak-"))
     rounds: list[dict[str, Any]] = []
     injected, index = 0, 0
-    while injected < args.faults:
+    started = time.monotonic()
+    deadline = started + args.minutes * 60 if args.minutes is not None else float("inf")
+    while injected < args.faults and time.monotonic() < deadline:
         seed = args.seed * 100_000 + index
         index += 1
         command = [sys.executable, __file__, "--round", str(seed), "--kinds", args.kinds, "--root", str(root)]
@@ -177,7 +180,11 @@ def main() -> int:
         injected += outcome.get("faults", 1)
         verdict = "ok" if not outcome.get("problems") else "FAIL " + "; ".join(outcome["problems"])
         print(f"round {index} seed {seed} {outcome.get('kind')}: {verdict}", file=sys.stderr, flush=True)
-    print(json.dumps(summarize(rounds, args.seed)), flush=True)
+    summary = summarize(rounds, args.seed)
+    summary |= {"minutes": round((time.monotonic() - started) / 60, 1), "stopped_by": "faults"}
+    if injected < args.faults:
+        summary["stopped_by"] = f"--minutes {args.minutes:g}, before --faults {args.faults}"
+    print(json.dumps(summary), flush=True)
     return 1 if any(r.get("problems") for r in rounds) else 0
 
 

@@ -130,7 +130,7 @@ class Run:
     def commit(self, step: int) -> None:
         for worker in self.members:
             self.pool[worker].step = step
-            self.monitor.observe(worker, step, 0.1)
+            self.monitor.observe(worker, step, (0.1, 0.0))  # a 0.1 s iteration, all of it in the step
             self.feed(Progress(worker, step, 0.1))
 
     def lose(self, worker: int, reason: str = "WorkerLost") -> None:
@@ -393,7 +393,7 @@ def test_survivors_waiting_for_a_replacement_are_not_judged_hung(tmp_path: Path)
     assert len(run.forms) == 1 and run.supervisor.deadline is not None  # recruiting: a replacement starting
     for _ in range(12):
         run.now += 1.0
-        run.monitor.observe(0, 10, 0.1)  # heartbeats, no progress
+        run.monitor.observe(0, 10, (0.1, 0.0))  # heartbeats, no progress
         assert not [v for v in run.monitor.check() if isinstance(v, Hung)]
         run.feed(Tick())
     run.hello(2)

@@ -126,14 +126,9 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
             if proc.gone or controller.stopping:
                 return
             try:
-                pace = (
-                    None
-                    if message.iteration_s is None or message.outside_s is None
-                    else (
-                        message.iteration_s,
-                        message.outside_s,
-                    )
-                )
+                pace = None
+                if message.iteration_s is not None and message.outside_s is not None:
+                    pace = (message.iteration_s, message.outside_s)
                 controller.monitor.observe(worker, step, pace)
             except UnknownWorker:
                 log.warning("controller: heartbeat from worker %d, which is not watched; ignored", worker)

@@ -13,13 +13,12 @@ def judge_straggler(
     """``("replace" | "keep", reason)`` for a worker that costs the group ``excess_s`` per step (``slowdown``
     times its pace without it), with ``remaining_steps`` to go (None: no end set) and a re-forming measured at
     ``reform_s``."""
+    costs = f"{slowdown:.2f}x slower, {excess_s:.3f} s a step"
     if remaining_steps is None:
-        cost, over = float("inf"), "the run has no end set"
+        cost, costs = float("inf"), f"{costs}, and the run has no end set"
     else:
-        cost, over = excess_s * remaining_steps, f"{remaining_steps} remaining steps"
-    costs = f"{slowdown:.2f}x slower, {excess_s:.3f} s a step: about {cost:.1f} s over the {over}"
-    if remaining_steps is None:
-        costs = f"{slowdown:.2f}x slower, {excess_s:.3f} s a step, and {over}"
+        cost = excess_s * remaining_steps
+        costs = f"{costs}: about {cost:.1f} s over the {remaining_steps} remaining steps"
     if not spare_ready:
         return "keep", f"{costs}; kept: no spare is ready to take its place"
     if cost <= reform_s:

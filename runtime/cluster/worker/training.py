@@ -189,7 +189,8 @@ def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
     # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local
     # device), and hashing one joined copy two more: at a GB of state 4 workers ran the machine out of memory.
     # The lead's run() returns it (with --result it is written there too), where the process can hold it: a state
-    # larger than a worker's memory is never gathered into one (its shards are written where they are).
+    # larger than a worker's memory is hashed leaf by leaf and never held whole (the heavy test's 3 GB state under a
+    # cgroup limit of 0.95 of it: kept, it got the lead OOM-killed).
     nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(worker.state))
     keep = worker.process_id == 0 and (bool(worker.settings.result) or can_hold(nbytes))
     if worker.process_id == 0 and not keep:
