@@ -216,9 +216,9 @@ class Straggler(Event, frozen=True, kw_only=True):
     ``reason`` says why (what the slowdown costs over the remaining steps against what a re-forming costs)."""
 
     worker: int
-    slowdown: float
-    excess_s: float
-    iteration_s: float
+    slowdown: float = 0.0  # defaults: an event log written before these fields (a step time then) still reads
+    excess_s: float = 0.0
+    iteration_s: float = 0.0
     action: str = "keep"
     reason: str = ""
 
