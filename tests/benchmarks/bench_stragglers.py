@@ -77,7 +77,7 @@ def main() -> None:
             "with_a_straggler_event": sum(r["stragglers"] > 0 for r in runs),
             "replaced": sum(r.get("action") == "replace" for r in runs),
             "bitwise": sum(r.get("bitwise") is True for r in runs),
-            "steps_to_detect": median([{"d": r["detected_step"] - r["from_step"]} for r in found], "d"),
+            "steps_to_detect": statistics.median(r["detected_step"] - r["from_step"] for r in found) if found else None,
             "slowdown": median(runs, "slowdown"),
             "step_time_before_s": median(runs, "step_time_before_s"),
             "step_time_during_s": median(runs, "step_time_during_s"),

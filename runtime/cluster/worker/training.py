@@ -9,7 +9,6 @@ import contextlib
 import gc
 import hashlib
 import logging
-import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -191,7 +190,7 @@ def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
     # The lead's run() returns it (with --result it is written there too), where the process can hold it: a state
     # larger than a worker's memory is hashed leaf by leaf and never held whole (the heavy test's 3 GB state under a
     # cgroup limit of 0.95 of it: kept, it got the lead OOM-killed).
-    nbytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(worker.state))
+    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(worker.state))
     keep = worker.process_id == 0 and (bool(worker.settings.result) or can_hold(nbytes))
     if worker.process_id == 0 and not keep:
         log.warning(
