@@ -6,7 +6,8 @@ Fault kinds, each round one or more of them:
 - one process, the demo model on 8 virtual CPU devices (data 4 x model 2): a slice lost (``lose-slice``, repaired
   later or not), a device lost (``lose-device``), a slice lost while the degraded meshes compile in the background
   (``lose-compiling``), during a disk save (``lose-saving``), two slices one after the other (``lose-two``), a bit
-  flipped in one replica (``sdc``) and a device that computes wrong (``sdc-persistent``);
+  flipped in one replica (``sdc``), a device that computes wrong (``sdc-persistent``) and a run resumed from a
+  disk tier whose newest checkpoint was damaged on disk, a bit flipped or the file cut short (``corrupt-durable``);
 - multi-process, 3 workers under a controller: every case of the chaos loop (``tests/multiprocess/chaos.py``):
   ``kill`` (kill -9), ``stop`` (SIGSTOP), ``two``, ``together``, ``during-recovery``, ``midstep``, ``replica``
   (mid replica-file write), ``hang``, ``impostor``, ``flood``, ``leave`` (SIGTERM of a worker), ``leave-killed``,
@@ -41,7 +42,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "multiprocess"))  # chaos.py and its attacker
 
-ONE_PROCESS = ("lose-slice", "lose-device", "lose-compiling", "lose-saving", "lose-two", "sdc", "sdc-persistent")
+ONE_PROCESS = (
+    "lose-slice", "lose-device", "lose-compiling", "lose-saving", "lose-two", "sdc", "sdc-persistent",
+    "corrupt-durable",
+)  # fmt: skip
 MULTI_PROCESS = (
     "kill", "stop", "two", "together", "during-recovery", "midstep", "replica", "hang", "impostor", "flood", "leave",
     "leave-killed", "slow", "resume", "sigterm", "sigterm-durable",
@@ -62,6 +66,8 @@ def one_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str,
 
     policy = MeshPolicy({"data": 4, "model": 2}, global_batch=24, slice_size=2)
     job = demo_job(global_batch=24, features=16, hidden=64)
+    if kind == "corrupt-durable":
+        return resume_from_damaged_disk(rng, run_dir, policy, job)
     step = rng.randrange(3, STEPS - 12)
     injector = FaultInjector()
     options: dict[str, Any] = {"precompile": False, "scale_up_poll_s": 0.2}
@@ -100,6 +106,50 @@ def one_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str,
         "recovery_s": [e.recovery_s for e in recoveries],
         "lost_steps": sum(e.lost_steps for e in recoveries),
     }
+
+
+def resume_from_damaged_disk(rng: random.Random, run_dir: Path, policy: Any, job: Any) -> dict[str, Any]:
+    """A run stops at a disk save; its newest checkpoint is damaged on disk; a new run resumes from the disk tier.
+    Right when the damage is reported (``CheckpointCorrupt``), the previous disk checkpoint is restored and the final
+    state is bitwise the fault-free run's."""
+    from elastic_runtime import (
+        CheckpointCommitted,
+        CheckpointCorrupt,
+        ElasticRuntime,
+        RuntimeConfig,
+        StateRestored,
+        read_events,
+    )
+    from elastic_runtime.core.compare import compare_states
+    from elastic_runtime.storage.disk import DiskTier
+
+    stop = 5 * rng.randrange(2, STEPS // 5 - 1)
+    checkpoints = run_dir / "checkpoints"
+    first = RuntimeConfig(run_dir=str(run_dir / "first"), checkpoint_dir=str(checkpoints), disk_every=5, progress=False)
+    ElasticRuntime(job, config=first, mesh_policy=policy).run(stop)
+    saved = read_events(run_dir / "first" / "events.jsonl")
+    previous = max(e.step or 0 for e in saved if isinstance(e, CheckpointCommitted) and (e.step or 0) < stop)
+    # (the previous disk save: one due while another is in flight is skipped)
+    disk = DiskTier(checkpoints)
+    victim = disk.path_of(stop) / rng.choice(disk.manifest(stop).files).path  # any file the manifest vouches for
+    data = bytearray(victim.read_bytes())
+    if rng.random() < 0.5:
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    else:
+        del data[rng.randrange(len(data)) :]
+    victim.write_bytes(bytes(data))
+    second = RuntimeConfig(run_dir=str(run_dir / "second"), checkpoint_dir=str(checkpoints), progress=False)
+    result = ElasticRuntime(job, config=second, mesh_policy=policy).run(STEPS, resume=True)
+    events = read_events(run_dir / "second" / "events.jsonl")
+    reference_config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
+    reference = ElasticRuntime(job, config=reference_config, mesh_policy=policy).run(STEPS).state
+    match = compare_states(result.state, reference, bitwise=True)
+    reported = [e.step for e in events if isinstance(e, CheckpointCorrupt)]
+    restored = [e.step for e in events if isinstance(e, StateRestored)]
+    problems = [] if match["match"] else [f"final state differs: {match}"]
+    if reported != [stop] or restored[:1] != [previous]:
+        problems.append(f"damage at step {stop}: reported {reported}, restored {restored}")
+    return {"faults": 1, "problems": problems, "recovery_s": [], "lost_steps": stop - previous}
 
 
 def multi_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str, Any]:
