@@ -82,6 +82,21 @@ class FailureRecord:
     # join (wait, leave, connect, trace, compile, load, read, and ``join_other``), and the restore and first step
     # after the group formed.
     phases: dict[str, float] = field(default_factory=dict)
+    # Under launch, what the restore read from each tier (:func:`restored_tiers`) and the slowest member's part in
+    # the collective that handed every member its shards.
+    tiers: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    transfer_s: float = 0.0
+
+
+def restored_tiers(done: RecoveryCompleted) -> dict[str, dict[str, float | None]]:
+    """Per tier the bytes a recovery's restore read, the slowest member's read time and the rate (MB/s; None
+    where nothing was read there: shards a member took from its neighbour's copy)."""
+    tiers: dict[str, dict[str, float | None]] = {}
+    for tier, nbytes in done.bytes_by_tier.items():
+        seconds = done.read_s_by_tier.get(tier)
+        rate = round(nbytes / seconds / 1e6, 1) if seconds else None
+        tiers[tier] = {"bytes": nbytes, "read_s": seconds, "mb_per_s": rate}
+    return tiers
 
 
 @dataclass
@@ -323,4 +338,6 @@ def _record(
         wasted_s=attempt_s + sum(c.duration_s for c in rolled_back),
         restored_from="" if done is None else done.restored_from,
         compile_wait_s=0.0 if done is None else done.compile_wait_s,
+        tiers={} if done is None else restored_tiers(done),
+        transfer_s=0.0 if done is None else done.transfer_s,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from elastic_runtime.analysis.goodput import goodput
+from elastic_runtime.analysis.goodput import goodput, restored_tiers
 from elastic_runtime.core.events import (
     Event,
     MeshChanged,
@@ -41,6 +41,8 @@ def summarize(events: Sequence[Event]) -> dict[str, Any]:
             "lost_steps": e.lost_steps,
             "restored_from": e.restored_from,
             "mesh_after": e.mesh_shape,
+            "tiers": restored_tiers(e),
+            "transfer_s": e.transfer_s,
         }
         for e in events
         if isinstance(e, RecoveryCompleted)

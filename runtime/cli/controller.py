@@ -17,6 +17,7 @@ from elastic_runtime.cli.launch import (
     add_maintenance_arguments,
     add_quiet_argument,
     add_replica_file_argument,
+    add_slices_argument,
     add_timeout_arguments,
 )
 from elastic_runtime.cluster import auth
@@ -35,6 +36,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--nprocs", type=int, required=True, help="worker processes in the full group")
     parser.add_argument("--min-nprocs", type=int, default=None, help="smallest group to go on with after a loss")
     parser.add_argument("--local-devices", type=int, default=2, help="devices per worker (default 2)")
+    add_slices_argument(parser)
     parser.add_argument("--steps", type=int, default=None, help="the run's target (default: the first worker's)")
     parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
     parser.add_argument(
@@ -94,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         nprocs=args.nprocs,
         min_nprocs=args.min_nprocs,
         local_devices=args.local_devices,
+        slices=args.slices,
         target_steps=args.steps,
         strategy=args.strategy,
         heartbeat_interval_s=args.heartbeat_interval,

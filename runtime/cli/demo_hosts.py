@@ -128,7 +128,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         # A full restart keeps the group at N (no --min-nprocs) and its replicas on disk, one folder per host.
         disk = run_dir / "disk" if full_restart else None
         faulty = fault is not None and not full_restart
-        run = _Service(hosts, run_dir, steps=steps, nprocs=hosts_count, faulty=faulty, disk=disk)
+        run = HostedRun(hosts, run_dir, steps=steps, nprocs=hosts_count, faulty=faulty, disk=disk)
         stack.callback(run.stop)
         delay = _HOSTS_STEP_DELAY_S if args.step_delay is None else args.step_delay
         run.start(step_delay_s=delay, controller_args=["--max-failures", "0"] if full_restart else [])
@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             run.wait_for_exit("the controller's stop at the loss")
             run.wait_for_hosts_idle([k for k in range(hosts_count) if k != LOST_HOST])
             say("the controller and every worker stopped")
-            run = _Service(hosts, run_dir, steps=steps, nprocs=hosts_count, faulty=False, disk=disk)
+            run = HostedRun(hosts, run_dir, steps=steps, nprocs=hosts_count, faulty=False, disk=disk)
             stack.callback(run.stop)
             # What a cluster does after a failure: the whole job again, the lost host's share on a new one.
             run.start(
@@ -184,15 +184,26 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
-class _Service:
-    """``elastic-runtime controller`` in this namespace with a token file, and its workers on the hosts."""
+class HostedRun:
+    """``elastic-runtime controller`` in this namespace with a token file, and its workers on the hosts (the
+    demo job, or ``command``: the same job at another size, ``tests/benchmarks/bench_wire.py``)."""
 
     def __init__(
-        self, hosts: Any, run_dir: Path, *, steps: int, nprocs: int, faulty: bool, disk: Path | None = None
+        self,
+        hosts: Any,
+        run_dir: Path,
+        *,
+        steps: int,
+        nprocs: int,
+        faulty: bool,
+        disk: Path | None = None,
+        command: list[str] | None = None,
     ) -> None:
+        from elastic_runtime.cli.demo_multiprocess import worker_command
         from elastic_runtime.cluster.controller.coordination import free_port
 
         self.hosts, self.run_dir, self.steps, self.nprocs, self.faulty = hosts, run_dir, steps, nprocs, faulty
+        self.command = command or worker_command(steps)
         self.disk = disk  # the workers' replica folders, one per host under it; None: each host's /dev/shm
         self.events_path = run_dir / "run" / "events.jsonl"
         self.address = f"{hosts.controller_address}:{free_port(hosts.controller_address)}"
@@ -227,13 +238,11 @@ class _Service:
             self.start_worker(host, host)  # worker k on host k (a replacement, worker N, on host N)
 
     def start_worker(self, host: int, worker: int) -> None:
-        from elastic_runtime.cli.demo_multiprocess import worker_command
-
         log = self.run_dir / f"worker-{worker}.log"
         env = self.env | {"ELASTIC_WORKER_ID": str(worker)}
         if self.disk is not None:
             env["ELASTIC_REPLICA_DIR"] = str(self.disk / f"host{host}")
-        self.hosts.start(host, worker_command(self.steps), env, log)
+        self.hosts.start(host, self.command, env, log)
 
     def events(self) -> list[Any]:
         from elastic_runtime.core.eventlog import read_events

@@ -45,12 +45,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--min-nprocs", type=int, default=None, help="smallest group to go on with")
     parser.add_argument("--spares", type=int, default=1, help="warm spare processes (default 1)")
     parser.add_argument("--local-devices", type=int, default=2, help="CPU devices per worker (default 2)")
-    parser.add_argument(
-        "--slices",
-        type=int,
-        default=0,
-        help="slices the processes form, each holding the state sharded over its processes (default: one per process)",
-    )
+    add_slices_argument(parser)
     parser.add_argument(
         "--durable",
         default=None,
@@ -228,6 +223,15 @@ def add_maintenance_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fail at start when the maintenance subscription cannot be read (no credentials, it does not exist, "
         "no permission), instead of running without maintenance protection",
+    )
+
+
+def add_slices_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=0,
+        help="slices the processes form, each holding the state sharded over its processes (default: one per process)",
     )
 
 

@@ -91,6 +91,9 @@ def render(report: GoodputReport, path: Path) -> str:
             )
             if f.phases:  # a re-formed group: where the recovery's time went, adding up to it
                 lines.append("      " + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in f.phases.items()))
+            if f.tiers:  # what its restore read, per tier, and the collective that moved the shards
+                read = ", ".join(f"{tier} {_moved(t)}" for tier, t in f.tiers.items())
+                lines.append(f"      read: {read}; collective {f.transfer_s:.3f} s")
     if report.checkpoints:
         tiers = ", ".join(f"{tier} {count}" for tier, count in sorted(report.checkpoints.items()))
         lines += ["", f"  checkpoints committed: {tiers}"]
@@ -167,3 +170,10 @@ def _size(shape: dict[str, int]) -> int:
     for value in shape.values():
         size *= value
     return size
+
+
+def _moved(tier: dict[str, float | None]) -> str:
+    megabytes = (tier["bytes"] or 0) / 1e6
+    if tier["mb_per_s"] is None:
+        return f"{megabytes:.1f} MB"
+    return f"{megabytes:.1f} MB in {tier['read_s']:.3f} s ({tier['mb_per_s']:.0f} MB/s)"

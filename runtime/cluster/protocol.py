@@ -188,13 +188,16 @@ class Saved(Message, frozen=True, kw_only=True):
 class Restored(Message, frozen=True, kw_only=True):
     """The worker restored step ``step`` of ``generation``: ``nbytes`` of its shards came from its ``tier``
     ("ram", "shm", "disk", "durable", "neighbour": the next process's neighbour replica; "none": it held nothing
-    and took every shard from its peers)."""
+    and took every shard from its peers). ``read_s``: its read of them from that tier; ``transfer_s``: its part
+    in the group's collective that moved every member's shards from the source slice."""
 
     worker: int
     generation: int
     step: int
     tier: Tier
     nbytes: int
+    read_s: float = 0.0
+    transfer_s: float = 0.0
 
 
 class Finished(Message, frozen=True, kw_only=True):

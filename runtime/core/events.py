@@ -443,7 +443,12 @@ class StateTransformed(Event, frozen=True, kw_only=True):
 
 class RecoveryCompleted(Event, frozen=True, kw_only=True):
     """The first step after a failure committed; ``recovery_s`` runs from the failure to this commit, of which
-    ``compile_wait_s`` waited for the new mesh's programs (0 when they were compiled ahead)."""
+    ``compile_wait_s`` waited for the new mesh's programs (0 when they were compiled ahead).
+
+    Under ``launch``, what the restore moved: ``bytes_by_tier`` the bytes the members read from each tier,
+    ``read_s_by_tier`` the slowest member's read from each, ``transfer_s`` the slowest member's part in the
+    collective that handed every member its shards (empty and 0 in one process, where the restore is in RAM).
+    """
 
     cause: str
     failed_step: int
@@ -452,6 +457,9 @@ class RecoveryCompleted(Event, frozen=True, kw_only=True):
     restored_from: str
     mesh_shape: dict[str, int]
     compile_wait_s: float = 0.0
+    bytes_by_tier: dict[str, int] = {}
+    read_s_by_tier: dict[str, float] = {}
+    transfer_s: float = 0.0
 
 
 class MeshReady(Event, frozen=True, kw_only=True):

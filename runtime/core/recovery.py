@@ -86,8 +86,17 @@ class RecoveryTracker:
         if self.current is not None:
             self.current.compile_wait_s += seconds
 
-    def committed(self, step: int, mesh_shape: dict[str, int]) -> RecoveryCompleted | None:
-        """Step ``step`` was committed. Returns the ``RecoveryCompleted`` to publish when it ends a recovery."""
+    def committed(
+        self,
+        step: int,
+        mesh_shape: dict[str, int],
+        *,
+        bytes_by_tier: dict[str, int] | None = None,
+        read_s_by_tier: dict[str, float] | None = None,
+        transfer_s: float = 0.0,
+    ) -> RecoveryCompleted | None:
+        """Step ``step`` was committed. Returns the ``RecoveryCompleted`` to publish when it ends a recovery (with
+        what its restore read, per tier, where the caller knows it)."""
         recovery = self.current
         if recovery is None or recovery.restore_step is None or step <= recovery.restore_step:
             return None
@@ -102,4 +111,7 @@ class RecoveryTracker:
             restored_from=recovery.restored_from,
             mesh_shape=mesh_shape,
             compile_wait_s=recovery.compile_wait_s,
+            bytes_by_tier=dict(bytes_by_tier or {}),
+            read_s_by_tier={tier: round(s, 4) for tier, s in (read_s_by_tier or {}).items()},
+            transfer_s=round(transfer_s, 4),
         )

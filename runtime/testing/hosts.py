@@ -10,6 +10,7 @@
         hosts.cut_from_controller(2)                # only host 2 <-> the controller cut; its peers reach it
         hosts.reconnect(2)                          # ... and mended
         hosts.kill(0)                               # every process on host 0 killed (its link stays)
+        hosts.shape(2, 1e9)                         # host 2's link limited to 1 Gbit/s each way (tc tbf)
 
 Addresses come from 198.18.0.0/15, the range reserved for network tests (RFC 2544), never a real private
 range: 198.18.N.1 is the bridge (where the controller listens), 198.18.N.(10+K) host K, with N picked so that
@@ -44,6 +45,12 @@ def _ip(*args: str, check: bool = True) -> str:
     if check and done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
     return done.stdout
+
+
+def _tc(*args: str) -> None:
+    done = subprocess.run(["tc", *args], capture_output=True, text=True, timeout=_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"tc {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
 
 
 def _free_subnet() -> int:
@@ -205,6 +212,16 @@ class SimulatedHosts:
         """Undo :meth:`cut_from_controller`."""
         _ip("-n", self.namespaces[k], "route", "del", "blackhole", f"{self.controller_address}/32", check=False)
         _ip("route", "del", "blackhole", f"{self.address(k)}/32", check=False)
+
+    def shape(self, k: int, bits_per_s: float) -> None:
+        """Limit host ``k``'s link to ``bits_per_s`` each way: a token bucket (``tc``'s ``tbf``) on both ends of
+        its veth pair, the host's end for what it sends, the bridge's for what it receives. The bucket holds
+        4 ms at that rate (at least 1 MB): a 64 KB segment of the kernel's segmentation offload always fits."""
+        rate, burst = f"{int(bits_per_s)}bit", str(max(2**20, int(bits_per_s / 8 * 0.004)))
+        shaping = ("qdisc", "replace", "dev")
+        limit = ("root", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
+        _tc("-n", self.namespaces[k], *shaping, f"{self._links[k]}p", *limit)
+        _tc(*shaping, self._links[k], *limit)
 
     def kill(self, k: int) -> None:
         """Kill every process on host ``k``; its link stays (the host lives on, as when a job is stopped)."""

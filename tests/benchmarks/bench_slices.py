@@ -232,7 +232,7 @@ def case_gcs(
 
         async def note_restore(event: StepCompleted, ctx: Any) -> None:
             if not first_restore and event.duration_s > 0:  # the restarted group's restore, not a later one's
-                first_restore.update(again.restored_bytes)
+                first_restore.update(again.supervisor.restore_tally.bytes_by_tier)
 
         again.bus.subscribe(StepCompleted, note_restore)
         say(f"{name}: every process started again, restoring from GCS")

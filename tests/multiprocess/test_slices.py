@@ -17,6 +17,8 @@ from launch_support import lose_after_durable
 from elastic_runtime.cli.demo_multiprocess import FEATURES, HIDDEN, group_controller, run_group, wipe_lost_replicas
 from elastic_runtime.cluster.protocol import ENV_STEP_DELAY_S
 from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.eventlog import read_events
+from elastic_runtime.core.events import RecoveryCompleted
 from elastic_runtime.faults.grammar import Fault, parse_faults
 from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.testing.demo_model import init_state
@@ -122,6 +124,9 @@ def test_with_neighbour_replicas_a_lost_host_shards_come_from_its_neighbour_not_
     assert recovery["restored_from"] == "neighbour+ram" and recovery["lost_steps"] == 0, recovery
     whole = sum(leaf.nbytes for leaf in jax.tree.leaves(init_state(FEATURES, HIDDEN)))
     assert recovery["bytes_by_tier"] == {"ram": 3 * whole // 4, "neighbour": whole // 4}, recovery
+    assert set(recovery["read_s_by_tier"]) == {"ram", "neighbour"} and recovery["transfer_s"] > 0, recovery
+    [done] = [e for e in read_events(result.events_path) if isinstance(e, RecoveryCompleted)]
+    assert (done.bytes_by_tier, done.transfer_s) == (recovery["bytes_by_tier"], recovery["transfer_s"])
     assert result.survivor_restarts == 0
     assert run(tmp_path, "reference", processes=4, slices=1, kill=None).ok
     assert compare_states(final(tmp_path / "run"), final(tmp_path / "reference"), bitwise=True)["match"]

@@ -22,6 +22,7 @@ from elastic_runtime.cluster.controller.supervision import (
     MemberJoined,
     Phase,
     Publish,
+    RestoreTally,
     SaveFences,
     Send,
     SendForm,
@@ -170,7 +171,7 @@ def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recru
     sup.requests.clear()
     generation = sup.group.new_generation(members)
     out.append(SaveFences())  # a resumed controller numbers its generations after this one
-    sup.restored_bytes.clear()
+    sup.restore_tally = RestoreTally()
     sup.coordinator = ""
     for worker in members:
         proc = sup.pool[worker]

@@ -148,8 +148,8 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
             await end_on_failure(controller, proc, message, heard(proc, failed))
         case EventReport(generation=gen, event=LikelyMeshesReady() as ready) if gen == controller.group.generation:
             await controller.bus.publish(heard(proc, ready))
-        case Restored(generation=gen, tier=tier, nbytes=nbytes) if gen == controller.group.generation:
-            controller.feed(MemberRestored(tier, nbytes))
+        case Restored(generation=gen) if gen == controller.group.generation:
+            controller.feed(MemberRestored(message.tier, message.nbytes, message.read_s, message.transfer_s))
         case Requested():
             await controller.relay.requested(message)
         case Published():

@@ -31,6 +31,7 @@ __all__ = [
     "Readmitted",
     "RegroupRequested",
     "RestoreFailed",
+    "RestoreTally",
     "SaveFences",
     "Send",
     "SendForm",
@@ -97,10 +98,30 @@ class Progress:
 
 @dataclass(frozen=True)
 class MemberRestored:
-    """A member restored ``nbytes`` from ``tier`` (``Restored``)."""
+    """A member restored ``nbytes`` from ``tier`` in ``read_s``, then took part in the group's collective for
+    ``transfer_s`` (``Restored``)."""
 
     tier: str
     nbytes: int
+    read_s: float = 0.0
+    transfer_s: float = 0.0
+
+
+@dataclass
+class RestoreTally:
+    """What a generation's members restored: the bytes per tier, the slowest member's read per tier, and the
+    slowest member's collective (the group's restore ends with its slowest member)."""
+
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    read_s_by_tier: dict[str, float] = field(default_factory=dict)
+    transfer_s: float = 0.0
+
+    def add(self, member: MemberRestored) -> None:
+        if member.nbytes:  # a member that took every shard from the others delivered nothing itself
+            tier = member.tier
+            self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + member.nbytes
+            self.read_s_by_tier[tier] = max(self.read_s_by_tier.get(tier, 0.0), member.read_s)
+        self.transfer_s = max(self.transfer_s, member.transfer_s)
 
 
 @dataclass(frozen=True)

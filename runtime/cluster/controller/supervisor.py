@@ -57,6 +57,7 @@ from elastic_runtime.cluster.controller.supervision import (
     Readmitted,
     RegroupRequested,
     RestoreFailed,
+    RestoreTally,
     Send,
     SendForm,
     Start,
@@ -118,7 +119,7 @@ class Supervisor:
         self.phase = Phase.IDLE
         self.stopped = False  # the run is ending: nothing is replaced or formed any more
         self.restored = False  # the current generation got its RestoreStep
-        self.restored_bytes: dict[str, int] = {}  # what the current generation's members restored, per tier
+        self.restore_tally = RestoreTally()  # what the current generation's members restored
         self.deadline: float | None = None  # when to be handed a Tick
         self.requests: set[int] = set()  # members to replace at the next re-forming
         self.reason = ""
@@ -189,9 +190,8 @@ class Supervisor:
                 if not recovered_from and failed not in self.failed_restores:
                     self.failed_restores.add(failed)
                     self.unreadable = reason
-            case MemberRestored(tier=tier, nbytes=nbytes):
-                if nbytes:  # a member that took every shard from the others delivered nothing itself
-                    self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + nbytes
+            case MemberRestored():
+                self.restore_tally.add(event)
             case Progress(worker=worker, step=step, step_time_s=seconds, loss=loss, metrics=metrics):
                 if 0 <= self.target_steps <= step:  # done: finishing (its last writes) is no hang
                     self.monitor.expect_progress(worker, False)
@@ -395,7 +395,14 @@ class Supervisor:
                 Publish(self.completed(step, step_time_s or 0.0, loss if mine else None, metrics if mine else {}))
             )
             recovery = self.recovery.current
-            completed = self.recovery.committed(step, self.mesh_shape())
+            tally = self.restore_tally
+            completed = self.recovery.committed(
+                step,
+                self.mesh_shape(),
+                bytes_by_tier=tally.bytes_by_tier,
+                read_s_by_tier=tally.read_s_by_tier,
+                transfer_s=tally.transfer_s,
+            )
             if recovery is not None and completed is not None:
                 self.result.recoveries.append(
                     {
@@ -405,7 +412,9 @@ class Supervisor:
                         "lost_steps": recovery.lost_steps,
                         "restored_from": recovery.restored_from,
                         "failed_step": recovery.failed_step,
-                        "bytes_by_tier": dict(self.restored_bytes),
+                        "bytes_by_tier": completed.bytes_by_tier,
+                        "read_s_by_tier": completed.read_s_by_tier,
+                        "transfer_s": completed.transfer_s,
                     }
                 )
                 out.append(Publish(completed))

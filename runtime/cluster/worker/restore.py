@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -120,10 +121,12 @@ def restore_step(
     takes = in_source and worker.process_id % worker.slice_size in restore.from_neighbour
     tier: Tier = Tier.NONE
     mine = None
+    started = time.monotonic()
     if takes:
         tier = Tier.NEIGHBOUR
     elif in_source:
         tier, mine = read_own(worker, restore, files)
+    read_s = time.monotonic() - started
     if abandoned.is_set():  # the group re-formed while this read: the backend is no longer this group's
         raise RuntimeError(f"the restore of step {restore.step} was abandoned")
     # The source slice's readers may take long (the durable tier); the others wait for them here, not in the
@@ -133,6 +136,7 @@ def restore_step(
     assert worker.restorer is not None
     # Every member takes its shards from the source slice, its own included: every member then holds
     # exactly the source's values, whichever tier each one held.
+    started = time.monotonic()
     state, position = worker.restorer(
         mine.tree if mine is not None else None,
         mine.data_position if mine is not None else 0,
@@ -142,12 +146,13 @@ def restore_step(
         from_neighbour=bool(restore.from_neighbour),
     )
     jax.block_until_ready(state)
+    transfer_s = time.monotonic() - started
     if mine is not None:
         boxes, nbytes = mine.tree, mine.nbytes
     else:  # what came from the neighbour's copy counts as delivered by it; a non-source member's, as nothing
         boxes = local_copy(state)
         nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(boxes)) if takes else 0
-    return Restoration(state, position, boxes, tier, nbytes, spare), 0.0
+    return Restoration(state, position, boxes, tier, nbytes, spare, read_s, transfer_s), 0.0
 
 
 def adopt_restored(worker: Worker, restore: RestoreStep, done: Restoration) -> None:
@@ -159,7 +164,13 @@ def adopt_restored(worker: Worker, restore: RestoreStep, done: Restoration) -> N
         restore.step, done.position, done.boxes, worker.identity | worker.layout, generation=restore.generation
     )
     restored = Restored(
-        worker=worker.worker, generation=restore.generation, step=restore.step, tier=done.tier, nbytes=done.nbytes
+        worker=worker.worker,
+        generation=restore.generation,
+        step=restore.step,
+        tier=done.tier,
+        nbytes=done.nbytes,
+        read_s=done.read_s,
+        transfer_s=done.transfer_s,
     )
     worker.link.send(restored)
     worker.heartbeat()
@@ -259,3 +270,5 @@ class Restoration:
     tier: Tier
     nbytes: int
     neighbour: HostSnapshot | None  # the neighbour copy of the restored step it keeps, if any
+    read_s: float = 0.0  # its read of its own shards from ``tier``
+    transfer_s: float = 0.0  # its part in the group's collective
