@@ -15,11 +15,11 @@ Fault kinds, each round one or more of them:
   ``sigterm-durable`` (the controller stopped).
 
 Every round runs in a process of its own, bounded in time (past it: ``hung``), and kills only the processes it
-started. A round is ``wrong`` when its final state differs from the fault-free run's (bitwise when it ends on its
-original mesh, within ``compare_states``' tolerance otherwise), ``ended`` when it stopped with an error although a
-restore was possible, ``recovered`` otherwise. The JSON: ``faults``, ``recovered``, ``wrong``, ``hung``, ``ended``,
-per kind the faults, the recovered and the median and 99th percentile recovery time, and the seed of every round
-that failed (``--round SEED`` replays one).
+started. A round is ``wrong`` when its final state differs from the fault-free run's (bitwise when every step ran
+on its original mesh, within ``compare_states``' tolerance otherwise), ``ended`` when it stopped with an error
+although a restore was possible, ``recovered`` otherwise. The JSON: ``faults``, ``recovered``, ``wrong``, ``hung``,
+``ended``, per kind the faults, the recovered and the median and 99th percentile recovery time, and the seed of
+every round that failed (``--round SEED`` replays one).
 
     .venv/bin/python tests/benchmarks/soak.py --faults 1000 --seed 1 [--minutes M] [--kinds lose-slice,kill] [--json]
 """
@@ -97,7 +97,9 @@ def one_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str,
     config = RuntimeConfig(run_dir=str(run_dir), progress=False, **options)
     result = injector.attach(ElasticRuntime(job, config=config, mesh_policy=policy)).run(STEPS)
     events = read_events(run_dir / "events.jsonl")
-    full = result.mesh_history[-1] == policy.target_shape
+    # Bitwise only when every step ran on the full mesh: steps on a smaller one (a slice lost, then repaired)
+    # reduce in another order, within the tolerance (docs/storage.md, what tolerance to expect).
+    full = all(shape == policy.target_shape for shape in result.mesh_history)
     match = compare_states(result.state, reference, bitwise=full)
     recoveries = [e for e in events if isinstance(e, RecoveryCompleted)]
     return {
