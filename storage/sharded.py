@@ -23,7 +23,9 @@ import contextlib
 import itertools
 import json
 import tempfile
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,9 @@ __all__ = ["ShardedStore", "manifest_of", "read_local", "write_part", "writes"]
 
 PyTree = Any
 _TIMEOUT_S = 600.0  # one request-bound operation on the store
+# Chunk files a process reads at once when it restores its shards (a GCS read is a request of its own; the
+# client's connection pool holds 10).
+READS_AT_ONCE = 8
 
 
 def _box_shape(box: Box) -> tuple[int, ...]:
@@ -152,21 +157,21 @@ def read_local(
     where: str,
     *,
     process: int | None = None,
+    concurrency: int = READS_AT_ONCE,
 ) -> tuple[PyTree, int]:
     """This process's boxes of the committed checkpoint ``manifest`` describes (as ``local_copy`` makes them),
     from the chunk files that overlap them (``read(rel)`` gives a file's bytes), each checked against the
-    manifest before use; and the bytes read. ``where`` names the checkpoint in errors; ``process`` is as
-    :func:`write_part`'s.
+    manifest before use; and the bytes read. Up to ``concurrency`` files are read at once (a GCS read is a
+    request: one at a time, its latency and not the link bounds the restore), at most twice that many held.
+    ``where`` names the checkpoint in errors; ``process`` is as :func:`write_part`'s.
 
     Raises:
         CheckpointInvalid: a file is missing, truncated or damaged, or the array is not stored as expected.
     """
     entries = {entry.path: entry for entry in manifest.files}
-    nbytes = 0
 
     def checked(rel: str) -> bytes:
         """The file's bytes, once its size and CRC32C match the manifest's."""
-        nonlocal nbytes
         path, entry = f"{where}/{rel}", entries.get(rel)
         if entry is None:
             raise CheckpointInvalid(f"{path}: not in the manifest", path=path, reason="not in the manifest")
@@ -175,28 +180,45 @@ def read_local(
         except OSError as exc:
             raise CheckpointInvalid(f"cannot read {path}: {exc}", path=path, reason=str(exc)) from exc
         mf.check_entry(path, entry, len(data), mf.crc32c(data))
-        nbytes += len(data)
         return data
 
-    out = []
     paths = jax.tree_util.tree_flatten_with_path(template)[0]
-    for (path, leaf), sharding in zip(paths, jax.tree.leaves(per_leaf(shardings, template)), strict=True):
-        name = f"{STATE_DIR}/{orbax_layout.array_dirname(mf.key_of(path))}"
-        shape, dtype = np.shape(leaf), _dtype(leaf)
-        chunks = tuple(json.loads(checked(f"{name}/.zarray"))["chunks"])
-        box = local_box(shape, sharding, process)
-        mine = np.empty(_box_shape(box), dtype)
-        # Every chunk that overlaps the box: its grid index along each axis.
-        ranges = [range(b.start // c, -(-b.stop // c)) for b, c in zip(box, chunks, strict=True)]
-        for index in itertools.product(*ranges):
-            chunk = np.frombuffer(checked(f"{name}/{'.'.join(map(str, index)) or '0'}"), dtype).reshape(chunks)
-            lo = [i * c for i, c in zip(index, chunks, strict=True)]
+    leaves = list(zip(paths, jax.tree.leaves(per_leaf(shardings, template)), strict=True))
+    names = [f"{STATE_DIR}/{orbax_layout.array_dirname(mf.key_of(path))}" for (path, _), _ in leaves]
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="read-shards") as pool:
+        headers = list(pool.map(lambda name: checked(f"{name}/.zarray"), names))
+        nbytes = sum(len(header) for header in headers)
+        out, pieces = [], []  # each leaf's box, and every chunk file that overlaps one: (leaf, grid index)
+        for i, (((_, leaf), sharding), header) in enumerate(zip(leaves, headers, strict=True)):
+            chunks = tuple(json.loads(header)["chunks"])
+            box = local_box(np.shape(leaf), sharding, process)
+            out.append((np.empty(_box_shape(box), _dtype(leaf)), box, chunks))
+            ranges = [range(b.start // c, -(-b.stop // c)) for b, c in zip(box, chunks, strict=True)]
+            pieces += [(i, index) for index in itertools.product(*ranges)]
+        files = [f"{names[i]}/{'.'.join(map(str, index)) or '0'}" for i, index in pieces]
+        for (i, index), data in zip(pieces, _in_order(pool, checked, files, 2 * concurrency), strict=True):
+            nbytes += len(data)
+            mine, box, chunks = out[i]
+            chunk = np.frombuffer(data, mine.dtype).reshape(chunks)
+            lo = [k * c for k, c in zip(index, chunks, strict=True)]
             part = tuple(slice(max(b.start, o), min(b.stop, o + c)) for b, o, c in zip(box, lo, chunks, strict=True))
             mine[tuple(slice(p.start - b.start, p.stop - b.start) for p, b in zip(part, box, strict=True))] = chunk[
                 tuple(slice(p.start - o, p.stop - o) for p, o in zip(part, lo, strict=True))
             ]
-        out.append(mine)
-    return jax.tree.unflatten(jax.tree.structure(template), out), nbytes
+    return jax.tree.unflatten(jax.tree.structure(template), [mine for mine, _, _ in out]), nbytes
+
+
+def _in_order(
+    pool: ThreadPoolExecutor, fetch: Callable[[str], bytes], names: list[str], window: int
+) -> Iterator[bytes]:
+    """``fetch(name)`` of every name, in order, at most ``window`` of them submitted and not yet taken."""
+    pending: deque[Future[bytes]] = deque()
+    for name in names:
+        pending.append(pool.submit(fetch, name))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 class ShardedStore:
