@@ -6,8 +6,10 @@ Fault kinds, each round one or more of them:
 - one process, the demo model on 8 virtual CPU devices (data 4 x model 2): a slice lost (``lose-slice``, repaired
   later or not), a device lost (``lose-device``), a slice lost while the degraded meshes compile in the background
   (``lose-compiling``), during a disk save (``lose-saving``), two slices one after the other (``lose-two``), a bit
-  flipped in one replica (``sdc``), a device that computes wrong (``sdc-persistent``) and a run resumed from a
-  disk tier whose newest checkpoint was damaged on disk, a bit flipped or the file cut short (``corrupt-durable``);
+  flipped in one replica (``sdc``), a device that computes wrong (``sdc-persistent``), a run resumed from a
+  disk tier whose newest checkpoint was damaged on disk, a bit flipped or the file cut short (``corrupt-durable``),
+  and a disk that fills up for a while, then a run resumed from what it holds (``disk-full``: a small tmpfs,
+  root only);
 - multi-process, 3 workers under a controller: every case of the chaos loop (``tests/multiprocess/chaos.py``):
   ``kill`` (kill -9), ``stop`` (SIGSTOP), ``two``, ``together``, ``during-recovery``, ``midstep``, ``replica``
   (mid replica-file write), ``hang``, ``impostor``, ``flood``, ``leave`` (SIGTERM of a worker), ``leave-killed``,
@@ -27,6 +29,7 @@ every round that failed (``--round SEED`` replays one).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -44,7 +47,7 @@ sys.path.insert(0, str(HERE.parent / "multiprocess"))  # chaos.py and its attack
 
 ONE_PROCESS = (
     "lose-slice", "lose-device", "lose-compiling", "lose-saving", "lose-two", "sdc", "sdc-persistent",
-    "corrupt-durable",
+    "corrupt-durable", "disk-full",
 )  # fmt: skip
 MULTI_PROCESS = (
     "kill", "stop", "two", "together", "during-recovery", "midstep", "replica", "hang", "impostor", "flood", "leave",
@@ -68,6 +71,8 @@ def one_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str,
     job = demo_job(global_batch=24, features=16, hidden=64)
     if kind == "corrupt-durable":
         return resume_from_damaged_disk(rng, run_dir, policy, job)
+    if kind == "disk-full":
+        return resume_after_a_full_disk(rng, run_dir, policy, job)
     step = rng.randrange(3, STEPS - 12)
     injector = FaultInjector()
     options: dict[str, Any] = {"precompile": False, "scale_up_poll_s": 0.2}
@@ -152,6 +157,53 @@ def resume_from_damaged_disk(rng: random.Random, run_dir: Path, policy: Any, job
     if reported != [stop] or restored[:1] != [previous]:
         problems.append(f"damage at step {stop}: reported {reported}, restored {restored}")
     return {"faults": 1, "problems": problems, "recovery_s": [], "lost_steps": stop - previous}
+
+
+def resume_after_a_full_disk(rng: random.Random, run_dir: Path, policy: Any, job: Any) -> dict[str, Any]:
+    """The disk tier on a 1 MB tmpfs; another writer fills it at a random step and frees it some steps later.
+    Right when every save meanwhile fails with an event (``CheckpointFailed``) and training goes on, the saves
+    after it commit, and a run resumed from the disk tier restores its newest commit and ends bitwise the
+    fault-free run's."""
+    from elastic_runtime import CheckpointCommitted, CheckpointFailed, ElasticRuntime, RuntimeConfig, read_events
+    from elastic_runtime.core.compare import compare_states
+
+    disk = run_dir / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True, timeout=30)
+    try:
+        full_at = rng.randrange(15, STEPS - 25)  # after the first save (its first write is slow: later ones skip)
+        freed_at, stop = full_at + rng.randrange(5, 15), STEPS - 5 * rng.randrange(1, 3)
+        filler = disk / "filler"
+
+        def other_writer(next_step: int) -> None:
+            time.sleep(0.02)  # steps of 20 ms: a save is due every 100 ms, none skipped as still in flight
+            if next_step == full_at:
+                with contextlib.suppress(OSError), open(filler, "wb") as out:  # until the disk is full
+                    while True:
+                        out.write(bytes(4096))
+                        out.flush()
+            elif next_step == freed_at:
+                filler.unlink()
+
+        folders = {"checkpoint_dir": str(disk / "ckpt"), "progress": False}
+        first = RuntimeConfig(run_dir=str(run_dir / "first"), disk_every=5, **folders)  # type: ignore[arg-type]
+        runtime = ElasticRuntime(job, config=first, mesh_policy=policy)
+        runtime.at_step_boundary(other_writer)
+        runtime.run(stop)
+        saved = read_events(run_dir / "first" / "events.jsonl")
+        failed = [e.step or 0 for e in saved if isinstance(e, CheckpointFailed)]
+        committed = [e.step or 0 for e in saved if isinstance(e, CheckpointCommitted) and e.tier == "disk"]
+        second = RuntimeConfig(run_dir=str(run_dir / "second"), **folders)  # type: ignore[arg-type]
+        result = ElasticRuntime(job, config=second, mesh_policy=policy).run(STEPS, resume=True)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False, timeout=30)
+    reference_config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
+    reference = ElasticRuntime(job, config=reference_config, mesh_policy=policy).run(STEPS).state
+    match = compare_states(result.state, reference, bitwise=True)
+    problems = [] if match["match"] else [f"final state differs: {match}"]
+    if not failed or not any(step > max(failed) for step in committed):
+        problems.append(f"disk full from step {full_at} to {freed_at}: failed {failed}, committed {committed}")
+    return {"faults": 1, "problems": problems, "recovery_s": [], "lost_steps": stop - max(committed, default=0)}
 
 
 def multi_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str, Any]:
