@@ -1,8 +1,8 @@
 """Replica files for multi-process runs: each worker's host copy of its shards, on its host.
 
 Each worker keeps its own shards of every committed step in host memory (:func:`replica`, of
-:func:`elastic_runtime.storage.shards.local_copy`); a re-formed group restores from them
-(:class:`elastic_runtime.storage.shards.SliceRestore`).
+:func:`elastic_runtime.storage.boxes.local_copy`); a re-formed group restores from them
+(:class:`elastic_runtime.storage.boxes.SliceRestore`).
 
 :class:`ReplicaFiles` keeps the same copy in files, one folder per process, under ``/dev/shm`` by default
 (survives the loss of every worker process, not of the host) or any directory, in the disk tier's format
@@ -41,8 +41,8 @@ import numpy as np
 from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from elastic_runtime.core.folders import PROGRAMS_PREFIX
 from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.boxes import box_copy, local_copy
 from elastic_runtime.storage.disk import DiskTier
-from elastic_runtime.storage.shards import box_copy, local_copy
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def device_replica(
     on_unread: Callable[[PyTree], None] | None = None,
 ) -> HostSnapshot:
     """A replica of ``state`` (jax arrays on the group's devices) whose host copy of this process's boxes
-    (:func:`elastic_runtime.storage.shards.local_copy`; ``like``: their shapes and dtypes) is made on its first read
+    (:func:`elastic_runtime.storage.boxes.local_copy`; ``like``: their shapes and dtypes) is made on its first read
     (a restore, a durable write, a worker leaving its group), or never for a replica replaced unread; the replica
     file's writer copies the boxes into buffers of its own (:meth:`ReplicaFiles._staged`), off the step's critical
     path. The compiled step does not donate its input, so ``state`` stays valid while held; once the replica is

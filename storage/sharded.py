@@ -4,7 +4,7 @@ The layout is the disk tier's (``storage/disk.py``), in a folder or under ``gs:/
 tier's (:class:`ShardedStore`): ``step_N/state/`` in Orbax's PyTree layout (zarr v2 per array, uncompressed,
 no OCDBT) and ``step_N/manifest.json`` with every file's size and CRC32C, written last.
 What differs is who writes what: an array sharded over a slice's processes is stored in chunks of one
-process's box each (``storage/shards.py``), and only the first slice of the group writes:
+process's box each (``storage/boxes.py``), and only the first slice of the group writes:
 
 - each of its processes writes the chunks of its boxes (a box several processes hold, as a replicated array,
   by the lowest of them), fsyncs them and reports the files it wrote (:func:`write_part`);
@@ -35,11 +35,11 @@ import numpy as np
 from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
 from elastic_runtime.storage import manifest as mf
 from elastic_runtime.storage import orbax_layout
+from elastic_runtime.storage.boxes import Box, leaf_dtype, local_box, per_leaf
 from elastic_runtime.storage.checked_read import LAYOUT, STATE_DIR
 from elastic_runtime.storage.disk import DiskTier, write_manifest
 from elastic_runtime.storage.manifest import FileEntry, LeafEntry, Manifest
 from elastic_runtime.storage.pagecache import SyncedFiles
-from elastic_runtime.storage.shards import Box, _dtype, local_box, per_leaf
 
 if TYPE_CHECKING:
     from elastic_runtime.storage.gcs import GcsTier
@@ -81,7 +81,7 @@ def write_part(
 ) -> list[FileEntry]:
     """Write this process's part of a step's checkpoint under ``step_dir``; every file is fsynced.
 
-    ``boxes`` is this process's :func:`~elastic_runtime.storage.shards.local_copy` of the step, ``owned`` what
+    ``boxes`` is this process's :func:`~elastic_runtime.storage.boxes.local_copy` of the step, ``owned`` what
     :func:`writes` says. The ``lead`` (the first process) writes every array's ``.zarray`` and Orbax's metadata.
     ``process``: this process's index in the group that made ``shardings`` (default: ``jax.process_index()``);
     a write in a background thread passes it, since asking JAX while the group re-forms would bring up a
@@ -112,7 +112,7 @@ def write_part(
         box = local_box(shape, sharding, process)
         chunks = _box_shape(box)
         if lead:
-            write_bytes(directory / ".zarray", orbax_layout.zarray(shape, chunks, _dtype(leaf)))
+            write_bytes(directory / ".zarray", orbax_layout.zarray(shape, chunks, leaf_dtype(leaf)))
             name, node = orbax_layout.array_entry(key)
             tree_metadata[name] = node
         if own:
@@ -192,7 +192,7 @@ def read_local(
         for i, (((_, leaf), sharding), header) in enumerate(zip(leaves, headers, strict=True)):
             chunks = tuple(json.loads(header)["chunks"])
             box = local_box(np.shape(leaf), sharding, process)
-            out.append((np.empty(_box_shape(box), _dtype(leaf)), box, chunks))
+            out.append((np.empty(_box_shape(box), leaf_dtype(leaf)), box, chunks))
             ranges = [range(b.start // c, -(-b.stop // c)) for b, c in zip(box, chunks, strict=True)]
             pieces += [(i, index) for index in itertools.product(*ranges)]
         files = [f"{names[i]}/{'.'.join(map(str, index)) or '0'}" for i, index in pieces]

@@ -14,8 +14,8 @@ import numpy as np
 from elastic_runtime.cluster.worker.spares import SpareStates
 from elastic_runtime.core.compiler import StepCompiler
 from elastic_runtime.core.mesh import MeshPolicy
+from elastic_runtime.storage.boxes import local_like
 from elastic_runtime.storage.replicas import device_replica
-from elastic_runtime.storage.shards import local_like
 from elastic_runtime.testing.demo_model import demo_job
 
 

@@ -159,7 +159,7 @@ class Joined(Message, frozen=True, kw_only=True):
     # restores an older step they all hold.
     steps: tuple[int, ...] = ()
     durable_only: tuple[int, ...] = ()  # of ``steps``, those only the durable tier has (its shards read from there)
-    neighbour_step: int = 0  # the step of the neighbour replica it holds in RAM (storage/shards.py); 0: none
+    neighbour_step: int = 0  # the step of the neighbour replica it holds in RAM (cluster/collectives.py); 0: none
     join_s: float  # shutdown + re-initialize of jax.distributed, as the worker measured it
     skipped: tuple[str, ...] = ()  # replica files it would not restore, each "PATH: why" (another run's)
     # Where the join's time went, in seconds: wait (from the Form's arrival to the join's start), leave, connect,
@@ -301,7 +301,7 @@ class Form(Message, frozen=True, kw_only=True):
     faults: str = ""  # this worker's faults, e.g. "die-midstep:1@12" (elastic_runtime.faults.grammar)
     at_step: int = -1  # re-form after committing this step (a planned change); -1: now (after a failure)
     run_id: str = ""  # the run's id, for a worker not started with it in its environment (ELASTIC_RUN_ID)
-    slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/shards.py)
+    slice_size: int = 1  # processes per slice: the state is sharded over the processes of a slice (storage/boxes.py)
     durable_dir: str = ""  # where the group's durable checkpoints go (storage/sharded.py); "": none
     durable_every: int = 0  # steps between durable checkpoints
     # Steps between replica files where every process holds the whole state (LaunchConfig.replica_file_every).
@@ -309,7 +309,7 @@ class Form(Message, frozen=True, kw_only=True):
     # A step still running after this many seconds gets the step before it written to the replica file, if the
     # cadence skipped it: the controller may judge every member hung and replace them all (0: never).
     file_after_s: float = 0.0
-    # keep the previous process's shards in RAM too (elastic_runtime.storage.shards.NeighbourShift)
+    # keep the previous process's shards in RAM too (elastic_runtime.cluster.collectives.NeighbourShift)
     neighbour_replicas: bool = False
     # Superseded generations' fences: generation -> the step the group went on from. A replica a generation
     # wrote past its fence (a cut-off worker's, say) is never restored (storage/replicas.py).

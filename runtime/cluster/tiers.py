@@ -15,5 +15,5 @@ class Tier(StrEnum):
     DISK = "disk"  # its replica files, on a disk folder
     FILE = "file"  # one of its replica files, not its newest (in the plan: shm or disk)
     DURABLE = "durable"  # the group's durable checkpoint (storage/sharded.py), on disk or in GCS
-    NEIGHBOUR = "neighbour"  # the next process's neighbour replica (elastic_runtime.storage.shards.NeighbourShift)
+    NEIGHBOUR = "neighbour"  # the next process's neighbour replica (elastic_runtime.cluster.collectives.NeighbourShift)
     NONE = "none"  # nothing: it takes every shard from its peers, or the run starts from the initial state

@@ -52,7 +52,7 @@ class HostSnapshot:
 
     ``tree`` holds numpy arrays with the state's structure. A snapshot made from host-memory jax arrays
     assembles them into numpy on first access (once, thread-safe); ``assemble`` replaces that conversion
-    (the multi-process worker's: this process's boxes of device arrays, ``elastic_runtime.storage.shards.local_copy``).
+    (the multi-process worker's: this process's boxes of device arrays, ``elastic_runtime.storage.boxes.local_copy``).
     """
 
     def __init__(

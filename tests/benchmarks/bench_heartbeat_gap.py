@@ -4,7 +4,7 @@
 
 The phases, each timed and with its own longest gap: ``import`` (what a worker's first replica write imports:
 Orbax, for its handler's name in the checkpoint's metadata; once per process), ``snapshot`` (the device-to-host
-copy of the state, ``elastic_runtime.storage.shards.local_copy``, what every committed step's RAM replica takes),
+copy of the state, ``elastic_runtime.storage.boxes.local_copy``, what every committed step's RAM replica takes),
 ``write`` (its replica file, ``ReplicaFiles.save``: the files and their CRC32C), ``read`` (``ReplicaFiles.read``: read
 and verified) and ``restore`` (``SliceRestore``: the host boxes copied into the stacked arrays and the compiled
 selection).
@@ -39,9 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from elastic_runtime.cluster.collectives import SliceRestore
 from elastic_runtime.compat.orbax import pytree_handler_name
+from elastic_runtime.storage.boxes import local_copy
 from elastic_runtime.storage.replicas import ReplicaFiles, replica
-from elastic_runtime.storage.shards import SliceRestore, local_copy
 
 
 class Ticker:

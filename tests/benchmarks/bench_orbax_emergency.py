@@ -160,7 +160,7 @@ class OrbaxSaver:
         import jax
         from orbax.checkpoint.experimental.emergency import checkpoint_manager as emergency
 
-        from elastic_runtime.storage.shards import per_leaf
+        from elastic_runtime.storage.boxes import per_leaf
 
         self.note = note
         self.persistent = Path(args.persistent_dir)
@@ -245,8 +245,8 @@ class OursSaver:
         return True
 
     def save(self, step: int, state: Any) -> bool:
+        from elastic_runtime.storage.boxes import local_copy
         from elastic_runtime.storage.replicas import replica
-        from elastic_runtime.storage.shards import local_copy
 
         snapshot = replica(step, step, local_copy(state), self.identity, generation=1)
         self.replicas.save(snapshot)

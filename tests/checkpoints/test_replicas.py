@@ -11,6 +11,7 @@ from gcs_support import small_state
 from jax.sharding import NamedSharding, PartitionSpec
 
 from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable
+from elastic_runtime.storage.boxes import local_like
 from elastic_runtime.storage.replicas import (
     MAX_PINS,
     ReplicaFiles,
@@ -19,7 +20,6 @@ from elastic_runtime.storage.replicas import (
     replica,
     run_identity,
 )
-from elastic_runtime.storage.shards import local_like
 
 
 def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> None:

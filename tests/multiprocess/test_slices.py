@@ -1,4 +1,5 @@
-"""Slices: the state sharded over the processes of a slice, slices replicating each other (storage/shards.py).
+"""Slices: the state sharded over the processes of a slice, slices replicating each other (storage/boxes.py;
+the collectives that move shards between processes: runtime/cluster/collectives.py).
 
 Real worker processes with ``kill -9``: a lost process's shards come from the other slice when there is one,
 else from its neighbour's RAM (neighbour replicas on) or its replica file; each process's replica holds only its

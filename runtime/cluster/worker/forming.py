@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from elastic_runtime.cluster.collectives import NeighbourShift, SliceRestore
 from elastic_runtime.cluster.protocol import Form, Joined, Stop
 from elastic_runtime.cluster.worker.group import join_group, leave_group
 from elastic_runtime.cluster.worker.restore import best_local, local_steps
@@ -21,9 +22,9 @@ from elastic_runtime.core.errors import MeshUnavailable
 from elastic_runtime.core.initial import initial_program
 from elastic_runtime.core.process_data import local_rows
 from elastic_runtime.faults.process import attach_worker_faults
+from elastic_runtime.storage.boxes import local_like, uses_axis
 from elastic_runtime.storage.replicas import run_identity
 from elastic_runtime.storage.sharded import ShardedStore, writes
-from elastic_runtime.storage.shards import NeighbourShift, SliceRestore, local_like, uses_axis
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.worker.loop import Worker

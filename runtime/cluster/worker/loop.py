@@ -5,7 +5,7 @@ from the controller through the environment (its address, this worker's id, wher
 the wire (which group to form, which step to restore from whom).
 
 The layout: ``data`` is the replica axis across slices of processes and ``model`` spans the devices of a
-slice's processes (:mod:`elastic_runtime.storage.shards`); with one process per slice each process holds the whole
+slice's processes (:mod:`elastic_runtime.storage.boxes`); with one process per slice each process holds the whole
 state. Every committed step's own shards are copied to host memory (the RAM replica) and, in the background, to a
 replica file in ``/dev/shm``; with neighbour replicas, the previous process's shards are copied to host memory too.
 
@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from elastic_runtime.cluster.collectives import NeighbourShift, SliceRestore
 from elastic_runtime.cluster.protocol import EventReport, Form, Heartbeat, Hello, Message, RestoreStep, Stop, Warm
 from elastic_runtime.cluster.tiers import Tier
 from elastic_runtime.cluster.worker.durable import final_durable
@@ -62,7 +63,6 @@ from elastic_runtime.core.snapshot import HostSnapshot
 from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.replicas import ReplicaFiles, run_identity
 from elastic_runtime.storage.sharded import ShardedStore
-from elastic_runtime.storage.shards import NeighbourShift, SliceRestore
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ class Worker:
         self.step_checks: list[Callable[[int], None]] = []
         self.generation = 0
         self.layout: dict[str, str] = {}  # which shards this process holds, in every replica's metadata
-        self.slice_size = 1  # processes per slice (storage/shards.py)
-        self.local_like: PyTree = None  # shapes of this process's shards (elastic_runtime.storage.shards.local_like)
+        self.slice_size = 1  # processes per slice (storage/boxes.py)
+        self.local_like: PyTree = None  # shapes of this process's shards (elastic_runtime.storage.boxes.local_like)
         self.process_id = -1
         self.num_processes = 0
         self.initialized = False

@@ -23,9 +23,9 @@ from elastic_runtime.core.initial import initial_program
 from elastic_runtime.core.job import PyTree
 from elastic_runtime.core.restore import CorruptionListener
 from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.boxes import local_copy
 from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.replicas import MAX_PINS, replica
-from elastic_runtime.storage.shards import local_copy
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.worker.loop import Worker

@@ -96,8 +96,8 @@ def _program_sets(worker: Worker, form: Form, place: tuple[int, int]) -> Iterato
     devices less another slice than this process's; yields after each set (kept in ``worker.programs``)."""
     import jax
 
+    from elastic_runtime.cluster.collectives import NeighbourShift, SliceRestore
     from elastic_runtime.core.compiler import StepCompiler
-    from elastic_runtime.storage.shards import NeighbourShift, SliceRestore
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     slices = form.num_processes // form.slice_size
