@@ -14,7 +14,10 @@ Fault kinds, each round one or more of them:
   ``kill`` (kill -9), ``stop`` (SIGSTOP), ``two``, ``together``, ``during-recovery``, ``midstep``, ``replica``
   (mid replica-file write), ``hang``, ``impostor``, ``flood``, ``leave`` (SIGTERM of a worker), ``leave-killed``,
   ``slow`` (a straggler, 3x), ``resume`` (the controller killed, then ``--resume``), ``sigterm`` and
-  ``sigterm-durable`` (the controller stopped).
+  ``sigterm-durable`` (the controller stopped);
+- simulated hosts (network namespaces, root only), ``elastic-runtime demo --hosts 3``: a host lost at a random
+  step, its link down and every process on it killed (``host-lost``), or cut off the network and healed
+  (``host-partitioned``); a replacement joins from a new host.
 
 Every round runs in a process of its own, bounded in time (past it: ``hung``), and kills only the processes it
 started. A round is ``wrong`` when its final state differs from the fault-free run's (bitwise when every step ran
@@ -53,7 +56,8 @@ MULTI_PROCESS = (
     "kill", "stop", "two", "together", "during-recovery", "midstep", "replica", "hang", "impostor", "flood", "leave",
     "leave-killed", "slow", "resume", "sigterm", "sigterm-durable",
 )  # fmt: skip
-KINDS = ONE_PROCESS + MULTI_PROCESS
+HOSTS = ("host-lost", "host-partitioned")
+KINDS = ONE_PROCESS + MULTI_PROCESS + HOSTS
 ROUND_TIMEOUT_S = 300.0  # a round past this is hung (a multi-process round takes 10-40 s here)
 STEPS = 60  # of a one-process round
 
@@ -232,6 +236,31 @@ def multi_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[st
     }
 
 
+def hosts_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str, Any]:
+    """``elastic-runtime demo --hosts 3`` with host 1 lost (or partitioned) at a random step, checked against the
+    same job fault-free (``--verify``: within 1e-5 when some steps ran on 2 hosts)."""
+    steps, at = 30, rng.randrange(3, 20)
+    fault = "--lose-host-at" if kind == "host-lost" else "--partition-host-at"
+    command = [sys.executable, "-m", "elastic_runtime.cli", "demo", "--hosts", "3", "--steps", str(steps)]
+    command += [fault, str(at), "--step-delay", "0.05", "--run-dir", str(run_dir), "--verify", "--json", "--quiet"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=ROUND_TIMEOUT_S - 20)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        return {"faults": 1, "problems": [f"demo exited {done.returncode}: {done.stderr[-300:]}"], "ended": True}
+    summary = json.loads(lines[-1])
+    match = summary.get("reference_match", {})
+    problems = [] if summary["ok"] else [f"run failed: {done.stderr[-300:]}"]
+    problems += [] if match.get("match") else [f"final state differs: {match}"]
+    recovered = summary.get("recovered_after_s")
+    return {
+        "faults": 1,
+        "problems": problems,
+        "recovery_s": [recovered] if recovered is not None else [],
+        "lost_steps": summary.get("lost_steps", 0),
+        "ended": not summary["ok"],
+    }
+
+
 def play(seed: int, kinds: tuple[str, ...], root: Path) -> dict[str, Any]:
     """One round, in this process: its kind drawn from ``kinds`` by ``seed``."""
     rng = random.Random(seed)
@@ -240,7 +269,8 @@ def play(seed: int, kinds: tuple[str, ...], root: Path) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        out = (one_process_round if kind in ONE_PROCESS else multi_process_round)(kind, rng, run_dir)
+        rounds = {**dict.fromkeys(ONE_PROCESS, one_process_round), **dict.fromkeys(HOSTS, hosts_round)}
+        out = rounds.get(kind, multi_process_round)(kind, rng, run_dir)
     except Exception as exc:  # the run stopped with an error: a restore was possible for every kind here
         out = {"faults": 1, "problems": [f"{type(exc).__name__}: {str(exc)[:300]}"], "ended": True}
     return {"seed": seed, "kind": kind, "seconds": round(time.monotonic() - started, 1)} | out
