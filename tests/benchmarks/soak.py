@@ -8,8 +8,9 @@ Fault kinds, each round one or more of them:
   (``lose-compiling``), during a disk save (``lose-saving``), two slices one after the other (``lose-two``), a bit
   flipped in one replica (``sdc``), a device that computes wrong (``sdc-persistent``), a run resumed from a
   disk tier whose newest checkpoint was damaged on disk, a bit flipped or the file cut short (``corrupt-durable``),
-  and a disk that fills up for a while, then a run resumed from what it holds (``disk-full``: a small tmpfs,
-  root only);
+  a disk that fills up for a while, then a run resumed from what it holds (``disk-full``: a small tmpfs,
+  root only), and GCS unreachable for a while (every request to the emulator refused or cut, ``gcs-down``),
+  then a run on a new host resumed from GCS alone;
 - multi-process, 3 workers under a controller: every case of the chaos loop (``tests/multiprocess/chaos.py``):
   ``kill`` (kill -9), ``stop`` (SIGSTOP), ``two``, ``together``, ``during-recovery``, ``midstep``, ``replica``
   (mid replica-file write), ``hang``, ``impostor``, ``flood``, ``leave`` (SIGTERM of a worker), ``leave-killed``,
@@ -50,7 +51,7 @@ sys.path.insert(0, str(HERE.parent / "multiprocess"))  # chaos.py and its attack
 
 ONE_PROCESS = (
     "lose-slice", "lose-device", "lose-compiling", "lose-saving", "lose-two", "sdc", "sdc-persistent",
-    "corrupt-durable", "disk-full",
+    "corrupt-durable", "disk-full", "gcs-down",
 )  # fmt: skip
 MULTI_PROCESS = (
     "kill", "stop", "two", "together", "during-recovery", "midstep", "replica", "hang", "impostor", "flood", "leave",
@@ -77,6 +78,8 @@ def one_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str,
         return resume_from_damaged_disk(rng, run_dir, policy, job)
     if kind == "disk-full":
         return resume_after_a_full_disk(rng, run_dir, policy, job)
+    if kind == "gcs-down":
+        return resume_after_gcs_was_down(rng, run_dir, policy, job)
     step = rng.randrange(3, STEPS - 12)
     injector = FaultInjector()
     options: dict[str, Any] = {"precompile": False, "scale_up_poll_s": 0.2}
@@ -208,6 +211,47 @@ def resume_after_a_full_disk(rng: random.Random, run_dir: Path, policy: Any, job
     if not failed or not any(step > max(failed) for step in committed):
         problems.append(f"disk full from step {full_at} to {freed_at}: failed {failed}, committed {committed}")
     return {"faults": 1, "problems": problems, "recovery_s": [], "lost_steps": stop - max(committed, default=0)}
+
+
+def resume_after_gcs_was_down(rng: random.Random, run_dir: Path, policy: Any, job: Any) -> dict[str, Any]:
+    """The GCS tier (the emulator, behind a proxy) refuses or cuts every request from a random step for some
+    steps. Right when training goes on through it, an upload commits after it, and a run on a new host (an
+    empty disk tier) resumes from GCS alone, its newest upload, and ends bitwise the fault-free run's."""
+    from elastic_runtime import CheckpointCommitted, ElasticRuntime, RuntimeConfig, StateRestored, read_events
+    from elastic_runtime.core.compare import compare_states
+    from elastic_runtime.testing.gcs_emulator import running_emulator
+
+    down_at = rng.randrange(10, STEPS - 30)
+    up_at, stop = down_at + rng.randrange(5, 15), STEPS - 5 * rng.randrange(1, 3)
+    with running_emulator("soak", run_dir / "emulator.log") as emulator:
+        os.environ["STORAGE_EMULATOR_HOST"] = emulator.url  # this round's process only
+
+        def outage(next_step: int) -> None:
+            time.sleep(0.02)  # steps of 20 ms: a save is due every 100 ms
+            if next_step == down_at:
+                emulator.proxy.faults, emulator.proxy.rate = ("error", "drop"), 1.0
+            elif next_step == up_at:
+                emulator.proxy.rate = 0.0
+
+        tiers = {"gcs_uri": "gs://soak/run", "disk_every": 5, "gcs_every": 5, "progress": False}
+        first = RuntimeConfig(run_dir=str(run_dir / "first"), **tiers)  # type: ignore[arg-type]
+        runtime = ElasticRuntime(job, config=first, mesh_policy=policy)
+        runtime.at_step_boundary(outage)
+        runtime.run(stop)
+        saved = read_events(run_dir / "first" / "events.jsonl")
+        uploaded = [e.step or 0 for e in saved if isinstance(e, CheckpointCommitted) and e.tier == "gcs"]
+        second = RuntimeConfig(run_dir=str(run_dir / "second"), **tiers)  # type: ignore[arg-type]
+        result = ElasticRuntime(job, config=second, mesh_policy=policy).run(STEPS, resume=True)
+    restored = [e for e in read_events(run_dir / "second" / "events.jsonl") if isinstance(e, StateRestored)]
+    reference_config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
+    reference = ElasticRuntime(job, config=reference_config, mesh_policy=policy).run(STEPS).state
+    match = compare_states(result.state, reference, bitwise=True)
+    problems = [] if match["match"] else [f"final state differs: {match}"]
+    newest = max(uploaded, default=0)
+    if newest <= up_at or [(e.restored_from, e.step) for e in restored[:1]] != [("gcs", newest)]:
+        why = f"restored {[(e.restored_from, e.step) for e in restored]}"
+        problems.append(f"GCS down from step {down_at} to {up_at}: uploaded {uploaded}, {why}")
+    return {"faults": 1, "problems": problems, "recovery_s": [], "lost_steps": stop - newest}
 
 
 def multi_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str, Any]:
