@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -173,6 +174,9 @@ def run_worker(
         finished = loop.stopped_by is not None and loop.stopped_by.finished
         if in_memory and finished:
             leftovers.remove(folder, f"worker-{worker}")  # the run finished: no resume will read them
+        shared = loop.programs.folder  # in the compile cache the hosts share (forming.programs_folder)?
+        if finished and loop.process_id == 0 and shared is not None and shared.parent != replicas.directory:
+            shutil.rmtree(shared, ignore_errors=True)  # the run is over: a resumed one keeps its programs anew
         if finished and code == 0 and loop.result is not None:
             if loop.still_blocked(_BLOCKED_WAIT_S):
                 # Its thread is a daemon, so nothing waits for it; but XLA's destructors must not run under it.

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import time
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -81,7 +82,7 @@ def form_group(worker: Worker, form: Form) -> None:
         log.warning("worker %d: a backend outside the group was up; cleared", worker.worker)
         jax.extend.backend.clear_backends()
     connected = time.monotonic()
-    worker.programs.reset(worker.replicas.directory / form.programs if form.programs else None)
+    worker.programs.reset(programs_folder(worker, form.programs))
     worker.initialized = True
     worker.generation, worker.process_id, worker.num_processes = form.generation, form.process_id, form.num_processes
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -229,7 +230,7 @@ def warm_up(worker: Worker, programs: str) -> None:
     from elastic_runtime.core.compiler import StepCompiler
 
     started = time.monotonic()
-    kept = worker.replicas.directory / programs if programs else None
+    kept = programs_folder(worker, programs)
     try:
         if kept is not None and kept.is_dir() and any(kept.iterdir()):
             jax.block_until_ready(jax.jit(lambda x: x + 1)(np.float32(0)))
@@ -242,3 +243,21 @@ def warm_up(worker: Worker, programs: str) -> None:
     finally:
         jax.extend.backend.clear_backends()
     log.info("warmed up in %.3f s", time.monotonic() - started)
+
+
+def programs_folder(worker: Worker, name: str) -> Path | None:
+    """Where the group keeps its compiled programs (``Form.programs`` names the folder; runtime/core/programs.py).
+
+    In the compile cache when the cluster gives every host the same one (``ELASTIC_COMPILE_CACHE`` outside this
+    host's replica folder: service mode, several hosts): a replacement on a new host then loads the programs its
+    seat ran instead of compiling them. JAX's own persistent cache does not do that on CPU: only process 0
+    writes it, and another process's cache key differs from process 0's (seen here: process 1 of 2 missed the
+    entry process 0 wrote for the same program). Else beside the replica files, which this host's processes
+    share (``launch``: its compile cache is in that folder too)."""
+    if not name:
+        return None
+    cache = worker.settings.compile_cache
+    here = worker.replicas.directory.resolve()
+    if cache and "://" not in cache and not Path(cache).resolve().is_relative_to(here):
+        return Path(cache) / name
+    return worker.replicas.directory / name
