@@ -2,10 +2,10 @@
 group's restore from one source slice (:class:`SliceRestore`) and the neighbour replica (:class:`NeighbourShift`).
 
 A re-formed group restores from one *source slice*: every process puts its box (or zeros, when it holds nothing
-of that step) into a stacked array with one entry per slice, and one jitted selection of the source's entry
-moves each shard from the source slice's process at the same position (XLA's collectives over the replica axis:
-an all-gather). No process ever holds more than its own shards. Which part of an array a process holds (its
-box) is :mod:`elastic_runtime.storage.boxes`.
+of that step) into a stacked array with one entry per slice, and the source slice's entries are sent to the
+other slices by collective permutes over the replica axis, each shard from the source slice's process at the
+same position to those of the other slices. No process ever holds more than its own shards. Which part of an
+array a process holds (its box) is :mod:`elastic_runtime.storage.boxes`.
 """
 
 from __future__ import annotations
@@ -113,8 +113,11 @@ class SliceRestore:
     (:class:`NeighbourShift`), a process of the source slice whose shards are missing takes them from the next
     process's neighbour copy: one collective permute back over the axes inside a slice, then the source's selection.
 
-    The programs (with and without neighbour copies, the source an argument) are compiled when it is built, at
-    a group's forming: a restore never compiles.
+    The shards move one way, from the source slice to the others (:func:`_broadcast`): an exchange in both
+    directions (the all-gather XLA makes of selecting an entry by a traced index) took twice as long over gloo,
+    which does not send and receive at once (128 MB over a 1 Gbit/s link: 2.08 s against 1.14 s). So the source
+    is not an argument: a program per source slice, with and without neighbour copies, all compiled when it is
+    built, at a group's forming: a restore never compiles.
     """
 
     def __init__(
@@ -142,11 +145,15 @@ class SliceRestore:
         # Asked now, at forming: a restore abandoned when the group re-forms must not ask JAX (a new backend).
         self._process = jax.process_index()
         self._kept = programs
-        self._programs = {with_copies: self._compile(with_copies) for with_copies in {False, neighbours}}
+        self._programs = {
+            (with_copies, source): self._compile(with_copies, source)
+            for with_copies in {False, neighbours}
+            for source in range(mesh.shape[replica])
+        }
 
-    def _compile(self, with_copies: bool) -> Any:
+    def _compile(self, with_copies: bool, source: int) -> Any:
         mesh, specs, dtypes = self._mesh, self._specs, self._dtypes
-        size, per_process = self._grid_shape[1], _devices_per_process(mesh)
+        slices, (size, per_process) = mesh.shape[self._replica], (self._grid_shape[1], _devices_per_process(mesh))
         backward = [(j, (j - per_process) % size) for j in range(size)]
 
         def take_back(flags: jax.Array, pairs: list[jax.Array]) -> list[jax.Array]:
@@ -160,22 +167,25 @@ class SliceRestore:
                 for own, copy in zip(pairs[0::2], pairs[1::2], strict=True)
             ]
 
-        def select(flags: jax.Array, stacked: list[jax.Array], where: jax.Array, source: jax.Array) -> list[Any]:
-            if with_copies:
-                paired = [spec for spec in specs for _ in (0, 1)]
-                stacked = jax.shard_map(
-                    take_back, mesh=mesh, in_specs=(self._grid.spec, paired), out_specs=specs, check_vma=False
-                )(flags, stacked)
-            # XLA may select by summing masked entries (a reduction over the replica axis): in floats -0.0 + 0.0
-            # is +0.0. The entries travel as their bits, where adding zeros changes nothing, and become floats
-            # again here.
-            chosen = [
-                jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(a, source, keepdims=False), dtype)
-                for a, dtype in zip(stacked, dtypes, strict=True)
+        def move(flags: jax.Array, stacked: list[jax.Array]) -> list[jax.Array]:
+            # On each device: its entry of every stacked array, (1, *its shard's shape).
+            own = take_back(flags, stacked) if with_copies else stacked
+            # The entries travel as their bits (selected, never added: -0.0 stays -0.0) and become floats again.
+            return [
+                jax.lax.bitcast_convert_type(_broadcast(entry, source, slices, self._replica)[0], dtype)
+                for entry, dtype in zip(own, dtypes, strict=True)
             ]
-            return [*chosen, jnp.max(jax.lax.dynamic_index_in_dim(where, source, keepdims=False))]
 
-        slices = mesh.shape[self._replica]
+        stacked_specs = [spec for spec in specs for _ in range(2 if with_copies else 1)]
+        leaf_specs = [sharding.spec for sharding in self._leaf_shardings]
+        # Every slice's entry is the source's after the broadcast: each leaf is replicated over the replica axis.
+        moved = jax.shard_map(
+            move, mesh=mesh, in_specs=(self._grid.spec, stacked_specs), out_specs=leaf_specs, check_vma=False
+        )
+
+        def select(flags: jax.Array, stacked: list[jax.Array], where: jax.Array) -> list[Any]:
+            return [*moved(flags, stacked), jnp.max(where[source])]
+
         stacked = [
             jax.ShapeDtypeStruct((slices, *shape), _bits(dtype), sharding=NamedSharding(mesh, spec))
             for shape, dtype, spec in zip(self._shapes, dtypes, specs, strict=True)
@@ -187,11 +197,11 @@ class SliceRestore:
             jax.ShapeDtypeStruct(grid, np.bool_, sharding=self._grid),
             stacked,
             jax.ShapeDtypeStruct(grid, np.int32, sharding=self._grid),
-            jax.ShapeDtypeStruct((), np.int32, sharding=replicated),
         )
         outputs = [*self._leaf_shardings, replicated]
         lower = jax.jit(select, out_shardings=outputs).lower
-        return _build(self._kept, f"restore (neighbours: {with_copies})", mesh, lambda: lower(*arguments))
+        name = f"restore from slice {source} (neighbours: {with_copies})"
+        return _build(self._kept, name, mesh, lambda: lower(*arguments))
 
     def __call__(
         self,
@@ -223,9 +233,24 @@ class SliceRestore:
         positions = jax.make_array_from_callback(grid, self._grid, lambda _: np.full((1, 1), mine_position, np.int32))
         # Which devices take their shards from the neighbour copy: those of processes holding nothing of the step.
         missing = jax.make_array_from_callback(grid, self._grid, lambda _: np.full((1, 1), boxes is None, np.bool_))
-        chosen = self._programs[from_neighbour](missing, stacks, positions, np.int32(source))
+        chosen = self._programs[(from_neighbour, source)](missing, stacks, positions)
         state = jax.tree.unflatten(self._treedef, chosen[:-1])
         return state, int(np.asarray(chosen[-1].addressable_data(0)))
+
+
+def _broadcast(entry: jax.Array, source: int, slices: int, axis: str) -> jax.Array:
+    """Inside a shard_map: every slice's ``entry`` replaced by the ``source`` slice's, sent one way. Rounds of
+    collective permutes over ``axis``, the slices holding it doubling each round (one permute for 2 slices):
+    each round a permutation (a slice sends to one other), none sends back what it was sent."""
+    index = jax.lax.axis_index(axis)
+    have = 1
+    while have < slices:
+        pairs = [((source + i) % slices, (source + i + have) % slices) for i in range(min(have, slices - have))]
+        received = jax.lax.ppermute(entry, axis, pairs)
+        takes = jnp.any(jnp.array([index == to for _, to in pairs]))
+        entry = jnp.where(takes, received, entry)
+        have *= 2
+    return entry
 
 
 def _reader(mine: np.ndarray | None, box: Box, shape: tuple[int, ...], dtype: Any) -> Any:
