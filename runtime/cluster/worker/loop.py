@@ -202,6 +202,13 @@ class Worker:
             message = pending if pending is not None else self.link.inbox.get()
             pending = None
             match message:
+                case Form() if self.initialized and message.generation <= self.generation:
+                    # Joined already: a departure that died before its planned step makes the controller tell
+                    # the members still stepping to join at once, and this one may have reached that step and
+                    # joined in between. Joining the same coordination service twice ends the process.
+                    log.info(
+                        "worker %d: already in generation %d; its Form again ignored", self.worker, self.generation
+                    )
                 case Form():
                     form_group(self, message)
                 case RestoreStep() if message.generation == self.generation:
