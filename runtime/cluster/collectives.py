@@ -153,7 +153,7 @@ class SliceRestore:
 
     def _compile(self, with_copies: bool, source: int) -> Any:
         mesh, specs, dtypes = self._mesh, self._specs, self._dtypes
-        slices, (size, per_process) = mesh.shape[self._replica], (self._grid_shape[1], _devices_per_process(mesh))
+        slices, size, per_process = self._grid_shape[0], self._grid_shape[1], _devices_per_process(mesh)
         backward = [(j, (j - per_process) % size) for j in range(size)]
 
         def take_back(flags: jax.Array, pairs: list[jax.Array]) -> list[jax.Array]:
