@@ -162,6 +162,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--kill-at", type=int, default=8)
+    parser.add_argument("--cases", default="replace,full_restart", help="comma-separated: replace, full_restart")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -172,8 +173,8 @@ def main() -> int:
     want = DiskTier(reference(root, size=size, steps=args.steps)).latest(None).tree
     runs: dict[str, list[dict[str, Any]]] = {"replace": [], "full_restart": []}
     for repeat in range(args.repeats):
-        order = ["replace", "full_restart"] if repeat % 2 == 0 else ["full_restart", "replace"]  # a shared machine
-        for case in order:
+        order = [case for case in runs if case in args.cases.split(",")]
+        for case in order if repeat % 2 == 0 else order[::-1]:  # a shared machine: alternate
             say(f"run {repeat + 1} of {args.repeats}, {case}: links at {args.link_gbit:g} Gbit/s")
             outcome = one_run(
                 root,
