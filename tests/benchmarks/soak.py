@@ -104,8 +104,7 @@ def one_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str,
     else:  # sdc, sdc-persistent
         options["fingerprint_every"] = 1
         injector.corrupt(step, rng.randrange(8), persistent=kind == "sdc-persistent")
-    reference_config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
-    reference = ElasticRuntime(job, config=reference_config, mesh_policy=policy).run(STEPS).state
+    reference = fault_free(job, policy)
     config = RuntimeConfig(run_dir=str(run_dir), progress=False, **options)
     result = injector.attach(ElasticRuntime(job, config=config, mesh_policy=policy)).run(STEPS)
     events = read_events(run_dir / "events.jsonl")
@@ -120,6 +119,14 @@ def one_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str,
         "recovery_s": [e.recovery_s for e in recoveries],
         "lost_steps": sum(e.lost_steps for e in recoveries),
     }
+
+
+def fault_free(job: Any, policy: Any) -> Any:
+    """The final state of the same job run fault-free, no tier but RAM."""
+    from elastic_runtime import ElasticRuntime, RuntimeConfig
+
+    config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
+    return ElasticRuntime(job, config=config, mesh_policy=policy).run(STEPS).state
 
 
 def resume_from_damaged_disk(rng: random.Random, run_dir: Path, policy: Any, job: Any) -> dict[str, Any]:
@@ -155,8 +162,7 @@ def resume_from_damaged_disk(rng: random.Random, run_dir: Path, policy: Any, job
     second = RuntimeConfig(run_dir=str(run_dir / "second"), checkpoint_dir=str(checkpoints), progress=False)
     result = ElasticRuntime(job, config=second, mesh_policy=policy).run(STEPS, resume=True)
     events = read_events(run_dir / "second" / "events.jsonl")
-    reference_config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
-    reference = ElasticRuntime(job, config=reference_config, mesh_policy=policy).run(STEPS).state
+    reference = fault_free(job, policy)
     match = compare_states(result.state, reference, bitwise=True)
     reported = [e.step for e in events if isinstance(e, CheckpointCorrupt)]
     restored = [e.step for e in events if isinstance(e, StateRestored)]
@@ -204,8 +210,7 @@ def resume_after_a_full_disk(rng: random.Random, run_dir: Path, policy: Any, job
         result = ElasticRuntime(job, config=second, mesh_policy=policy).run(STEPS, resume=True)
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False, timeout=30)
-    reference_config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
-    reference = ElasticRuntime(job, config=reference_config, mesh_policy=policy).run(STEPS).state
+    reference = fault_free(job, policy)
     match = compare_states(result.state, reference, bitwise=True)
     problems = [] if match["match"] else [f"final state differs: {match}"]
     if not failed or not any(step > max(failed) for step in committed):
@@ -243,8 +248,7 @@ def resume_after_gcs_was_down(rng: random.Random, run_dir: Path, policy: Any, jo
         second = RuntimeConfig(run_dir=str(run_dir / "second"), **tiers)  # type: ignore[arg-type]
         result = ElasticRuntime(job, config=second, mesh_policy=policy).run(STEPS, resume=True)
     restored = [e for e in read_events(run_dir / "second" / "events.jsonl") if isinstance(e, StateRestored)]
-    reference_config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
-    reference = ElasticRuntime(job, config=reference_config, mesh_policy=policy).run(STEPS).state
+    reference = fault_free(job, policy)
     match = compare_states(result.state, reference, bitwise=True)
     problems = [] if match["match"] else [f"final state differs: {match}"]
     newest = max(uploaded, default=0)
