@@ -51,6 +51,7 @@ import jax
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # bench_slices: the state's size
 
+from bench_slices import TIMEOUTS as REFERENCE_TIMEOUTS  # noqa: E402
 from bench_slices import size_for  # noqa: E402
 
 from elastic_runtime.cli.demo_hosts import HostedRun  # noqa: E402
@@ -149,7 +150,9 @@ def reference(root: Path, *, size: int, steps: int) -> Path:
     """A fault-free run of the same layout on loopback: its final state's folder."""
     run_dir = root / "reference"
     command = worker_command(steps, features=size, hidden=size)
-    done = run_group(processes=WORKERS, slices=SLICES, steps=steps, run_dir=run_dir, faults=[], command=command)
+    done = run_group(
+        processes=WORKERS, slices=SLICES, steps=steps, run_dir=run_dir, faults=[], command=command, **REFERENCE_TIMEOUTS
+    )
     if not done.ok:
         raise SystemExit(f"the fault-free reference failed: {done.reason}")
     return run_dir / "final"
