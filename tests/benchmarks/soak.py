@@ -10,7 +10,9 @@ Fault kinds, each round one or more of them:
   disk tier whose newest checkpoint was damaged on disk, a bit flipped or the file cut short (``corrupt-durable``),
   a disk that fills up for a while, then a run resumed from what it holds (``disk-full``: a small tmpfs,
   root only), and GCS unreachable for a while (every request to the emulator refused or cut, ``gcs-down``),
-  then a run on a new host resumed from GCS alone;
+  then a run on a new host resumed from GCS alone, and a maintenance notice that arrives while a lost slice is
+  being recovered (``notice-recovering``: the metadata server's ``MIGRATE_ON_HOST_MAINTENANCE`` for another
+  slice's host, set when the recovery starts, then ``NONE``: the host drained, then readmitted);
 - multi-process, 3 workers under a controller: every case of the chaos loop (``tests/multiprocess/chaos.py``):
   ``kill`` (kill -9), ``stop`` (SIGSTOP), ``two``, ``together``, ``during-recovery``, ``midstep``, ``replica``
   (mid replica-file write), ``hang``, ``impostor``, ``flood``, ``leave`` (SIGTERM of a worker), ``leave-killed``,
@@ -48,10 +50,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "multiprocess"))  # chaos.py and its attacker
+sys.path.insert(0, str(HERE.parent / "maintenance"))  # the metadata server's stand-in
 
 ONE_PROCESS = (
     "lose-slice", "lose-device", "lose-compiling", "lose-saving", "lose-two", "sdc", "sdc-persistent",
-    "corrupt-durable", "disk-full", "gcs-down",
+    "corrupt-durable", "disk-full", "gcs-down", "notice-recovering",
 )  # fmt: skip
 MULTI_PROCESS = (
     "kill", "stop", "two", "together", "during-recovery", "midstep", "replica", "hang", "impostor", "flood", "leave",
@@ -80,6 +83,8 @@ def one_process_round(kind: str, rng: random.Random, run_dir: Path) -> dict[str,
         return resume_after_a_full_disk(rng, run_dir, policy, job)
     if kind == "gcs-down":
         return resume_after_gcs_was_down(rng, run_dir, policy, job)
+    if kind == "notice-recovering":
+        return notice_while_recovering(rng, run_dir, policy, job)
     step = rng.randrange(3, STEPS - 12)
     injector = FaultInjector()
     options: dict[str, Any] = {"precompile": False, "scale_up_poll_s": 0.2}
@@ -127,6 +132,84 @@ def fault_free(job: Any, policy: Any) -> Any:
 
     config = RuntimeConfig(precompile=False, scale_up_poll_s=None, progress=False)
     return ElasticRuntime(job, config=config, mesh_policy=policy).run(STEPS).state
+
+
+def notice_while_recovering(rng: random.Random, run_dir: Path, policy: Any, job: Any) -> dict[str, Any]:
+    """A slice is lost; when its recovery starts, the metadata server says another slice's host is going into
+    maintenance (``MIGRATE_ON_HOST_MAINTENANCE``), and some steps later that it is over (``NONE``). Right when the
+    run finishes, the host was drained and then readmitted (the last mesh has its devices again), and the final
+    state is within the tolerance of the fault-free run's (steps ran on smaller meshes)."""
+    import anyio
+    from metadata_server import FakeMetadataServer  # tests/maintenance
+
+    from elastic_runtime import (
+        ElasticRuntime,
+        Event,
+        MaintenanceCompleted,
+        MaintenanceStarted,
+        MeshChanged,
+        RecoveryCompleted,
+        RecoveryStarted,
+        RuntimeConfig,
+    )
+    from elastic_runtime.core.compare import compare_states
+    from elastic_runtime.testing import FaultInjector
+
+    lost, host = rng.sample(range(4), 2)
+    drained = (2 * host, 2 * host + 1)
+    at = rng.randrange(3, STEPS // 2)
+    seen: list[Event] = []
+    with FakeMetadataServer() as server:
+        config = RuntimeConfig(
+            run_dir=str(run_dir),
+            metadata_host=server.host,
+            instance_devices={"meta-vm": drained},
+            scale_up_poll_s=0.2,
+            precompile=False,
+            progress=False,
+        )
+        rt = FaultInjector().lose_slice(at, lost, 2).attach(ElasticRuntime(job, config=config, mesh_policy=policy))
+
+        @rt.on(Event, priority=-1)
+        async def record(event: Event, ctx: object) -> None:
+            seen.append(event)
+            if isinstance(event, RecoveryStarted) and not any(isinstance(e, MaintenanceStarted) for e in seen):
+                server.set("instance/maintenance-event", b"MIGRATE_ON_HOST_MAINTENANCE")
+
+        def readmitted() -> bool:
+            over = [e.wall_time for e in seen if isinstance(e, MaintenanceCompleted)]
+            meshes = [e for e in seen if isinstance(e, MeshChanged) and over and e.wall_time > over[0]]
+            return bool(meshes) and set(drained) <= set(meshes[-1].devices)
+
+        async def pace(step: int) -> None:
+            await anyio.sleep(0.02)  # the demo's steps take milliseconds: a drain and a readmission need a few
+            if step == at + 10 and any(isinstance(e, MaintenanceStarted) for e in seen):
+                server.set("instance/maintenance-event", b"NONE")
+            if step == STEPS - 1:  # the last step waits (bounded) for the readmission, however loaded the machine
+                with anyio.move_on_after(60):
+                    while not readmitted():
+                        await anyio.sleep(0.05)
+
+        rt.at_step_boundary(pace)
+        result = rt.run(STEPS)
+    problems = [] if readmitted() else [f"host of devices {drained} not drained and readmitted: {_kinds(seen)}"]
+    match = compare_states(result.state, fault_free(job, policy), bitwise=False)
+    problems += [] if match["match"] else [f"final state differs: {match}"]
+    recoveries = [e for e in seen if isinstance(e, RecoveryCompleted)]
+    began = [e.wall_time for e in seen if isinstance(e, RecoveryStarted)]
+    noticed = [e.wall_time for e in seen if isinstance(e, MaintenanceStarted)]
+    return {
+        "faults": 2,
+        "problems": problems,
+        "recovery_s": [e.recovery_s for e in recoveries],
+        "lost_steps": sum(e.lost_steps for e in recoveries),
+        # whether the notice came while the recovery ran (a long poll answers in milliseconds; under load later)
+        "during_recovery": bool(began and noticed and recoveries and began[0] <= noticed[0] <= recoveries[0].wall_time),
+    }
+
+
+def _kinds(events: list[Any]) -> list[str]:
+    return [type(e).__name__ for e in events if type(e).__name__ not in ("StepCompleted", "CheckpointCommitted")]
 
 
 def resume_from_damaged_disk(rng: random.Random, run_dir: Path, policy: Any, job: Any) -> dict[str, Any]:
