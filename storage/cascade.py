@@ -3,9 +3,10 @@
 Training blocks only for the device-to-host copy the RAM tier already makes; the disk tier writes that same
 host snapshot (no second device copy) in its own background thread, and the GCS tier uploads the committed
 disk directory in another. Each tier runs at most one save at a time: a save that comes due while its tier is
-still busy is skipped and announced (``CheckpointSkipped``) rather than queued, so a slow tier never piles up
-host memory. An explicit request (``SaveCheckpoint``, e.g. on a maintenance notice) is never dropped: it
-waits for the save in progress and runs next.
+still busy waits for it and runs next, announced (``CheckpointBehind``: how far the tier is behind), and a newer
+due save replaces a waiting one (``CheckpointSkipped``), so a slow tier holds at most one snapshot more and its
+newest commit is at most one write behind (``storage/lane.py``). An explicit request (``SaveCheckpoint``, e.g. on
+a maintenance notice) is never dropped: it waits for the save in progress and runs next.
 
 Retention keeps the newest ``keep`` committed checkpoints of each tier. It runs only after a commit, and the
 newest committed checkpoint is always among those kept, so a tier never lacks one while its successor is
@@ -32,6 +33,7 @@ from elastic_runtime.core.config import RuntimeConfig
 from elastic_runtime.core.context import RuntimeContext
 from elastic_runtime.core.errors import BusClosed, CheckpointInvalid, SnapshotUnavailable
 from elastic_runtime.core.events import (
+    CheckpointBehind,
     CheckpointCommitted,
     CheckpointCorrupt,
     CheckpointFailed,
@@ -106,15 +108,25 @@ class TieredCheckpointer:
         self.save_on_finish = save_on_finish
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        # One lane per tier: a save that comes due while its tier is busy is skipped, a requested one waits.
+        # One lane per tier: a save that comes due while its tier is busy waits for it (the newest one only). The
+        # mirror copies every snapshot: it being behind is no news (its skips are events).
         self._shm_lane: Lane[HostSnapshot] = Lane(
             "ckpt-shm", self._mirror, step_of=_step, on_skip=self._skipped(shm), doing="copy"
         )
         self._disk_lane: Lane[tuple[HostSnapshot, bool]] = Lane(
-            "ckpt-disk", self._save_to_disk, step_of=lambda item: item[0].step, on_skip=self._skipped(disk)
+            "ckpt-disk",
+            self._save_to_disk,
+            step_of=lambda item: item[0].step,
+            on_skip=self._skipped(disk),
+            on_wait=self._behind(disk),
         )
         self._gcs_lane: Lane[CheckpointInfo] = Lane(
-            "ckpt-gcs", self._upload, step_of=_step, on_skip=self._skipped(gcs), doing="upload"
+            "ckpt-gcs",
+            self._upload,
+            step_of=_step,
+            on_skip=self._not_uploaded,
+            on_wait=self._behind(gcs),
+            doing="upload",
         )
         self._uploading: set[int] = set()  # disk steps GCS is reading: retention leaves them alone
         self.report_every_s = 10.0  # how often the end of a run says what it still waits for
@@ -299,6 +311,25 @@ class TieredCheckpointer:
     def _skipped(self, tier: CheckpointTier | None) -> Callable[[int, str], None]:
         name = tier.name if tier is not None else "none"
         return lambda step, reason: self._emit(CheckpointSkipped(step=step, source=_SOURCE, tier=name, reason=reason))
+
+    def _not_uploaded(self, step: int, reason: str) -> None:
+        with self._lock:
+            self._uploading.discard(step)  # retention may delete it again
+        self._skipped(self.gcs)(step, reason)
+
+    def _behind(self, tier: CheckpointTier | None) -> Callable[[int, int], None]:
+        name = tier.name if tier is not None else "none"
+
+        def behind(step: int, writing: int) -> None:
+            with self._lock:
+                committed = self.newest.get(name)
+            lag = step - committed if committed is not None else step
+            log.info(
+                "%s is behind its cadence: step %d waits for the write of step %d (%d steps)", name, step, writing, lag
+            )
+            self._emit(CheckpointBehind(step=step, source=_SOURCE, tier=name, writing=writing, behind_steps=lag))
+
+        return behind
 
     # --- requests --------------------------------------------------------------------------------------
 

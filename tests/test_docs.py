@@ -36,7 +36,9 @@ GROUPS: list[tuple[str, ModuleType, list[str]]] = [
     ("Maintenance notices (all derive from `Notice`)", ev, [
         "Notice", "MaintenanceScheduled", "MaintenanceStarted", "MaintenanceCompleted", "Preempted", "HostError",
     ]),
-    ("Checkpoints", ev, ["CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped", "ReplicaSkipped"]),
+    ("Checkpoints", ev, [
+        "CheckpointStarted", "CheckpointCommitted", "CheckpointSkipped", "CheckpointBehind", "ReplicaSkipped",
+    ]),
     ("Recovery", ev, [
         "RecoveryStarted", "MeshChanged", "StateRestored", "RecoveryCompleted", "ScaleUpAvailable", "StateTransformed",
         "MeshReady", "LikelyMeshesReady", "CorruptionHealed",

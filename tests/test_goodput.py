@@ -15,9 +15,10 @@ from elastic_runtime.analysis.goodput import (
     WASTED_PROGRESS_FROM_DISRUPTION,
     goodput,
 )
-from elastic_runtime.cli.report import timeline_clock
+from elastic_runtime.cli.report import render, timeline_clock
 from elastic_runtime.core.eventlog import EventLog, encode_event
 from elastic_runtime.core.events import (
+    CheckpointBehind,
     CheckpointCommitted,
     CheckpointStarted,
     Event,
@@ -232,6 +233,17 @@ def test_a_failure_never_recovered_is_reported_as_such() -> None:
     [failure] = report.failures
     assert failure.recovery_s is None and failure.step == 5
     assert report.wall_s == pytest.approx(5.0)
+
+
+def test_a_tier_behind_its_cadence_is_counted_with_how_far_and_printed() -> None:
+    lagging = [
+        CheckpointBehind(step=4, mono_time=2.6, tier="gcs", writing=2, behind_steps=4),  # nothing in GCS yet
+        CheckpointBehind(step=8, mono_time=6.1, tier="gcs", writing=4, behind_steps=6),
+    ]
+    report = goodput(sorted([*two_failure_run(), *lagging], key=lambda e: e.mono_time))
+    assert report.behind == {"gcs": {"times": 2, "most_steps": 6}}
+    assert "behind the cadence: gcs 2 time(s), at most 6 steps" in render(report, Path("events.jsonl"))
+    assert goodput(two_failure_run()).behind == {}
 
 
 def test_not_a_run() -> None:

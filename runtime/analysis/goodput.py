@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic_runtime.core.events import (
+    CheckpointBehind,
     CheckpointCommitted,
     DeviceLost,
     Event,
@@ -109,6 +110,8 @@ class GoodputReport:
     steps: int
     failures: list[FailureRecord] = field(default_factory=list)
     checkpoints: dict[str, int] = field(default_factory=dict)  # committed checkpoints per tier
+    # per tier, how often a due save waited for the write before it, and the most steps the tier fell behind
+    behind: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def goodput(self) -> float | None:
@@ -123,6 +126,7 @@ class GoodputReport:
             "badput_s": {k: round(v, 4) for k, v in self.badput_s.items()},
             "failures": [vars(f) | {"wasted_s": round(f.wasted_s, 4)} for f in self.failures],
             "checkpoints": self.checkpoints,
+            "behind": self.behind,
         }
 
 
@@ -171,9 +175,14 @@ def _combine(parts: list[list[Event]], reports: list[GoodputReport]) -> GoodputR
             final[commit.step or 0] = commit
     productive = sum(c.duration_s for c in final.values())
     checkpoints: dict[str, int] = {}
+    behind: dict[str, dict[str, int]] = {}
     for report in reports:
         for tier, count in report.checkpoints.items():
             checkpoints[tier] = checkpoints.get(tier, 0) + count
+        for tier, lag in report.behind.items():
+            total = behind.setdefault(tier, {"times": 0, "most_steps": 0})
+            total["times"] += lag["times"]
+            total["most_steps"] = max(total["most_steps"], lag["most_steps"])
     return GoodputReport(
         wall_s=wall,
         productive_s=productive,
@@ -181,6 +190,7 @@ def _combine(parts: list[list[Event]], reports: list[GoodputReport]) -> GoodputR
         steps=max(final, default=0),
         failures=failures,
         checkpoints=checkpoints,
+        behind=behind,
     )
 
 
@@ -233,6 +243,7 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
     disruptions: list[tuple[Failure, float, RecoveryCompleted | None]] = []
     open_failure: tuple[Failure, float] | None = None  # the failure being recovered, and its attempt time
     checkpoints: dict[str, int] = {}
+    behind: dict[str, dict[str, int]] = {}
 
     for event in events:
         if isinstance(event, StepCompleted) and event.step is not None:
@@ -254,6 +265,10 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
             badput[ELASTIC_SCALE_UP] += event.seconds
         elif isinstance(event, CheckpointCommitted):
             checkpoints[event.tier] = checkpoints.get(event.tier, 0) + 1
+        elif isinstance(event, CheckpointBehind):
+            lag = behind.setdefault(event.tier, {"times": 0, "most_steps": 0})
+            lag["times"] += 1
+            lag["most_steps"] = max(lag["most_steps"], event.behind_steps)
         elif isinstance(event, RecoveryCompleted) and open_failure is not None:
             disruptions.append((*open_failure, event))
             open_failure = None
@@ -292,6 +307,7 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
         steps=max(final, default=0),
         failures=failures,
         checkpoints=checkpoints,
+        behind=behind,
     )
 
 

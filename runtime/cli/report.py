@@ -97,6 +97,12 @@ def render(report: GoodputReport, path: Path) -> str:
     if report.checkpoints:
         tiers = ", ".join(f"{tier} {count}" for tier, count in sorted(report.checkpoints.items()))
         lines += ["", f"  checkpoints committed: {tiers}"]
+    if report.behind:  # due saves that waited for a write still running: the tier is slower than its cadence
+        lagging = ", ".join(
+            f"{tier} {lag['times']} time(s), at most {lag['most_steps']} steps"
+            for tier, lag in sorted(report.behind.items())
+        )
+        lines.append(f"  behind the cadence: {lagging}")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ from typing import Union
 import msgspec
 
 from elastic_runtime.cluster.tiers import Tier
-from elastic_runtime.core.events import CheckpointCorrupt, LikelyMeshesReady, StepFailed
+from elastic_runtime.core.events import CheckpointBehind, CheckpointCorrupt, LikelyMeshesReady, StepFailed
 from elastic_runtime.storage.manifest import FileEntry, LeafEntry
 
 __all__ = [
@@ -223,6 +223,8 @@ class EventReport(Message, frozen=True, kw_only=True):
       the group must restore another step.
     - :class:`~elastic_runtime.core.events.LikelyMeshesReady`: this worker's programs of the group one slice smaller are
       kept (``runtime/cluster/worker/smaller.py``): a re-form without a lost slice loads them.
+    - :class:`~elastic_runtime.core.events.CheckpointBehind`: a durable step came due while the lead's previous write
+      still ran (``runtime/cluster/worker/durable.py``); ``event.tier`` is "durable".
 
     An event of another type or without its step, a tier that is not one of
     :class:`~elastic_runtime.cluster.tiers.Tier`'s names, or a field of the envelope set for the other event does not
@@ -231,7 +233,7 @@ class EventReport(Message, frozen=True, kw_only=True):
 
     worker: int
     generation: int
-    event: StepFailed | CheckpointCorrupt | LikelyMeshesReady
+    event: StepFailed | CheckpointCorrupt | LikelyMeshesReady | CheckpointBehind
     traceback: str = ""  # StepFailed only
     unsupported: bool = False  # StepFailed only
     recovered_from: Tier | None = None  # CheckpointCorrupt only
@@ -247,8 +249,10 @@ class EventReport(Message, frozen=True, kw_only=True):
                 raise ValueError("traceback and unsupported belong to a StepFailed, not to a CheckpointCorrupt")
         elif self.recovered_from is not None:
             raise ValueError("recovered_from belongs to a CheckpointCorrupt only")
-        if isinstance(self.event, LikelyMeshesReady) and (self.traceback or self.unsupported):
+        if isinstance(self.event, LikelyMeshesReady | CheckpointBehind) and (self.traceback or self.unsupported):
             raise ValueError("traceback and unsupported belong to a StepFailed only")
+        if isinstance(self.event, CheckpointBehind) and self.event.tier != Tier.DURABLE:
+            raise ValueError(f"event.tier: a worker's writes are behind in the durable tier, not {self.event.tier!r}")
 
 
 class Requested(Message, frozen=True, kw_only=True):

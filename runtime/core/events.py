@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import msgspec
 
 __all__ = [
+    "CheckpointBehind",
     "CheckpointCommitted",
     "CheckpointCorrupt",
     "CheckpointFailed",
@@ -393,6 +394,16 @@ class CheckpointSkipped(Event, frozen=True, kw_only=True):
 
     tier: str
     reason: str
+
+
+class CheckpointBehind(Event, frozen=True, kw_only=True):
+    """A save of ``step`` to ``tier`` came due while the tier was still writing step ``writing``: it waits and
+    starts when that write ends (the tier's cadence stretches to its write time). ``behind_steps``: how far the
+    tier's newest committed checkpoint is behind ``step`` (``step`` when it has none)."""
+
+    tier: str
+    writing: int
+    behind_steps: int
 
 
 class ReplicaSkipped(Event, frozen=True, kw_only=True):

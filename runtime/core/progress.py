@@ -16,6 +16,7 @@ import anyio
 
 from elastic_runtime.core.bus import Subscription
 from elastic_runtime.core.events import (
+    CheckpointBehind,
     ConfigOverridden,
     CorruptionHealed,
     Failure,
@@ -87,6 +88,11 @@ def describe_event(event: Any) -> str | None:
                 f"devices {list(event.evicted)} evicted" if event.evicted else "replayed from the newest verified state"
             )
             return f"silent data corruption healed at step {event.step} ({event.kind}): {how}"
+        case CheckpointBehind():
+            return (
+                f"{event.tier} checkpoints behind their cadence: step {event.step} waits for the write of step "
+                f"{event.writing} ({event.behind_steps} steps past the newest commit)"
+            )
         case NoticeSourceFailed():
             return (
                 f"maintenance notices from {event.source} ({event.address}) unavailable: {event.reason}; "

@@ -20,6 +20,7 @@ from elastic_runtime import ElasticRuntime, MeshPolicy, RuntimeConfig, read_even
 from elastic_runtime.core.context import RuntimeContext
 from elastic_runtime.core.errors import ConfigError, StorageError
 from elastic_runtime.core.events import (
+    CheckpointBehind,
     CheckpointCommitted,
     CheckpointCorrupt,
     CheckpointFailed,
@@ -91,7 +92,9 @@ def test_save_request_commits_off_cadence(tmp_path: Path) -> None:
     assert len(committed) == 1 and 5 <= (committed[0].step or 0) <= 12
 
 
-def test_busy_tier_skips_instead_of_piling_up(tmp_path: Path, gcs_uri: str, gcs_emulator: object) -> None:
+def test_a_busy_tier_writes_its_newest_due_save_next_and_says_how_far_behind_it_is(
+    tmp_path: Path, gcs_uri: str, gcs_emulator: object
+) -> None:
     # Every request through this proxy is held 0.12 s: an upload of ~15 files takes far longer than a step.
     with FaultProxy(("127.0.0.1", gcs_emulator.port), rate=1.0, faults=("slow",), slow_s=0.12) as slow:  # type: ignore[attr-defined]
         rt = ElasticRuntime(job(), config=config(tmp_path, checkpoint_dir=""), mesh_policy=MeshPolicy(MESH))
@@ -109,9 +112,13 @@ def test_busy_tier_skips_instead_of_piling_up(tmp_path: Path, gcs_uri: str, gcs_
 
         result = rt.run(30)
     skipped = events_of(result.events_path, CheckpointSkipped)
-    assert any(e.tier == "gcs" for e in skipped)  # type: ignore[attr-defined]
+    assert any(e.tier == "gcs" for e in skipped)  # type: ignore[attr-defined]  # replaced while waiting
+    behind = {e.step: e for e in events_of(result.events_path, CheckpointBehind) if e.tier == "gcs"}  # type: ignore[attr-defined]
+    assert behind and all(e.writing < step and e.behind_steps >= step - e.writing for step, e in behind.items())  # type: ignore[attr-defined]
     gcs_commits = [e for e in events_of(result.events_path, CheckpointCommitted) if e.tier == "gcs"]  # type: ignore[attr-defined]
-    assert 1 <= len(gcs_commits) < 30
+    assert 2 <= len(gcs_commits) < 30
+    # A due upload that waited was uploaded when the one before it ended (not dropped until the next due one).
+    assert {e.step for e in gcs_commits} & set(behind)
     assert gcs_commits[-1].step == 30  # the final step still reaches GCS
     assert gcs.latest(job().init()).step == 30
     assert not checkpointer.status()["gcs_running"]

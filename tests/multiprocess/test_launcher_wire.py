@@ -31,7 +31,13 @@ from elastic_runtime.cluster.protocol import (
 from elastic_runtime.cluster.tiers import Tier
 from elastic_runtime.cluster.worker import ControllerLink
 from elastic_runtime.core.eventlog import encode_event, read_events
-from elastic_runtime.core.events import CheckpointCorrupt, ConnectionRefused, MalformedHeartbeat, StepFailed
+from elastic_runtime.core.events import (
+    CheckpointBehind,
+    CheckpointCorrupt,
+    ConnectionRefused,
+    MalformedHeartbeat,
+    StepFailed,
+)
 from elastic_runtime.defaults import default_controller
 
 
@@ -107,6 +113,12 @@ def test_a_malformed_event_in_a_report_is_named() -> None:
         decode_from_worker(encode(failed).replace(b'"recovered_from":null', b'"recovered_from":"ram"'))
     with pytest.raises(MalformedMessage, match=r"Invalid enum value 'file-ish' - at `\$\.recovered_from`"):
         decode_from_worker(encode(failed).replace(b'"recovered_from":null', b'"recovered_from":"file-ish"'))
+    behind = EventReport(
+        worker=1, generation=2, event=CheckpointBehind(step=9, tier="durable", writing=5, behind_steps=9)
+    )
+    assert decode_from_worker(encode(behind)) == behind
+    with pytest.raises(MalformedMessage, match="not 'shm'"):  # a worker's writes behind are the durable tier's
+        decode_from_worker(encode(behind).replace(b'"durable"', b'"shm"'))
 
 
 def test_malformed_heartbeats_and_unknown_ids_do_not_crash_the_controller(

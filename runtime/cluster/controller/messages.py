@@ -47,6 +47,7 @@ from elastic_runtime.cluster.protocol import (
 from elastic_runtime.core.errors import BusClosed, JobUnsupported, StepError
 from elastic_runtime.core.eventlog import decode_event
 from elastic_runtime.core.events import (
+    CheckpointBehind,
     CheckpointCorrupt,
     ConnectionRefused,
     Event,
@@ -146,8 +147,10 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
             await handle_unreadable(controller, proc, message, heard(proc, corrupt))
         case EventReport(generation=gen, event=StepFailed() as failed) if gen == controller.group.generation:
             await end_on_failure(controller, proc, message, heard(proc, failed))
-        case EventReport(generation=gen, event=LikelyMeshesReady() as ready) if gen == controller.group.generation:
-            await controller.bus.publish(heard(proc, ready))
+        case EventReport(generation=gen, event=LikelyMeshesReady() | CheckpointBehind() as told) if (
+            gen == controller.group.generation
+        ):
+            await controller.bus.publish(heard(proc, told))
         case Restored(generation=gen) if gen == controller.group.generation:
             controller.feed(MemberRestored(message.tier, message.nbytes, message.read_s, message.transfer_s))
         case Requested():

@@ -29,14 +29,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from elastic_runtime.cluster.collectives import NeighbourShift, SliceRestore
 from elastic_runtime.cluster.protocol import EventReport, Form, Heartbeat, Hello, Message, RestoreStep, Stop, Warm
 from elastic_runtime.cluster.tiers import Tier
-from elastic_runtime.cluster.worker.durable import final_durable
+from elastic_runtime.cluster.worker.durable import durable_lane, final_durable
 from elastic_runtime.cluster.worker.forming import form_group, warm_up
 from elastic_runtime.cluster.worker.group import leave_group
 from elastic_runtime.cluster.worker.handlers import ScriptHandlers
@@ -100,7 +100,7 @@ class Worker:
         self.worker = settings.worker
         self.link = link
         self.replicas = replicas
-        link.on_committed = replicas.committed
+        link.on_committed = self._durable_committed
         # Called with the step once its result is ready, before it is committed; one that raises (or never
         # returns) stops the step there. Fault injection uses it (elastic_runtime.faults.process).
         self.step_checks: list[Callable[[int], None]] = []
@@ -133,8 +133,7 @@ class Worker:
         self.durable: ShardedStore | None = None
         self.durable_steps: set[int] = set()  # committed durable steps of this run (read at joining)
         self.owned: list[bool] = []  # per leaf: whether this process writes its shards there
-        self.durable_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable")
-        self.durable_write: Future[None] | None = None
+        self.durable_lane = durable_lane(self)  # this process's part of each durable checkpoint, written in turn
         # Shapes and dtypes only: no process (a spare included) holds the whole state (runtime/core/initial.py).
         self.template: PyTree = abstract_state(self.job)
         self.batch_like: PyTree = batch_example(self.job.data)  # a global batch's shapes
@@ -165,6 +164,7 @@ class Worker:
         # Steps until a full garbage collection after leaving a group (runtime/cluster/worker/forming.py).
         self.collect_in: int | None = None
         self.durable_last = -1  # the step of the newest durable write started
+        self.durable_committed = -1  # the newest durable step the controller committed (DurableCommitted)
         self.held = False  # told to stop stepping (``Stop.hold``): the run is draining
         self.stopped_by: Stop | None = None  # the Stop it exits on
         # Step threads left blocked in a dead peer's collective (stepping.py): while one is, this process can only
@@ -178,6 +178,10 @@ class Worker:
     @property
     def step(self) -> int:
         return self.ledger.step
+
+    def _durable_committed(self, step: int) -> None:  # the link's reader thread
+        self.durable_committed = max(self.durable_committed, step)
+        self.replicas.committed(step)
 
     # --- the loop ----------------------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ and at the target gather the final state's digest for ``Finished``.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import logging
@@ -97,7 +96,7 @@ def train(worker: Worker, target: int) -> Inbound | None:
             worker.replicas.pin(worker.step)
             if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
                 writing = time.perf_counter()
-                save_durable(worker, final=worker.step == target)
+                save_durable(worker, forced=worker.step == target)
                 worker.pace.exclude(time.perf_counter() - writing)  # its role's work, not a slower pace
         worker.heartbeat()
         if worker.collect_in is not None:
@@ -128,7 +127,7 @@ def apply_boundary(worker: Worker, done: Boundary) -> None:
         worker.ledger.taken("durable", worker.step)
         worker.replicas.pin(worker.step)
         if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
-            save_durable(worker, final=False)
+            save_durable(worker, forced=True)  # asked for: never dropped
 
 
 def run_step(
@@ -181,9 +180,7 @@ def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
     import jax
     from jax.experimental import multihost_utils
 
-    if worker.durable_write is not None:
-        with contextlib.suppress(Exception):  # a failure was logged by _log_failure
-            worker.durable_write.result()
+    worker.durable_lane.wait()  # its failures are logged by the write
     meet(f"gather/{worker.generation}", _GATHER_MEET_S)  # the others' final writes may take longer
     # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local
     # device), and hashing one joined copy two more: at a GB of state 4 workers ran the machine out of memory.
