@@ -16,6 +16,7 @@ import msgspec
 
 from elastic_runtime.cluster import auth, leftovers
 from elastic_runtime.cluster.protocol import ENV_CONTROLLER, Noticed
+from elastic_runtime.cluster.worker.forming import shared_cache
 from elastic_runtime.cluster.worker.handlers import ScriptHandlers
 from elastic_runtime.cluster.worker.link import ControllerLink, connect
 from elastic_runtime.cluster.worker.loop import Worker
@@ -174,8 +175,8 @@ def run_worker(
         finished = loop.stopped_by is not None and loop.stopped_by.finished
         if in_memory and finished:
             leftovers.remove(folder, f"worker-{worker}")  # the run finished: no resume will read them
-        shared = loop.programs.folder  # in the compile cache the hosts share (forming.programs_folder)?
-        if finished and loop.process_id == 0 and shared is not None and shared.parent != replicas.directory:
+        shared = loop.programs.folder if shared_cache(loop) is not None else None  # forming.programs_folder
+        if finished and loop.process_id == 0 and shared is not None:
             shutil.rmtree(shared, ignore_errors=True)  # the run is over: a resumed one keeps its programs anew
         if finished and code == 0 and loop.result is not None:
             if loop.still_blocked(_BLOCKED_WAIT_S):

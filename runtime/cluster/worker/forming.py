@@ -30,7 +30,7 @@ from elastic_runtime.storage.sharded import ShardedStore, writes
 if TYPE_CHECKING:
     from elastic_runtime.cluster.worker.loop import Worker
 
-__all__ = ["form_group", "warm_up"]
+__all__ = ["form_group", "programs_folder", "shared_cache", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -256,8 +256,14 @@ def programs_folder(worker: Worker, name: str) -> Path | None:
     share (``launch``: its compile cache is in that folder too)."""
     if not name:
         return None
+    shared = shared_cache(worker)
+    return (shared if shared is not None else worker.replicas.directory) / name
+
+
+def shared_cache(worker: Worker) -> Path | None:
+    """The compile cache the cluster gives every host (``ELASTIC_COMPILE_CACHE`` outside this host's replica
+    folder), or None (``launch``: the cache is in the replica folder, which only this host's processes see)."""
     cache = worker.settings.compile_cache
-    here = worker.replicas.directory.resolve()
-    if cache and "://" not in cache and not Path(cache).resolve().is_relative_to(here):
-        return Path(cache) / name
-    return worker.replicas.directory / name
+    if cache and "://" not in cache and not Path(cache).resolve().is_relative_to(worker.replicas.directory.resolve()):
+        return Path(cache)
+    return None
