@@ -8,8 +8,6 @@ once), and a group that does not form in time restarts. Functions over the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from elastic_runtime.cluster.config import LaunchError, Strategy
 from elastic_runtime.cluster.controller.processes import WorkerProcess
@@ -28,15 +26,12 @@ from elastic_runtime.cluster.controller.supervision import (
     SendForm,
     Spawn,
 )
+from elastic_runtime.cluster.controller.supervisor_state import GivenUp, SupervisorState
 from elastic_runtime.cluster.protocol import EXIT_REPLACE, Stop
 from elastic_runtime.core.events import GroupForming
 
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.supervisor import Supervisor
-
 __all__ = [
     "PLANNED_AHEAD",
-    "GivenUp",
     "await_joins",
     "cordoned",
     "departure_code",
@@ -57,7 +52,7 @@ log = logging.getLogger(__name__)
 PLANNED_AHEAD = 3
 
 
-def form_generation(sup: Supervisor, out: list[Action], strategy: Strategy, reason: str) -> None:
+def form_generation(sup: SupervisorState, out: list[Action], strategy: Strategy, reason: str) -> None:
     """Start forming a new generation: survivors stay (unless restarting), spares are recruited."""
     sup.strategy = None
     sup.growable = None
@@ -86,7 +81,7 @@ def form_generation(sup: Supervisor, out: list[Action], strategy: Strategy, reas
     recruit(sup, out, sup.forming_started, None)
 
 
-def recruit(sup: Supervisor, out: list[Action], now: float, changed: int | None) -> None:
+def recruit(sup: SupervisorState, out: list[Action], now: float, changed: int | None) -> None:
     """Enough spares (started now if needed) to fill the group around the survivors, once they said hello.
     ``changed``: the one worker whose record changed (a hello, a close), if that is all that happened: only
     it is looked at, so N workers saying hello cost O(N), not O(N**2)."""
@@ -141,7 +136,7 @@ def recruit(sup: Supervisor, out: list[Action], now: float, changed: int | None)
         sup.end(out, LaunchError(recruiting_timed_out(sup, len(survivors) + len(chosen))))
 
 
-def recruiting_timed_out(sup: Supervisor, ready: int) -> str:
+def recruiting_timed_out(sup: SupervisorState, ready: int) -> str:
     """Why the run ends when too few workers said hello in time: which wait ran out, and what the rest were doing."""
     starting = [p for p in sup.pool if p.spare and not p.gone and p.hello is None and p.running()]
     if sup.forming == Strategy.START:
@@ -160,7 +155,7 @@ def recruiting_timed_out(sup: Supervisor, ready: int) -> str:
     )
 
 
-def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recruits: list[int]) -> None:
+def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], recruits: list[int]) -> None:
     members = sup.group.seat(survivors, recruits)
     seated = set(members)
     for worker in set(survivors) | set(recruits):
@@ -211,14 +206,14 @@ def seat_members(sup: Supervisor, out: list[Action], survivors: list[int], recru
     sup.phase, sup.deadline = Phase.JOINING, sup.clock() + join_timeout(sup)
 
 
-def departure_code(sup: Supervisor) -> int:
+def departure_code(sup: SupervisorState) -> int:
     """The exit code of a worker that asked to leave (SIGTERM from its host) and was let go: 0 where this
     controller starts the workers (it starts its own spares); where a cluster scheduler starts them,
     EXIT_REPLACE, so that it starts another in its place (a Kubernetes Job never replaces a pod that exited 0)."""
     return 0 if sup.config.starts_workers else EXIT_REPLACE
 
 
-def join_timeout(sup: Supervisor) -> float:
+def join_timeout(sup: SupervisorState) -> float:
     """How long the members may take to join: the first group, its start-up (imports, the first compile);
     a later one the configured time, or twice the slowest join seen, when a real model compiles longer."""
     if sup.forming == Strategy.START:
@@ -226,7 +221,7 @@ def join_timeout(sup: Supervisor) -> float:
     return max(sup.config.form_timeout_s, 2 * sup.slowest_join)
 
 
-def await_joins(sup: Supervisor, out: list[Action], due: bool, event: Input) -> None:
+def await_joins(sup: SupervisorState, out: list[Action], due: bool, event: Input) -> None:
     if isinstance(event, MemberJoined) and not due:
         sup.unjoined.discard(event.worker)
         if sup.unjoined:
@@ -269,24 +264,14 @@ def await_joins(sup: Supervisor, out: list[Action], due: bool, event: Input) -> 
     form_generation(sup, out, Strategy.RESTART, sup.forming_reason)
 
 
-def started_jax(sup: Supervisor, procs: list[WorkerProcess]) -> bool:
+def started_jax(sup: SupervisorState, procs: list[WorkerProcess]) -> bool:
     """Whether a member is in the generation being formed (joined, or named it in a heartbeat): JAX's start
     waits for every seat, so then every member got past it."""
     generation = sup.group.generation
     return any(p.joined is not None or (p.generation == generation and not p.gone) for p in procs)
 
 
-@dataclass
-class GivenUp:
-    """A generation given up before it formed: its service, the lost members' seats in it, and the members
-    still waiting in its start (until their heartbeats name a later generation)."""
-
-    coordinator: str
-    seats: tuple[int, ...]
-    waiting: set[int]
-
-
-def can_give_up(sup: Supervisor, procs: list[WorkerProcess]) -> bool:
+def can_give_up(sup: SupervisorState, procs: list[WorkerProcess]) -> bool:
     """Whether the rest of a generation that lost members before it formed should re-form without them now:
     where the controller starts no workers (the orchestrator replaces them, when it does), no spare is ready
     for the seats, and the rest are enough (``min_nprocs``) and all seated again (no slice short)."""
@@ -297,7 +282,7 @@ def can_give_up(sup: Supervisor, procs: list[WorkerProcess]) -> bool:
     return len(rest) >= sup.config.min_nprocs and sup.group.seat(rest, []) == rest
 
 
-def give_up(sup: Supervisor, out: list[Action], lost: list[int]) -> None:
+def give_up(sup: SupervisorState, out: list[Action], lost: list[int]) -> None:
     """Give the generation being formed up and form the next without ``lost``: its other members wait in JAX's
     start for the lost seats, and a later Form frees them (``runtime/cluster/worker/group.py``); once they all
     went on, stand-ins fill those seats so that their waiting ends too (``release_given_up``)."""
@@ -308,7 +293,7 @@ def give_up(sup: Supervisor, out: list[Action], lost: list[int]) -> None:
     form_generation(sup, out, sup.config.strategy, sup.forming_reason)
 
 
-def release_given_up(sup: Supervisor, out: list[Action]) -> None:
+def release_given_up(sup: SupervisorState, out: list[Action]) -> None:
     """Fill the lost seats of each given-up generation whose members all went on (or were lost since)."""
     for generation, given in list(sup.given_up.items()):
         given.waiting = {w for w in given.waiting if not sup.pool[w].gone and sup.pool[w].generation <= generation}
@@ -317,7 +302,7 @@ def release_given_up(sup: Supervisor, out: list[Action]) -> None:
             out.append(FillSeats(generation, given.coordinator, given.seats))
 
 
-def substitute(sup: Supervisor, out: list[Action], lost: list[int]) -> None:
+def substitute(sup: SupervisorState, out: list[Action], lost: list[int]) -> None:
     """Seat a ready spare in each lost member's seat of the generation being formed (its Form names the
     seat's process id, the same coordinator); start spares for the seats none is ready for."""
     ready = [p.worker for p in sup.pool if seatable(sup, p)]
@@ -346,10 +331,10 @@ def substitute(sup: Supervisor, out: list[Action], lost: list[int]) -> None:
         out.append(Spawn(missing - len(starting)))
 
 
-def seatable(sup: Supervisor, proc: WorkerProcess) -> bool:
+def seatable(sup: SupervisorState, proc: WorkerProcess) -> bool:
     """A spare ready to be seated, on a host that is not under maintenance."""
     return proc.ready_spare and not cordoned(sup, proc)
 
 
-def cordoned(sup: Supervisor, proc: WorkerProcess) -> bool:
+def cordoned(sup: SupervisorState, proc: WorkerProcess) -> bool:
     return proc.hello is not None and proc.hello.instance in sup.cordoned

@@ -6,21 +6,18 @@ shrank (``min_nprocs``) back once a spare is ready.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from elastic_runtime.cluster.config import Strategy
 from elastic_runtime.cluster.controller.forming import PLANNED_AHEAD, cordoned, form_generation, seatable
 from elastic_runtime.cluster.controller.supervision import Action, Spawn
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.supervisor import Supervisor
+from elastic_runtime.cluster.controller.supervisor_state import SupervisorState
 
 __all__ = ["can_grow", "drain"]
 
 log = logging.getLogger(__name__)
 
 
-def drain(sup: Supervisor, out: list[Action]) -> None:
+def drain(sup: SupervisorState, out: list[Action]) -> None:
     """Take the members on cordoned hosts and those that asked to leave out at a planned step: the rest (and ready
     spares) re-form there, every member's state in memory, nothing lost or counted. Not when the run ends first
     (a member that asked to leave then ends with the run), nor when the group would be smaller than
@@ -57,7 +54,7 @@ def drain(sup: Supervisor, out: list[Action]) -> None:
     form_generation(sup, out, Strategy.DRAIN, f"drain: {reason}")
 
 
-def can_grow(sup: Supervisor) -> bool:
+def can_grow(sup: SupervisorState) -> bool:
     """A group that shrank (``min_nprocs``) grows back once a spare is ready, away from the run's end."""
     members = sup.group.members
     if not (

@@ -6,7 +6,6 @@ the first group, ``StateRestored`` in a recovery).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from elastic_runtime.cluster.config import Strategy
 from elastic_runtime.cluster.controller.membership import JoinReport
@@ -19,19 +18,17 @@ from elastic_runtime.cluster.controller.supervision import (
     TopUpSpares,
     WarmSpares,
 )
+from elastic_runtime.cluster.controller.supervisor_state import SupervisorState
 from elastic_runtime.cluster.protocol import Joined, RestoreStep
 from elastic_runtime.core.errors import RecoveryError
 from elastic_runtime.core.events import GroupFormed, MeshChanged, RunStarted, StateRestored
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.supervisor import Supervisor
 
 __all__ = ["send_restore"]
 
 log = logging.getLogger(__name__)
 
 
-def send_restore(sup: Supervisor, out: list[Action]) -> None:
+def send_restore(sup: SupervisorState, out: list[Action]) -> None:
     """Every member joined: tell them which step to restore, and from whom."""
     members, strategy, group = sup.group.members, sup.forming, sup.group
     reports = []
@@ -142,7 +139,7 @@ def send_restore(sup: Supervisor, out: list[Action]) -> None:
     sup.phase, sup.deadline = Phase.IDLE, None
 
 
-def _instance_of(sup: Supervisor, worker: int) -> str:
+def _instance_of(sup: SupervisorState, worker: int) -> str:
     hello = sup.pool[worker].hello
     return hello.instance if hello is not None else ""
 

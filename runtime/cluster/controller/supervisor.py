@@ -19,32 +19,25 @@ where the controller starts none and none is ready, the generation is given up a
 once (``forming.give_up``). Only a group that does not form in time (``form_timeout_s``) restarts with every
 worker replaced. Its inputs, actions and phases are in ``supervision.py``; forming a generation is in
 ``forming.py``, its restore in ``restore.py``, the planned re-formings (draining a host or a member that asked to
-leave, growing back) in ``planned.py``: functions over this class's state.
+leave, growing back) in ``planned.py``: functions over its state (``supervisor_state.py``, below them all).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 
-from elastic_runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
+from elastic_runtime.cluster.config import Strategy
 from elastic_runtime.cluster.controller.forming import (
-    GivenUp,
     await_joins,
     departure_code,
     form_generation,
     recruit,
     release_given_up,
 )
-from elastic_runtime.cluster.controller.heartbeat import HeartbeatMonitor
-from elastic_runtime.cluster.controller.membership import Membership
 from elastic_runtime.cluster.controller.planned import can_grow, drain
-from elastic_runtime.cluster.controller.processes import ProcessPool, log_tail
 from elastic_runtime.cluster.controller.supervision import (
     Action,
     DrainRequested,
-    EndRun,
     Finish,
     Input,
     LeaveRequested,
@@ -57,7 +50,6 @@ from elastic_runtime.cluster.controller.supervision import (
     Readmitted,
     RegroupRequested,
     RestoreFailed,
-    RestoreTally,
     Send,
     SendForm,
     Start,
@@ -65,10 +57,10 @@ from elastic_runtime.cluster.controller.supervision import (
     TopUpSpares,
     WorkerChanged,
 )
+from elastic_runtime.cluster.controller.supervisor_state import SupervisorState
 from elastic_runtime.cluster.protocol import EXIT_REPLACE, Stop
-from elastic_runtime.core.errors import ElasticRuntimeError, RecoveryError
-from elastic_runtime.core.events import StepCompleted, WorkerLost
-from elastic_runtime.core.recovery import RecoveryTracker
+from elastic_runtime.core.errors import RecoveryError
+from elastic_runtime.core.events import WorkerLost
 
 __all__ = ["Supervisor"]
 
@@ -82,91 +74,9 @@ SETTLE_S = 0.05
 # (``HeartbeatMonitor.losing``): a single loss settles in SETTLE_S, a rack once its last worker is found.
 
 
-class Supervisor:
-    """Decides how the group is formed, re-formed and ended. Single use.
-
-    Args:
-        config: the run's settings.
-        pool: the workers' records (the shell starts processes and fills them in; tests add records).
-        group: the group's membership.
-        monitor: the heartbeat monitor whose ``expect_progress`` it switches.
-        recovery: the failure budget and recovery timing.
-        result: the run's outcome, whose formation figures it fills in.
-        target_steps: the run's target; -1 until the first worker's hello says it (see :attr:`target_steps`).
-        clock: monotonic seconds.
-    """
-
-    def __init__(
-        self,
-        config: LaunchConfig,
-        pool: ProcessPool,
-        group: Membership,
-        monitor: HeartbeatMonitor,
-        recovery: RecoveryTracker,
-        result: LaunchResult,
-        *,
-        target_steps: int = -1,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.config = config
-        self.pool = pool
-        self.group = group
-        self.monitor = monitor
-        self.recovery = recovery
-        self.result = result
-        self.target_steps = target_steps
-        self.clock = clock
-        self.phase = Phase.IDLE
-        self.stopped = False  # the run is ending: nothing is replaced or formed any more
-        self.restored = False  # the current generation got its RestoreStep
-        self.restore_tally = RestoreTally()  # what the current generation's members restored
-        self.deadline: float | None = None  # when to be handed a Tick
-        self.requests: set[int] = set()  # members to replace at the next re-forming
-        self.reason = ""
-        self.strategy: Strategy | None = None
-        self.unreadable = ""  # the current generation's restore failed: why
-        self.failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
-        self.reform_s = 0.0  # the newest formation's seconds (the first's, compile included, until a re-forming)
-        self.slowest_join = 0.0  # the longest a member of a formed group took to join (its compile included)
-        # The generation being formed.
-        self.forming = Strategy.START
-        self.forming_reason = ""
-        self.group_shape: dict[str, int] = {}  # the mesh of the newest generation formed (MeshChanged)
-        self.forming_started = 0.0
-        self.recruit_timeout = 0.0
-        self.survivors: list[int] = []
-        self.chosen: list[int] = []
-        self.coordinator = ""  # the current generation's coordination service ("" before it is hosted)
-        self.settle_until = 0.0
-        self.unjoined: set[int] = set()  # members of the forming generation not joined yet
-        self.growable: bool | None = None  # whether a ready spare would grow the group; None: look again
-        # Instances (hosts) under maintenance: their workers are taken out of the group and not seated again
-        # until re-admitted (``DrainRequested``, ``Readmitted``).
-        self.cordoned: set[str] = set()
-        self.drains: dict[str, str] = {}  # instance -> why, drains not yet started
-        self.leaving: list[int] = []  # members the generation being formed drains
-        self.departures: dict[int, str] = {}  # member -> why: members that asked to leave (``LeaveRequested``)
-        # Members drained or let go at a planned step -> (the generation formed without them, that step). Until
-        # then they step with the old group, whose collectives need them: an earlier end is a loss.
-        self.departing: dict[int, tuple[int, int]] = {}
-        self.given_up: dict[int, GivenUp] = {}  # generation -> what stays to do for it (``forming.give_up``)
-
-    @property
-    def done(self) -> bool:
-        return self.phase == Phase.DONE
-
-    def hosted(self, generation: int, coordinator: str) -> None:
-        """The shell started generation ``generation``'s coordination service at ``coordinator``."""
-        if generation == self.group.generation:
-            self.coordinator = coordinator
-
-    def mesh_shape(self) -> dict[str, int]:
-        """The group's mesh: as its first member laid it out (the job's own axes), else the default layout."""
-        first = self.pool[self.group.members[0]].joined if self.group.members else None
-        if first is not None and first.mesh_shape:
-            return dict(first.mesh_shape)
-        size = self.config.slice_size
-        return {"data": len(self.group.members) // size, "model": size * self.config.local_devices}
+class Supervisor(SupervisorState):
+    """Decides how the group is formed, re-formed and ended. Single use. Its state and the arguments it takes are
+    :class:`~elastic_runtime.cluster.controller.supervisor_state.SupervisorState`'s."""
 
     def handle(self, event: Input) -> list[Action]:
         """What to do about ``event``."""
@@ -278,38 +188,6 @@ class Supervisor:
         stepping = tuple(w for w in self.group.members if w in self.survivors)
         out.append(SendForm(generation, tuple(self.group.members), self.forming, -1, seats=stepping))
 
-    def count_failure(self, out: list[Action], cause: str) -> None:
-        step = self.group.step
-        out.append(Publish(self.recovery.fail(cause, failed_step=step + 1, last_committed_step=step)))
-
-    def spent(self, out: list[Action], last: str, lost: set[int]) -> bool:
-        """Whether the failures counted so far spend the budget (then the run ends). The one check, made where
-        failures are counted: one while a group forms ends the run as surely as any."""
-        if not self.recovery.over_budget:
-            return False
-        error = RecoveryError(
-            f"{self.recovery.failures} failures exceed max_failures={self.config.max_failures} "
-            f"(the last: {last}){self.why(lost)}",
-            last_committed_step=self.group.step,
-        )
-        self.end(out, error)
-        return True
-
-    def end(self, out: list[Action], error: ElasticRuntimeError | LaunchError) -> None:
-        self.stopped = True
-        self.phase, self.deadline = Phase.DONE, None
-        out.append(EndRun(error))
-
-    def why(self, lost: set[int]) -> str:
-        """What the lost workers' logs say (their tracebacks): the reason a step keeps failing is in there."""
-        logs = [self.pool.logs / f"worker-{w}.log" for w in sorted(lost)]
-        return "".join(f"\nworker log {path}:\n{log_tail(path)}" for path in logs)
-
-    def quiet(self, workers: list[int]) -> None:
-        """The group is not training: a worker that commits nothing now is not hung."""
-        for worker in workers:
-            self.monitor.expect_progress(worker, False)
-
     # --- the state machine ---------------------------------------------------------------------------------
 
     def _advance(self, out: list[Action], event: Input, frequent: bool) -> None:
@@ -360,19 +238,6 @@ class Supervisor:
         form_generation(self, out, self.strategy or self.config.strategy, reason)
 
     # --- training ------------------------------------------------------------------------------------------
-
-    def completed(
-        self, step: int, seconds: float, loss: float | None = None, metrics: dict[str, float] | None = None
-    ) -> StepCompleted:
-        return StepCompleted(
-            step=step,
-            source="controller",
-            duration_s=seconds,
-            loss=loss,
-            metrics=metrics or {},
-            mesh_shape=self.mesh_shape(),
-            data_position=step,
-        )
 
     def _progress(
         self,
