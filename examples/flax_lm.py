@@ -9,6 +9,10 @@ Run it (`pip install elastic-runtime[flax]`, already in `make test`'s environmen
         the process kills itself with SIGKILL at step 35 (a crash: nothing is flushed).
     .venv/bin/python examples/flax_lm.py --run-dir runs/lm --disk-every 10 --resume
         continues from the newest checkpoint any tier holds (step 30 here) and finishes the run.
+    .venv/bin/elastic-runtime launch --nprocs 4 --slices 2 --spares 1 --fault kill:1@60 -- \
+        .venv/bin/python examples/flax_lm.py --steps 120
+        the same script as 4 worker processes (2 slices of 2), one killed at step 60 and replaced by the spare; the
+        launch owns the run folder, the durable tier and the mesh (``under_launch()``), so the script leaves them.
 
 The data is deterministic synthetic text (a noisy affine sequence mod the vocabulary, learnable), served as
 a random-access dataset through ``IndexedBatches`` (``--grain``: wrapped in a grain ``MapDataset`` first).
@@ -45,6 +49,7 @@ from elastic_runtime import (  # noqa: E402
     RuntimeContext,
     StateRestored,
     TrainJob,
+    under_launch,
 )
 from elastic_runtime.core.compare import compare_states  # noqa: E402
 from elastic_runtime.testing import FaultInjector  # noqa: E402
@@ -180,11 +185,16 @@ def main() -> None:
 
     cfg = ModelConfig(d_model=args.d_model)
     job = make_job(cfg, global_batch=args.global_batch, use_grain=args.grain)
-    policy = MeshPolicy({"data": 4, "model": 2}, global_batch=args.global_batch, slice_size=2)
-    run_dir = args.run_dir or time.strftime("runs/flax-lm-%Y%m%d-%H%M%S")
-    config = RuntimeConfig(
-        run_dir=run_dir, checkpoint_dir=os.path.join(run_dir, "checkpoints"), disk_every=args.disk_every
-    )
+    # Under `elastic-runtime launch` the launch owns the run folder, the durable tier and the mesh: set here they
+    # would be refused (the run folder) or not apply (the others), so the script sets them when embedded only.
+    launched = under_launch()
+    policy = None if launched else MeshPolicy({"data": 4, "model": 2}, global_batch=args.global_batch, slice_size=2)
+    run_dir = args.run_dir or ("" if launched else time.strftime("runs/flax-lm-%Y%m%d-%H%M%S"))
+    if launched:  # --run-dir, if given, must be the launch's (it says so if not)
+        config = RuntimeConfig(run_dir=args.run_dir)
+    else:
+        checkpoints = os.path.join(run_dir, "checkpoints")
+        config = RuntimeConfig(run_dir=run_dir, checkpoint_dir=checkpoints, disk_every=args.disk_every)
     injector = FaultInjector()
     if args.lose_slice_at:
         injector.lose_slice(at_step=args.lose_slice_at, slice_index=args.lose_slice, slice_size=2)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from elastic_runtime.core.job import DataSource, ProcessBatches, TrainJob
     from elastic_runtime.core.mesh import MeshPolicy, ProcessMesh
     from elastic_runtime.core.runtime import Component, Runtime
-    from elastic_runtime.defaults import ElasticRuntime
+    from elastic_runtime.defaults import ElasticRuntime, under_launch
 
 _HOMES = {
     "elastic_runtime.core.compare": ["compare_states"],
@@ -56,7 +56,7 @@ _HOMES = {
     "elastic_runtime.core.job": ["DataSource", "ProcessBatches", "TrainJob"],
     "elastic_runtime.core.mesh": ["MeshPolicy", "ProcessMesh"],
     "elastic_runtime.core.runtime": ["Component", "Runtime"],
-    "elastic_runtime.defaults": ["ElasticRuntime"],
+    "elastic_runtime.defaults": ["ElasticRuntime", "under_launch"],
 }
 __getattr__ = lazy_exports(__name__, _HOMES)
 
@@ -89,6 +89,7 @@ __all__ = [
     "compare_states",
     "load_config",
     "read_events",
+    "under_launch",
     *_event_names,
 ]
 

@@ -17,6 +17,7 @@ __all__ = [
     "default_controller",
     "intake_from_config",
     "ray_controller",
+    "under_launch",
     "watch_own_host",
 ]
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
         Maintenance,
         attach_maintenance,
         intake_from_config,
+        under_launch,
         watch_own_host,
     )
 
@@ -37,6 +39,7 @@ _HOMES = {
         "Maintenance",
         "attach_maintenance",
         "intake_from_config",
+        "under_launch",
         "watch_own_host",
     ],
 }

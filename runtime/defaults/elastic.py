@@ -133,6 +133,15 @@ class ElasticRuntime(Runtime):
         return await super().run_async(steps, resume=resume)
 
 
+def under_launch() -> bool:
+    """Whether this process is a worker of ``elastic-runtime launch`` (or of a cluster's: SLURM, Ray, a Kubernetes
+    Job). There :meth:`ElasticRuntime.run` makes it a member of the group, and the launch owns the run folder, the
+    durable tier and the mesh: a script that sets them (``RuntimeConfig.run_dir``, ``checkpoint_dir``, a
+    ``MeshPolicy``) is told they do not apply, or refused where they contradict the launch's, so a script run both
+    ways sets them only when this is False."""
+    return is_worker()
+
+
 def launch_owned(config: RuntimeConfig, policy: MeshPolicy | None, resume: bool) -> dict[str, str]:
     """What the script set, of what ``elastic-runtime launch`` sets for the whole group: the run folder, the durable
     tier, the mesh, resuming. The controller applies or refuses each (``Hello.settings``), so that none is ignored

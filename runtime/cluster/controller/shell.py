@@ -236,6 +236,8 @@ class Controller:
         n = self.config.nprocs
         if joined:
             return f"{joined} of {n} workers joined the first group; the others are joining (connecting, compiling)"
+        if connected >= n:  # the spares count: the group forms from the first n to be ready
+            return f"{connected} workers connected for a group of {n}; forming it"
         return (
             f"{connected} of {n} workers connected; the others are starting (importing the script and JAX, and "
             "the script's own code before it calls run())"
