@@ -260,6 +260,8 @@ def resume_after_a_full_disk(rng: random.Random, run_dir: Path, policy: Any, job
     Right when every save meanwhile fails with an event (``CheckpointFailed``) and training goes on, the saves
     after it commit, and a run resumed from the disk tier restores its newest commit and ends bitwise the
     fault-free run's."""
+    import anyio
+
     from elastic_runtime import CheckpointCommitted, CheckpointFailed, ElasticRuntime, RuntimeConfig, read_events
     from elastic_runtime.core.compare import compare_states
 
@@ -267,24 +269,36 @@ def resume_after_a_full_disk(rng: random.Random, run_dir: Path, policy: Any, job
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True, timeout=30)
     try:
-        full_at = rng.randrange(15, STEPS - 25)  # after the first save (its first write is slow: later ones skip)
+        full_at = rng.randrange(15, STEPS - 25)
         freed_at, stop = full_at + rng.randrange(5, 15), STEPS - 5 * rng.randrange(1, 3)
         filler = disk / "filler"
 
-        def other_writer(next_step: int) -> None:
-            time.sleep(0.02)  # steps of 20 ms: a save is due every 100 ms, none skipped as still in flight
+        saves_failed: list[int] = []
+
+        async def other_writer(next_step: int) -> None:
+            await anyio.sleep(0.02)  # steps of 20 ms: a save is due every 100 ms
             if next_step == full_at:
                 with contextlib.suppress(OSError), open(filler, "wb") as out:  # until the disk is full
                     while True:
                         out.write(bytes(4096))
                         out.flush()
             elif next_step == freed_at:
+                # Freed once a save has met the full disk (bounded): a save due meanwhile waits for one still
+                # writing (a slow first one, under load), so the window is held open until it has been tried.
+                with anyio.move_on_after(60):
+                    while not saves_failed:
+                        await anyio.sleep(0.05)
                 filler.unlink()
 
         folders = {"checkpoint_dir": str(disk / "ckpt"), "progress": False}
         first = RuntimeConfig(run_dir=str(run_dir / "first"), disk_every=5, **folders)  # type: ignore[arg-type]
         runtime = ElasticRuntime(job, config=first, mesh_policy=policy)
         runtime.at_step_boundary(other_writer)
+
+        @runtime.on(CheckpointFailed)
+        async def failed_save(event: CheckpointFailed, ctx: Any) -> None:
+            saves_failed.append(event.step or 0)
+
         runtime.run(stop)
         saved = read_events(run_dir / "first" / "events.jsonl")
         failed = [e.step or 0 for e in saved if isinstance(e, CheckpointFailed)]

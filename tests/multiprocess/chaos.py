@@ -161,7 +161,7 @@ def controller_round(case: str, step: int, run_dir: Path, reference: Path) -> li
     problems: list[str] = []
     if case == "sigterm-durable":
         controller.send_signal(signal.SIGTERM)
-        output, _ = controller.communicate(timeout=120)
+        output, _ = controller.communicate(timeout=180)  # past the drain's grace (120 s): its report, not ours
         first = json.loads(output.decode().strip().splitlines()[-1])
         held = first.get("drain_checkpoint", -1)
         if held < step:

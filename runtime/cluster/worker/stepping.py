@@ -35,6 +35,11 @@ log = logging.getLogger(__name__)
 # most recoveries (0.2 s was two fifths of a `kill -9`'s recovery at the demo's size), and a step it lets finish
 # is one the group restores before anyway.
 _ABANDON_GRACE_S = 0.05
+# A drain's hold (``Stop(hold=True)``) follows no loss: a step every member entered finishes, and a member that
+# abandoned it while a peer finished it held one step behind that peer, whose replica file of the step before may
+# not exist (files come every few steps): the drain's final checkpoint then had no step every member could write
+# (soak seed 6900107: 120 s waited for it). So a held step may take a few of its own durations to finish.
+_HOLD_GRACE_STEPS, _HOLD_GRACE_MIN_S = 3.0, 1.0
 
 
 class StepThread:
@@ -132,7 +137,7 @@ def await_step(
             exc.__traceback__ = None
             return None
         try:
-            return future.result(timeout=_ABANDON_GRACE_S)
+            return future.result(timeout=_grace(worker))
         except FutureTimeout:
             # Blocked in a collective with a dead peer. Leave the thread behind: its gloo operation fails once
             # another survivor's old backend is freed (its sockets close), or at the latest at the collective
@@ -179,6 +184,16 @@ def defer(worker: Worker, message: Inbound) -> bool:
         worker.deferred = message
         return True
     return False
+
+
+def _grace(worker: Worker) -> float:
+    """How long the step in flight may still take once a controller message came: a drain's hold lets it finish
+    (every member that entered it finishes it, unless a peer never did), a re-forming abandons it soon."""
+    with worker.link.inbox.mutex:
+        head = worker.link.inbox.queue[0] if worker.link.inbox.queue else None
+    if isinstance(head, Stop) and head.hold:
+        return max(_HOLD_GRACE_MIN_S, _HOLD_GRACE_STEPS * (worker.step_time_s or 0.0))
+    return _ABANDON_GRACE_S
 
 
 def defer_head(worker: Worker) -> bool:
