@@ -23,7 +23,7 @@ from elastic_runtime.storage.lane import Lane
 from elastic_runtime.storage.manifest import describe_leaves
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["Part", "durable_lane", "final_durable", "save_durable"]
 
@@ -44,7 +44,7 @@ class Part:
     waited: bool
 
 
-def durable_lane(worker: Worker) -> Lane[Part]:
+def durable_lane(worker: WorkerState) -> Lane[Part]:
     """The worker's lane of durable writes (``storage/lane.py``): one at a time, a due part waiting while one runs."""
     return Lane(
         "durable",
@@ -55,7 +55,7 @@ def durable_lane(worker: Worker) -> Lane[Part]:
     )
 
 
-def save_durable(worker: Worker, *, forced: bool, snapshot: HostSnapshot | None = None) -> None:
+def save_durable(worker: WorkerState, *, forced: bool, snapshot: HostSnapshot | None = None) -> None:
     """Write this process's part of the durable checkpoint of the step just committed (or of ``snapshot``),
     in the background. One due while the previous write runs waits for it, read back from its replica file (pinned
     by the caller) when its turn comes, not held in memory; a ``forced`` one (the run's last step, a checkpoint
@@ -74,12 +74,12 @@ def save_durable(worker: Worker, *, forced: bool, snapshot: HostSnapshot | None 
     worker.durable_lane.submit(part, forced=forced)
 
 
-def _from_file(worker: Worker, step: int) -> HostSnapshot:
+def _from_file(worker: WorkerState, step: int) -> HostSnapshot:
     worker.replicas.wait()  # its file was written by now, or is being written
     return worker.replicas.read(step, [worker.replicas.tier], worker.local_like)
 
 
-def _write(worker: Worker, part: Part) -> None:
+def _write(worker: WorkerState, part: Part) -> None:
     if part.waited and part.generation != worker.generation:
         log.info("durable checkpoint of step %d not written: the group re-formed while it waited", part.step)
         return
@@ -109,7 +109,7 @@ def _write(worker: Worker, part: Part) -> None:
     worker.link.send(saved)
 
 
-def _behind(worker: Worker, step: int, writing: int) -> None:
+def _behind(worker: WorkerState, step: int, writing: int) -> None:
     lag = step - max(worker.durable_committed, 0)
     log.info("durable checkpoint of step %d waits for the write of step %d (%d steps behind)", step, writing, lag)
     if worker.process_id == 0:  # one report for the group's checkpoint, not one per writer
@@ -117,7 +117,7 @@ def _behind(worker: Worker, step: int, writing: int) -> None:
         worker.link.send(EventReport(worker=worker.worker, generation=worker.generation, event=behind))
 
 
-def final_durable(worker: Worker, step: int) -> None:
+def final_durable(worker: WorkerState, step: int) -> None:
     """The drain's durable checkpoint (``Stop.durable_step``): this process's part of ``step``, its newest
     committed step or, when a peer held one step behind, the one before from its replica file; written (and
     its ``Saved`` sent) before the process exits."""

@@ -28,7 +28,7 @@ from elastic_runtime.storage.replicas import run_identity
 from elastic_runtime.storage.sharded import ShardedStore, writes
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["form_group", "programs_folder", "shared_cache", "warm_up"]
 
@@ -43,7 +43,7 @@ _RESTORE_SETTLE_S = 2.0
 COLLECT_AFTER_STEPS = 20
 
 
-def form_group(worker: Worker, form: Form) -> None:
+def form_group(worker: WorkerState, form: Form) -> None:
     import jax
     import jax.extend.backend
 
@@ -190,7 +190,7 @@ def form_group(worker: Worker, form: Form) -> None:
     )
 
 
-def given_up(worker: Worker, generation: int) -> bool:
+def given_up(worker: WorkerState, generation: int) -> bool:
     """Whether the controller gave up ``generation``, being joined: a later one's Form, or a Stop, waits in the
     inbox. (A Form of the same generation, sent again, is no reason to leave it.)"""
     with worker.link.inbox.mutex:
@@ -200,7 +200,7 @@ def given_up(worker: Worker, generation: int) -> bool:
     )
 
 
-def keep_host_copies(worker: Worker) -> None:
+def keep_host_copies(worker: WorkerState) -> None:
     """Make the RAM replica's host copy now if its writer has not: its arrays live on the backend about to go.
     The step that made them completed; reading this process's own shards needs no peer. The writer may be
     copying an older replica's arrays from that backend: it finishes first."""
@@ -215,7 +215,7 @@ def keep_host_copies(worker: Worker) -> None:
         worker.ram = None
 
 
-def warm_up(worker: Worker, programs: str) -> None:
+def warm_up(worker: WorkerState, programs: str) -> None:
     """Trace and compile the step once on a local, non-distributed backend, then drop that backend.
 
     The first compile in a process pays for loading and initializing XLA's compiler and JAX's tracing
@@ -245,7 +245,7 @@ def warm_up(worker: Worker, programs: str) -> None:
     log.info("warmed up in %.3f s", time.monotonic() - started)
 
 
-def programs_folder(worker: Worker, name: str) -> Path | None:
+def programs_folder(worker: WorkerState, name: str) -> Path | None:
     """Where the group keeps its compiled programs (``Form.programs`` names the folder; runtime/core/programs.py).
 
     In the compile cache when the cluster gives every host the same one (``ELASTIC_COMPILE_CACHE`` outside this
@@ -260,7 +260,7 @@ def programs_folder(worker: Worker, name: str) -> Path | None:
     return (shared if shared is not None else worker.replicas.directory) / name
 
 
-def shared_cache(worker: Worker) -> Path | None:
+def shared_cache(worker: WorkerState) -> Path | None:
     """The compile cache the cluster gives every host (``ELASTIC_COMPILE_CACHE`` outside this host's replica
     folder), or None (``launch``: the cache is in the replica folder, which only this host's processes see)."""
     cache = worker.settings.compile_cache

@@ -39,7 +39,7 @@ from elastic_runtime.core.handler_context import Mode
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from elastic_runtime.cluster.worker import Worker
+    from elastic_runtime.cluster.worker.state import WorkerState
     from elastic_runtime.core.job import PyTree
 
 __all__ = ["Boundary", "ScriptHandlers", "WorkerContext"]
@@ -70,7 +70,7 @@ class WorkerContext:
     Requests mean what they mean in one process; those this mode cannot carry out raise
     :class:`UnsupportedInMode` naming it."""
 
-    def __init__(self, worker: Worker, requests: _Requests) -> None:
+    def __init__(self, worker: WorkerState, requests: _Requests) -> None:
         self._w = worker
         self._requests = requests
 
@@ -199,7 +199,7 @@ class ScriptHandlers:
                 del self._waiting[seq]
             return max((s for s, n in self._waiting.items() if n.generation == generation), default=0)
 
-    def boundary(self, worker: Worker) -> tuple[Boundary, float]:
+    def boundary(self, worker: WorkerState) -> tuple[Boundary, float]:
         """At a step boundary, in the step thread (the all-gather is a collective, abandoned like a step): run
         the handlers of the notifications every member holds, then carry out what they asked."""
         if self._minimum is None or self._minimum[0] != worker.generation:
@@ -225,7 +225,7 @@ class ScriptHandlers:
             done.state, done.stop = self._transform(worker, requests.transforms)
         return done, 0.0
 
-    def finished(self, worker: Worker) -> None:
+    def finished(self, worker: WorkerState) -> None:
         """The group finished: the script's ``RunFinished`` handlers, in every worker, as the run's last event (the
         controller publishes its own after the workers have gone; in one process it is the last one too)."""
         result = worker.result
@@ -262,7 +262,7 @@ class ScriptHandlers:
         anyio.run(dispatch)
         return failures
 
-    def _transform(self, worker: Worker, transforms: list[tuple[Callable[[Any], Any], str]]) -> tuple[Any, bool]:
+    def _transform(self, worker: WorkerState, transforms: list[tuple[Callable[[Any], Any], str]]) -> tuple[Any, bool]:
         """Every requested transform, in order, on the committed state; (new state, False), or (None, True)
         once a failure was reported (the run ends with StepError)."""
         import time

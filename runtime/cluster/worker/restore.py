@@ -28,7 +28,7 @@ from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.replicas import MAX_PINS, replica
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = [
     "Restoration",
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 _READ_TIMEOUT_S = 600.0
 
 
-def best_local(worker: Worker, read_files: bool) -> tuple[int, Tier]:
+def best_local(worker: WorkerState, read_files: bool) -> tuple[int, Tier]:
     """The newest step this process can restore and from where. The steps its replica files hold go in
     ``files`` (only their manifests are read here: the data of the one restored is read by ``restore_step``),
     the group's committed durable checkpoints in ``durable_steps``."""
@@ -76,12 +76,12 @@ def best_local(worker: Worker, read_files: bool) -> tuple[int, Tier]:
     return 0, Tier.NONE
 
 
-def local_steps(worker: Worker) -> set[int]:
+def local_steps(worker: WorkerState) -> set[int]:
     """The steps it can restore from its own memory or replica files."""
     return set(worker.files) | ({worker.ram.step} if worker.ram is not None else set())
 
 
-def list_durable_steps(worker: Worker) -> set[int]:
+def list_durable_steps(worker: WorkerState) -> set[int]:
     """This run's committed durable checkpoints (any layout: every process reads its own shards)."""
     if worker.durable is None:
         return set()
@@ -106,7 +106,7 @@ def list_durable_steps(worker: Worker) -> set[int]:
 
 
 def restore_step(
-    worker: Worker, restore: RestoreStep, files: dict[int, list[DiskTier]], abandoned: threading.Event
+    worker: WorkerState, restore: RestoreStep, files: dict[int, list[DiskTier]], abandoned: threading.Event
 ) -> tuple[Restoration, float]:
     """Read this process's shards of ``restore.step`` (when the source slice needs them) and take part in the
     group's restore. Runs in the step thread and changes nothing of the worker's: ``adopt_restored`` does."""
@@ -155,7 +155,7 @@ def restore_step(
     return Restoration(state, position, boxes, tier, nbytes, spare, read_s, transfer_s), 0.0
 
 
-def adopt_restored(worker: Worker, restore: RestoreStep, done: Restoration) -> None:
+def adopt_restored(worker: WorkerState, restore: RestoreStep, done: Restoration) -> None:
     """The group's restore finished: the worker holds its step (and the neighbour copy of it it kept)."""
     worker.state, worker.neighbour = done.state, done.neighbour
     # Its StateRestored is dropped: the controller publishes the group's, timed there.
@@ -176,7 +176,7 @@ def adopt_restored(worker: Worker, restore: RestoreStep, done: Restoration) -> N
     worker.heartbeat()
 
 
-def read_own(worker: Worker, restore: RestoreStep, files: dict[int, list[DiskTier]]) -> tuple[Tier, HostSnapshot]:
+def read_own(worker: WorkerState, restore: RestoreStep, files: dict[int, list[DiskTier]]) -> tuple[Tier, HostSnapshot]:
     """This process's shards of the step, from the fastest tier holding them that verifies (the core's restore
     routine over its RAM replica, its replica files, the durable tier). Each one that fails its checksums is
     reported (``CheckpointCorrupt``); when all fail, CheckpointInvalid is raised, and the controller re-forms from
@@ -228,7 +228,11 @@ class _Holder:
 
 
 def report_unreadable(
-    worker: Worker, restore: RestoreStep, failures: list[tuple[Tier, CheckpointInvalid]], *, recovered_from: Tier | None
+    worker: WorkerState,
+    restore: RestoreStep,
+    failures: list[tuple[Tier, CheckpointInvalid]],
+    *,
+    recovered_from: Tier | None,
 ) -> None:
     for tier, exc in failures:
         log.error("step %d unreadable from %s: %s", restore.step, tier, exc)
@@ -247,7 +251,7 @@ def report_unreadable(
         worker.link.send(report)
 
 
-def read_durable(worker: Worker, step: int) -> HostSnapshot:
+def read_durable(worker: WorkerState, step: int) -> HostSnapshot:
     """This process's shards of durable checkpoint ``step``, only the bytes they need, verified."""
     assert worker.durable is not None
     manifest = worker.durable.manifest(step)

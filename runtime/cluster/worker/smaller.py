@@ -29,7 +29,7 @@ from elastic_runtime.core.mesh import mesh_shape
 from elastic_runtime.core.programs import Stopped
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["SmallerGroup"]
 
@@ -44,7 +44,7 @@ class SmallerGroup:
         self._stop = threading.Event()  # the current preparation's: each has its own
         self._prepared: set[tuple[int, int]] = set()  # (processes, slice size) of the groups prepared for
 
-    def start(self, worker: Worker, form: Form) -> None:
+    def start(self, worker: WorkerState, form: Form) -> None:
         """Prepare the group one slice smaller than ``form``'s, if the group may go on that small and it is not
         prepared yet."""
         smaller = (form.num_processes - form.slice_size, form.slice_size)
@@ -62,7 +62,7 @@ class SmallerGroup:
         with self._lock:
             pass
 
-    def _prepare(self, worker: Worker, form: Form, smaller: tuple[int, int], stop: threading.Event) -> None:
+    def _prepare(self, worker: WorkerState, form: Form, smaller: tuple[int, int], stop: threading.Event) -> None:
         started = time.monotonic()
         sets = _program_sets(worker, form, smaller)
         while True:
@@ -91,7 +91,7 @@ class SmallerGroup:
         worker.link.send(EventReport(worker=worker.worker, generation=form.generation, event=ready))
 
 
-def _program_sets(worker: Worker, form: Form, place: tuple[int, int]) -> Iterator[str]:
+def _program_sets(worker: WorkerState, form: Form, place: tuple[int, int]) -> Iterator[str]:
     """Compiles the smaller group's programs on the current backend, for a mesh of its shape made of this group's
     devices less another slice than this process's; yields after each set (kept in ``worker.programs``)."""
     import jax

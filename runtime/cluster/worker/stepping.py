@@ -10,21 +10,20 @@ import gc
 import logging
 import math
 import queue
-import threading
 import time
 import traceback
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 from elastic_runtime.cluster.protocol import Form, Stop
 from elastic_runtime.cluster.worker.link import Inbound
+from elastic_runtime.cluster.worker.thread import StepThread
 from elastic_runtime.core.classify import classify
 from elastic_runtime.core.events import ProcessLost, StepFailed
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["StepThread", "await_step", "defer", "defer_head", "wait_fenced"]
 
@@ -42,37 +41,7 @@ _ABANDON_GRACE_S = 0.05
 _HOLD_GRACE_STEPS, _HOLD_GRACE_MIN_S = 3.0, 1.0
 
 
-class StepThread:
-    """One daemon thread that runs the calls submitted to it in order, each answering a ``Future``: the step
-    thread. A daemon, so that a call left blocked in a dead peer's collective (abandoned) never holds up the
-    process's exit the way an executor's thread, joined at exit, would."""
-
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None]
-        self._calls = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="step", daemon=True).start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._calls.put((future, fn, args))
-        return future
-
-    def shutdown(self) -> None:
-        """No more calls: the thread ends after the one it runs, if that ever returns."""
-        self._calls.put(None)
-
-    def _serve(self) -> None:
-        while (call := self._calls.get()) is not None:
-            future, fn, args = call
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-
-def wait_fenced(worker: Worker) -> Inbound | None:
+def wait_fenced(worker: WorkerState) -> Inbound | None:
     """The lease ran out: no step and no replica write until the controller is heard again. Returns its
     next message (a Form, a Stop), or None when only the lease was renewed (a short blip)."""
     log.warning(
@@ -93,7 +62,7 @@ def wait_fenced(worker: Worker) -> Inbound | None:
 
 
 def await_step(
-    worker: Worker, future: Future[tuple[Any, float]], *, users_code: bool = False, what: str = ""
+    worker: WorkerState, future: Future[tuple[Any, float]], *, users_code: bool = False, what: str = ""
 ) -> tuple[Any, float] | Inbound | None:
     """The step's result; a controller message if one came while the step hung; None if the step raised.
     ``users_code``: the future runs the user's data and step, whose own errors end the run. ``what``: what
@@ -153,7 +122,7 @@ def await_step(
             return worker.link.inbox.get()
 
 
-def _write_held_step(worker: Worker) -> None:
+def _write_held_step(worker: WorkerState) -> None:
     """A step runs long (``Form.file_after_s``): write the committed step before it to the replica file, if the
     cadence skipped it. Stuck in a deadlock, every member may be judged hung and replaced; the group then
     restores from the files, and a sparse cadence would have sent it back up to ``file_every - 1`` steps. The
@@ -178,7 +147,7 @@ def _abandoned_ended(what: str, done: Future[Any]) -> None:
     gc.collect()  # and so may cycles (runtime/cluster/worker/forming.py); this thread is off the steps' path
 
 
-def defer(worker: Worker, message: Inbound) -> bool:
+def defer(worker: WorkerState, message: Inbound) -> bool:
     """Keep a planned Form (``at_step`` ahead) for its step boundary; True if ``message`` was kept."""
     if isinstance(message, Form | Stop) and message.at_step > worker.step:
         worker.deferred = message
@@ -186,7 +155,7 @@ def defer(worker: Worker, message: Inbound) -> bool:
     return False
 
 
-def _grace(worker: Worker) -> float:
+def _grace(worker: WorkerState) -> float:
     """How long the step in flight may still take once a controller message came: a drain's hold lets it finish
     (every member that entered it finishes it, unless a peer never did), a re-forming abandons it soon."""
     with worker.link.inbox.mutex:
@@ -196,7 +165,7 @@ def _grace(worker: Worker) -> float:
     return _ABANDON_GRACE_S
 
 
-def defer_head(worker: Worker) -> bool:
+def defer_head(worker: WorkerState) -> bool:
     """While a step runs: take a planned Form off the inbox (the step must finish); True if one was."""
     with worker.link.inbox.mutex:
         head = worker.link.inbox.queue[0] if worker.link.inbox.queue else None

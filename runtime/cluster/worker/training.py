@@ -27,7 +27,7 @@ from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.replicas import device_replica, replica
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.loop import Worker
+    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["apply_boundary", "finish", "gather_whole", "run_step", "train"]
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 _GATHER_MEET_S = 600.0
 
 
-def train(worker: Worker, target: int) -> Inbound | None:
+def train(worker: WorkerState, target: int) -> Inbound | None:
     """Run steps until ``target``, or until the controller sends something; returns that message."""
     assert worker.ram is not None
     position = worker.ledger.data_position
@@ -112,7 +112,7 @@ def train(worker: Worker, target: int) -> Inbound | None:
     return None
 
 
-def apply_boundary(worker: Worker, done: Boundary) -> None:
+def apply_boundary(worker: WorkerState, done: Boundary) -> None:
     """What the script's handlers asked at this boundary: a new state, a durable checkpoint of the step."""
     if done.state is not None:
         worker.state = done.state
@@ -131,7 +131,7 @@ def apply_boundary(worker: Worker, done: Boundary) -> None:
 
 
 def run_step(
-    worker: Worker, state: PyTree, position: int, step: int
+    worker: WorkerState, state: PyTree, position: int, step: int
 ) -> tuple[tuple[PyTree, Any, float | None, dict[str, float], float], float]:
     """The step, its neighbour shift, its loss as a number, every scalar metric it returned (the metrics are
     replicated: every process has them) and the seconds spent in its programs (collectives included)."""
@@ -172,7 +172,7 @@ def number(loss: Any) -> float | None:
     return float(value) if value.size == 1 else None
 
 
-def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
+def gather_whole(worker: WorkerState) -> tuple[tuple[str, PyTree | None], float]:
     """The final state's digest, gathered from every slice's shards (a collective: every member finishes
     together), once this process's part of the final durable checkpoint is out (``Saved`` before
     ``Finished``, so the controller commits it). Only the process that writes the result keeps the whole
@@ -205,7 +205,7 @@ def gather_whole(worker: Worker) -> tuple[tuple[str, PyTree | None], float]:
     return (hasher.hexdigest(), tree), 0.0
 
 
-def finish(worker: Worker, target: int, gathered: tuple[str, PyTree | None]) -> None:
+def finish(worker: WorkerState, target: int, gathered: tuple[str, PyTree | None]) -> None:
     assert worker.ram is not None
     digest, whole = gathered
     result = worker.settings.result
