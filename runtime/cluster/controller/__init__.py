@@ -1,7 +1,7 @@
 """The controller side of a multi-process run: the never-restarted process that supervises the group.
 
-``shell`` is the async shell (the ``Controller``; its parts ``actions``, ``messages``, ``admission``, ``commits``,
-``workers``, ``ending``), ``supervisor`` the synchronous decisions it carries out (inputs, actions and phases in
+``shell`` is the async shell (the ``Controller``; its state in ``state``, and its parts ``actions``, ``messages``,
+``admission``, ``commits``, ``workers``, ``ending``, functions over that state), ``supervisor`` the synchronous decisions it carries out (inputs, actions and phases in
 ``supervision``; forming a generation in ``forming``, its restore in ``restore``, draining and growing in
 ``planned``), ``standin`` the process that fills a given-up generation's lost seats, ``membership`` the group,
 ``heartbeat`` the liveness verdicts, ``processes`` and ``server`` the workers' processes and connections,

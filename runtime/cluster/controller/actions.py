@@ -38,7 +38,7 @@ from elastic_runtime.cluster.protocol import Form
 from elastic_runtime.faults.process import worker_faults_text
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["carry_out", "fill_seats", "save_fences_now", "send_form", "supervise", "tick_at"]
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 _INPUTS_IN_A_ROW = 256
 
 
-async def supervise(controller: Controller) -> None:
+async def supervise(controller: ControllerState) -> None:
     """Feed the supervisor its inputs, one at a time, and carry its actions out, until the run is over. A
     timer hands it a ``Tick`` at its deadline (a new one replaces the old: a stale tick changes nothing)."""
     async with anyio.create_task_group() as timers:
@@ -80,13 +80,13 @@ async def supervise(controller: Controller) -> None:
         await controller.commits_settled.wait()
 
 
-async def tick_at(controller: Controller, deadline: float, scope: anyio.CancelScope) -> None:
+async def tick_at(controller: ControllerState, deadline: float, scope: anyio.CancelScope) -> None:
     with scope:
         await anyio.sleep(max(0.0, deadline - time.monotonic()) + 0.001)  # a timer may fire a little early
         controller.feed(Tick())
 
 
-async def carry_out(controller: Controller, actions: list[Action]) -> None:
+async def carry_out(controller: ControllerState, actions: list[Action]) -> None:
     for action in actions:
         match action:
             case Spawn(count=count):
@@ -114,7 +114,7 @@ async def carry_out(controller: Controller, actions: list[Action]) -> None:
                 pass  # the supervisor is done: the loop ends
 
 
-async def send_form(controller: Controller, form: SendForm) -> None:
+async def send_form(controller: ControllerState, form: SendForm) -> None:
     """Host the new generation's coordination service and tell every member to join it."""
     members, generation, strategy = form.members, form.generation, form.strategy
     if form.seats:  # spares take lost members' seats in this generation: its service is up
@@ -156,7 +156,7 @@ async def send_form(controller: Controller, form: SendForm) -> None:
         await controller.server.send(controller.pool[worker], message)
 
 
-def fill_seats(controller: Controller, action: FillSeats) -> None:
+def fill_seats(controller: ControllerState, action: FillSeats) -> None:
     """Start the stand-ins for a given-up generation's lost seats (``standin.py``); they end by themselves."""
     if os.environ.get(ENV_SIMULATED) == "1":
         return  # simulated workers wait in no JAX start
@@ -179,5 +179,5 @@ def file_cadence(config: LaunchConfig, members: int) -> int:
     return config.replica_file_every if in_memory and config.max_failures > 0 else 1
 
 
-def save_fences_now(controller: Controller) -> None:
+def save_fences_now(controller: ControllerState) -> None:
     save_fences(controller.run_dir, controller.record.run_id, controller.group.generation, controller.group.fences)

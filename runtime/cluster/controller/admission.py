@@ -18,7 +18,7 @@ from elastic_runtime.core.errors import ConfigError
 from elastic_runtime.core.events import ConfigOverridden
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["admit", "external_hello", "hello"]
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 _MAX_WORKER_ID = 2**31 - 1  # ids a worker not started here may claim
 
 
-async def hello(controller: Controller, message: Message, stream: Connection, peer: str) -> WorkerProcess | str:
+async def hello(controller: ControllerState, message: Message, stream: Connection, peer: str) -> WorkerProcess | str:
     """The worker an authenticated connection's first message names, or why it is refused."""
     if not isinstance(message, Hello):
         return f"first message must be Hello, got {type(message).__name__}"
@@ -67,7 +67,7 @@ _OVERRIDDEN = {
 }
 
 
-async def apply_settings(controller: Controller, settings: dict[str, str]) -> str:
+async def apply_settings(controller: ControllerState, settings: dict[str, str]) -> str:
     """The training script's own settings of what the launch sets for the group (``Hello.settings``), from the
     first worker that says hello: each is applied, or refused (the returned reason ends the run), or announced as
     overridden (``ConfigOverridden``, on the console too). Nothing the script set is ignored without a word."""
@@ -93,7 +93,7 @@ async def apply_settings(controller: Controller, settings: dict[str, str]) -> st
     return ""
 
 
-async def external_hello(controller: Controller, message: Hello, stream: Connection) -> WorkerProcess | str:
+async def external_hello(controller: ControllerState, message: Hello, stream: Connection) -> WorkerProcess | str:
     """A worker the controller did not start: any id not seen before in this run (ids are never reused, so
     that nothing the lost worker's connection still says can be taken for its replacement's); 0..N-1 are
     the first group's, a replacement takes a new one (see ``docs/multiprocess.md``, *Several hosts*)."""
@@ -107,7 +107,7 @@ async def external_hello(controller: Controller, message: Hello, stream: Connect
     return await admit(controller, controller.pool.admit(message.worker), message, stream)
 
 
-async def admit(controller: Controller, proc: WorkerProcess, message: Hello, stream: Connection) -> WorkerProcess:
+async def admit(controller: ControllerState, proc: WorkerProcess, message: Hello, stream: Connection) -> WorkerProcess:
     proc.stream, proc.hello = stream, message
     if controller.stopping:
         await controller.server.send(proc, Stop(reason="the run is over"))

@@ -17,14 +17,14 @@ from elastic_runtime.core.errors import CheckpointInvalid, StorageError
 from elastic_runtime.core.events import CheckpointFailed
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["add_saved", "commit", "commit_durable", "not_committed"]
 
 log = logging.getLogger(__name__)
 
 
-async def add_saved(controller: Controller, proc: WorkerProcess, saved: Saved) -> None:
+async def add_saved(controller: ControllerState, proc: WorkerProcess, saved: Saved) -> None:
     """A writer's part of a durable checkpoint; the step is committed once every writer's part is in."""
     assert controller.durable is not None
     if proc.worker not in controller.members:
@@ -39,7 +39,7 @@ async def add_saved(controller: Controller, proc: WorkerProcess, saved: Saved) -
         controller.to_commit.send_nowait(step)
 
 
-async def commit_durable(controller: Controller, queue: MemoryObjectReceiveStream[int]) -> None:
+async def commit_durable(controller: ControllerState, queue: MemoryObjectReceiveStream[int]) -> None:
     """Commit each durable step whose parts are all in, in order, apart from the reading of messages."""
     async for step in queue:
         try:
@@ -49,12 +49,12 @@ async def commit_durable(controller: Controller, queue: MemoryObjectReceiveStrea
             controller.commits_settled.set()
 
 
-async def not_committed(controller: Controller, step: int, exc: Exception) -> None:
+async def not_committed(controller: ControllerState, step: int, exc: Exception) -> None:
     log.error("controller: durable checkpoint of step %d not committed: %s", step, exc)
     await controller.bus.publish(CheckpointFailed(step=step, source="controller", tier="durable", reason=str(exc)))
 
 
-async def commit(controller: Controller, step: int) -> None:
+async def commit(controller: ControllerState, step: int) -> None:
     assert controller.durable is not None
     try:
         committed = await anyio.to_thread.run_sync(controller.durable.commit, step)

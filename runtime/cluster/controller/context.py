@@ -17,7 +17,7 @@ from elastic_runtime.core.events import Event
 from elastic_runtime.core.handler_context import Mode
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller import Controller
+    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["ControllerContext"]
 
@@ -25,7 +25,7 @@ __all__ = ["ControllerContext"]
 class ControllerContext:
     """What a controller-side handler sees as ``ctx``: the group, and the requests it may make."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ControllerState) -> None:
         self._c = controller
 
     @property

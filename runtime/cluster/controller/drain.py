@@ -24,7 +24,7 @@ import anyio
 from elastic_runtime.cluster.protocol import Stop
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["Drained", "final_checkpoint"]
 
@@ -43,7 +43,7 @@ class Drained:
     note: str  # for the run's reason and the log
 
 
-async def final_checkpoint(controller: Controller, reason: str, signalled_at: float) -> Drained:
+async def final_checkpoint(controller: ControllerState, reason: str, signalled_at: float) -> Drained:
     """Hold the group and commit a durable checkpoint of its newest step, within the grace period."""
     deadline = signalled_at + controller.config.grace_s
     pool, members = controller.pool, list(controller.members)

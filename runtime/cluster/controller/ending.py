@@ -21,14 +21,14 @@ from elastic_runtime.core.errors import BusClosed
 from elastic_runtime.core.events import RunFinished
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["close_down", "conclude", "first_leaf", "publish_finished", "stop_workers", "watch_signals", "write_summary"]
 
 log = logging.getLogger(__name__)
 
 
-async def watch_signals(controller: Controller) -> None:
+async def watch_signals(controller: ControllerState) -> None:
     """SIGTERM (what ``timeout``, systemd and Kubernetes send) and SIGINT drain the run: workers stopped,
     ``RunFinished`` and ``summary.json`` written, the replica folder in /dev/shm removed."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -42,7 +42,7 @@ async def watch_signals(controller: Controller) -> None:
                 controller.supervision.cancel()
 
 
-def conclude(controller: Controller) -> bool:
+def conclude(controller: ControllerState) -> bool:
     """Whether the run finished (then the run folder says so): every member's final state the same."""
     digests = {controller.result.digests.get(w) for w in controller.members}
     if controller.result.ok and len(digests) != 1:
@@ -54,7 +54,7 @@ def conclude(controller: Controller) -> bool:
     return controller.result.ok
 
 
-async def stop_workers(controller: Controller, reason: str) -> tuple[str, bool]:
+async def stop_workers(controller: ControllerState, reason: str) -> tuple[str, bool]:
     """Every worker stopped, after the members' states were compared and, for a drain with a durable store, a
     final checkpoint taken. Returns the run's reason (the drain's note added) and whether the replica files
     stay for ``--resume`` (a drain that could not checkpoint)."""
@@ -71,7 +71,7 @@ async def stop_workers(controller: Controller, reason: str) -> tuple[str, bool]:
     return reason, keep_replicas
 
 
-async def close_down(controller: Controller) -> None:
+async def close_down(controller: ControllerState) -> None:
     """The workers' listener, the stand-ins and every generation's coordination service let go, once the wire's
     helpers have ended."""
     # Closed before the last refusals are counted: a connection the kernel queued after that would be neither
@@ -85,7 +85,7 @@ async def close_down(controller: Controller) -> None:
         await anyio.to_thread.run_sync(service.shutdown)
 
 
-async def publish_finished(controller: Controller, reason: str, bus_done: anyio.Event) -> None:
+async def publish_finished(controller: ControllerState, reason: str, bus_done: anyio.Event) -> None:
     """``RunFinished``, the last event, then the bus closed once every pending event is dispatched and logged."""
     finished = RunFinished(
         step=controller.group_step,
@@ -104,7 +104,7 @@ async def publish_finished(controller: Controller, reason: str, bus_done: anyio.
         await controller.bus.close()
 
 
-def write_summary(controller: Controller, reason: str) -> None:
+def write_summary(controller: ControllerState, reason: str) -> None:
     controller.result.step = controller.group_step
     controller.result.target_steps = controller.target_steps
     controller.result.reason = controller.result.reason or reason

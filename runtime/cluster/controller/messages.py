@@ -63,7 +63,7 @@ from elastic_runtime.core.events import (
 )
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = [
     "end_on_failure",
@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 E = TypeVar("E", bound=Event)
 
 
-async def publish_report(controller: Controller, report: Report) -> None:
+async def publish_report(controller: ControllerState, report: Report) -> None:
     """A (rate-limited) report of refused connections or malformed lines: one warning and one event."""
     what = "refused a connection" if report.kind == "refused" else "ignored a message"
     more = f" ({report.count} in the last {controller.server.limiter.interval_s:.0f} s)" if report.count > 1 else ""
@@ -100,7 +100,7 @@ async def publish_report(controller: Controller, report: Report) -> None:
     await publish_or_log(controller, event)
 
 
-async def publish_or_log(controller: Controller, event: Event) -> None:
+async def publish_or_log(controller: ControllerState, event: Event) -> None:
     """Publish ``event``; when the run was cancelled from outside and its bus is gone, still log it (the last
     summaries, a verdict that came as the run ended)."""
     try:
@@ -109,7 +109,7 @@ async def publish_or_log(controller: Controller, event: Event) -> None:
         controller.event_log.append(event)
 
 
-async def on_message(controller: Controller, proc: WorkerProcess, message: Message) -> None:
+async def on_message(controller: ControllerState, proc: WorkerProcess, message: Message) -> None:
     match message:
         case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds, loss=loss):
             if message.held:  # draining: the step it holds at (drain.py)
@@ -176,7 +176,7 @@ async def on_message(controller: Controller, proc: WorkerProcess, message: Messa
             log.info("controller: stale %s from worker %d ignored", type(message).__name__, proc.worker)
 
 
-async def take_notice(controller: Controller, proc: WorkerProcess, message: Noticed) -> None:
+async def take_notice(controller: ControllerState, proc: WorkerProcess, message: Noticed) -> None:
     """A notice from a worker's own metadata server: taken only about the host its Hello named (a worker
     cannot speak for another host)."""
     where = proc.hello.instance if proc.hello is not None else ""
@@ -204,7 +204,7 @@ def heard(proc: WorkerProcess, event: E) -> E:
 
 
 async def handle_unreadable(
-    controller: Controller, proc: WorkerProcess, report: EventReport, corrupt: CheckpointCorrupt
+    controller: ControllerState, proc: WorkerProcess, report: EventReport, corrupt: CheckpointCorrupt
 ) -> None:
     """A member found its shards of the step being restored damaged: unless it read them from the next tier
     (``report.recovered_from``), the group re-forms from the next best step. A durable step is withdrawn (its
@@ -220,7 +220,7 @@ async def handle_unreadable(
     controller.feed(RestoreFailed(report.generation, step, why, report.recovered_from))
 
 
-async def publish_skipped(controller: Controller, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
+async def publish_skipped(controller: ControllerState, proc: WorkerProcess, skipped: tuple[str, ...]) -> None:
     for entry in skipped:
         path, _, why = entry.partition(": ")
         if path not in controller.skipped_seen:  # every worker reads the same folder: one event per path
@@ -231,7 +231,9 @@ async def publish_skipped(controller: Controller, proc: WorkerProcess, skipped: 
             )
 
 
-async def end_on_failure(controller: Controller, proc: WorkerProcess, report: EventReport, failed: StepFailed) -> None:
+async def end_on_failure(
+    controller: ControllerState, proc: WorkerProcess, report: EventReport, failed: StepFailed
+) -> None:
     """The user's code failed in a worker, or the job cannot run in this mode (``report.unsupported``): the run
     ends now. Another group would run the same data and program into the same error, so nothing is replaced or
     retried."""
@@ -245,13 +247,13 @@ async def end_on_failure(controller: Controller, proc: WorkerProcess, report: Ev
     controller.end(StepError(f"{text}\n{report.traceback}".rstrip(), step=failed.step))
 
 
-def mark_closed(controller: Controller, proc: WorkerProcess, reason: str) -> None:
+def mark_closed(controller: ControllerState, proc: WorkerProcess, reason: str) -> None:
     proc.closed = True
     controller.monitor.mark_gone(proc.worker, reason)
     controller.feed(WorkerChanged(proc.worker))
 
 
-async def publish_verdict(controller: Controller, verdict: Verdict) -> None:
+async def publish_verdict(controller: ControllerState, verdict: Verdict) -> None:
     proc = controller.pool.get(verdict.worker)
     event = verdict_event(verdict, step=controller.group_step)
     if isinstance(event, Straggler):
@@ -270,7 +272,7 @@ async def publish_verdict(controller: Controller, verdict: Verdict) -> None:
     await publish_or_log(controller, event)
 
 
-def judged(controller: Controller, event: Straggler) -> Straggler:
+def judged(controller: ControllerState, event: Straggler) -> Straggler:
     """``event`` with the controller's choice for its straggler and the reason (``judge_straggler``): a re-forming is
     costed at this run's newest one (its first, compile included, until it has re-formed)."""
     sup = controller.supervisor

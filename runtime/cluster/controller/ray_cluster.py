@@ -15,7 +15,7 @@ from typing import Any
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
-from elastic_runtime.cluster.controller.shell import is_loopback
+from elastic_runtime.cluster.controller.state import is_loopback
 
 __all__ = ["add_node", "local_cluster", "ray_module", "ray_session"]
 

@@ -40,7 +40,7 @@ from elastic_runtime.core.events import (
 )
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller import Controller
+    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["SOURCE_PREFIX", "EventRelay"]
 
@@ -55,7 +55,7 @@ _MAX_HELD = 1024
 class EventRelay:
     """Forwards the group's events to the workers whose script subscribes to them; see the module's docstring."""
 
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: ControllerState) -> None:
         self._c = controller
         self._seq = 0
         self._holding = True  # until the first group is formed

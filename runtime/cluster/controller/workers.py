@@ -19,7 +19,7 @@ from elastic_runtime.core.events import WorkerExited, WorkerStarted
 from elastic_runtime.core.progress import say
 
 if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.shell import Controller
+    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["reap", "renew_leases", "spawn", "stop_all", "top_up_spares", "warm_spares"]
 
@@ -34,13 +34,13 @@ _TELL_AFTER_S = 10.0  # a finished run's workers still running their scripts thi
 _LEASE_SHARE = 0.75
 
 
-def spawn(controller: Controller) -> WorkerProcess:
+def spawn(controller: ControllerState) -> WorkerProcess:
     proc = controller.pool.spawn()
     controller.publish_nowait(WorkerStarted(source="controller", worker=proc.worker, pid=proc.pid, spare=True))
     return proc
 
 
-async def reap(controller: Controller) -> None:
+async def reap(controller: ControllerState) -> None:
     """Notice exited processes at once: a local kill -9 needs no heartbeat timeout to be seen."""
     if not controller.config.starts_workers:
         return  # none started here: a look at every worker 50 times a second for nothing (O(N) each)
@@ -65,7 +65,7 @@ async def reap(controller: Controller) -> None:
         await anyio.sleep(0.02)
 
 
-def start_failure(controller: Controller, proc: WorkerProcess, code: int) -> str:
+def start_failure(controller: ControllerState, proc: WorkerProcess, code: int) -> str:
     """Why the run ends: the last of ``START_FAILURES`` workers in a row that exited before their Hello."""
     path = controller.pool.logs / f"worker-{proc.worker}.log"
     return (
@@ -75,7 +75,7 @@ def start_failure(controller: Controller, proc: WorkerProcess, code: int) -> str
     )
 
 
-async def renew_leases(controller: Controller) -> None:
+async def renew_leases(controller: ControllerState) -> None:
     """Renew every live worker's lease each heartbeat interval (service mode: workers on other hosts, which a
     partition can cut off while they still run; see ``Lease``)."""
     lease = Lease(seconds=controller.config.heartbeat_timeout_s * _LEASE_SHARE)
@@ -88,7 +88,7 @@ async def renew_leases(controller: Controller) -> None:
         await anyio.sleep(controller.config.heartbeat_interval_s)
 
 
-async def stop_all(controller: Controller, reason: str, *, finished: bool = False) -> None:
+async def stop_all(controller: ControllerState, reason: str, *, finished: bool = False) -> None:
     """Every worker told to stop (one still starting, or stopped, killed) and waited for, then killed. After a
     finished run each worker's ``run()`` returns and the script goes on (an evaluation, a save): those get
     ``finish_timeout_s`` to end on their own, the others ``drain_timeout_s``."""
@@ -117,12 +117,12 @@ async def stop_all(controller: Controller, reason: str, *, finished: bool = Fals
     controller.pool.kill_all()
 
 
-def top_up_spares(controller: Controller) -> None:
+def top_up_spares(controller: ControllerState) -> None:
     for _ in range(controller.pool.spares_missing()):
         spawn(controller)
 
 
-async def warm_spares(controller: Controller) -> None:
+async def warm_spares(controller: ControllerState) -> None:
     """Idle spares compile the step once now, rather than when they are needed."""
     for proc in controller.pool:
         if proc.ready_spare and not proc.warmed:
