@@ -33,19 +33,14 @@ import time
 from elastic_runtime.cluster.protocol import Form, Hello, Message, RestoreStep, Stop, Warm
 from elastic_runtime.cluster.worker.durable import durable_lane, final_durable
 from elastic_runtime.cluster.worker.forming import form_group, warm_up
-from elastic_runtime.cluster.worker.handlers import ScriptHandlers
 from elastic_runtime.cluster.worker.instance import instance_name
 from elastic_runtime.cluster.worker.leaving import leave_on_signal
-from elastic_runtime.cluster.worker.link import ControllerLink, Inbound
+from elastic_runtime.cluster.worker.link import Inbound
 from elastic_runtime.cluster.worker.restore import adopt_restored, restore_step
-from elastic_runtime.cluster.worker.settings import WorkerSettings
 from elastic_runtime.cluster.worker.smaller import SmallerGroup
 from elastic_runtime.cluster.worker.state import WorkerState
 from elastic_runtime.cluster.worker.stepping import await_step
 from elastic_runtime.cluster.worker.training import train
-from elastic_runtime.core.job import TrainJob
-from elastic_runtime.core.programs import ProgramStore
-from elastic_runtime.storage.replicas import ReplicaFiles
 
 log = logging.getLogger(__name__)
 
@@ -59,33 +54,11 @@ class Worker(WorkerState):
     """One worker process: its state (:class:`~elastic_runtime.cluster.worker.state.WorkerState`) and its message
     loop. Build it with :func:`run_worker`."""
 
-    def __init__(
-        self,
-        job: TrainJob,
-        steps: int,
-        *,
-        settings: WorkerSettings,
-        link: ControllerLink,
-        replicas: ReplicaFiles,
-        script: ScriptHandlers | None = None,
-        programs: ProgramStore | None = None,
-        script_settings: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(
-            job,
-            steps,
-            settings=settings,
-            link=link,
-            replicas=replicas,
-            script=script,
-            programs=programs,
-            script_settings=script_settings,
-        )
-        self.durable_lane = durable_lane(self)
-        self.smaller = SmallerGroup()
-
     def serve(self) -> int:
         """Handle controller messages until told to stop; returns the exit code."""
+        # The parts that run in threads of their own, built with the loop that feeds them.
+        self.durable_lane = durable_lane(self)
+        self.smaller = SmallerGroup()
         events = self.script.events if self.script is not None else ()
         where = instance_name(self.settings)
         self.link.send(

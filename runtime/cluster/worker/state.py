@@ -66,8 +66,8 @@ class Smaller(Protocol):
 
 class WorkerState:
     """One worker process's state, and what every part of its loop does with it (beat, report a failure, leave).
-    The parts take it as their argument; :class:`~elastic_runtime.cluster.worker.loop.Worker` adds the message loop
-    and builds the parts that run in threads of their own (the durable lane, the smaller group's preparation).
+    The parts take it as their argument; :class:`~elastic_runtime.cluster.worker.loop.Worker` adds the message loop,
+    which builds the parts that run in threads of their own (the durable lane, the smaller group's preparation).
 
     Args:
         job: the training job.
