@@ -420,12 +420,9 @@ class TieredCheckpointer:
     def _submit_gcs(self, info: CheckpointInfo, *, forced: bool) -> None:
         with self._lock:
             self._uploading.add(info.step)  # before the lane can start it: retention must not delete it
-        if self._gcs_lane.submit(info, forced=forced):
+        if self._gcs_lane.submit(info, forced=forced):  # skipped: ``_not_uploaded`` let retention have it again
             with self._lock:
                 self._last_uploaded = max(self._last_uploaded, info.step)
-        else:
-            with self._lock:
-                self._uploading.discard(info.step)
 
     def _upload(self, info: CheckpointInfo) -> None:
         try:

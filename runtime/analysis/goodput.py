@@ -180,9 +180,7 @@ def _combine(parts: list[list[Event]], reports: list[GoodputReport]) -> GoodputR
         for tier, count in report.checkpoints.items():
             checkpoints[tier] = checkpoints.get(tier, 0) + count
         for tier, lag in report.behind.items():
-            total = behind.setdefault(tier, {"times": 0, "most_steps": 0})
-            total["times"] += lag["times"]
-            total["most_steps"] = max(total["most_steps"], lag["most_steps"])
+            _add_behind(behind, tier, lag["times"], lag["most_steps"])
     return GoodputReport(
         wall_s=wall,
         productive_s=productive,
@@ -192,6 +190,13 @@ def _combine(parts: list[list[Event]], reports: list[GoodputReport]) -> GoodputR
         checkpoints=checkpoints,
         behind=behind,
     )
+
+
+def _add_behind(behind: dict[str, dict[str, int]], tier: str, times: int, most_steps: int) -> None:
+    """Count ``times`` saves of ``tier`` that waited, the most behind ``most_steps`` steps."""
+    lag = behind.setdefault(tier, {"times": 0, "most_steps": 0})
+    lag["times"] += times
+    lag["most_steps"] = max(lag["most_steps"], most_steps)
 
 
 def _start_of(part: list[Event]) -> RunStarted:
@@ -266,9 +271,7 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
         elif isinstance(event, CheckpointCommitted):
             checkpoints[event.tier] = checkpoints.get(event.tier, 0) + 1
         elif isinstance(event, CheckpointBehind):
-            lag = behind.setdefault(event.tier, {"times": 0, "most_steps": 0})
-            lag["times"] += 1
-            lag["most_steps"] = max(lag["most_steps"], event.behind_steps)
+            _add_behind(behind, event.tier, 1, event.behind_steps)
         elif isinstance(event, RecoveryCompleted) and open_failure is not None:
             disruptions.append((*open_failure, event))
             open_failure = None

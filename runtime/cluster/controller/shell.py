@@ -30,7 +30,6 @@ import functools
 import logging
 import shutil
 import threading
-from typing import TYPE_CHECKING
 
 import anyio
 
@@ -56,9 +55,6 @@ from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.controller.workers import reap, renew_leases, spawn
 from elastic_runtime.core.bus import EventBus
 from elastic_runtime.core.errors import ElasticRuntimeError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Controller"]
 

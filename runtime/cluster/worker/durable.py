@@ -62,7 +62,7 @@ def save_durable(worker: WorkerState, *, forced: bool, snapshot: HostSnapshot | 
     asked for) is queued behind it with its host copy made now, and never replaced by a due one."""
     assert worker.ram is not None and worker.durable is not None
     snapshot = snapshot or worker.ram
-    waits = worker.durable_lane.busy() and not forced and snapshot is worker.ram
+    waits = worker.durable_lane.busy() and not forced
     if waits:
         step = snapshot.step
         load: Callable[[], HostSnapshot] = lambda: _from_file(worker, step)  # noqa: E731
@@ -126,11 +126,10 @@ def final_durable(worker: WorkerState, step: int) -> None:
     worker.durable_lane.wait()
     if worker.durable_last == step:
         return  # written already: its Saved is out
-    snapshot: HostSnapshot | None = worker.ram
+    snapshot = worker.ram
     if worker.ram.step != step:
-        worker.replicas.wait()
         try:
-            snapshot = worker.replicas.read(step, [worker.replicas.tier], worker.local_like)
+            snapshot = _from_file(worker, step)
         except CheckpointInvalid as exc:
             log.error("worker %d: no replica of step %d for the final checkpoint: %s", worker.worker, step, exc)
             return

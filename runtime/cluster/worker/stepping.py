@@ -155,11 +155,16 @@ def defer(worker: WorkerState, message: Inbound) -> bool:
     return False
 
 
+def _inbox_head(worker: WorkerState) -> Inbound | None:
+    """The controller's next message, left in the inbox."""
+    with worker.link.inbox.mutex:
+        return worker.link.inbox.queue[0] if worker.link.inbox.queue else None
+
+
 def _grace(worker: WorkerState) -> float:
     """How long the step in flight may still take once a controller message came: a drain's hold lets it finish
     (every member that entered it finishes it, unless a peer never did), a re-forming abandons it soon."""
-    with worker.link.inbox.mutex:
-        head = worker.link.inbox.queue[0] if worker.link.inbox.queue else None
+    head = _inbox_head(worker)
     if isinstance(head, Stop) and head.hold:
         return max(_HOLD_GRACE_MIN_S, _HOLD_GRACE_STEPS * (worker.step_time_s or 0.0))
     return _ABANDON_GRACE_S
@@ -167,8 +172,7 @@ def _grace(worker: WorkerState) -> float:
 
 def defer_head(worker: WorkerState) -> bool:
     """While a step runs: take a planned Form off the inbox (the step must finish); True if one was."""
-    with worker.link.inbox.mutex:
-        head = worker.link.inbox.queue[0] if worker.link.inbox.queue else None
+    head = _inbox_head(worker)
     if isinstance(head, Form | Stop) and head.at_step > worker.step:
         return defer(worker, worker.link.inbox.get())
     return False
