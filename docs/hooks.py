@@ -37,7 +37,7 @@ PUBLIC: dict[str, list[str] | None] = {
     "elastic_runtime.cluster.controller": ["Controller"],
     "elastic_runtime.cluster.controller.context": ["ControllerContext"],
     "elastic_runtime.storage.gcs": ["GcsTier"],
-    "elastic_runtime.cluster.worker.handlers": ["WorkerContext"],
+    "elastic_runtime.cluster.worker.boundary": ["WorkerContext"],
     "elastic_runtime.testing.faults": ["FaultInjector", "FaultSchedule"],
 }
 

@@ -1,26 +1,23 @@
-"""Replace a lost or hung worker of a multi-process group and re-form the group (controller-side handlers)."""
+"""Replace a straggler at a planned step, where the controller chose it (a controller-side handler).
+
+A lost or hung worker needs no handler: the controller's supervisor takes the heartbeat monitor's verdict itself
+(it kills the worker, replaces it and re-forms the group, ``cluster/controller/supervisor.py``), and the
+``WorkerLost`` or ``WorkerHung`` event is published for the handlers to see. A handler may change how the group
+re-forms with ``ctx.regroup(..., strategy=Strategy.RESTART)`` (every worker replaced, the state from the replica
+files): the worker is not counted twice.
+"""
 
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
 
-from elastic_runtime.core.events import Straggler, WorkerHung, WorkerLost
+from elastic_runtime.core.events import Straggler
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.controller.context import ControllerContext
 
 log = logging.getLogger(__name__)
-
-
-async def regroup_on_worker_failure(event: WorkerLost | WorkerHung, ctx: ControllerContext) -> None:
-    """On WorkerLost or WorkerHung: make sure the worker is gone, then ask for a new group without it.
-
-    A hung (or SIGSTOPped) worker is killed first: it must not wake up half-way through the re-forming and
-    rejoin a group that has moved on. The controller picks the strategy (in-process re-forming by default).
-    """
-    ctx.kill(event.worker, reason=f"{type(event).__name__}: {event.message}")
-    ctx.regroup({event.worker}, reason=type(event).__name__)
 
 
 async def replace_straggler(event: Straggler, ctx: ControllerContext) -> None:

@@ -543,11 +543,14 @@ class WorkerKilled(Event, frozen=True, kw_only=True):
 
 
 class GroupForming(Event, frozen=True, kw_only=True):
-    """Generation ``generation`` is forming: ``members`` (worker ids, by process id) were told to join it."""
+    """Generation ``generation`` is forming: ``members`` (worker ids, by process id) were told to join it;
+    ``reason`` says why (the start, a loss, a drain, a spare ready to grow the group) and what was chosen (going
+    on smaller, and why)."""
 
     generation: int
     members: tuple[int, ...]
     strategy: str
+    reason: str = ""
 
 
 class GroupFormed(Event, frozen=True, kw_only=True):

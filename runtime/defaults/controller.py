@@ -1,4 +1,4 @@
-"""What a multi-process controller gets unless told otherwise: the built-in regroup and straggler handlers,
+"""What a multi-process controller gets unless told otherwise: the built-in straggler handler,
 the controller's maintenance notice source and drain handlers, the config's process faults and named handlers.
 
 It imports no JAX (nor anything that does): a controller never runs a step, and starts its workers sooner
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from elastic_runtime.cluster.config import LaunchConfig
 from elastic_runtime.core.errors import ConfigError
-from elastic_runtime.core.events import Straggler, WorkerHung, WorkerLost
+from elastic_runtime.core.events import Straggler
 from elastic_runtime.faults.process import ProcessFaults
 from elastic_runtime.handlers.drain_host import HostDrains
-from elastic_runtime.handlers.regroup import regroup_on_worker_failure, replace_straggler
+from elastic_runtime.handlers.regroup import replace_straggler
 from elastic_runtime.maintenance.intake import NoticeIntake
 from elastic_runtime.maintenance.source import BusContext, require_working
 
@@ -26,8 +26,9 @@ __all__ = ["attach_controller_maintenance", "default_controller", "ray_controlle
 
 
 def default_controller(config: LaunchConfig) -> Controller:
-    """A multi-process controller that replaces a lost or hung worker and logs stragglers (and injects the
-    config's process faults, if any), with the handlers ``config.handlers`` names after the built-in ones.
+    """A multi-process controller (its supervisor replaces a lost or hung worker) that replaces the stragglers it
+    chose to (and injects the config's process faults, if any), with the handlers ``config.handlers`` names after
+    the built-in one.
 
     Raises:
         ConfigError: a handler ``config.handlers`` names cannot be loaded (before any worker starts).
@@ -38,8 +39,6 @@ def default_controller(config: LaunchConfig) -> Controller:
     controller = Controller(config)
     if config.faults:
         ProcessFaults(config.faults).attach(controller.bus)
-    controller.bus.subscribe(WorkerLost, regroup_on_worker_failure)
-    controller.bus.subscribe(WorkerHung, regroup_on_worker_failure)
     controller.bus.subscribe(Straggler, replace_straggler)
     attach_controller_maintenance(controller)
     script = script_folder(config.command)

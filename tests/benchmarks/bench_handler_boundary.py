@@ -1,6 +1,6 @@
 """What the script's handlers cost a step under ``launch`` (issue 60): the step boundary's agreement on the newest
 notification every member holds, one 4-byte all-gather a step, runs only when the script subscribed to an event
-(``runtime/cluster/worker/handlers.py``). Not collected by pytest.
+(``runtime/cluster/worker/boundary.py``). Not collected by pytest.
 
     .venv/bin/python tests/benchmarks/bench_handler_boundary.py [--repeats 3] [--steps 120] [--nprocs 3] [--json]
 

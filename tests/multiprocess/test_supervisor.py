@@ -29,13 +29,22 @@ from elastic_runtime.cluster.controller.supervision import (
     Spawn,
     Start,
     Tick,
+    Watch,
     WorkerChanged,
+    WorkerFailed,
 )
 from elastic_runtime.cluster.controller.supervisor import Supervisor
 from elastic_runtime.cluster.protocol import Finished, Hello, Joined, Message, RestoreStep, Stop
 from elastic_runtime.cluster.tiers import Tier
 from elastic_runtime.core.errors import RecoveryError
-from elastic_runtime.core.events import Event, GroupFormed, RecoveryCompleted, StateRestored, StepCompleted
+from elastic_runtime.core.events import (
+    Event,
+    GroupFormed,
+    GroupForming,
+    RecoveryCompleted,
+    StateRestored,
+    StepCompleted,
+)
 from elastic_runtime.core.recovery import RecoveryTracker
 
 TARGET = 100
@@ -87,6 +96,8 @@ class Run:
         actions = self.supervisor.handle(event)
         for action in actions:
             match action:
+                case Watch(worker=worker, how=how, from_step=from_step):
+                    self.monitor.watch(worker, how, from_step)
                 case Spawn(count=count):
                     self.spawn(count)
                 case Kill(worker=worker):
@@ -195,6 +206,36 @@ def test_a_lost_member_is_replaced_by_the_spare_and_the_group_reforms_from_the_s
     assert isinstance(completed, RecoveryCompleted) and completed.cause == "WorkerLost"
     assert run.result.strategies == [Strategy.START, Strategy.REFORM] and run.result.world_size_history == [2, 2]
     assert run.ended is None and run.killed == []
+
+
+def test_a_verdict_kills_and_replaces_the_worker_once_and_a_handlers_request_only_changes_the_strategy(
+    tmp_path: Path,
+) -> None:
+    # The monitor's verdict is the one decision: kill, count, re-form. A handler that saw the event first and asks
+    # for the same worker with another strategy changes how the group re-forms, not how many failures there were.
+    run = started(tmp_path)
+    run.feed(WorkerFailed(1, "WorkerHung", "no progress past step 10 for 5.00 s"))
+    assert run.killed == [1] and run.kinds() == ["RecoveryStarted"]
+    run.feed(RegroupRequested(frozenset({1}), "WorkerHung", Strategy.RESTART))
+    assert run.kinds() == ["RecoveryStarted"] and run.supervisor.recovery.failures == 1
+    run.wait(0.1)
+    assert run.killed == [1, 0]  # the survivor replaced too: a second worker started for its seat
+    run.hello(3)
+    assert (run.forms[-1].members, run.forms[-1].strategy) == ((2, 3), Strategy.RESTART)
+    forming = [e for e in run.events if isinstance(e, GroupForming)]
+    assert [e.reason for e in forming] == ["worker 1: WorkerHung (no progress past step 10 for 5.00 s)"]
+
+    # Two verdicts settled together: one re-forming, whose reason names both.
+    two = started(tmp_path / "two", spares=2)
+    two.hello(3)
+    two.feed(WorkerFailed(0, "WorkerLost", "process exited with -9"))
+    two.feed(WorkerFailed(1, "WorkerLost", "silent for 2.10 s"))
+    two.wait(0.1)
+    assert [f.members for f in two.forms] == [(0, 1), (2, 3)] and two.killed == [0, 1]
+    forming = [e for e in two.events if isinstance(e, GroupForming)]
+    assert [e.reason for e in forming] == [
+        "worker 0: WorkerLost (process exited with -9); worker 1: WorkerLost (silent for 2.10 s)"
+    ]
 
 
 def test_a_spare_takes_the_seat_of_a_member_lost_before_the_others_got_past_jaxs_start(tmp_path: Path) -> None:
@@ -381,7 +422,8 @@ def test_a_step_that_keeps_failing_is_retried_after_a_backoff_then_given_up(tmp_
     run.join(step=10, tier="ram")
     run.lose(3)
     run.wait(0.1)
-    assert isinstance(run.ended, RecoveryError) and "step 11 failed 3 times (WorkerLost); giving up" in str(run.ended)
+    assert isinstance(run.ended, RecoveryError)
+    assert "step 11 failed 3 times (worker 3: WorkerLost); giving up" in str(run.ended)
 
 
 def test_survivors_waiting_for_a_replacement_are_not_judged_hung(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from elastic_runtime.cluster.controller.supervision import (
     Tick,
     TopUpSpares,
     WarmSpares,
+    Watch,
 )
 from elastic_runtime.cluster.controller.workers import spawn, top_up_spares, warm_spares
 from elastic_runtime.cluster.protocol import Form
@@ -87,6 +88,11 @@ async def tick_at(controller: ControllerState, deadline: float, scope: anyio.Can
 
 
 async def carry_out(controller: ControllerState, actions: list[Action]) -> None:
+    # The monitor's switches first, as if made as the supervisor decided: no verdict may come in between (a
+    # survivor judged hung for the steps it does not commit while its group re-forms).
+    for action in actions:
+        if isinstance(action, Watch):
+            controller.monitor.watch(action.worker, action.how, action.from_step)
     for action in actions:
         match action:
             case Spawn(count=count):
@@ -110,6 +116,8 @@ async def carry_out(controller: ControllerState, actions: list[Action]) -> None:
                 await controller.bus.publish(event)
             case EndRun(error=error):
                 controller.end(error)
+            case Watch():
+                pass  # applied above
             case Finish():
                 pass  # the supervisor is done: the loop ends
 

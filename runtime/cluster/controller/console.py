@@ -76,9 +76,10 @@ class GroupConsole:
                 self._shown_at = self.started
                 self.say(f"training to step {event.target_steps} on mesh {describe_mesh(event.mesh_shape)}")
             case GroupForming() if event.strategy != "start":
+                why = f": {event.reason}" if event.reason else ""
                 self.say(
                     f"re-forming the group ({event.strategy}): {len(event.members)} workers, generation "
-                    f"{event.generation}"
+                    f"{event.generation}{why}"
                 )
             case GroupFormed():
                 self._members = len(event.members)

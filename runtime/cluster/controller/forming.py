@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 
 from elastic_runtime.cluster.config import LaunchError, Strategy
+from elastic_runtime.cluster.controller.formed import send_restore
 from elastic_runtime.cluster.controller.processes import WorkerProcess
-from elastic_runtime.cluster.controller.restore import send_restore
 from elastic_runtime.cluster.controller.supervision import (
     Action,
     FillSeats,
@@ -25,6 +25,7 @@ from elastic_runtime.cluster.controller.supervision import (
     Send,
     SendForm,
     Spawn,
+    Watch,
 )
 from elastic_runtime.cluster.controller.supervisor_state import GivenUp, SupervisorState
 from elastic_runtime.cluster.protocol import EXIT_REPLACE, Stop
@@ -62,7 +63,7 @@ def form_generation(sup: SupervisorState, out: list[Action], strategy: Strategy,
     sup.forming_started = sup.clock()
     leaving = sup.leaving if strategy == Strategy.DRAIN else []
     survivors = [w for w in sup.group.members if not sup.pool[w].gone and w not in sup.requests and w not in leaving]
-    sup.quiet(survivors)
+    sup.quiet(out, survivors)
     if strategy == Strategy.RESTART:
         for worker in survivors:
             why = "restart strategy: every worker is replaced"
@@ -70,7 +71,7 @@ def form_generation(sup: SupervisorState, out: list[Action], strategy: Strategy,
             if sup.pool[worker].popen is None:  # not ours to kill: asked to exit, the cluster replaces it
                 out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE)))
             sup.pool[worker].gone = True
-            sup.monitor.forget(worker)
+            out.append(Watch(worker, "unwatched"))
         sup.result.survivor_restarts += len(survivors)
         survivors = []
     elif strategy == Strategy.REFORM and not survivors:
@@ -161,8 +162,7 @@ def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], 
     for worker in set(survivors) | set(recruits):
         if worker not in seated:  # in a slice short of a process: it waits, as a spare, for a replacement
             sup.pool[worker].spare = True
-            sup.monitor.expect_progress(worker, False)
-            sup.monitor.starting(worker)
+            out.append(Watch(worker, "starting"))
     sup.requests.clear()
     generation = sup.group.new_generation(members)
     out.append(SaveFences())  # a resumed controller numbers its generations after this one
@@ -171,8 +171,7 @@ def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], 
     for worker in members:
         proc = sup.pool[worker]
         proc.spare, proc.joined, proc.finished = False, None, None
-        sup.monitor.expect_progress(worker, False)
-        sup.monitor.starting(worker)  # it joins, restores and compiles: the longer timeout until it trains
+        out.append(Watch(worker, "starting"))  # it joins, restores and compiles: the longer timeout until it trains
     # Growing is planned: every member re-forms after committing the same step, so no collective is cut
     # off; after a failure the group re-forms now (in-flight steps are abandoned).
     planned = sup.forming in (Strategy.GROW, Strategy.DRAIN) and survivors
@@ -186,7 +185,7 @@ def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], 
         # but an end before ``at_step`` is (``Supervisor._departed``).
         proc = sup.pool[worker]
         proc.gone = proc.told_to_stop = True
-        sup.monitor.forget(worker)
+        out.append(Watch(worker, "unwatched"))
         sup.departing[worker] = (generation, at_step)
         why = f"drained at step {at_step}: {sup.forming_reason}"
         code = departure_code(sup) if sup.departures.pop(worker, None) is not None else EXIT_REPLACE
@@ -199,6 +198,7 @@ def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], 
                 generation=generation,
                 members=tuple(members),
                 strategy=sup.forming,
+                reason=sup.forming_reason,
             )
         )
     )
@@ -315,11 +315,10 @@ def substitute(sup: SupervisorState, out: list[Action], lost: list[int]) -> None
         seat = sup.group.take_seat(worker, spare)
         sup.unjoined.discard(worker)  # the seat waits for the spare's join now
         sup.unjoined.add(spare)
-        sup.requests.discard(worker)  # replaced in this forming: no re-forming for it after
+        sup.requests.pop(worker, None)  # replaced in this forming: no re-forming for it after
         proc = sup.pool[spare]
         proc.spare, proc.joined, proc.finished = False, None, None
-        sup.monitor.expect_progress(spare, False)
-        sup.monitor.starting(spare)
+        out.append(Watch(spare, "starting"))
         seated.append(spare)
         log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
     if seated:

@@ -30,6 +30,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import anyio
 
@@ -38,6 +39,7 @@ from elastic_runtime.core.events import Event, Straggler, WorkerHung, WorkerLost
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+Watching = Literal["training", "starting", "idle", "unwatched"]  # how a worker is judged (``HeartbeatMonitor.watch``)
 
 # How often the group's step times are compared (stragglers): a median over every worker is O(N), not for
 # every check.
@@ -196,6 +198,22 @@ class HeartbeatMonitor:
             self._by_progress.pop(worker, None)
             if expected and not entry.reported:
                 self._by_progress[worker] = None  # the newest progress_at: last in order
+
+    def watch(self, worker: int, how: Watching, from_step: int | None = None) -> None:
+        """Judge ``worker`` as ``how`` from now: the supervisor's ``Watch`` action. ``training``: it commits steps
+        past ``from_step`` (its group's restored step); ``starting``: it joins, restores and compiles (the start
+        timeout, no progress expected); ``idle``: its group is not training (silence only); ``unwatched``: it
+        was replaced or left."""
+        match how:
+            case "training":
+                self.expect_progress(worker, True, from_step=from_step)
+            case "starting":
+                self.expect_progress(worker, False)
+                self.starting(worker)
+            case "idle":
+                self.expect_progress(worker, False)
+            case "unwatched":
+                self.forget(worker)
 
     def observe(self, worker: int, step: int, pace: tuple[float, float] | None = None) -> None:
         """Record a heartbeat with the worker's newest iteration and its time outside collectives (``pace``).

@@ -28,6 +28,7 @@ from elastic_runtime.cluster.controller.supervision import (
     Progress,
     RestoreFailed,
     WorkerChanged,
+    WorkerFailed,
 )
 from elastic_runtime.cluster.protocol import (
     EXIT_REPLACE,
@@ -59,6 +60,7 @@ from elastic_runtime.core.events import (
     StepFailed,
     Straggler,
     WorkerHung,
+    WorkerLost,
     WorkerSignalled,
 )
 
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = [
+    "VERDICT_PRIORITY",
     "end_on_failure",
     "handle_unreadable",
     "heard",
@@ -76,6 +79,7 @@ __all__ = [
     "publish_skipped",
     "publish_verdict",
     "take_notice",
+    "take_verdict",
 ]
 
 log = logging.getLogger(__name__)
@@ -270,6 +274,17 @@ async def publish_verdict(controller: ControllerState, verdict: Verdict) -> None
     if killed is not None:
         controller.result.detected_after_s.append(event.mono_time - killed)
     await publish_or_log(controller, event)
+
+
+# The supervisor takes a loss after every other handler of its event ran: the handlers see it first, and one that
+# prepares for the re-forming (a lost host's replica files wiped) or changes its strategy (``ctx.regroup``) is
+# done before the group re-forms.
+VERDICT_PRIORITY = -(2**31)
+
+
+async def take_verdict(controller: ControllerState, event: WorkerLost | WorkerHung, ctx: object) -> None:
+    """Hand the supervisor a lost or hung worker: the one decision taken on it (kill, replace, re-form)."""
+    controller.feed(WorkerFailed(event.worker, type(event).__name__, event.message))
 
 
 def judged(controller: ControllerState, event: Straggler) -> Straggler:

@@ -2,7 +2,7 @@
 
 The controller is the one place where the group's events exist once (a lost worker, a re-forming, a restore).
 The handlers a training script registers on its ``ElasticRuntime`` run in every worker
-(``runtime/cluster/worker/handlers.py``), so the relay forwards to every member each event whose type the
+(``runtime/cluster/worker/boundary.py``), so the relay forwards to every member each event whose type the
 script subscribes to (its workers name those types in ``Hello.events``), numbered (``Notify.seq``) and
 addressed to one generation of the group: the members of that generation run it at one step boundary they
 agree on, so a ``ctx.transform_state`` changes every process's shards at the same step.

@@ -5,7 +5,7 @@ free loopback port, watches their heartbeats and, when one is lost or hangs, rep
 group. It is never restarted because a worker failed: it is the one process that knows the run's history.
 
 Recovery (see ``docs/multiprocess.md``) is a chain of events on the controller's bus: ``WorkerLost`` or
-``WorkerHung`` -> the regroup handler (``handlers/regroup.py``) asks for a new group -> ``RecoveryStarted``
+``WorkerHung`` (the handlers see it first) -> the supervisor kills and replaces it -> ``RecoveryStarted``
 -> ``GroupFormed`` -> ``StateRestored`` -> ``RecoveryCompleted`` at the first step the new group commits.
 Strategies: ``reform`` (survivors re-initialize ``jax.distributed`` in-process and a spare joins, taking
 the state from its peers) and ``restart`` (every worker process replaced, state from the replica files in
@@ -48,13 +48,21 @@ from elastic_runtime.cluster.controller.ending import (
     write_summary,
 )
 from elastic_runtime.cluster.controller.heartbeat import watch
-from elastic_runtime.cluster.controller.messages import mark_closed, on_message, publish_report, publish_verdict
+from elastic_runtime.cluster.controller.messages import (
+    VERDICT_PRIORITY,
+    mark_closed,
+    on_message,
+    publish_report,
+    publish_verdict,
+    take_verdict,
+)
 from elastic_runtime.cluster.controller.relay import EventRelay
 from elastic_runtime.cluster.controller.server import WorkerServer
 from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.controller.workers import reap, renew_leases, spawn
 from elastic_runtime.core.bus import EventBus
 from elastic_runtime.core.errors import ElasticRuntimeError
+from elastic_runtime.core.events import WorkerHung, WorkerLost
 
 __all__ = ["Controller"]
 
@@ -72,8 +80,9 @@ class Controller(ControllerState):
     coordinates the workers that say hello with the run's secret, judges them by their heartbeats only, and
     takes a replacement in when the orchestrator brings one up.
 
-    It subscribes no handler of its own (``elastic_runtime.defaults.default_controller`` adds the built-in ones) but the
-    relay that forwards the group's events to the training script's handlers in the workers (``relay.py``).
+    It subscribes two handlers of its own (``elastic_runtime.defaults.default_controller`` adds the built-in ones):
+    the relay that forwards the group's events to the training script's handlers in the workers (``relay.py``),
+    and, after every other handler, the one that hands a ``WorkerLost`` or ``WorkerHung`` to the supervisor.
 
     Its state and the requests its parts make of it are
     :class:`~elastic_runtime.cluster.controller.state.ControllerState`'s.
@@ -89,6 +98,8 @@ class Controller(ControllerState):
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
         self.relay = EventRelay(self)
         self.relay.attach(self.bus)
+        for lost in (WorkerLost, WorkerHung):
+            self.bus.subscribe(lost, functools.partial(take_verdict, self), priority=VERDICT_PRIORITY, timeout=None)
         self.server = WorkerServer(
             secret=self.secret,
             on_hello=functools.partial(hello, self),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from elastic_runtime.cluster.config import LaunchError, Strategy
+from elastic_runtime.cluster.controller.heartbeat import Watching
 from elastic_runtime.cluster.protocol import Message
 from elastic_runtime.cluster.tiers import Tier
 from elastic_runtime.core.errors import ElasticRuntimeError
@@ -40,7 +41,9 @@ __all__ = [
     "Tick",
     "TopUpSpares",
     "WarmSpares",
+    "Watch",
     "WorkerChanged",
+    "WorkerFailed",
 ]
 
 
@@ -53,8 +56,20 @@ class Start:
 
 
 @dataclass(frozen=True)
+class WorkerFailed:
+    """The heartbeat monitor's verdict on ``worker``, taken once, straight from the monitor: ``cause`` is the
+    event published for it (``WorkerLost``, ``WorkerHung``), ``message`` what was seen. The worker is killed (a
+    hung or stopped one must not come back half-way through a re-forming), replaced, and the group re-forms."""
+
+    worker: int
+    cause: str
+    message: str
+
+
+@dataclass(frozen=True)
 class RegroupRequested:
-    """Replace ``workers`` (lost or hung) and re-form the group (``ControllerContext.regroup``)."""
+    """Replace ``workers`` and re-form the group (``ControllerContext.regroup``, a handler's request). Workers
+    already being replaced (a verdict came first) are not counted again: ``strategy`` overrides the re-forming's."""
 
     workers: frozenset[int]
     reason: str
@@ -164,6 +179,7 @@ class Tick:
 
 Input = (
     Start
+    | WorkerFailed
     | RegroupRequested
     | WorkerChanged
     | MemberJoined
@@ -191,6 +207,16 @@ class Spawn:
 @dataclass(frozen=True)
 class TopUpSpares:
     """Start spares until ``config.spares`` are alive."""
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Judge ``worker`` as ``how`` from now (``HeartbeatMonitor.watch``): the heartbeat monitor is switched by
+    these, applied before the other actions of the same input, never by the supervisor itself."""
+
+    worker: int
+    how: Watching
+    from_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -260,7 +286,20 @@ class Finish:
     """Every member finished: the run ends well."""
 
 
-Action = Spawn | TopUpSpares | Kill | Send | SendForm | FillSeats | SaveFences | WarmSpares | Publish | EndRun | Finish
+Action = (
+    Spawn
+    | TopUpSpares
+    | Watch
+    | Kill
+    | Send
+    | SendForm
+    | FillSeats
+    | SaveFences
+    | WarmSpares
+    | Publish
+    | EndRun
+    | Finish
+)
 
 
 class Phase(Enum):

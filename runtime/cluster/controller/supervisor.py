@@ -18,7 +18,7 @@ for the lost one's seat, so a spare takes that seat in the same generation (star
 where the controller starts none and none is ready, the generation is given up and the rest re-form without it at
 once (``forming.give_up``). Only a group that does not form in time (``form_timeout_s``) restarts with every
 worker replaced. Its inputs, actions and phases are in ``supervision.py``; forming a generation is in
-``forming.py``, its restore in ``restore.py``, the planned re-formings (draining a host or a member that asked to
+``forming.py``, its restore plan in ``formed.py``, the planned re-formings (draining a host or a member that asked to
 leave, growing back) in ``planned.py``: functions over its state (``supervisor_state.py``, below them all).
 """
 
@@ -40,6 +40,7 @@ from elastic_runtime.cluster.controller.supervision import (
     DrainRequested,
     Finish,
     Input,
+    Kill,
     LeaveRequested,
     MemberFinished,
     MemberJoined,
@@ -55,7 +56,9 @@ from elastic_runtime.cluster.controller.supervision import (
     Start,
     Tick,
     TopUpSpares,
+    Watch,
     WorkerChanged,
+    WorkerFailed,
 )
 from elastic_runtime.cluster.controller.supervisor_state import SupervisorState
 from elastic_runtime.cluster.protocol import EXIT_REPLACE, Stop
@@ -91,6 +94,9 @@ class Supervisor(SupervisorState):
         match event:
             case Start():
                 form_generation(self, out, Strategy.START, "start")
+            case WorkerFailed(worker=worker, cause=cause, message=message):
+                out.append(Kill(worker, f"{cause}: {message}"))  # even as the run ends: it must not come back
+                self._regroup_requested(out, {worker}, cause, None, message)
             case RegroupRequested(workers=workers, reason=reason, strategy=strategy):
                 self._regroup_requested(out, set(workers), reason, strategy)
             case RestoreFailed(generation=generation, step=step, reason=reason, recovered_from=recovered_from):
@@ -104,8 +110,7 @@ class Supervisor(SupervisorState):
                 self.restore_tally.add(event)
             case Progress(worker=worker, step=step, step_time_s=seconds, loss=loss, metrics=metrics):
                 if 0 <= self.target_steps <= step:  # done: finishing (its last writes) is no hang
-                    self.monitor.expect_progress(worker, False)
-                    self.monitor.starting(worker)  # nor judged by the training timeout
+                    out.append(Watch(worker, "starting"))  # nor judged by the training timeout
                 self._progress(out, worker, step, seconds, loss, metrics)
             case MemberFinished():
                 members = self.group.members
@@ -134,11 +139,15 @@ class Supervisor(SupervisorState):
 
     # --- failures ------------------------------------------------------------------------------------------
 
-    def _regroup_requested(self, out: list[Action], lost: set[int], reason: str, strategy: Strategy | None) -> None:
+    def _regroup_requested(
+        self, out: list[Action], lost: set[int], reason: str, strategy: Strategy | None, message: str = ""
+    ) -> None:
         if self.stopped:
             return
+        self.strategy = strategy or self.strategy
+        lost -= self.requests.keys()  # a handler's request for a worker whose verdict came first: counted once
         for worker in sorted(lost):
-            self.monitor.forget(worker)
+            out.append(Watch(worker, "unwatched"))
             proc = self.pool.get(worker)
             if proc is not None:
                 proc.gone = True
@@ -146,12 +155,9 @@ class Supervisor(SupervisorState):
                 # A spare (or an already replaced worker): keep the pool of spares full, no re-forming.
                 out.append(TopUpSpares())
                 continue
-            self.requests.add(worker)
+            self.requests[worker] = f"worker {worker}: {reason}" + (f" ({message})" if message else "")
             self.count_failure(out, reason)
-        if self.spent(out, f"{reason} at step {self.group.step + 1}", lost):
-            return
-        self.reason = reason
-        self.strategy = strategy or self.strategy
+        self.spent(out, f"{reason} at step {self.group.step + 1}", lost)
 
     def _leave_requested(self, out: list[Action], worker: int, reason: str) -> None:
         """A member leaves at the next planned step (``planned.drain``), a spare at once; neither is a failure."""
@@ -162,7 +168,7 @@ class Supervisor(SupervisorState):
             self.departures[worker] = reason
             return
         proc.gone = proc.told_to_stop = True
-        self.monitor.forget(worker)
+        out.append(Watch(worker, "unwatched"))
         out.append(Send(worker, Stop(reason=f"spare worker {worker} leaves: {reason}", exit_code=departure_code(self))))
         out.append(TopUpSpares())
 
@@ -196,7 +202,7 @@ class Supervisor(SupervisorState):
         due = self.deadline is not None and now >= self.deadline
         if self.phase == Phase.IDLE and self.group.generation and self.restored:
             if self.requests:
-                self.quiet(self.group.members)  # at once: the survivors wait in a broken collective now
+                self.quiet(out, self.group.members)  # at once: the survivors wait in a broken collective now
                 self.phase, self.deadline = Phase.SETTLING, now + SETTLE_S
                 # Workers the controller started are found lost by their exit, all at once; others by silence.
                 spread = 0.0 if self.config.starts_workers else self.config.heartbeat_timeout_s
@@ -212,7 +218,7 @@ class Supervisor(SupervisorState):
             if now < self.settle_until and self.monitor.losing(self.monitor.timeout_s / 2):
                 self.deadline = min(self.settle_until, now + SETTLE_S)  # more of them may be found soon
             else:
-                self._regroup(out, set(self.requests), self.reason)
+                self._regroup(out, set(self.requests), "; ".join(self.requests.values()))
         elif self.phase == Phase.BACKOFF and due:
             form_generation(self, out, self.strategy or self.config.strategy, self.reason)
         elif self.phase == Phase.RECRUITING and not frequent:

@@ -1,6 +1,6 @@
 """The supervisor's state: what it knows of the group, the forming generation, the drains and departures, and
 the few steps every part of its decisions takes (count a failure, end the run, describe a committed step). The
-decisions are functions over it (``forming.py``, ``restore.py``, ``planned.py``) and the
+decisions are functions over it (``forming.py``, ``formed.py``, ``planned.py``) and the
 :class:`~elastic_runtime.cluster.controller.supervisor.Supervisor` itself, all above it in the import graph.
 """
 
@@ -14,7 +14,7 @@ from elastic_runtime.cluster.config import LaunchConfig, LaunchError, LaunchResu
 from elastic_runtime.cluster.controller.heartbeat import HeartbeatMonitor
 from elastic_runtime.cluster.controller.membership import Membership
 from elastic_runtime.cluster.controller.processes import ProcessPool, log_tail
-from elastic_runtime.cluster.controller.supervision import Action, EndRun, Phase, Publish, RestoreTally
+from elastic_runtime.cluster.controller.supervision import Action, EndRun, Phase, Publish, RestoreTally, Watch
 from elastic_runtime.core.errors import ElasticRuntimeError, RecoveryError
 from elastic_runtime.core.events import StepCompleted
 from elastic_runtime.core.recovery import RecoveryTracker
@@ -34,14 +34,15 @@ class GivenUp:
 
 class SupervisorState:
     """What the supervisor knows and the steps every part of it takes (count a failure, end the run, publish a
-    committed step): the state that ``forming.py``, ``restore.py`` and ``planned.py`` decide over, below them in
+    committed step): the state that ``forming.py``, ``formed.py`` and ``planned.py`` decide over, below them in
     the import graph; :class:`~elastic_runtime.cluster.controller.supervisor.Supervisor` adds the decisions.
 
     Args:
         config: the run's settings.
         pool: the workers' records (the shell starts processes and fills them in; tests add records).
         group: the group's membership.
-        monitor: the heartbeat monitor whose ``expect_progress`` it switches.
+        monitor: the heartbeat monitor, read only (whether more losses may be on their way); its switches are
+            ``Watch`` actions.
         recovery: the failure budget and recovery timing.
         result: the run's outcome, whose formation figures it fills in.
         target_steps: the run's target; -1 until the first worker's hello says it (see :attr:`target_steps`).
@@ -73,7 +74,7 @@ class SupervisorState:
         self.restored = False  # the current generation got its RestoreStep
         self.restore_tally = RestoreTally()  # what the current generation's members restored
         self.deadline: float | None = None  # when to be handed a Tick
-        self.requests: set[int] = set()  # members to replace at the next re-forming
+        self.requests: dict[int, str] = {}  # members to replace at the next re-forming -> why
         self.reason = ""
         self.strategy: Strategy | None = None
         self.unreadable = ""  # the current generation's restore failed: why
@@ -147,10 +148,9 @@ class SupervisorState:
         logs = [self.pool.logs / f"worker-{w}.log" for w in sorted(lost)]
         return "".join(f"\nworker log {path}:\n{log_tail(path)}" for path in logs)
 
-    def quiet(self, workers: list[int]) -> None:
+    def quiet(self, out: list[Action], workers: list[int]) -> None:
         """The group is not training: a worker that commits nothing now is not hung."""
-        for worker in workers:
-            self.monitor.expect_progress(worker, False)
+        out.extend(Watch(worker, "idle") for worker in workers)
 
     def completed(
         self, step: int, seconds: float, loss: float | None = None, metrics: dict[str, float] | None = None

@@ -16,8 +16,8 @@ import msgspec
 
 from elastic_runtime.cluster import auth, leftovers
 from elastic_runtime.cluster.protocol import ENV_CONTROLLER, Noticed
+from elastic_runtime.cluster.worker.boundary import ScriptHandlers
 from elastic_runtime.cluster.worker.forming import shared_cache
-from elastic_runtime.cluster.worker.handlers import ScriptHandlers
 from elastic_runtime.cluster.worker.link import ControllerLink, connect
 from elastic_runtime.cluster.worker.loop import Worker
 from elastic_runtime.cluster.worker.settings import WorkerSettings
@@ -92,7 +92,7 @@ def run_worker(
     process's :class:`RunResult` once the whole group finished (the state in the lead, process 0, only).
 
     ``handlers``: the script's own subscriptions; they run for the group's events the controller forwards, at
-    a step boundary every member agrees on (``runtime/cluster/worker/handlers.py``). ``watch_notices``: with
+    a step boundary every member agrees on (``runtime/cluster/worker/boundary.py``). ``watch_notices``: with
     ``ELASTIC_METADATA_HOST`` set, watches this host's notices and the worker forwards them to the controller.
     ``script_settings``: what the script set of what the launch sets for the group (``Hello.settings``).
 

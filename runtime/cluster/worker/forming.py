@@ -17,7 +17,7 @@ import numpy as np
 from elastic_runtime.cluster.collectives import NeighbourShift, SliceRestore
 from elastic_runtime.cluster.protocol import Form, Joined, Stop
 from elastic_runtime.cluster.worker.group import join_group, leave_group
-from elastic_runtime.cluster.worker.restore import best_local, local_steps
+from elastic_runtime.cluster.worker.refill import best_local, local_steps
 from elastic_runtime.core.cadence import EveryN
 from elastic_runtime.core.errors import MeshUnavailable
 from elastic_runtime.core.initial import initial_program

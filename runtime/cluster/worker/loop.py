@@ -36,7 +36,7 @@ from elastic_runtime.cluster.worker.forming import form_group, warm_up
 from elastic_runtime.cluster.worker.instance import instance_name
 from elastic_runtime.cluster.worker.leaving import leave_on_signal
 from elastic_runtime.cluster.worker.link import Inbound
-from elastic_runtime.cluster.worker.restore import adopt_restored, restore_step
+from elastic_runtime.cluster.worker.refill import adopt_restored, restore_step
 from elastic_runtime.cluster.worker.smaller import SmallerGroup
 from elastic_runtime.cluster.worker.state import WorkerState
 from elastic_runtime.cluster.worker.stepping import await_step

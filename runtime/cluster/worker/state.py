@@ -99,7 +99,7 @@ class WorkerState:
         self.job, self.keys = with_key_data(job)
         if settings.return_freed_memory:
             return_freed_memory()
-        # The training script's own handlers, run at step boundaries (runtime/cluster/worker/handlers.py).
+        # The training script's own handlers, run at step boundaries (runtime/cluster/worker/boundary.py).
         self.script = script
         if script is not None:
             link.on_notify = script.received

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from elastic_runtime.cluster.protocol import Finished, Message
+from elastic_runtime.cluster.worker.boundary import Boundary
 from elastic_runtime.cluster.worker.durable import save_durable
 from elastic_runtime.cluster.worker.group import meet
-from elastic_runtime.cluster.worker.handlers import Boundary
 from elastic_runtime.cluster.worker.link import Inbound
 from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenced
 from elastic_runtime.core.executor import RunResult

@@ -17,6 +17,7 @@ from elastic_runtime.cluster.controller.supervision import (
     Send,
     TopUpSpares,
     WarmSpares,
+    Watch,
 )
 from elastic_runtime.cluster.controller.supervisor_state import SupervisorState
 from elastic_runtime.cluster.protocol import Joined, RestoreStep
@@ -74,8 +75,7 @@ def send_restore(sup: SupervisorState, out: list[Action]) -> None:
     )
     out.extend(Send(worker, restore) for worker in members)
     sup.restored = True
-    for worker in members:
-        sup.monitor.expect_progress(worker, True, from_step=plan.step)
+    out.extend(Watch(worker, "training", from_step=plan.step) for worker in members)
     out.append(WarmSpares())
     sup.result.world_size_history.append(len(members))
     sup.result.strategies.append(strategy)
