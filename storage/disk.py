@@ -262,7 +262,7 @@ class DiskTier:
         directory = self.path_of(step)
         manifest = read_manifest(directory)
         tree = load_directory(directory, manifest, like, Deadline(timeout, f"{self.name}: restoring step {step}"))
-        return snapshot_from(manifest, tree, time.monotonic() - started)
+        return snapshot_from(manifest, tree, time.monotonic() - started, where=str(directory))
 
     def latest(self, like: PyTree = None, timeout: float | None = 30.0) -> HostSnapshot:
         """The newest checkpoint that verifies (see :func:`elastic_runtime.storage.tier.latest_verified`)."""

@@ -590,7 +590,7 @@ class GcsTier:
                 raise CheckpointInvalid(
                     str(exc).replace(str(staging), self.location(step)), path=where, reason=exc.reason
                 ) from exc
-            return snapshot_from(manifest, tree, time.monotonic() - started)
+            return snapshot_from(manifest, tree, time.monotonic() - started, where=self.location(step))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 

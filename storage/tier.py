@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from elastic_runtime.core.errors import CheckpointInvalid
+from elastic_runtime.core.fingerprint import STATE_DIGEST, host_digest
 from elastic_runtime.core.restore import CorruptionListener, restore_newest
 from elastic_runtime.core.snapshot import HostSnapshot
 from elastic_runtime.storage.manifest import KeyPart, LeafEntry, Manifest, key_of
@@ -135,7 +137,22 @@ def _nested(leaves: tuple[LeafEntry, ...], arrays: dict[tuple[KeyPart, ...], np.
     return lists(root)
 
 
-def snapshot_from(manifest: Manifest, tree: PyTree, seconds: float) -> HostSnapshot:
+def snapshot_from(manifest: Manifest, tree: PyTree, seconds: float, *, where: str) -> HostSnapshot:
+    """The snapshot a checkpoint read back holds, checked against the digest of the state it was verified with
+    where it records one. Raises CheckpointInvalid: the state read is not that state."""
+    recorded = manifest.metadata.get(STATE_DIGEST)
+    if recorded is not None:
+        # In the saved state's leaf order: a tree rebuilt without ``like`` may flatten in another.
+        arrays = {key_of(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        ordered = [arrays.get(leaf.key) for leaf in manifest.leaves]
+        whole = all(leaf is not None for leaf in ordered)
+        found = f"{host_digest(ordered if whole else jax.tree.leaves(tree)):08x}"
+        if found != recorded:
+            reason = (
+                f"the state read has digest {found}, not {recorded}, the digest of the state verified on the "
+                "devices: it changed between the check and the write, though every file matches its CRC32C"
+            )
+            raise CheckpointInvalid(f"{where}: {reason}", path=where, reason=reason)
     return HostSnapshot(
         step=manifest.step,
         data_position=manifest.data_position,

@@ -1,6 +1,7 @@
 """Silent data corruption in one process: the state's fingerprint finds a replica that differs, the replay tells
 a transient flip from a device that computes wrong, and the run heals either way (runtime/core/fingerprint.py,
-handlers/integrity.py)."""
+handlers/integrity.py); a durable checkpoint records the digest of the state it was verified with, and a restore
+checks it (storage/tier.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from elastic_runtime import (
@@ -26,7 +27,11 @@ from elastic_runtime import (
 )
 from elastic_runtime.analysis.goodput import goodput
 from elastic_runtime.core.compare import compare_states
-from elastic_runtime.core.fingerprint import Fingerprinter, compare_replicas
+from elastic_runtime.core.errors import CheckpointInvalid
+from elastic_runtime.core.fingerprint import STATE_DIGEST, Fingerprinter, compare_replicas, host_digest, state_digest
+from elastic_runtime.core.restore import restore_newest
+from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.testing import FaultInjector
 from elastic_runtime.testing.demo_model import demo_job
 from elastic_runtime.testing.faults import flip_a_bit
@@ -122,3 +127,48 @@ def test_fault_free_runs_raise_no_false_alarm(tmp_path: Path, reference: Any) ->
     events = read_events(tmp_path / "events.jsonl")
     assert not [e for e in events if isinstance(e, SilentCorruption | CorruptionHealed)]
     assert compare_states(result.state, reference, bitwise=True)["match"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.bool_, jnp.uint8])
+def test_the_state_digest_is_the_same_on_every_mesh_and_in_host_memory_and_one_flipped_bit_changes_it(
+    dtype: Any,
+) -> None:
+    rng = np.random.default_rng(0)
+    values = rng.random((16, 8)) > 0.5 if dtype == jnp.bool_ else rng.integers(0, 200, (16, 8)).astype(dtype)
+    tree = {"a": values, "b": np.arange(24, dtype=np.int32).reshape(8, 3)}
+    host = host_digest(jax.tree.leaves(tree))
+    devices = np.array(jax.devices())
+    for shape in [(4, 2), (2, 4), (8, 1)]:  # blocks of other sizes on other devices: the same number
+        mesh = Mesh(devices.reshape(shape), ("data", "model"))
+        on_mesh = {
+            "a": jax.device_put(tree["a"], NamedSharding(mesh, P("data", "model"))),
+            "b": jax.device_put(tree["b"], NamedSharding(mesh, P("data"))),
+        }
+        assert state_digest(on_mesh) == host, shape
+    flipped = tree["a"].copy()
+    flipped.reshape(-1).view(np.uint8)[37] ^= 1
+    assert host_digest([flipped, tree["b"]]) != host
+
+
+def test_a_durable_checkpoint_records_the_verified_states_digest_and_a_state_changed_before_its_write_is_refused(
+    tmp_path: Path,
+) -> None:
+    config = RuntimeConfig(run_dir=str(tmp_path), precompile=False, progress=False, scale_up_poll_s=None, disk_every=10)
+    result = ElasticRuntime(small_job(), config=config, mesh_policy=POLICY).run(20)
+    disk = DiskTier(tmp_path / "checkpoints")
+    snapshot = disk.restore(20, timeout=60)
+    assert snapshot.metadata[STATE_DIGEST] == f"{state_digest(result.state):08x}"
+    # The host copy changed after the check and before the write: its files and their CRC32Cs agree, the state
+    # is not the one verified on the devices.
+    leaves, treedef = jax.tree.flatten(snapshot.tree)
+    changed = [np.array(leaf, copy=True) for leaf in leaves]
+    changed[0].reshape(-1).view(np.uint8)[0] ^= 1
+    tree = jax.tree.unflatten(treedef, changed)
+    metadata = snapshot.metadata
+    disk.save(HostSnapshot(step=30, data_position=31, tree=tree, nbytes=0, seconds=0.0, metadata=metadata), timeout=60)
+    refused: list[int] = []
+    disk.corruption_listeners.append(lambda tier, step, exc: refused.append(step))
+    with pytest.raises(CheckpointInvalid, match="digest"):
+        disk.restore(30, timeout=60)
+    _, newest = restore_newest([disk], timeout=60)
+    assert newest.step == 20 and refused == [30]  # reported once, by the restore that went on to step 20

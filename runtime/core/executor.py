@@ -45,7 +45,7 @@ from elastic_runtime.core.events import (
     StepCompleted,
     StepFailed,
 )
-from elastic_runtime.core.fingerprint import Healed, Integrity, StateDiverged
+from elastic_runtime.core.fingerprint import STATE_DIGEST, Healed, Integrity, StateDiverged, state_digest
 from elastic_runtime.core.health import DeviceHealth
 from elastic_runtime.core.initial import abstract_state, initial_program
 from elastic_runtime.core.job import PyTree, TrainJob
@@ -76,6 +76,7 @@ class _StepDone(NamedTuple):
     snapshot_wait_s: float  # what its snapshot's copy added to the step (0 when compiled into the step)
     host: PyTree | None  # the state in host memory, when this step is snapshotted
     verified: bool  # its replicas were compared and agree, or are never compared (no fingerprints)
+    digest: int | None  # the whole state's digest, at a step the durable tiers save (core/fingerprint.py)
 
 
 class _InFlight(NamedTuple):
@@ -569,7 +570,7 @@ class StepExecutor:
                 done.host,
                 step=step,
                 data_position=position,
-                metadata={"mesh": shape},
+                metadata={"mesh": shape} | ({} if done.digest is None else {STATE_DIGEST: f"{done.digest:08x}"}),
                 seconds=done.snapshot_wait_s,
                 reuse=self.compiler is not None and self.compiler.host_copy,  # fused copies write into spares
                 notify=done.verified,  # a state whose replicas were not compared goes to no durable tier
@@ -657,13 +658,16 @@ class StepExecutor:
         jax.block_until_ready((flight.new_state, flight.host) if fused else flight.new_state)
         for check in self.step_checks:
             check(flight.step, device_ids(mesh))
-        verified = self.integrity is None
+        verified, digest = self.integrity is None, None
         if self.integrity is not None and self.integrity.due(flight.step):
             # Raises StateDiverged: the step is not committed, and the recovery replays it (_on_failure).
             healed = self.integrity.check(flight.new_state, flight.step, self.cadence.step_s)
             verified = True
             if healed is not None:
                 self._from_threads.append(self._healed(healed, flight.step))
+            if flight.host is not None and self.integrity.durable_due(flight.step):
+                # What a durable checkpoint of this step is checked against when restored (storage/tier.py).
+                digest = state_digest(flight.new_state)
         metrics = scalar_metrics(flight.metrics)
         loss = self.job.loss(flight.metrics)
         loss_value = None if loss is None else float(np.asarray(loss))
@@ -687,7 +691,7 @@ class StepExecutor:
                 self.cadence.copied(extra)  # signed, so that the noise of step times averages out
             copy_s = max(extra, 0.0)
             seconds -= copy_s
-        return _StepDone(flight.new_state, loss_value, metrics, seconds, flight.data_s, copy_s, host, verified)
+        return _StepDone(flight.new_state, loss_value, metrics, seconds, flight.data_s, copy_s, host, verified, digest)
 
     def _healed(self, healed: Healed, step: int) -> CorruptionHealed:
         """The replicas agree again at ``step``: healed by the replay, or by evicting the suspects."""

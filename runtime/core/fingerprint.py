@@ -10,6 +10,12 @@ are compared on the host.
 The digest: every element's bits as unsigned 32-bit words, each times an odd weight of its position, summed
 with wrap-around, leaf after leaf. A single flipped bit changes the sum (an odd weight times a power of two is
 never 0 mod 2**32), and so does a value moved to another position.
+
+The same digest over the whole state, each element weighted by its position in its whole leaf
+(:func:`state_digest`, on the devices; :func:`host_digest`, the same number from host arrays), is what a durable
+checkpoint records of the state it was verified with, and what a restore checks the state it read against: the
+same number on any mesh, so a corruption between the verified state and the written bytes (a host copy flipped
+before its files were checksummed) is found where the files' own CRC32Cs pass.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +34,17 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Divergence", "Fingerprinter", "Healed", "Integrity", "StateDiverged", "compare_replicas"]
+__all__ = [
+    "STATE_DIGEST",
+    "Divergence",
+    "Fingerprinter",
+    "Healed",
+    "Integrity",
+    "StateDiverged",
+    "compare_replicas",
+    "host_digest",
+    "state_digest",
+]
 
 PyTree = Any
 
@@ -74,20 +91,76 @@ class Healed:
     seconds: float
 
 
+def _words(block: jax.Array) -> jax.Array:
+    """``block``'s bits as uint32 words, one per element (two, on a trailing axis, for 8-byte elements)."""
+    if block.dtype == jnp.bool_:
+        return block.astype(jnp.uint32)
+    if block.dtype.itemsize in (4, 8):
+        return lax.bitcast_convert_type(block, jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}[block.dtype.itemsize]
+    return lax.bitcast_convert_type(block, unsigned).astype(jnp.uint32)
+
+
 def _leaf_digest(block: jax.Array) -> jax.Array:
     """One device's block as a uint32: its bits, weighted by position, summed with wrap-around."""
-    if block.dtype == jnp.bool_:
-        words = block.astype(jnp.uint32)
-    elif block.dtype.itemsize == 4:
-        words = lax.bitcast_convert_type(block, jnp.uint32)
-    elif block.dtype.itemsize == 8:
-        words = lax.bitcast_convert_type(block, jnp.uint32)  # a trailing axis of 2 words
-    else:
-        unsigned = {1: jnp.uint8, 2: jnp.uint16}[block.dtype.itemsize]
-        words = lax.bitcast_convert_type(block, unsigned).astype(jnp.uint32)
-    flat = words.reshape(-1)
+    flat = _words(block).reshape(-1)
     weights = jnp.arange(flat.size, dtype=jnp.uint32) * jnp.uint32(2) + jnp.uint32(1)
     return jnp.sum(flat * weights, dtype=jnp.uint32)
+
+
+def _global_leaf_digest(leaf: jax.Array) -> jax.Array:
+    """A whole leaf's digest, each word weighted by its position in the leaf (C order): computed where each block
+    lives, partial sums added across devices (no reshape: that could gather a sharded leaf onto one device)."""
+    words = _words(leaf)
+    position = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):
+        position = position + lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= words.shape[axis]
+    return jnp.sum(words * (position * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+@jax.jit
+def _global_digests(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.stack([_global_leaf_digest(leaf) for leaf in leaves])
+
+
+def _combine(digests: Any) -> int:
+    total = 0
+    for digest in digests:
+        total = (total * _GOLDEN + int(digest)) % 2**32
+    return total
+
+
+def state_digest(state: PyTree) -> int:
+    """The whole state's digest, computed on the devices that hold it (blocks until done): every element of
+    every leaf once, whatever the mesh. :func:`host_digest` gives the same number for the same values."""
+    leaves = jax.tree.leaves(state)
+    return _combine(np.asarray(jax.device_get(_global_digests(leaves)))) if leaves else 0
+
+
+STATE_DIGEST = "state_digest"  # the snapshot's (and so the checkpoint manifest's) metadata key, 8 hex digits
+_HOST_PIECE = 1 << 24  # words digested at a time on the host: the weights of a piece, not of a whole leaf
+
+
+def host_digest(leaves: Sequence[Any]) -> int:
+    """:func:`state_digest` of arrays in host memory, given in the state's leaf order (``jax.tree.leaves``)."""
+    digests = []
+    for leaf in leaves:
+        array = np.ascontiguousarray(leaf)
+        if array.dtype == np.bool_:
+            words = array.astype(np.uint32).reshape(-1)
+        else:
+            unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[array.dtype.itemsize]
+            words = array.reshape(-1).view(unsigned).astype(np.uint32, copy=False)
+        total = np.uint32(0)
+        for start in range(0, words.size, _HOST_PIECE):
+            piece = words[start : start + _HOST_PIECE]
+            position = np.arange(start, start + piece.size, dtype=np.uint64).astype(np.uint32)
+            weights = position * np.uint32(2) + np.uint32(1)
+            total = total + np.sum(piece * weights, dtype=np.uint32)
+        digests.append(total)
+    return _combine(digests)
 
 
 def _spec(leaf: Any) -> P:
@@ -228,8 +301,12 @@ class Integrity:
 
     def due(self, step: int) -> bool:
         pending = [d.step for d in (self.replaying, self.evicting) if d is not None]
-        durable = any(step % every == 0 for every in self.durable_every) or step == self.final
-        return step in pending or durable or step >= self.last + self.every
+        return step in pending or self.durable_due(step) or step >= self.last + self.every
+
+    def durable_due(self, step: int) -> bool:
+        """Whether ``step`` is one a durable tier saves (a multiple of its cadence, or the run's last): checked
+        whatever the cadence, and its snapshot records the state's digest (:func:`state_digest`)."""
+        return any(every > 0 and step % every == 0 for every in self.durable_every) or step == self.final
 
     def check(self, state: PyTree, step: int, step_s: float | None) -> Healed | None:
         """Compare the replicas of ``state`` (after ``step``); returns the divergence this check heals, if any.
