@@ -23,7 +23,7 @@ from elastic_runtime.cluster.controller.supervision import (
     WorkerChanged,
 )
 from elastic_runtime.cluster.controller.workers import renew_leases
-from elastic_runtime.cluster.protocol import EXIT_REPLACE, Hello, Lease, Message, Stop
+from elastic_runtime.cluster.protocol import EXIT_REPLACE, Hello, Joined, Lease, Message, Stop
 from elastic_runtime.core.events import GroupFormed
 
 if TYPE_CHECKING:
@@ -176,6 +176,30 @@ def test_a_member_that_leaves_at_its_planned_step_is_no_loss(tmp_path: Path) -> 
     run.pool[1].step = 13  # its heartbeat at that step came before its connection closed
     run.feed(WorkerChanged(1))
     assert len(run.forms) == forms and run.supervisor.recovery.failures == 0 and "WorkerLost" not in run.kinds()
+
+
+def test_a_member_whose_last_heartbeat_was_lost_with_it_left_at_its_step_if_another_member_got_there(
+    tmp_path: Path,
+) -> None:
+    # Worker 1 ends at its planned step 13 killed (-9), its heartbeat of step 13 lost with it (it said 12). The
+    # others committed step 13, whose collectives needed it, and one joined the planned generation already: told
+    # to join again it would join the same coordination service twice and end (soak seed 6800249). So: no loss,
+    # no Form again, whichever of the others' reports came first.
+    for first in ("step", "joined"):
+        run = training(tmp_path / first, spares=1, min_nprocs=4)
+        run.feed(LeaveRequested(1, "it got SIGTERM"))
+        forms = len(run.forms)
+        run.commit(12)
+        if first == "step":
+            run.pool[2].step = 13
+        else:
+            run.pool[3].joined = Joined(
+                worker=3, generation=run.forms[-1].generation, best_step=13, tier="ram", join_s=0.1
+            )
+        run.pool[1].gone = True
+        run.feed(WorkerChanged(1))
+        assert len(run.forms) == forms and run.supervisor.recovery.failures == 0, first
+        assert "WorkerLost" not in run.kinds(), first
 
 
 def test_a_replica_file_of_every_step_only_where_a_lost_process_state_may_be_nowhere_else() -> None:

@@ -180,7 +180,12 @@ class Supervisor(SupervisorState):
         step in flight abandoned); those seated from the spares wait in its start already."""
         generation, at_step = self.departing.pop(worker)
         proc = self.pool[worker]
-        if proc.step >= at_step or proc.exit_code() in (0, EXIT_REPLACE):
+        stepping = [w for w in self.group.members if w in self.survivors]
+        # A member that committed the planned step, or joined the planned generation after it, stepped there
+        # with this one (every step's collectives need every member): it left at its step, its last heartbeat
+        # lost with it. Told to join again, such a member would join the same coordination service twice.
+        reached = any(self.pool[w].step >= at_step or self.pool[w].joined is not None for w in stepping)
+        if proc.step >= at_step or reached or proc.exit_code() in (0, EXIT_REPLACE):
             return
         if self.phase != Phase.JOINING or self.group.generation != generation:
             return  # that forming is over: formed after all, or replaced by another
@@ -191,8 +196,7 @@ class Supervisor(SupervisorState):
         self.count_failure(out, why)
         if self.spent(out, why, {worker}):
             return
-        stepping = tuple(w for w in self.group.members if w in self.survivors)
-        out.append(SendForm(generation, tuple(self.group.members), self.forming, -1, seats=stepping))
+        out.append(SendForm(generation, tuple(self.group.members), self.forming, -1, seats=tuple(stepping)))
 
     # --- the state machine ---------------------------------------------------------------------------------
 
