@@ -415,11 +415,18 @@ def test_a_durable_tier_slower_than_its_cadence_is_reported_by_the_lead_and_lose
     gcs: str, tmp_path: Path, fault_free: Path
 ) -> None:
     # Issue 62, item 3: a durable step of 4 parts takes the emulator longer than a step (one request at a time,
-    # ~70 ms each), a step 0.1 s, one due every step: each step due while the lead's previous write runs waits for it
-    # (``storage/lane.py``, whose test shows the newest waiting one written next) and the lead says how far behind
-    # the tier is; the controller logs it once, from the lead. Before, each such step was skipped, in silence.
+    # ~70 ms each), a step 0.1 s, one due every step: each step due while a writer's previous write runs waits for
+    # every writer to be free (``durable.agree_durable``) and the lead says how far behind the tier is; the
+    # controller logs it once, from the lead. Before, each such step was skipped, in silence.
     result, committed = run(tmp_path / "run", kill=None, durable=f"{gcs}-behind", step_delay_s=0.1, every=1)
     assert result.ok and result.step == STEPS, result.reason
+    # The four writers wrote the same steps: every step with a part in the bucket is whole (its manifest written).
+    # Each taking the newest waiting step when its own write ended, they left steps with some parts only.
+    bucket, prefix = parse_gs_uri(f"{gcs}-behind")
+    names = {blob.name for blob in make_client().list_blobs(bucket, prefix=f"{prefix}/")}
+    written = {name.removeprefix(f"{prefix}/").split("/")[0] for name in names}  # the older ones retired
+    partial = {step for step in written if f"{prefix}/{step}/manifest.json" not in names}
+    assert written and not partial and written <= {step_dirname(step) for step in committed}, sorted(partial)
     behind = {e.step: e for e in events_of(result) if isinstance(e, CheckpointBehind)}
     assert behind and len({e.source for e in behind.values()}) == 1, behind  # the lead's reports only
     assert all(e.tier == "durable" for e in behind.values()), behind

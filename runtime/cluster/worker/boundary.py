@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import anyio
 import msgspec
 
-from elastic_runtime.cluster.collectives import GroupMinimum
 from elastic_runtime.cluster.protocol import Notify, Published, Requested
 from elastic_runtime.core.bus import EventBus, Subscription
 from elastic_runtime.core.errors import UnsupportedInMode
@@ -185,7 +184,6 @@ class ScriptHandlers:
         self.events = tuple(sorted({s.event_type.__name__ for s in self.subscriptions}))
         self._lock = threading.Lock()
         self._waiting: dict[int, Notify] = {}  # seq -> notification, of any generation
-        self._minimum: tuple[int, GroupMinimum] | None = None  # the agreement's program, of that generation
 
     def received(self, notify: Notify) -> None:
         """A notification from the controller (called in the link's reader thread)."""
@@ -202,9 +200,7 @@ class ScriptHandlers:
     def boundary(self, worker: WorkerState) -> tuple[Boundary, float]:
         """At a step boundary, in the step thread (the all-gather is a collective, abandoned like a step): run
         the handlers of the notifications every member holds, then carry out what they asked."""
-        if self._minimum is None or self._minimum[0] != worker.generation:
-            self._minimum = (worker.generation, GroupMinimum())  # on the group's backend
-        agreed = self._minimum[1](self._newest(worker.generation))
+        agreed = worker.group_minimum(self._newest(worker.generation))
         with self._lock:
             mine = [
                 s for s in sorted(self._waiting) if s <= agreed and self._waiting[s].generation == worker.generation

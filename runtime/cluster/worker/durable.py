@@ -1,11 +1,15 @@
 """A worker's part of the group's durable checkpoints: written in the background after a durable step commits, and
 the drain's final one, written before the process exits (``Stop.durable_step``).
 
-The writes run in a lane (``storage/lane.py``, as the one-process cascade's tiers): a step that comes due while the
-previous write still runs waits for it (its replica file is pinned, so it is read back from there, not held in
-memory) and is written when that write ends, unless a newer due step replaced it or the group re-formed: the
-durable tier is at most one write behind, its cadence stretched to the write's time, and the lead reports how far
-behind it is (``CheckpointBehind``).
+The writes run in a lane (``storage/lane.py``, as the one-process cascade's tiers). A step that comes due while a
+writer's previous write still runs waits (its replica file is pinned, so it is read back from there, not held in
+memory), and is written once every writer's previous write has ended, unless a newer due step replaced it or the
+group re-formed: the durable tier is at most one write behind, its cadence stretched to the slowest writer's
+write, and the lead reports how far behind it is (``CheckpointBehind``). Every writer must write the same steps (a
+step is whole only with every part), and when each one's write ends is its own: so they agree, at each step
+boundary while a due step waits, with one small collective of the group (``agree_durable``), and start it at the
+same boundary. Before, each writer took the newest due step when its own write ended, and writers that ended
+on either side of a due step wrote different steps, none of them whole.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from elastic_runtime.storage.manifest import describe_leaves
 if TYPE_CHECKING:
     from elastic_runtime.cluster.worker.state import WorkerState
 
-__all__ = ["Part", "durable_lane", "final_durable", "save_durable"]
+__all__ = ["Part", "agree_durable", "due_durable", "durable_lane", "final_durable", "save_durable"]
 
 log = logging.getLogger(__name__)
 
@@ -45,32 +49,62 @@ class Part:
 
 
 def durable_lane(worker: WorkerState) -> Lane[Part]:
-    """The worker's lane of durable writes (``storage/lane.py``): one at a time, a due part waiting while one runs."""
+    """The worker's lane of durable writes (``storage/lane.py``): one at a time; a due part is submitted only when
+    every writer's lane is free (``agree_durable``), a forced one waits behind the write in progress."""
     return Lane(
         "durable",
         lambda part: _write(worker, part),
         step_of=lambda part: part.step,
         on_skip=lambda step, why: log.info("durable checkpoint of step %d not written: %s", step, why),
-        on_wait=lambda step, writing: _behind(worker, step, writing),
     )
 
 
-def save_durable(worker: WorkerState, *, forced: bool, snapshot: HostSnapshot | None = None) -> None:
-    """Write this process's part of the durable checkpoint of the step just committed (or of ``snapshot``),
-    in the background. One due while the previous write runs waits for it, read back from its replica file (pinned
-    by the caller) when its turn comes, not held in memory; a ``forced`` one (the run's last step, a checkpoint
-    asked for) is queued behind it with its host copy made now, and never replaced by a due one."""
+def due_durable(worker: WorkerState, step: int) -> None:
+    """``step`` is due for a durable checkpoint (every member calls this at the same step): it waits for the
+    writers' agreement at the next boundary, replacing one due before it that still waits."""
+    if worker.durable_due is not None and worker.durable_due[0] == worker.generation:
+        log.info("durable checkpoint of step %d not written: replaced by step %d", worker.durable_due[1], step)
+    worker.durable_due = (worker.generation, step, False)
+
+
+def agree_durable(worker: WorkerState) -> bool:
+    """At a step boundary, in the step thread (a collective, abandoned like a step): whether every writer is
+    free, and then this writer's part of the waiting due step is started. False: it waits on (the lead says so
+    once)."""
+    assert worker.durable_due is not None
+    generation, step, told = worker.durable_due
+    writer = worker.process_id < worker.slice_size  # the first slice writes the group's checkpoint
+    # A writer without its lease may have been replaced: its files must not compete, so the step waits.
+    busy = writer and (worker.durable_lane.busy() or not worker.link.leased())
+    if not worker.group_minimum(0 if busy else 1):
+        if not told:
+            _behind(worker, step, worker.durable_last)
+            worker.durable_due = (generation, step, True)
+        return False
+    worker.durable_due = None
+    if writer:
+        save_durable(worker, forced=False, step=step)
+    return True
+
+
+def save_durable(
+    worker: WorkerState, *, forced: bool, step: int | None = None, snapshot: HostSnapshot | None = None
+) -> None:
+    """Write this process's part of the durable checkpoint of ``step`` (default: the step just committed, or
+    ``snapshot``'s) in the background. A step older than the RAM replica (one that waited for the writers'
+    agreement) is read back from its replica file, pinned by the caller, in the write's thread; a ``forced`` one
+    (the run's last step, a checkpoint asked for) is queued behind the write in progress, never replaced."""
     assert worker.ram is not None and worker.durable is not None
     snapshot = snapshot or worker.ram
-    waits = worker.durable_lane.busy() and not forced
-    if waits:
-        step = snapshot.step
+    step = snapshot.step if step is None else step
+    waited = step != snapshot.step
+    if waited:
         load: Callable[[], HostSnapshot] = lambda: _from_file(worker, step)  # noqa: E731
     else:
         # Its host copy made here, not in the write: the write may outlive the backend the arrays are on.
         snapshot.tree  # noqa: B018 - the first read makes the copy
         load = lambda: snapshot  # noqa: E731
-    part = Part(snapshot.step, worker.generation, load, worker.owned, worker.state_shardings, waits)
+    part = Part(step, worker.generation, load, worker.owned, worker.state_shardings, waited)
     worker.durable_lane.submit(part, forced=forced)
 
 

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
-from elastic_runtime.cluster.collectives import NeighbourShift, SliceRestore
+from elastic_runtime.cluster.collectives import GroupMinimum, NeighbourShift, SliceRestore
 from elastic_runtime.cluster.protocol import EventReport, Form, Heartbeat, Notify, Stop
 from elastic_runtime.cluster.tiers import Tier
 from elastic_runtime.cluster.worker.group import leave_group
@@ -169,6 +169,10 @@ class WorkerState:
         # Steps until a full garbage collection after leaving a group (runtime/cluster/worker/forming.py).
         self.collect_in: int | None = None
         self.durable_last = -1  # the step of the newest durable write started
+        # A durable step due and not written yet, the same in every member: (generation, step, whether the lead said
+        # it waits). Written once every writer's previous write has ended, agreed at a boundary (durable.py).
+        self.durable_due: tuple[int, int, bool] | None = None
+        self._minimum: tuple[int, GroupMinimum] | None = None  # the group's agreement program, of that generation
         self.durable_committed = -1  # the newest durable step the controller committed (DurableCommitted)
         self.held = False  # told to stop stepping (``Stop.hold``): the run is draining
         self.stopped_by: Stop | None = None  # the Stop it exits on
@@ -187,6 +191,13 @@ class WorkerState:
     def _durable_committed(self, step: int) -> None:  # the link's reader thread
         self.durable_committed = max(self.durable_committed, step)
         self.replicas.committed(step)
+
+    def group_minimum(self, value: int) -> int:
+        """The smallest of ``value`` over the group's processes: a collective, called in the step thread at the
+        same point of every member's loop (the handlers' boundary, the durable writers' agreement)."""
+        if self._minimum is None or self._minimum[0] != self.generation:
+            self._minimum = (self.generation, GroupMinimum())  # on the group's backend
+        return self._minimum[1](value)
 
     # --- the loop ----------------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from elastic_runtime.cluster.protocol import Finished, Message
 from elastic_runtime.cluster.worker.boundary import Boundary
-from elastic_runtime.cluster.worker.durable import save_durable
+from elastic_runtime.cluster.worker.durable import agree_durable, due_durable, save_durable
 from elastic_runtime.cluster.worker.group import meet
 from elastic_runtime.cluster.worker.link import Inbound
 from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenced
@@ -55,6 +55,17 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
                 return heard
         began = time.perf_counter()
         waited = 0.0  # in the iteration's collectives, where a worker waits for its slowest peer
+        if worker.durable_due is not None and worker.durable_due[0] != worker.generation:
+            worker.durable_due = None  # the group re-formed: every member dropped it (a newcomer never had it)
+        if worker.durable_due is not None:
+            agreed = await_step(
+                worker,
+                worker.step_pool.submit(lambda: (agree_durable(worker), 0.0)),
+                what="the durable writers' agreement (a collective of the group)",
+            )
+            if isinstance(agreed, Message) or agreed is None:
+                return agreed if isinstance(agreed, Message) else None
+            waited = time.perf_counter() - began  # a collective, and the writers' copy: their role's work
         if worker.script is not None:
             handled = await_step(
                 worker,
@@ -92,12 +103,18 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
         # finds the step before it in every member's files. (Counted before the wait, a member killed there
         # left files two steps behind its peers', which keep two: no step was whole in the slice any more.)
         due = worker.ledger.commit(step, data_position=position).due
-        if leased and worker.durable is not None and "durable" in due:
-            worker.replicas.pin(worker.step)
-            if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
-                writing = time.perf_counter()
-                save_durable(worker, forced=worker.step == target)
-                worker.pace.exclude(time.perf_counter() - writing)  # its role's work, not a slower pace
+        if worker.durable is not None and "durable" in due:
+            if leased:
+                worker.replicas.pin(worker.step)
+            if worker.step < target:
+                # Every member, leased or not: the writers' agreement is a collective at the next boundary.
+                due_durable(worker, worker.step)
+            else:  # the run's last step: written whatever waits; it replaces a due step still waiting
+                worker.durable_due = None
+                if leased and worker.process_id < worker.slice_size:  # the first slice writes the checkpoint
+                    writing = time.perf_counter()
+                    save_durable(worker, forced=True)
+                    worker.pace.exclude(time.perf_counter() - writing)  # its role's work, not a slower pace
         worker.heartbeat()
         if worker.collect_in is not None:
             worker.collect_in -= 1
@@ -116,7 +133,7 @@ def apply_boundary(worker: WorkerState, done: Boundary) -> None:
     """What the script's handlers asked at this boundary: a new state, a durable checkpoint of the step."""
     if done.state is not None:
         worker.state = done.state
-    if done.checkpoint and worker.durable is not None and worker.link.leased():
+    if done.checkpoint and worker.durable is not None:
         cadence = worker.ledger.policies.get("durable")
         if worker.step in worker.durable_steps or (
             cadence is not None and cadence.should_save(worker.step, worker.step - 1)
@@ -124,7 +141,11 @@ def apply_boundary(worker: WorkerState, done: Boundary) -> None:
             # Written (or due) already: writing a committed step's files again could damage it.
             log.info("checkpoint asked for at step %d: it is a durable step already", worker.step)
             return
+        # In every member, leased or not: what is due next, and whether the writers must agree on a waiting step.
         worker.ledger.taken("durable", worker.step)
+        worker.durable_due = None  # an older due step still waiting: this newer one replaces it
+        if not worker.link.leased():
+            return  # it may have been replaced: its files must not compete
         worker.replicas.pin(worker.step)
         if worker.process_id < worker.slice_size:  # the first slice writes the group's checkpoint
             save_durable(worker, forced=True)  # asked for: never dropped
