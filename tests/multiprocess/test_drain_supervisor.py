@@ -24,7 +24,7 @@ from elastic_runtime.cluster.controller.supervision import (
 )
 from elastic_runtime.cluster.controller.workers import renew_leases
 from elastic_runtime.cluster.protocol import EXIT_REPLACE, Hello, Joined, Lease, Message, Stop
-from elastic_runtime.core.events import GroupFormed
+from elastic_runtime.core.events import GroupFormed, GroupForming
 
 if TYPE_CHECKING:
     from elastic_runtime.cluster.controller.connection import Connection
@@ -55,6 +55,11 @@ def test_a_drained_member_leaves_at_a_planned_step_and_the_host_rejoins_only_whe
     run.feed(DrainRequested("host2", "maintenance of host2"))
     form = run.forms[-1]
     assert (form.members, form.strategy, form.at_step) == ((0, 1, 3), Strategy.DRAIN, 13)
+    [forming] = [e.reason for e in run.events if isinstance(e, GroupForming)]
+    assert forming == (
+        "drain: maintenance of host2; going on with 3 of 4 workers (no ready spare for its seat; at least 3), "
+        "growing back once a replacement joins"
+    )
     stop = [m for w, m in run.sent if w == 2 and isinstance(m, Stop)]
     assert stop == [Stop(reason=stop[0].reason, exit_code=EXIT_REPLACE, at_step=13)]  # leaves at the same step
     run.commit(13)
@@ -171,6 +176,7 @@ def test_a_member_that_ends_before_its_planned_step_is_a_loss_and_the_planned_gr
 def test_a_member_that_leaves_at_its_planned_step_is_no_loss(tmp_path: Path) -> None:
     run = training(tmp_path, spares=1, min_nprocs=4)
     run.feed(LeaveRequested(1, "it got SIGTERM"))
+    assert [e.reason for e in run.events if isinstance(e, GroupForming)] == ["drain: worker 1 leaves: it got SIGTERM"]
     forms = len(run.forms)
     run.commit(13)
     run.pool[1].step = 13  # its heartbeat at that step came before its connection closed

@@ -386,7 +386,7 @@ def test_a_failure_past_the_budget_ends_the_run_and_so_does_a_group_that_never_f
     run.commit(12)
     run.lose(0)
     assert isinstance(run.ended, RecoveryError) and run.supervisor.done
-    assert "2 failures exceed max_failures=1 (the last: WorkerLost at step 13)" in str(run.ended)
+    assert "2 failures exceed max_failures=1 (the last: worker 0: WorkerLost at step 13)" in str(run.ended)
     assert run.feed(Tick()) == [] and run.feed(WorkerChanged(2)) == []  # ended: nothing more is done
 
     both = started(tmp_path / "both", max_failures=1)
@@ -536,3 +536,50 @@ def test_with_no_ready_spare_the_group_goes_on_smaller_at_once_and_grows_back_wh
     replacement = max(run.pool.procs)
     run.hello(replacement)  # the replacement, up at last: the group grows back at a planned step
     assert run.forms[-1].members == (0, 2, replacement) and run.forms[-1].strategy == Strategy.GROW
+
+
+def reasons(run: Run) -> list[str]:
+    return [e.reason for e in run.events if isinstance(e, GroupForming)]
+
+
+def test_every_re_forming_says_why_in_its_event(tmp_path: Path) -> None:
+    """Issue 61: each decision's reason is in the event log (``GroupForming.reason``, the ending's error): a loss,
+    a hang, a loss while the next group forms, a loss during its restore, a group that never forms, a spent
+    budget."""
+    lost = "process 7 exited with -9"
+    run = started(tmp_path / "loss", spares=3)
+    run.hello(3, 4)
+    run.feed(WorkerFailed(1, "WorkerLost", lost))
+    run.wait(0.1)
+    assert reasons(run) == [f"worker 1: WorkerLost ({lost})"]
+    # While generation 2 forms (worker 0 in it already): the rest re-form, the reason says which and when.
+    run.pool[0].generation = 2
+    run.feed(Progress(0, run.pool[0].step))
+    run.feed(WorkerFailed(2, "WorkerHung", "no progress past step 10 for 5.00 s"))
+    assert reasons(run)[-1] == "worker 2: WorkerHung (no progress past step 10 for 5.00 s), while generation 2 formed"
+    # During the restore (every member joined, RestoreStep sent, nothing committed yet).
+    run.join(step=10, tier="ram")
+    run.feed(WorkerFailed(3, "WorkerLost", "silent for 2.10 s"))
+    run.wait(0.1)
+    run.wait(0.5)  # step 11 failed twice: the retry policy's backoff first
+    assert reasons(run)[-1] == "worker 3: WorkerLost (silent for 2.10 s)"
+    assert run.killed == [1, 2, 3]
+
+    # A group that never forms: restarted, and why.
+    stalled = started(tmp_path / "stalled", form_timeout_s=30.0)
+    stalled.lose(1)
+    stalled.wait(0.1)
+    stalled.wait(31.0)
+    stalled.hello(*[p.worker for p in stalled.pool if p.hello is None and not p.gone])  # started for it
+    assert stalled.forms[-1].strategy == Strategy.RESTART
+    assert reasons(stalled)[-1].startswith("generation 2 did not form (not joined within 30.0 s")
+    assert reasons(stalled)[-1].endswith("every worker replaced")
+
+    # A spent budget: the run's error names the last loss and what was seen.
+    spent = started(tmp_path / "spent", max_failures=1)
+    spent.lose(1)
+    spent.wait(0.1)
+    spent.join(step=10, tier="ram")
+    spent.feed(WorkerFailed(0, "WorkerLost", lost))
+    assert isinstance(spent.ended, RecoveryError)
+    assert f"(the last: worker 0: WorkerLost ({lost}) at step 11)" in str(spent.ended)

@@ -232,7 +232,7 @@ def await_joins(sup: SupervisorState, out: list[Action], due: bool, event: Input
         # Every member got past JAX's start (one is in the generation): nobody waits for the lost ones there.
         # They drop out of this forming and the rest re-form now, as after any loss (counted when reported).
         log.warning("generation %d: %s lost while forming; re-forming without", sup.group.generation, lost)
-        form_generation(sup, out, sup.config.strategy, sup.forming_reason)
+        form_generation(sup, out, sup.config.strategy, lost_while_forming(sup, lost))
         return
     if lost and not due and can_give_up(sup, procs):
         give_up(sup, out, lost)
@@ -261,7 +261,14 @@ def await_joins(sup: SupervisorState, out: list[Action], due: bool, event: Input
         sup.count_failure(out, outcome)
     if sup.spent(out, f"{outcome} in generation {generation}", set(lost)):  # members dying while forming, again
         return
-    form_generation(sup, out, Strategy.RESTART, sup.forming_reason)
+    why = f"generation {generation} did not form ({outcome}): every worker replaced"
+    form_generation(sup, out, Strategy.RESTART, why)
+
+
+def lost_while_forming(sup: SupervisorState, lost: list[int]) -> str:
+    """Why the next generation forms: the members lost while this one formed (what was seen of each)."""
+    whys = "; ".join(sup.requests.get(worker, f"worker {worker} lost") for worker in lost)
+    return f"{whys}, while generation {sup.group.generation} formed"
 
 
 def started_jax(sup: SupervisorState, procs: list[WorkerProcess]) -> bool:
@@ -290,7 +297,7 @@ def give_up(sup: SupervisorState, out: list[Action], lost: list[int]) -> None:
     seats = tuple(members.index(worker) for worker in lost)
     sup.given_up[generation] = GivenUp(sup.coordinator, seats, {w for w in members if w not in lost})
     log.warning("generation %d: %s lost before it formed; given up, re-forming without", generation, lost)
-    form_generation(sup, out, sup.config.strategy, sup.forming_reason)
+    form_generation(sup, out, sup.config.strategy, lost_while_forming(sup, lost))
 
 
 def release_given_up(sup: SupervisorState, out: list[Action]) -> None:

@@ -157,7 +157,8 @@ class Supervisor(SupervisorState):
                 continue
             self.requests[worker] = f"worker {worker}: {reason}" + (f" ({message})" if message else "")
             self.count_failure(out, reason)
-        self.spent(out, f"{reason} at step {self.group.step + 1}", lost)
+        last = "; ".join(self.requests.get(worker, f"worker {worker}: {reason}") for worker in sorted(lost))
+        self.spent(out, f"{last} at step {self.group.step + 1}", lost)
 
     def _leave_requested(self, out: list[Action], worker: int, reason: str) -> None:
         """A member leaves at the next planned step (``planned.drain``), a spare at once; neither is a failure."""
