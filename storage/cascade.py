@@ -42,11 +42,10 @@ from elastic_runtime.core.events import (
     Event,
     SaveCheckpoint,
 )
-from elastic_runtime.core.restore import restore_newest
 from elastic_runtime.core.snapshot import HostSnapshot, RamTier
 from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.lane import Lane
-from elastic_runtime.storage.tier import CheckpointInfo, CheckpointTier, PyTree
+from elastic_runtime.storage.tier import CheckpointInfo, CheckpointTier
 
 if TYPE_CHECKING:
     from elastic_runtime.core.runtime import Runtime
@@ -491,18 +490,6 @@ class TieredCheckpointer:
                 message=str(exc),
             )
         )
-
-    def restore_latest(self, like: PyTree = None, *, timeout: float = 300.0) -> tuple[str, HostSnapshot]:
-        """The newest step that verifies in any durable tier, read from the fastest tier that holds it.
-
-        Returns:
-            The tier it came from and the snapshot.
-
-        Raises:
-            SnapshotUnavailable: no tier holds a checkpoint that verifies.
-        """
-        tier, snapshot = restore_newest(self.restore_tiers, like, timeout=timeout)
-        return tier.name, snapshot
 
     def status(self) -> dict[str, Any]:
         """Newest committed step per tier and what is running now, for logs and tests."""

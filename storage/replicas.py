@@ -11,13 +11,13 @@ the file's size and CRC32C, committed last, so a kill mid-write leaves the previ
 detected on read. No pickle.
 
 Every replica carries its run's identity in its manifest's metadata (:func:`run_identity`: the run id and
-a fingerprint of the job: state structure, shapes, dtypes, target steps); :meth:`ReplicaFiles.newest`
+a fingerprint of the job: state structure, shapes, dtypes, target steps); :meth:`ReplicaFiles.readable`
 restores only replicas of this run and names the ones it skipped, so a folder that holds another run's
 files never resumes the wrong run.
 
 Every replica also names the generation of the group that wrote it (``"generation"`` in its metadata,
 :func:`replica`). The controller fences each generation it replaces at the step the group went on from;
-:meth:`ReplicaFiles.newest`, given those fences, never restores a replica that a generation wrote past its
+:meth:`ReplicaFiles.readable`, given those fences, never restores a replica that a generation wrote past its
 fence (a worker cut off from the controller whose write came late): that step is not in the run's history.
 """
 
@@ -121,7 +121,7 @@ def device_replica(
 
 class ReplicaFiles:
     """This process's newest replica on its host, in the disk tier's format (a manifest with the CRC32C of
-    every file, committed last), written in the background; ``newest`` reads any process's, verified.
+    every file, committed last), written in the background; ``readable`` reads any process's, verified.
 
     Args:
         directory: where the replicas of every process live (``/dev/shm/...`` to survive process restarts
@@ -150,7 +150,7 @@ class ReplicaFiles:
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self.submitted = -1  # the step of the last :meth:`save` (older after a rollback)
-        self.skipped: list[str] = []  # what the last :meth:`newest` would not restore, "PATH: why"
+        self.skipped: list[str] = []  # what the last :meth:`readable` would not restore, "PATH: why"
         self.unreadable: set[Path] = set()  # replicas that failed verification: never listed again
         self.pinned: list[int] = []  # steps kept beside the newest ones (:meth:`pin`)
 
@@ -222,28 +222,6 @@ class ReplicaFiles:
             except StorageError as exc:  # a failed write leaves the previous replica; training goes on
                 log.error("replica write failed: %s", exc)
 
-    def newest(
-        self,
-        like: PyTree,
-        identity: dict[str, str] | None = None,
-        *,
-        max_step: int | None = None,
-        fences: dict[int, int] | None = None,
-    ) -> HostSnapshot:
-        """The newest replica of any process here that verifies, has the structure of ``like`` and carries
-        ``identity`` (its run, job and layout); never one past ``max_step``, nor one that a generation wrote past
-        its fence (``fences``: generation -> the newest step of it the run went on from). The replicas it skipped
-        are then in :attr:`skipped`, each as ``"PATH: why"``.
-
-        Raises:
-            SnapshotUnavailable: none does; the message lists what was skipped and why.
-        """
-        found = self.readable(like, identity, max_step=max_step, fences=fences, limit=1)
-        if not found:
-            why = "; ".join(self.skipped) or "none committed"
-            raise SnapshotUnavailable(f"no usable replica in {self.directory} ({why})")
-        return next(iter(found.values()))
-
     def readable(
         self,
         like: PyTree,
@@ -253,8 +231,11 @@ class ReplicaFiles:
         fences: dict[int, int] | None = None,
         limit: int = 2,
     ) -> dict[int, HostSnapshot]:
-        """The ``limit`` newest steps that some replica here holds and :meth:`newest` would restore, newest
-        first, each read and verified. What was skipped, and why, is then in :attr:`skipped`."""
+        """The ``limit`` newest steps that some replica here holds and a restore would take (one that verifies,
+        has the structure of ``like`` and carries ``identity``: its run, job and layout; never one past
+        ``max_step``, nor one that a generation wrote past its fence: ``fences``, generation -> the newest step of
+        it the run went on from), newest first, each read and verified. What was skipped, and why, is then in
+        :attr:`skipped`."""
         found: dict[int, HostSnapshot] = {}
         for step, tiers in self.listed(identity, max_step=max_step, fences=fences).items():
             if len(found) >= limit:
@@ -272,7 +253,7 @@ class ReplicaFiles:
         limit: int | None = None,
     ) -> dict[int, list[DiskTier]]:
         """The ``limit`` newest steps some replica here holds whose manifest says it is ours (``identity``,
-        ``max_step``, ``fences``, as :meth:`newest`), newest first, each with the folders holding it; only the
+        ``max_step``, ``fences``, as :meth:`readable`), newest first, each with the folders holding it; only the
         manifests are read (:meth:`read` reads and verifies the data). A replica that failed :meth:`read`
         before is left out. What was skipped, and why, is then in :attr:`skipped`."""
         # Beside the processes' replica folders: the workers' compiled programs (runtime/core/programs.py).

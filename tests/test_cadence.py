@@ -28,28 +28,26 @@ from elastic_runtime.testing.demo_model import demo_job
 
 def test_a_fixed_cadence_snapshots_every_k_steps_and_counts_from_a_restart() -> None:
     cadence = SnapshotCadence(3)
-    due = []
+    due, last = [], 0  # the last save, as the step ledger keeps it
     for step in range(1, 10):
-        if cadence.due(step):
+        if cadence.should_save(step, last):
             due.append(step)
-            cadence.taken(step)
+            last = step
             cadence.copied(0.001)
     assert due == [3, 6, 9] and cadence.every == 3  # no MTBF: measurements change nothing
-    cadence.restarted(4)
-    assert not cadence.due(6) and cadence.due(7)
+    last = 4  # restarted from step 4
+    assert not cadence.should_save(6, last) and cadence.should_save(7, last)
 
 
 def test_with_an_mtbf_the_cadence_is_the_young_daly_interval_in_steps() -> None:
     cadence = SnapshotCadence(1, mtbf_s=60.0)
-    assert cadence.due(1)
+    assert cadence.should_save(1, 0)
     cadence.stepped(0.01)
-    cadence.taken(1)
-    cadence.copied(0.002)
+    cadence.copied(0.002)  # of step 1
     assert cadence.every == round(math.sqrt(2 * 0.002 * 60.0) / 0.01)  # 0.49 s of training: 49 steps
-    assert not cadence.due(49) and cadence.due(50)
+    assert not cadence.should_save(49, 1) and cadence.should_save(50, 1)
     for _ in range(50):  # the copy got cheaper: snapshots come more often
         cadence.stepped(0.01)
-        cadence.taken(50)
         cadence.copied(0.0005)
     assert cadence.every == round(math.sqrt(2 * 0.0005 * 60.0) / 0.01)
 
@@ -166,7 +164,6 @@ def test_a_copy_that_fails_behind_its_step_is_reported_and_the_step_still_counts
 def test_with_an_mtbf_a_copy_measured_free_still_leaves_steps_to_measure_it_against() -> None:
     cadence = SnapshotCadence(1, mtbf_s=1.0)
     cadence.stepped(1.0)
-    cadence.taken(1)
     cadence.copied(-0.001)  # step noise made the snapshotted step look faster than the average
     assert cadence.every == 2
 

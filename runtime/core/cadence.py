@@ -72,23 +72,11 @@ class SnapshotCadence:
             raise ValueError(f"mean time between failures must be > 0 s, got {mtbf_s}")
         self.every = every
         self.mtbf_s = mtbf_s
-        self.last = 0  # for the single-tier use of due/taken/restarted, without a ledger
         self._copy_s: float | None = None
         self._step_s: float | None = None
 
     def should_save(self, step: int, last: int) -> bool:
         return step - last >= self.every
-
-    def due(self, step: int) -> bool:
-        return self.should_save(step, self.last)
-
-    def taken(self, step: int) -> None:
-        """Step ``step`` is being snapshotted (the next one is due ``every`` steps later)."""
-        self.last = step
-
-    def restarted(self, step: int) -> None:
-        """The run went back to (or on from) ``step``, whose state is held by a tier."""
-        self.last = step
 
     def copied(self, copy_s: float) -> None:
         """A snapshot's copy cost ``copy_s`` beyond its step."""

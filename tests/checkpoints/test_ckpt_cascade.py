@@ -8,6 +8,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import jax
@@ -32,6 +33,7 @@ from elastic_runtime.core.events import (
     StepCompleted,
 )
 from elastic_runtime.core.job import TrainJob
+from elastic_runtime.core.restore import restore_newest
 from elastic_runtime.core.snapshot import HostSnapshot, RamTier
 from elastic_runtime.storage.cascade import TieredCheckpointer
 from elastic_runtime.storage.disk import DiskTier
@@ -197,6 +199,12 @@ def test_restore_onto_a_smaller_mesh(tmp_path: Path) -> None:
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
+def newest(checkpointer: TieredCheckpointer, like: Any) -> tuple[str, HostSnapshot]:
+    """The newest step that verifies in any of the checkpointer's durable tiers, and the tier it came from."""
+    tier, snap = restore_newest(checkpointer.restore_tiers, like, timeout=300)
+    return tier.name, snap
+
+
 def test_newest_verified_step_across_tiers(tmp_path: Path, gcs_uri: str) -> None:
     disk = DiskTier(tmp_path / "disk")
     gcs = GcsTier(gcs_uri, staging_dir=tmp_path)
@@ -206,18 +214,18 @@ def test_newest_verified_step_across_tiers(tmp_path: Path, gcs_uri: str) -> None
         gcs.upload(info.location, timeout=30)
     disk.delete(5, timeout=10)
     like = snapshot(0).tree
-    tier, snap = checkpointer.restore_latest(like)
+    tier, snap = newest(checkpointer, like)
     assert (tier, snap.step) == ("disk", 10)  # fastest first
     bad = max(disk.manifest(10).files, key=lambda f: f.size).path
     path = disk.path_of(10) / bad
     path.write_bytes(path.read_bytes()[:-1])
-    tier, snap = checkpointer.restore_latest(like)
+    tier, snap = newest(checkpointer, like)
     assert (tier, snap.step) == ("gcs", 10)  # same step from the slower tier beats an older one
     corrupt = [e for e in checkpointer.take_events() if isinstance(e, CheckpointCorrupt)]
     assert len(corrupt) == 1 and corrupt[0].tier == "disk" and bad in corrupt[0].path and corrupt[0].step == 10
     gcs.delete(10, timeout=10)
     disk.save(snapshot(7), timeout=30)
-    tier, snap = checkpointer.restore_latest(like)
+    tier, snap = newest(checkpointer, like)
     assert (tier, snap.step) == ("disk", 7)
 
 
