@@ -19,6 +19,7 @@ from elastic_runtime.cli.launch import (
     add_replica_file_argument,
     add_slices_argument,
     add_timeout_arguments,
+    shared_settings,
 )
 from elastic_runtime.cluster import auth
 from elastic_runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
@@ -93,34 +94,13 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise SystemExit("elastic-runtime controller: --listen on a wildcard address needs --coordinator-host")
     return LaunchConfig(
         command=[],
-        nprocs=args.nprocs,
-        min_nprocs=args.min_nprocs,
-        local_devices=args.local_devices,
-        slices=args.slices,
-        target_steps=args.steps,
-        strategy=args.strategy,
         heartbeat_interval_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        heartbeat_start_timeout_s=args.heartbeat_start_timeout,
-        hang_timeout_s=args.hang_timeout,
-        start_timeout_s=args.start_timeout,
-        form_timeout_s=args.form_timeout,
-        spawn_timeout_s=args.spawn_timeout,
-        progress=not args.quiet,
-        finish_timeout_s=args.finish_timeout,
-        max_failures=args.max_failures,
-        replica_file_every=args.replica_file_every,
-        run_dir=args.run_dir,
-        resume=args.resume,
         secret=auth.load_secret(),
         listen_host=host,
         listen_port=port,
         coordinator_host=args.coordinator_host,
         coordinator_ports=args.coordinator_ports,
-        handlers=list(args.handlers),
-        maintenance_subscription=args.maintenance_subscription,
-        drain_lead_s=args.drain_lead,
-        require_maintenance_notices=args.require_maintenance_notices,
+        **shared_settings(args),
     )
 
 

@@ -235,6 +235,37 @@ def add_slices_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# The settings `launch` and `controller` both take, from the arguments they both add: argument -> LaunchConfig field.
+_SHARED = {
+    "nprocs": "nprocs",
+    "min_nprocs": "min_nprocs",
+    "local_devices": "local_devices",
+    "slices": "slices",
+    "strategy": "strategy",
+    "heartbeat_timeout": "heartbeat_timeout_s",
+    "heartbeat_start_timeout": "heartbeat_start_timeout_s",
+    "hang_timeout": "hang_timeout_s",
+    "start_timeout": "start_timeout_s",
+    "form_timeout": "form_timeout_s",
+    "spawn_timeout": "spawn_timeout_s",
+    "finish_timeout": "finish_timeout_s",
+    "max_failures": "max_failures",
+    "replica_file_every": "replica_file_every",
+    "run_dir": "run_dir",
+    "resume": "resume",
+    "steps": "target_steps",
+    "maintenance_subscription": "maintenance_subscription",
+    "drain_lead": "drain_lead_s",
+    "require_maintenance_notices": "require_maintenance_notices",
+}
+
+
+def shared_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The LaunchConfig fields of the arguments both ``launch`` and ``controller`` take, in one place."""
+    settings = {field: getattr(args, name) for name, field in _SHARED.items()}
+    return settings | {"progress": not args.quiet, "handlers": list(args.handlers)}
+
+
 def config_from_args(args: argparse.Namespace) -> LaunchConfig:
     command = list(args.command)
     if command and command[0] == "--":
@@ -245,38 +276,17 @@ def config_from_args(args: argparse.Namespace) -> LaunchConfig:
         raise SystemExit("elastic-runtime launch: --resume needs --run-dir (the run folder names the run)")
     return LaunchConfig(
         command=command,
-        nprocs=args.nprocs,
-        min_nprocs=args.min_nprocs,
         spares=args.spares,
-        local_devices=args.local_devices,
-        slices=args.slices,
         neighbour_replicas=args.neighbour_replicas,
         fork_spares=args.fork_spares,
         durable_dir=args.durable,
         durable_every=args.durable_every,
         durable_keep=args.durable_keep,
-        replica_file_every=args.replica_file_every,
         grace_s=args.grace_s,
-        strategy=args.strategy,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        heartbeat_start_timeout_s=args.heartbeat_start_timeout,
-        hang_timeout_s=args.hang_timeout,
-        start_timeout_s=args.start_timeout,
-        form_timeout_s=args.form_timeout,
-        spawn_timeout_s=args.spawn_timeout,
-        progress=not args.quiet,
-        finish_timeout_s=args.finish_timeout,
-        run_dir=args.run_dir,
         result_path=args.result,
         replica_dir=args.replica_dir,
-        max_failures=args.max_failures,
-        target_steps=args.steps,
-        resume=args.resume,
         faults=[fault for faults in args.fault for fault in faults],
-        handlers=list(args.handlers),
-        maintenance_subscription=args.maintenance_subscription,
-        drain_lead_s=args.drain_lead,
-        require_maintenance_notices=args.require_maintenance_notices,
+        **shared_settings(args),
     )
 
 
