@@ -140,11 +140,17 @@ def state_digest(state: PyTree) -> int:
 
 
 STATE_DIGEST = "state_digest"  # the snapshot's (and so the checkpoint manifest's) metadata key, 8 hex digits
-_HOST_PIECE = 1 << 24  # words digested at a time on the host: the weights of a piece, not of a whole leaf
+_HOST_PIECE = 1 << 22  # words digested at a time on the host (16 MB of weights, made once)
+_host_weights: np.ndarray | None = None
 
 
 def host_digest(leaves: Sequence[Any]) -> int:
-    """:func:`state_digest` of arrays in host memory, given in the state's leaf order (``jax.tree.leaves``)."""
+    """:func:`state_digest` of arrays in host memory, given in the state's leaf order (``jax.tree.leaves``). A
+    piece from word ``s`` on weighs ``2 (s + i) + 1 = (2 i + 1) + 2 s``: one dot product with the same weights for
+    every piece, and ``2 s`` times its sum (about 3 GB/s on one core here, 4x the weights made per piece)."""
+    global _host_weights
+    if _host_weights is None:
+        _host_weights = np.arange(_HOST_PIECE, dtype=np.uint32) * np.uint32(2) + np.uint32(1)
     digests = []
     for leaf in leaves:
         array = np.ascontiguousarray(leaf)
@@ -153,12 +159,11 @@ def host_digest(leaves: Sequence[Any]) -> int:
         else:
             unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[array.dtype.itemsize]
             words = array.reshape(-1).view(unsigned).astype(np.uint32, copy=False)
-        total = np.uint32(0)
+        total = 0
         for start in range(0, words.size, _HOST_PIECE):
             piece = words[start : start + _HOST_PIECE]
-            position = np.arange(start, start + piece.size, dtype=np.uint64).astype(np.uint32)
-            weights = position * np.uint32(2) + np.uint32(1)
-            total = total + np.sum(piece * weights, dtype=np.uint32)
+            weighted = int(np.dot(piece, _host_weights[: piece.size]))  # uint32: wraps, as on the devices
+            total = (total + weighted + 2 * start * int(piece.sum(dtype=np.uint32))) % 2**32
         digests.append(total)
     return _combine(digests)
 
