@@ -36,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,7 @@ from elastic_runtime import (  # noqa: E402
     RuntimeConfig,
     RuntimeContext,
     TrainJob,
+    under_launch,
 )
 from elastic_runtime.core.compare import compare_states  # noqa: E402
 from elastic_runtime.testing import FaultInjector  # noqa: E402
@@ -315,19 +317,25 @@ def main() -> None:
         print(json.dumps(summary))
         return
 
-    run_dir = args.run_dir or time.strftime("runs/maxtext-lm-%Y%m%d-%H%M%S")
-    config = maxtext_config(args.steps, run_dir)
+    # Under `elastic-runtime launch` the launch owns the run folder, the durable tier and the mesh: set here they
+    # would be refused (the run folder) or not apply (the others), so the script sets them when embedded only.
+    launched = under_launch()
+    run_dir = args.run_dir or ("" if launched else time.strftime("runs/maxtext-lm-%Y%m%d-%H%M%S"))
+    # MaxText's own output folder (its checkpoints are off: the runtime checkpoints).
+    config = maxtext_config(args.steps, run_dir or tempfile.mkdtemp(prefix="maxtext-lm-"))
     job, policy = make_job(config, global_batch=args.global_batch)
-    runtime_config = RuntimeConfig(
-        run_dir=run_dir, checkpoint_dir=os.path.join(run_dir, "checkpoints"), precompile=not args.no_precompile
-    )
+    if launched:  # --run-dir, if given, must be the launch's (it says so if not)
+        runtime_config = RuntimeConfig(run_dir=args.run_dir, precompile=not args.no_precompile)
+    else:
+        checkpoints = os.path.join(run_dir, "checkpoints")
+        runtime_config = RuntimeConfig(run_dir=run_dir, checkpoint_dir=checkpoints, precompile=not args.no_precompile)
     injector = FaultInjector()
     if args.lose_slice_at:
         injector.lose_slice(at_step=args.lose_slice_at, slice_index=args.lose_slice, slice_size=SLICE_SIZE)
     # Under `elastic-runtime launch` run() becomes this process's worker (the injector and policy are for one
     # process: the controller injects --fault, the group's mesh is job.process_mesh); it returns once the group
     # finished, the final state in the lead process only.
-    runtime = injector.attach(ElasticRuntime(job, config=runtime_config, mesh_policy=policy))
+    runtime = injector.attach(ElasticRuntime(job, config=runtime_config, mesh_policy=None if launched else policy))
     summary = {"run_dir": run_dir, "recovery_s": None, "compile_wait_s": None, "lost_steps": None}
 
     @runtime.on(RecoveryCompleted)
