@@ -19,7 +19,9 @@ from elastic_runtime.core.bus import EventBus
 from elastic_runtime.core.events import GroupForming, StepCompleted
 from elastic_runtime.faults.grammar import PROCESS_SIGNALS, Fault, format_faults, parse_faults
 
-__all__ = ["ProcessFaults", "attach_worker_faults", "worker_faults_text"]
+__all__ = ["FAULT_INJECTION", "ProcessFaults", "attach_worker_faults", "worker_faults_text"]
+
+FAULT_INJECTION = "fault injection: "  # how the reason of a kill the faults made starts (the console shows those)
 
 
 class _Context(Protocol):
@@ -51,7 +53,7 @@ class ProcessFaults:
             self.pending.remove(fault)
             if fault.target < len(ctx.members):
                 worker = ctx.members[fault.target]
-                why = f"fault injection: {fault} (process {fault.target} of the group: worker {worker})"
+                why = f"{FAULT_INJECTION}{fault} (process {fault.target} of the group: worker {worker})"
                 ctx.signal(worker, PROCESS_SIGNALS[fault.action], why)
 
     async def on_forming(self, event: GroupForming, ctx: _Context) -> None:
@@ -61,7 +63,7 @@ class ProcessFaults:
             self.pending.remove(fault)
             position = min(fault.target, len(event.members) - 1)
             worker = event.members[position]
-            why = f"fault injection: {fault} (process {position} of the forming group: worker {worker})"
+            why = f"{FAULT_INJECTION}{fault} (process {position} of the forming group: worker {worker})"
             ctx.signal(worker, PROCESS_SIGNALS[fault.action], why)
 
 

@@ -72,7 +72,14 @@ def test_under_launch_with_a_killed_worker_whose_replacement_is_slow(tmp_path: P
     assert [r["has_state"] for r in after if r["lead"]] == [True] and sum(r["has_state"] for r in after) == 1
     assert [r["ok"] for r in records(tmp_path, "finished")] == [True, True, True]
     assert accuracies(tmp_path / "run")  # the steps the workers' heartbeats reported
-    assert len(progress_lines(done.stderr)) >= 3
+    lines = progress_lines(done.stderr)
+    assert len(lines) >= 3
+    # The fault names a process of the group, the events worker ids: the console's line about it says both, and
+    # the re-forming says why.
+    [fault] = [line for line in lines if "fault injection: kill:1@8 (process 1 of the group: worker " in line]
+    worker = fault.rsplit("worker ", 1)[1].rstrip(")")
+    reforming = f"re-forming the group (reform): 2 workers, generation 2: worker {worker}: WorkerLost"
+    assert [line for line in lines if reforming in line], lines
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:

@@ -19,8 +19,10 @@ from elastic_runtime.core.events import (
     RunFinished,
     RunStarted,
     StepCompleted,
+    WorkerKilled,
 )
 from elastic_runtime.core.progress import describe_event, describe_mesh, describe_metrics, say
+from elastic_runtime.faults.process import FAULT_INJECTION
 
 __all__ = ["GroupConsole"]
 
@@ -92,6 +94,9 @@ class GroupConsole:
                 wall = time.monotonic() - (self.started or self.created)
                 end = "finished" if event.ok else f"ended: {event.reason}"
                 self.say(f"{end} at step {event.step} after {wall:.1f} s")
+            case WorkerKilled(reason=reason) if reason.startswith(FAULT_INJECTION):
+                # A --fault names a process of the group; every other line names worker ids: this one says both.
+                self.say(reason)
             case Failure(source=source) if source.startswith("handlers@"):
                 return  # a worker's handler failed: in the log, as the user's own
             case _:
