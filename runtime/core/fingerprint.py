@@ -92,7 +92,10 @@ class Healed:
 
 
 def _words(block: jax.Array) -> jax.Array:
-    """``block``'s bits as uint32 words, one per element (two, on a trailing axis, for 8-byte elements)."""
+    """``block``'s bits as uint32 words, one per element (two, on a trailing axis, for 8-byte elements; a typed
+    PRNG key's data)."""
+    if jax.dtypes.issubdtype(block.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(block)
     if block.dtype == jnp.bool_:
         return block.astype(jnp.uint32)
     if block.dtype.itemsize in (4, 8):

@@ -44,6 +44,7 @@ from elastic_runtime.core.events import (
     WorkerExited,
     WorkerLost,
 )
+from elastic_runtime.core.fingerprint import STATE_DIGEST
 from elastic_runtime.faults.grammar import Fault
 from elastic_runtime.storage import packed
 from elastic_runtime.storage.disk import DiskTier
@@ -349,8 +350,10 @@ def test_in_gcs_only_the_lost_process_shards_are_read_from_the_bucket(gcs: str, 
     assert "durable" in tiers and tiers <= {"durable", "file", "ram"} and restored in committed, recovery
     whole = whole_state_bytes()
     assert whole // 4 <= recovery["bytes_by_tier"]["durable"] <= whole // 4 + 6 * 256, recovery
-    # What the 4 processes wrote to the bucket is one checkpoint the GCS tier reads whole, verified.
+    # What the 4 processes wrote to the bucket is one checkpoint the GCS tier reads whole, verified: its files
+    # against their CRC32Cs, the state read against the digest the group took of it on the devices.
     store = GcsTier(gcs)
+    assert len(store.manifest(STEPS, timeout=60).metadata[STATE_DIGEST]) == 8
     final = DiskTier(tmp_path / "run" / "final").latest(None).tree
     assert compare_states(store.restore(STEPS, init_state(FEATURES, HIDDEN), timeout=60).tree, final, bitwise=True)[
         "match"

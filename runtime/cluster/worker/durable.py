@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from elastic_runtime.cluster.protocol import EventReport, Saved
 from elastic_runtime.core.errors import CheckpointInvalid
 from elastic_runtime.core.events import CheckpointBehind
+from elastic_runtime.core.fingerprint import STATE_DIGEST, state_digest
 from elastic_runtime.core.snapshot import HostSnapshot
 from elastic_runtime.storage.lane import Lane
 from elastic_runtime.storage.manifest import describe_leaves
@@ -29,7 +30,7 @@ from elastic_runtime.storage.manifest import describe_leaves
 if TYPE_CHECKING:
     from elastic_runtime.cluster.worker.state import WorkerState
 
-__all__ = ["Part", "agree_durable", "due_durable", "durable_lane", "final_durable", "save_durable"]
+__all__ = ["Part", "agree_durable", "due_durable", "durable_lane", "final_durable", "group_digest", "save_durable"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class Part:
     owned: list[bool]
     shardings: Any
     waited: bool
+    digest: str = ""  # the state's digest on the devices at that step (core/fingerprint.py), if taken
 
 
 def durable_lane(worker: WorkerState) -> Lane[Part]:
@@ -82,13 +84,27 @@ def agree_durable(worker: WorkerState) -> bool:
             worker.durable_due = (generation, step, True)
         return False
     worker.durable_due = None
+    # On the devices still (no step since): every member takes its part of the digest, a collective too.
+    digest = group_digest(worker) if step == worker.step else ""
     if writer:
-        save_durable(worker, forced=False, step=step)
+        save_durable(worker, forced=False, step=step, digest=digest)
     return True
 
 
+def group_digest(worker: WorkerState) -> str:
+    """The whole state's digest (``state_digest``), taken where its shards live: a collective of the group, called by
+    every member at the same point. The lead records it in the durable checkpoint's manifest, and a restore that
+    reads the checkpoint whole (the disk or GCS tier) checks the state it read against it."""
+    return f"{state_digest(worker.state):08x}"
+
+
 def save_durable(
-    worker: WorkerState, *, forced: bool, step: int | None = None, snapshot: HostSnapshot | None = None
+    worker: WorkerState,
+    *,
+    forced: bool,
+    step: int | None = None,
+    snapshot: HostSnapshot | None = None,
+    digest: str = "",
 ) -> None:
     """Write this process's part of the durable checkpoint of ``step`` (default: the step just committed, or
     ``snapshot``'s) in the background. A step older than the RAM replica (one that waited for the writers'
@@ -104,7 +120,7 @@ def save_durable(
         # Its host copy made here, not in the write: the write may outlive the backend the arrays are on.
         snapshot.tree  # noqa: B018 - the first read makes the copy
         load = lambda: snapshot  # noqa: E731
-    part = Part(step, worker.generation, load, worker.owned, worker.state_shardings, waited)
+    part = Part(step, worker.generation, load, worker.owned, worker.state_shardings, waited, digest)
     worker.durable_lane.submit(part, forced=forced)
 
 
@@ -138,7 +154,7 @@ def _write(worker: WorkerState, part: Part) -> None:
         files=tuple(files),
         structure=structure,
         leaves=leaves,
-        metadata=worker.identity if lead else {},
+        metadata=(worker.identity | ({STATE_DIGEST: part.digest} if part.digest else {})) if lead else {},
     )
     worker.link.send(saved)
 

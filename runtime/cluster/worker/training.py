@@ -15,7 +15,7 @@ import numpy as np
 
 from elastic_runtime.cluster.protocol import Finished, Message
 from elastic_runtime.cluster.worker.boundary import Boundary
-from elastic_runtime.cluster.worker.durable import agree_durable, due_durable, save_durable
+from elastic_runtime.cluster.worker.durable import agree_durable, due_durable, group_digest, save_durable
 from elastic_runtime.cluster.worker.group import meet
 from elastic_runtime.cluster.worker.link import Inbound
 from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenced
@@ -111,10 +111,18 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
                 due_durable(worker, worker.step)
             else:  # the run's last step: written whatever waits; it replaces a due step still waiting
                 worker.durable_due = None
+                writing = time.perf_counter()
+                # Every member, leased or not: a collective, abandoned like a step if a peer dies in it.
+                digest = await_step(
+                    worker,
+                    worker.step_pool.submit(lambda: (group_digest(worker), 0.0)),
+                    what="the last step's digest (a collective of the group)",
+                )
+                if isinstance(digest, Message) or digest is None:
+                    return digest if isinstance(digest, Message) else None
                 if leased and worker.process_id < worker.slice_size:  # the first slice writes the checkpoint
-                    writing = time.perf_counter()
-                    save_durable(worker, forced=True)
-                    worker.pace.exclude(time.perf_counter() - writing)  # its role's work, not a slower pace
+                    save_durable(worker, forced=True, digest=digest[0])
+                worker.pace.exclude(time.perf_counter() - writing)  # its role's work, not a slower pace
         worker.heartbeat()
         if worker.collect_in is not None:
             worker.collect_in -= 1
