@@ -146,7 +146,8 @@ class Supervisor(SupervisorState):
             return
         self.strategy = strategy or self.strategy
         lost -= self.requests.keys()  # a handler's request for a worker whose verdict came first: counted once
-        for worker in sorted(lost):
+        whys = {worker: f"worker {worker}: {reason}" + (f" ({message})" if message else "") for worker in sorted(lost)}
+        for worker in whys:
             out.append(Watch(worker, "unwatched"))
             proc = self.pool.get(worker)
             if proc is not None:
@@ -155,10 +156,9 @@ class Supervisor(SupervisorState):
                 # A spare (or an already replaced worker): keep the pool of spares full, no re-forming.
                 out.append(TopUpSpares())
                 continue
-            self.requests[worker] = f"worker {worker}: {reason}" + (f" ({message})" if message else "")
+            self.requests[worker] = whys[worker]
             self.count_failure(out, reason)
-        last = "; ".join(self.requests.get(worker, f"worker {worker}: {reason}") for worker in sorted(lost))
-        self.spent(out, f"{last} at step {self.group.step + 1}", lost)
+        self.spent(out, f"{'; '.join(whys.values())} at step {self.group.step + 1}", lost)
 
     def _leave_requested(self, out: list[Action], worker: int, reason: str) -> None:
         """A member leaves at the next planned step (``planned.drain``), a spare at once; neither is a failure."""

@@ -9,7 +9,8 @@ import gc
 import hashlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -29,9 +30,11 @@ from elastic_runtime.storage.replicas import device_replica, replica
 if TYPE_CHECKING:
     from elastic_runtime.cluster.worker.state import WorkerState
 
-__all__ = ["apply_boundary", "finish", "gather_whole", "run_step", "train"]
+__all__ = ["apply_boundary", "finish", "gather_whole", "in_step_thread", "run_step", "train"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # How long the final gather waits for every member's last durable write (as long as a restore's reads may take).
 _GATHER_MEET_S = 600.0
@@ -58,11 +61,7 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
         if worker.durable_due is not None and worker.durable_due[0] != worker.generation:
             worker.durable_due = None  # the group re-formed: every member dropped it (a newcomer never had it)
         if worker.durable_due is not None:
-            agreed = await_step(
-                worker,
-                worker.step_pool.submit(lambda: (agree_durable(worker), 0.0)),
-                what="the durable writers' agreement (a collective of the group)",
-            )
+            agreed = in_step_thread(worker, agree_durable, "the durable writers' agreement (a collective of the group)")
             if isinstance(agreed, Message) or agreed is None:
                 return agreed if isinstance(agreed, Message) else None
             waited = time.perf_counter() - began  # a collective, and the writers' copy: their role's work
@@ -113,11 +112,7 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
                 worker.durable_due = None
                 writing = time.perf_counter()
                 # Every member, leased or not: a collective, abandoned like a step if a peer dies in it.
-                digest = await_step(
-                    worker,
-                    worker.step_pool.submit(lambda: (group_digest(worker), 0.0)),
-                    what="the last step's digest (a collective of the group)",
-                )
+                digest = in_step_thread(worker, group_digest, "the last step's digest (a collective of the group)")
                 if isinstance(digest, Message) or digest is None:
                     return digest if isinstance(digest, Message) else None
                 if leased and worker.process_id < worker.slice_size:  # the first slice writes the checkpoint
@@ -135,6 +130,12 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
         return outcome
     finish(worker, target, outcome[0])
     return None
+
+
+def in_step_thread(worker: WorkerState, fn: Callable[[WorkerState], T], what: str) -> tuple[T, float] | Inbound | None:
+    """``fn(worker)`` run in the step thread and waited for as a step is (``await_step``): a collective of the group
+    that a dead peer leaves blocked is abandoned, and a message from the controller meanwhile comes back instead."""
+    return await_step(worker, worker.step_pool.submit(lambda: (fn(worker), 0.0)), what=what)
 
 
 def apply_boundary(worker: WorkerState, done: Boundary) -> None:
