@@ -181,6 +181,15 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=48)
     parser.add_argument("--grain", action="store_true", help="serve the records through a grain MapDataset")
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run and its comparison")
+    parser.add_argument(
+        "--fingerprint-every",
+        type=int,
+        default=None,
+        help="compare the state's replicas every N steps (silent data corruption; under launch: 1 or 0)",
+    )
+    parser.add_argument(
+        "--corrupt-at", type=int, default=0, help="flip a bit of device 6's copy of the state after this step"
+    )
     args = parser.parse_args()
 
     cfg = ModelConfig(d_model=args.d_model)
@@ -190,12 +199,17 @@ def main() -> None:
     launched = under_launch()
     policy = None if launched else MeshPolicy({"data": 4, "model": 2}, global_batch=args.global_batch, slice_size=2)
     run_dir = args.run_dir or ("" if launched else time.strftime("runs/flax-lm-%Y%m%d-%H%M%S"))
+    every = args.fingerprint_every
     if launched:  # --run-dir, if given, must be the launch's (it says so if not)
-        config = RuntimeConfig(run_dir=args.run_dir)
+        config = RuntimeConfig(run_dir=args.run_dir, fingerprint_every=every)
     else:
         checkpoints = os.path.join(run_dir, "checkpoints")
-        config = RuntimeConfig(run_dir=run_dir, checkpoint_dir=checkpoints, disk_every=args.disk_every)
+        config = RuntimeConfig(
+            run_dir=run_dir, checkpoint_dir=checkpoints, disk_every=args.disk_every, fingerprint_every=every
+        )
     injector = FaultInjector()
+    if args.corrupt_at:  # embedded; under launch a worker's own fault does it: `launch --fault corrupt:1@STEP`
+        injector.corrupt(args.corrupt_at, device=6)
     if args.lose_slice_at:
         injector.lose_slice(at_step=args.lose_slice_at, slice_index=args.lose_slice, slice_size=2)
     runtime = injector.attach(ElasticRuntime(job, config=config, mesh_policy=policy))

@@ -93,6 +93,8 @@ def test_the_health_probe_leaves_dead_and_cordoned_devices_out_and_compiles_noth
 def test_one_grammar_for_device_process_and_worker_faults() -> None:
     text = "lose-slice:3@100, repair-slice:random@90s, kill:1@40, stop:0@20, term:2@forming, hang:1@12, slow:2@20x3"
     faults = parse_faults(text)
+    corrupt = parse_faults("corrupt:1@12,corrupt-persistent:0@5", kinds=("worker",))
+    assert [(f.action, f.target, f.step) for f in corrupt] == [("corrupt", 1, 12), ("corrupt-persistent", 0, 5)]
     assert [(f.kind, f.action, f.target) for f in faults] == [
         ("device", "lose-slice", 3),
         ("device", "repair-slice", -1),

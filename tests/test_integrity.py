@@ -172,3 +172,12 @@ def test_a_durable_checkpoint_records_the_verified_states_digest_and_a_state_cha
         disk.restore(30, timeout=60)
     _, newest = restore_newest([disk], timeout=60)
     assert newest.step == 20 and refused == [30]  # reported once, by the restore that went on to step 20
+
+
+def test_under_launch_the_slices_are_compared_after_every_step_or_not_at_all() -> None:
+    # A divergence found there is replayed from the state its step read: a sparser cadence would need older ones.
+    from elastic_runtime.cluster.worker import run_worker
+    from elastic_runtime.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"fingerprint_every=10 under .*after every step \(1\) or not at all"):
+        run_worker(small_job(), 5, fingerprint_every=10)

@@ -40,7 +40,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "STEP (found by the state's fingerprint, every step here; healed by replay)",
     )
     parser.add_argument(
-        "--persistent", action="store_true", help="with --corrupt-at: the device computes wrong from then on (evicted)"
+        "--persistent",
+        action="store_true",
+        help="with --corrupt-at or --corrupt-worker-at: the device computes wrong from then on (evicted)",
     )
     parser.add_argument(
         "--fault-schedule",

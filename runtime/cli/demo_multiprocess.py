@@ -46,6 +46,13 @@ def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
         help="process P becomes a straggler from STEP: each iteration FACTOR times its own work (e.g. 2:3@20)",
     )
     group.add_argument(
+        "--corrupt-worker-at",
+        default=None,
+        metavar="P:STEP",
+        help="silent data corruption in process P: a bit of its copy of the state flipped after STEP (with "
+        "--persistent: from then on); the slices' copies are compared after every step (--slices 2 or more)",
+    )
+    group.add_argument(
         "--durable", default=None, metavar="DIR|gs://B/P", help="durable checkpoints of the sharded state (a folder)"
     )
     group.add_argument("--gcs", action="store_true", help="durable checkpoints in GCS (the emulator, started here)")
@@ -60,10 +67,15 @@ def add_multiprocess_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def worker_command(steps: int, *, features: int = FEATURES, hidden: int = HIDDEN) -> list[str]:
-    """The workers' command line: this module's :func:`worker_main` (the model's size for benchmarks)."""
+def worker_command(
+    steps: int, *, features: int = FEATURES, hidden: int = HIDDEN, fingerprint: bool = False
+) -> list[str]:
+    """The workers' command line: this module's :func:`worker_main` (the model's size for benchmarks;
+    ``fingerprint``: the slices compared after every step)."""
     size = [] if (features, hidden) == (FEATURES, HIDDEN) else ["--features", str(features), "--hidden", str(hidden)]
-    return [sys.executable, "-m", "elastic_runtime.cli.demo_multiprocess", "--worker", "--steps", str(steps), *size]
+    flags = ["--fingerprint"] if fingerprint else []
+    command = [sys.executable, "-m", "elastic_runtime.cli.demo_multiprocess", "--worker", "--steps", str(steps)]
+    return [*command, *size, *flags]
 
 
 def group_controller(
@@ -141,6 +153,20 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
             return 2
         faults.append(slow)
         say(f"  process {slow.target} becomes {slow.factor:g}x slower from step {slow.step}")
+    corrupt = None
+    if args.corrupt_worker_at and not args.no_fault:
+        action = "corrupt-persistent" if args.persistent else "corrupt"
+        try:
+            process, _, at = args.corrupt_worker_at.partition(":")
+            (corrupt,) = parse_faults(f"{action}:{process}@{at}", kinds=("worker",))
+        except ValueError as exc:
+            given = args.corrupt_worker_at
+            print(f"error: --corrupt-worker-at {given!r}: {exc}; expected P:STEP (1:12)", file=sys.stderr)
+            return 2
+        faults.append(corrupt)
+        how = "from then on" if args.persistent else "once"
+        where = f"process {corrupt.target}'s copy flipped after step {corrupt.step}"
+        say(f"  silent data corruption: a bit of {where}, {how}")
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         durable = args.durable
@@ -160,6 +186,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
                 faults=faults,
                 strategy=args.strategy,
                 printer=None if args.quiet else ProgressPrinter(),
+                command=worker_command(steps, fingerprint=True) if corrupt is not None else None,
                 slices=args.slices,
                 durable_dir=durable,
                 durable_every=args.durable_every,
@@ -191,6 +218,11 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     }
     if slow is not None:
         summary["straggler"] = straggler_summary(read_events(run_dir / "run" / "events.jsonl"), slow)
+    if corrupt is not None:
+        from elastic_runtime.cli.demo import corruption_summary
+
+        assert corrupt.step is not None
+        summary["corruption"] = corruption_summary(read_events(run_dir / "run" / "events.jsonl"), corrupt.step)
     if args.verify:
         say("verifying: fault-free run of the same group ...")
         with _environment(ENV_STEP_DELAY_S, str(args.step_delay or 0.0)):
@@ -306,9 +338,10 @@ def worker_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--features", type=int, default=FEATURES)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--fingerprint", action="store_true", help="compare the slices after every step")
     args = parser.parse_args(argv)
     job = demo_job(global_batch=GLOBAL_BATCH, features=args.features, hidden=args.hidden)
-    run_worker(job, steps=args.steps, watch_notices=watch_own_host)
+    run_worker(job, steps=args.steps, watch_notices=watch_own_host, fingerprint_every=1 if args.fingerprint else 0)
 
 
 if __name__ == "__main__":

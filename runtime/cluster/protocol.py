@@ -16,7 +16,14 @@ from typing import Union
 import msgspec
 
 from elastic_runtime.cluster.tiers import Tier
-from elastic_runtime.core.events import CheckpointBehind, CheckpointCorrupt, LikelyMeshesReady, StepFailed
+from elastic_runtime.core.events import (
+    CheckpointBehind,
+    CheckpointCorrupt,
+    CorruptionHealed,
+    LikelyMeshesReady,
+    SilentCorruption,
+    StepFailed,
+)
 from elastic_runtime.storage.manifest import FileEntry, LeafEntry
 
 __all__ = [
@@ -225,6 +232,10 @@ class EventReport(Message, frozen=True, kw_only=True):
       kept (``runtime/cluster/worker/smaller.py``): a re-form without a lost slice loads them.
     - :class:`~elastic_runtime.core.events.CheckpointBehind`: a durable step came due while the lead's previous write
       still ran (``runtime/cluster/worker/durable.py``); ``event.tier`` is "durable".
+    - :class:`~elastic_runtime.core.events.SilentCorruption`: the slices' copies of the state differ after
+      ``event.step`` (the lead's report; every member found the same). ``processes``: those holding the suspect
+      devices. Persistent: the controller replaces their workers and re-forms.
+    - :class:`~elastic_runtime.core.events.CorruptionHealed`: the replay of the step agreed (a transient flip).
 
     An event of another type or without its step, a tier that is not one of
     :class:`~elastic_runtime.cluster.tiers.Tier`'s names, or a field of the envelope set for the other event does not
@@ -233,10 +244,11 @@ class EventReport(Message, frozen=True, kw_only=True):
 
     worker: int
     generation: int
-    event: StepFailed | CheckpointCorrupt | LikelyMeshesReady | CheckpointBehind
+    event: StepFailed | CheckpointCorrupt | LikelyMeshesReady | CheckpointBehind | SilentCorruption | CorruptionHealed
     traceback: str = ""  # StepFailed only
     unsupported: bool = False  # StepFailed only
     recovered_from: Tier | None = None  # CheckpointCorrupt only
+    processes: tuple[int, ...] = ()  # SilentCorruption only: the group's processes that hold its suspects
 
     def __post_init__(self) -> None:
         # On decoding, a ValueError here is msgspec's ValidationError, and so a MalformedMessage.
@@ -249,8 +261,10 @@ class EventReport(Message, frozen=True, kw_only=True):
                 raise ValueError("traceback and unsupported belong to a StepFailed, not to a CheckpointCorrupt")
         elif self.recovered_from is not None:
             raise ValueError("recovered_from belongs to a CheckpointCorrupt only")
-        if isinstance(self.event, LikelyMeshesReady | CheckpointBehind) and (self.traceback or self.unsupported):
+        if not isinstance(self.event, StepFailed) and (self.traceback or self.unsupported):
             raise ValueError("traceback and unsupported belong to a StepFailed only")
+        if isinstance(self.event, SilentCorruption) != bool(self.processes):
+            raise ValueError("processes: a SilentCorruption names the processes of its suspects, nothing else does")
         if isinstance(self.event, CheckpointBehind) and self.event.tier != Tier.DURABLE:
             raise ValueError(f"event.tier: a worker's writes are behind in the durable tier, not {self.event.tier!r}")
 

@@ -76,6 +76,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             this many steps, to find silent data corruption: a replica that differs is replayed from the newest
             verified state, and evicted if it differs again (``SilentCorruption``, ``CorruptionHealed``). Unset:
             as often as costs at most 1% of a step (every step on an accelerator, sparser on CPU devices); 0: off.
+            Under ``launch``: 1 compares the slices' copies after every step, unset or 0 does not, and any other
+            value is a ``ConfigError`` (docs/integrity.md, *Under launch*).
 
     Checkpointing (``storage/``; see docs/storage.md):
         ram_dir: mirror every RAM snapshot into this directory (e.g. under ``/dev/shm``) so that it survives a

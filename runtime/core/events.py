@@ -189,13 +189,16 @@ class SilentCorruption(Failure, frozen=True, kw_only=True):
     ``suspects``: the devices that disagree with the majority of their ``replicas`` (``attributed``), or every
     replica of the block when no majority says which (two replicas); ``digests`` by device. ``persistent``: it
     came back when the step was replayed from the newest verified state (or the device was a suspect before):
-    faulty hardware, evicted like a lost slice; else a transient flip, healed by the replay."""
+    faulty hardware, evicted like a lost slice; else a transient flip, healed by the replay. Under ``launch``
+    the slices are the replicas, and ``workers`` are those whose devices are suspects: a persistent one's are
+    replaced, and the group re-forms."""
 
     suspects: tuple[int, ...]
     digests: dict[str, str]
     replicas: int
     attributed: bool
     persistent: bool = False
+    workers: tuple[int, ...] = ()
 
 
 class CorruptionHealed(Event, frozen=True, kw_only=True):

@@ -213,10 +213,13 @@ class Fingerprinter:
         return leaves, (leaves[0].sharding.mesh if leaves else None)
 
     def digests(self, state: PyTree) -> tuple[np.ndarray, Mesh]:
-        """Every device's digest, as an array shaped like the mesh's devices (blocks until computed)."""
+        """Every device's digest, as an array shaped like the mesh's devices (blocks until computed). On a mesh
+        over several processes, a collective of the group: every process calls it."""
         leaves, mesh = self._chosen(state)
         assert mesh is not None, "nothing to fingerprint: check covers() first"
         out = self._program(mesh, leaves)(*leaves)
+        if _spans_processes(mesh):  # every digest, gathered on every device: read from one of this process's
+            return np.asarray(out.addressable_data(0)).reshape(mesh.devices.shape), mesh
         return np.asarray(jax.device_get(out)), mesh
 
     def prepare(self, abstract: PyTree) -> None:
@@ -237,15 +240,26 @@ class Fingerprinter:
     def _compile(self, mesh: Mesh, leaves: list[Any]) -> Any:
         ones = (1,) * len(mesh.axis_names)
 
+        gather = _spans_processes(mesh)
+
         def local(*blocks: jax.Array) -> jax.Array:
             total = jnp.uint32(0)
             for block in blocks:
                 total = total * jnp.uint32(_GOLDEN) + _leaf_digest(block)
+            if gather:  # one collective in the same program: each process reads the others' from its own device
+                return lax.all_gather(total, axis_name=tuple(mesh.axis_names))
             return total.reshape(ones)
 
         specs = tuple(_spec(x) for x in leaves)
-        mapped = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(*mesh.axis_names), check_vma=False)
+        out = P() if gather else P(*mesh.axis_names)
+        mapped = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out, check_vma=False)
         return jax.jit(mapped).lower(*leaves).compile()
+
+
+def _spans_processes(mesh: Mesh) -> bool:
+    """Whether ``mesh`` holds devices of other processes (a group's, under ``launch``)."""
+    here = jax.process_index()
+    return any(d.process_index != here for d in mesh.devices.flat)
 
 
 def compare_replicas(digests: np.ndarray, mesh: Mesh, replica_axis: str, *, step: int) -> Divergence | None:

@@ -27,6 +27,7 @@ from elastic_runtime.core.events import (
     RecoveryCompleted,
     RunFinished,
     RunStarted,
+    SilentCorruption,
     StateRestored,
     StepCompleted,
 )
@@ -102,6 +103,14 @@ def describe_event(event: Any) -> str | None:
             return f"maintenance notices from {event.source} ({event.address}) ready"
         case ConfigOverridden():
             return f"the script's {event.setting}={event.value} does not apply under launch: {event.flag} sets it"
+        case SilentCorruption():
+            if not event.persistent:
+                verdict = "replaying the step to tell a flipped bit from a device that computes wrong"
+            elif event.workers:
+                verdict = f"it came back: workers {list(event.workers)} are replaced"
+            else:
+                verdict = f"it came back: devices {list(event.suspects)} are evicted"
+            return f"silent data corruption after step {event.step}: {event.message}; {verdict}"
         case HandlerFailed():
             return f"a handler failed ({event.handler} on {event.event_type}): {event.error_type}: {event.message}"
         case Failure():

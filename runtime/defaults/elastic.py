@@ -115,6 +115,7 @@ class ElasticRuntime(Runtime):
                 handler_timeout=self.config.handler_timeout_s,
                 watch_notices=watch_own_host,
                 script_settings=launch_owned(self.config, self.policy if self.policy_given else None, resume),
+                fingerprint_every=self.config.fingerprint_every,
             )
         return super().run(steps, resume=resume)
 

@@ -8,11 +8,13 @@
   ``forming``: while the next group forms after a failure.
 - Workers (a worker does it to itself at that exact point): ``die-midstep`` (computed, not committed),
   ``die-writing-replica``, ``hang`` (a deadlock in the step), ``slow`` (a straggler: from that step on, each of
-  its iterations takes FACTOR times its own work, the sleep outside the step's collectives); TARGET a process id
-  in the first group; WHEN a step, for ``slow`` ``STEPxFACTOR``.
+  its iterations takes FACTOR times its own work, the sleep outside the step's collectives), ``corrupt`` (silent
+  data corruption: a bit of its copy of the state flipped in what the step after WHEN reads, once) and
+  ``corrupt-persistent`` (the same before every step after WHEN: a device that computes wrong); TARGET a process
+  id in the first group; WHEN a step, for ``slow`` ``STEPxFACTOR``.
 
 Examples: ``lose-slice:3@100,repair-slice:3@200``; ``kill:1@40``; ``kill:1@10,kill:2@forming``; ``hang:1@12``;
-``slow:2@20x3``.
+``slow:2@20x3``; ``corrupt:1@12``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ __all__ = [
 
 DEVICE_ACTIONS = ("lose-slice", "lose-device", "repair-slice", "repair-device")
 PROCESS_SIGNALS = {"kill": "KILL", "stop": "STOP", "term": "TERM"}
-WORKER_ACTIONS = ("die-midstep", "die-writing-replica", "hang", "slow")
+WORKER_ACTIONS = ("die-midstep", "die-writing-replica", "hang", "slow", "corrupt", "corrupt-persistent")
 FORMING = "forming"
 
 

@@ -1,9 +1,10 @@
 """Process and worker faults of the grammar (``elastic_runtime.faults.grammar``) for multi-process runs.
 
 The controller-side faults signal a member once the group commits a step, or while the next group forms
-after a failure; the worker-side ones make a worker die mid-step, die while writing its replica file, or
-hang in a step. Both plug into hooks the multi-process mode has for everyone: the controller's bus
-(``StepCompleted``, ``GroupForming``) and a worker's ``step_checks`` and replica-write listeners.
+after a failure; the worker-side ones make a worker die mid-step, die while writing its replica file, hang in a
+step, slow down, or corrupt its copy of the state. Both plug into hooks the multi-process mode has for everyone:
+the controller's bus (``StepCompleted``, ``GroupForming``) and a worker's ``step_checks``, ``input_faults`` and
+replica-write listeners.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from elastic_runtime.core.bus import EventBus
 from elastic_runtime.core.events import GroupForming, StepCompleted
+from elastic_runtime.faults.corruption import flip_a_bit
 from elastic_runtime.faults.grammar import PROCESS_SIGNALS, Fault, format_faults, parse_faults
 
 __all__ = ["FAULT_INJECTION", "ProcessFaults", "attach_worker_faults", "worker_faults_text"]
@@ -82,6 +84,9 @@ class _Worker(Protocol):
     def step_checks(self) -> list[Callable[[int], None]]: ...
 
     @property
+    def input_faults(self) -> list[Callable[[int, Any], Any]]: ...
+
+    @property
     def replicas(self) -> _Replicas: ...
 
 
@@ -95,6 +100,9 @@ def attach_worker_faults(worker: _Worker, text: str) -> None:
         elif fault.action == "slow":
             assert fault.step is not None and fault.factor is not None
             worker.step_checks.append(_slow(fault.step, fault.factor))
+        elif fault.action in ("corrupt", "corrupt-persistent"):
+            assert fault.step is not None
+            worker.input_faults.append(_corrupt(fault.step, persistent=fault.action == "corrupt-persistent"))
         else:  # hang: a deadlock in the step; heartbeats go on, progress stops
             worker.step_checks.append(_at(fault.step, lambda: threading.Event().wait()))
 
@@ -120,6 +128,23 @@ def _slow(step: int, factor: float) -> Callable[[int], None]:
         ended[:] = [time.perf_counter()]
 
     return check
+
+
+def _corrupt(after: int, *, persistent: bool) -> Callable[[int, Any], Any]:
+    """A bit of this process's first device's copy of the state flipped in what step ``after + 1`` reads (once:
+    a replay of that step reads it whole), or, ``persistent``, in what every step from then on reads."""
+
+    done: list[int] = []
+
+    def corrupt(step: int, state: Any) -> Any:
+        if (step == after + 1 and not done) or (persistent and step > after):
+            import jax  # here: the controller imports this module and never JAX
+
+            done.append(step)
+            return flip_a_bit(state, jax.local_devices()[0].id)[0]
+        return state
+
+    return corrupt
 
 
 def _die() -> None:

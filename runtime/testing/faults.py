@@ -20,11 +20,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-import jax
-import numpy as np
 from jax.errors import JaxRuntimeError
 
 from elastic_runtime.core.runtime import Runtime
+from elastic_runtime.faults.corruption import flip_a_bit
 from elastic_runtime.faults.grammar import Fault, parse_faults
 
 R = TypeVar("R", bound=Runtime)
@@ -156,28 +155,6 @@ class FaultInjector:
             status = self._dead[hit[0]][0] if hit else ""
         if hit:
             raise JaxRuntimeError(f"{status}: device(s) {hit} stopped responding during step {step} (injected)")
-
-
-def flip_a_bit(state: Any, device: int) -> tuple[Any, bool]:
-    """``state`` with one bit of ``device``'s copy of its first replicated 32-bit leaf flipped, and whether
-    ``device`` holds such a leaf at all."""
-    leaves, tree = jax.tree.flatten(state)
-    for i, leaf in enumerate(leaves):
-        shards = leaf.addressable_shards
-        replicated = len({str(s.index) for s in shards}) < len(shards)
-        if leaf.dtype.itemsize != 4 or not replicated or all(s.device.id != device for s in shards):
-            continue
-        blocks = []
-        for shard in shards:
-            block = shard.data
-            if shard.device.id == device:
-                words = np.array(block).reshape(-1).view(np.uint32)
-                words[0] ^= 1 << 7
-                block = jax.device_put(words.view(leaf.dtype).reshape(block.shape), shard.device)
-            blocks.append(block)
-        leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, blocks)
-        return jax.tree.unflatten(tree, leaves), True
-    return state, False
 
 
 # --- schedules: the same faults at the same points, for reproducible demos and benchmarks ----------------

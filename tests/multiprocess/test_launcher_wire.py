@@ -36,6 +36,7 @@ from elastic_runtime.core.events import (
     CheckpointCorrupt,
     ConnectionRefused,
     MalformedHeartbeat,
+    SilentCorruption,
     StepFailed,
 )
 from elastic_runtime.defaults import default_controller
@@ -119,6 +120,13 @@ def test_a_malformed_event_in_a_report_is_named() -> None:
     assert decode_from_worker(encode(behind)) == behind
     with pytest.raises(MalformedMessage, match="not 'shm'"):  # a worker's writes behind are the durable tier's
         decode_from_worker(encode(behind).replace(b'"durable"', b'"shm"'))
+    found = SilentCorruption(step=13, suspects=(0, 2048), digests={"0": "0a"}, replicas=2, attributed=False)
+    corrupt = EventReport(worker=1, generation=2, event=found, processes=(0, 1))
+    assert decode_from_worker(encode(corrupt)) == corrupt
+    with pytest.raises(MalformedMessage, match="names the processes of its suspects"):
+        decode_from_worker(encode(corrupt).replace(b'"processes":[0,1]', b'"processes":[]'))
+    with pytest.raises(MalformedMessage, match="names the processes of its suspects"):
+        decode_from_worker(encode(behind).replace(b'"processes":[]', b'"processes":[1]'))
 
 
 def test_malformed_heartbeats_and_unknown_ids_do_not_crash_the_controller(

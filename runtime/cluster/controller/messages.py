@@ -51,12 +51,15 @@ from elastic_runtime.core.events import (
     CheckpointBehind,
     CheckpointCorrupt,
     ConnectionRefused,
+    CorruptionHealed,
     Event,
+    GroupFormed,
     LikelyMeshesReady,
     MalformedHeartbeat,
     Notice,
     NoticeIgnored,
     ReplicaSkipped,
+    SilentCorruption,
     StepFailed,
     Straggler,
     WorkerHung,
@@ -151,9 +154,14 @@ async def on_message(controller: ControllerState, proc: WorkerProcess, message: 
             await handle_unreadable(controller, proc, message, heard(proc, corrupt))
         case EventReport(generation=gen, event=StepFailed() as failed) if gen == controller.group.generation:
             await end_on_failure(controller, proc, message, heard(proc, failed))
-        case EventReport(generation=gen, event=LikelyMeshesReady() | CheckpointBehind() as told) if (
-            gen == controller.group.generation
-        ):
+        case EventReport(generation=gen, event=SilentCorruption() as found) if gen == controller.group.generation:
+            # The workers of the processes that hold its suspects, in this generation's seats.
+            members = controller.group.members
+            workers = tuple(members[p] for p in message.processes if 0 <= p < len(members))
+            await controller.bus.publish(msgspec.structs.replace(heard(proc, found), workers=workers))
+        case EventReport(
+            generation=gen, event=LikelyMeshesReady() | CheckpointBehind() | CorruptionHealed() as told
+        ) if gen == controller.group.generation:
             await controller.bus.publish(heard(proc, told))
         case Restored(generation=gen) if gen == controller.group.generation:
             controller.feed(MemberRestored(message.tier, message.nbytes, message.read_s, message.transfer_s))
@@ -285,6 +293,34 @@ VERDICT_PRIORITY = -(2**31)
 async def take_verdict(controller: ControllerState, event: WorkerLost | WorkerHung, ctx: object) -> None:
     """Hand the supervisor a lost or hung worker: the one decision taken on it (kill, replace, re-form)."""
     controller.feed(WorkerFailed(event.worker, type(event).__name__, event.message))
+
+
+async def take_corruption(controller: ControllerState, event: SilentCorruption, ctx: object) -> None:
+    """A persistent corruption under launch, after every other handler of it: its workers' devices compute wrong,
+    so they are killed and replaced like lost ones (``WorkerFailed``), and the group re-forms without them. (A
+    transient one was healed by the members' replay of the step: nothing to decide.)"""
+    if not event.persistent or not event.workers:
+        return
+    controller.evicting.append(event)
+    suspects = f"devices {list(event.suspects)} compute wrong (step {event.step}"
+    why = "; no majority of the slices says which: every suspect goes)" if not event.attributed else ")"
+    for worker in event.workers:
+        controller.feed(WorkerFailed(worker, "SilentCorruption", suspects + why))
+
+
+async def heal_on_formed(controller: ControllerState, event: GroupFormed, ctx: object) -> None:
+    """The group re-formed without the workers of a persistent corruption: it is healed (``CorruptionHealed``)."""
+    for found in controller.evicting:
+        healed = CorruptionHealed(
+            step=event.step,
+            source="controller",
+            kind="persistent",
+            suspects=found.suspects,
+            evicted=found.suspects,
+            seconds=event.mono_time - found.mono_time,
+        )
+        await controller.bus.publish(healed)
+    controller.evicting.clear()
 
 
 def judged(controller: ControllerState, event: Straggler) -> Straggler:

@@ -50,10 +50,12 @@ from elastic_runtime.cluster.controller.ending import (
 from elastic_runtime.cluster.controller.heartbeat import watch
 from elastic_runtime.cluster.controller.messages import (
     VERDICT_PRIORITY,
+    heal_on_formed,
     mark_closed,
     on_message,
     publish_report,
     publish_verdict,
+    take_corruption,
     take_verdict,
 )
 from elastic_runtime.cluster.controller.relay import EventRelay
@@ -62,7 +64,7 @@ from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.controller.workers import reap, renew_leases, spawn
 from elastic_runtime.core.bus import EventBus
 from elastic_runtime.core.errors import ElasticRuntimeError
-from elastic_runtime.core.events import WorkerHung, WorkerLost
+from elastic_runtime.core.events import GroupFormed, SilentCorruption, WorkerHung, WorkerLost
 
 __all__ = ["Controller"]
 
@@ -80,9 +82,10 @@ class Controller(ControllerState):
     coordinates the workers that say hello with the run's secret, judges them by their heartbeats only, and
     takes a replacement in when the orchestrator brings one up.
 
-    It subscribes two handlers of its own (``elastic_runtime.defaults.default_controller`` adds the built-in ones):
+    It subscribes handlers of its own (``elastic_runtime.defaults.default_controller`` adds the built-in ones):
     the relay that forwards the group's events to the training script's handlers in the workers (``relay.py``),
-    and, after every other handler, the one that hands a ``WorkerLost`` or ``WorkerHung`` to the supervisor.
+    and, after every other handler, the ones that hand a ``WorkerLost``, ``WorkerHung`` or persistent
+    ``SilentCorruption`` to the supervisor (and say a corruption healed once the group re-formed without it).
 
     Its state and the requests its parts make of it are
     :class:`~elastic_runtime.cluster.controller.state.ControllerState`'s.
@@ -100,6 +103,9 @@ class Controller(ControllerState):
         self.relay.attach(self.bus)
         for lost in (WorkerLost, WorkerHung):
             self.bus.subscribe(lost, functools.partial(take_verdict, self), priority=VERDICT_PRIORITY, timeout=None)
+        corrupt = functools.partial(take_corruption, self)
+        self.bus.subscribe(SilentCorruption, corrupt, priority=VERDICT_PRIORITY, timeout=None)
+        self.bus.subscribe(GroupFormed, functools.partial(heal_on_formed, self), timeout=None)
         self.server = WorkerServer(
             secret=self.secret,
             on_hello=functools.partial(hello, self),

@@ -40,7 +40,7 @@ from elastic_runtime.cluster.protocol import Published, Requested
 from elastic_runtime.core.bus import EventBus
 from elastic_runtime.core.errors import BusClosed, ElasticRuntimeError
 from elastic_runtime.core.eventlog import EventLog
-from elastic_runtime.core.events import Event, WorkerKilled
+from elastic_runtime.core.events import Event, SilentCorruption, WorkerKilled
 from elastic_runtime.core.folders import PROGRAMS_PREFIX
 from elastic_runtime.core.recovery import RecoveryTracker
 
@@ -175,6 +175,7 @@ class ControllerState:
         self.signalled = ""
         self.signalled_at = 0.0
         self.skipped_seen: set[str] = set()
+        self.evicting: list[SilentCorruption] = []  # persistent corruptions whose workers go: healed once re-formed
         # Tasks run beside the wire and the monitor, and cancelled with them before the bus closes: a scheduler
         # backend's placement and watch loop (``runtime/cluster/controller/ray_backend.py``).
         self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []

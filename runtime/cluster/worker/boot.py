@@ -22,7 +22,7 @@ from elastic_runtime.cluster.worker.link import ControllerLink, connect
 from elastic_runtime.cluster.worker.loop import Worker
 from elastic_runtime.cluster.worker.settings import WorkerSettings
 from elastic_runtime.core.bus import Subscription
-from elastic_runtime.core.errors import AuthenticationFailed, UnsupportedInMode
+from elastic_runtime.core.errors import AuthenticationFailed, ConfigError, UnsupportedInMode
 from elastic_runtime.core.events import never_published
 from elastic_runtime.core.executor import RunResult
 from elastic_runtime.core.job import TrainJob
@@ -87,6 +87,7 @@ def run_worker(
     handler_timeout: float | None = 30.0,
     watch_notices: NoticeWatch | None = None,
     script_settings: Mapping[str, str] | None = None,
+    fingerprint_every: int | None = None,
 ) -> RunResult:
     """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; returns this
     process's :class:`RunResult` once the whole group finished (the state in the lead, process 0, only).
@@ -95,6 +96,8 @@ def run_worker(
     a step boundary every member agrees on (``runtime/cluster/worker/boundary.py``). ``watch_notices``: with
     ``ELASTIC_METADATA_HOST`` set, watches this host's notices and the worker forwards them to the controller.
     ``script_settings``: what the script set of what the launch sets for the group (``Hello.settings``).
+    ``fingerprint_every``: 1 compares the slices' copies of the state after every step, before it commits (silent
+    data corruption; ``RuntimeConfig.fingerprint_every``); None or 0: not compared.
 
     ``ElasticRuntime.run`` calls it when the process was started by ``elastic-runtime launch``. It drops any
     backend the script created, then configures the CPU device count, gloo collectives and recoverability.
@@ -106,8 +109,15 @@ def run_worker(
 
     Raises:
         RuntimeError: not started by ``elastic-runtime launch`` (no controller address in the environment).
+        ConfigError: ``fingerprint_every`` more than 1.
     """
     global _ran
+    if fingerprint_every is not None and fingerprint_every > 1:
+        # The replay of a divergence goes back one step (the state the step read, never committed over).
+        raise ConfigError(
+            f"fingerprint_every={fingerprint_every} under `elastic-runtime launch`: the slices are compared after "
+            "every step (1) or not at all (0, unset)"
+        )
     if not is_worker():
         raise RuntimeError(f"run_worker needs {ENV_CONTROLLER}: start the script with `elastic-runtime launch`")
     if _ran:
@@ -167,6 +177,7 @@ def run_worker(
             script=script,
             programs=programs,
             script_settings=dict(script_settings or {}),
+            fingerprint=fingerprint_every == 1,
         )
         if watch_notices is not None and settings.metadata_host:
             forward_notices(watch_notices, settings.metadata_host, link, loop)

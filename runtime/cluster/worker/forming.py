@@ -20,6 +20,7 @@ from elastic_runtime.cluster.worker.group import join_group, leave_group
 from elastic_runtime.cluster.worker.refill import best_local, local_steps
 from elastic_runtime.core.cadence import EveryN
 from elastic_runtime.core.errors import MeshUnavailable
+from elastic_runtime.core.fingerprint import Integrity
 from elastic_runtime.core.initial import initial_program
 from elastic_runtime.core.process_data import local_rows
 from elastic_runtime.faults.process import attach_worker_faults
@@ -134,6 +135,11 @@ def form_group(worker: WorkerState, form: Form) -> None:
         worker.ledger.policies["durable"] = EveryN(form.durable_every)
     worker.owned = writes(worker.template, worker.state_shardings, form.slice_size)
     worker.compiled = compiler.get(worker.mesh)
+    # The slices' copies of the state compared after every step (silent data corruption), with two or more. A new
+    # group starts with no suspects: its devices' ids may belong to other processes now.
+    worker.integrity = Integrity(1, replica) if worker.fingerprint and slices >= 2 else None
+    if worker.integrity is not None:  # compiled in the join's time, not in the first step's
+        worker.integrity.fingerprinter.prepare(compiler.state_abstract(worker.mesh))
     worker.spares.reset(form.generation, partial(compiler.fresh_buffers, worker.mesh) if spare else None)
     shift = form.neighbour_replicas
     kept = worker.programs

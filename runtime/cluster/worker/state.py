@@ -26,6 +26,7 @@ from elastic_runtime.cluster.worker.spares import SpareStates
 from elastic_runtime.cluster.worker.thread import StepThread
 from elastic_runtime.core.events import StepFailed
 from elastic_runtime.core.executor import RunResult
+from elastic_runtime.core.fingerprint import Integrity
 from elastic_runtime.core.initial import abstract_state
 from elastic_runtime.core.job import PyTree, TrainJob
 from elastic_runtime.core.keys import with_key_data
@@ -78,6 +79,7 @@ class WorkerState:
         script: the script's own handlers, or None.
         programs: compiled programs kept across groups (default: none kept).
         script_settings: what the script set of what the launch sets (``Hello.settings``).
+        fingerprint: compare the slices' copies of the state after every step, before it commits (training.py).
     """
 
     durable_lane: Lane[Any]  # this process's part of each durable checkpoint, written in turn (durable.py)
@@ -94,6 +96,7 @@ class WorkerState:
         script: Script | None = None,
         programs: ProgramStore | None = None,
         script_settings: dict[str, str] | None = None,
+        fingerprint: bool = False,
     ) -> None:
         # The job as it runs: typed PRNG keys in its state held as key data (elastic_runtime.core.keys).
         self.job, self.keys = with_key_data(job)
@@ -112,6 +115,9 @@ class WorkerState:
         # Called with the step once its result is ready, before it is committed; one that raises (or never
         # returns) stops the step there. Fault injection uses it (elastic_runtime.faults.process).
         self.step_checks: list[Callable[[int], None]] = []
+        self.input_faults: list[Callable[[int, PyTree], PyTree]] = []  # the state as a step reads it (fault injection)
+        self.fingerprint = fingerprint
+        self.integrity: Integrity | None = None  # the slices compared, in a group of two or more (forming.py)
         self.generation = 0
         self.layout: dict[str, str] = {}  # which shards this process holds, in every replica's metadata
         self.slice_size = 1  # processes per slice (storage/boxes.py)

@@ -10,17 +10,21 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from elastic_runtime.cluster.protocol import Finished, Message
+from elastic_runtime.cluster.protocol import EventReport, Finished, Message
 from elastic_runtime.cluster.worker.boundary import Boundary
 from elastic_runtime.cluster.worker.durable import agree_durable, due_durable, group_digest, save_durable
 from elastic_runtime.cluster.worker.group import meet
 from elastic_runtime.cluster.worker.link import Inbound
 from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenced
+from elastic_runtime.core.classify import classify
+from elastic_runtime.core.events import CorruptionHealed, SilentCorruption
 from elastic_runtime.core.executor import RunResult
+from elastic_runtime.core.fingerprint import Healed, StateDiverged
 from elastic_runtime.core.job import PyTree
 from elastic_runtime.core.memory import can_hold
 from elastic_runtime.core.process_data import place_batch
@@ -30,7 +34,7 @@ from elastic_runtime.storage.replicas import device_replica, replica
 if TYPE_CHECKING:
     from elastic_runtime.cluster.worker.state import WorkerState
 
-__all__ = ["apply_boundary", "finish", "gather_whole", "in_step_thread", "run_step", "train"]
+__all__ = ["apply_boundary", "compare_slices", "finish", "gather_whole", "in_step_thread", "run_step", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +85,20 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
             return outcome
         if outcome is None:  # the step raised: not committed; wait for the controller to re-form
             return None
-        (new_state, moved, worker.loss, worker.metrics, in_program), seconds = outcome
-        worker.state, worker.step_time_s = new_state, seconds
+        (new_state, moved, loss, metrics, in_program), seconds = outcome
+        if worker.integrity is not None:
+            compare = partial(compare_slices, new_state=new_state)
+            verdict = in_step_thread(worker, compare, "the slices' fingerprints (a collective of the group)")
+            if isinstance(verdict, Message) or verdict is None:
+                return verdict if isinstance(verdict, Message) else None
+            if isinstance(verdict[0], StateDiverged):  # not committed: nothing corrupted is ever kept or written
+                report_corruption(worker, verdict[0])
+                if verdict[0].persistent:
+                    return None  # the controller replaces the suspects' workers; the group restores this step's
+                continue  # a transient flip: the step again, from the state before it
+            if verdict[0] is not None:
+                report_corruption(worker, verdict[0])
+        worker.state, worker.step_time_s, worker.loss, worker.metrics = new_state, seconds, loss, metrics
         worker.pace.record(worker.generation, worker.step + 1, began, waited + in_program)
         step, position = worker.step + 1, position + 1
         # Its host copy is made by the replica file's writer, not here: the next step need not wait for it.
@@ -138,6 +154,37 @@ def in_step_thread(worker: WorkerState, fn: Callable[[WorkerState], T], what: st
     return await_step(worker, worker.step_pool.submit(lambda: (fn(worker), 0.0)), what=what)
 
 
+def compare_slices(worker: WorkerState, new_state: PyTree) -> Healed | StateDiverged | None:
+    """The slices' copies of the step's new state compared (every member's digests, gathered by every member: the
+    same verdict in each); a divergence is returned, not raised, so that the step thread reports no failure."""
+    assert worker.integrity is not None
+    try:
+        return worker.integrity.check(new_state, worker.step + 1, None)
+    except StateDiverged as diverged:
+        return diverged
+
+
+def report_corruption(worker: WorkerState, found: StateDiverged | Healed) -> None:
+    """The lead tells the controller what the fingerprints found (every member found the same): a divergence,
+    with the processes that hold its suspect devices, or the replay that healed it."""
+    if worker.process_id != 0:
+        return
+    step = worker.step + 1
+    if isinstance(found, Healed):
+        suspects, seconds = found.divergence.suspects, found.seconds
+        healed = CorruptionHealed(step=step, source="worker", kind="transient", suspects=suspects, seconds=seconds)
+        log.warning("step %d replayed: the slices agree again (a transient corruption)", step)
+        worker.link.send(EventReport(worker=worker.worker, generation=worker.generation, event=healed))
+        return
+    event = classify(found, step=step, in_group=True, source="worker")
+    assert isinstance(event, SilentCorruption)
+    owner = {d.id: d.process_index for d in worker.mesh.devices.flat}
+    processes = tuple(sorted({owner[d] for d in found.divergence.suspects}))
+    log.error("%s; processes %s", found, list(processes))
+    report = EventReport(worker=worker.worker, generation=worker.generation, event=event, processes=processes)
+    worker.link.send(report)
+
+
 def apply_boundary(worker: WorkerState, done: Boundary) -> None:
     """What the script's handlers asked at this boundary: a new state, a durable checkpoint of the step."""
     if done.state is not None:
@@ -174,6 +221,8 @@ def run_step(
         worker.job.data, position, worker.batch_shardings, worker.batch_like, worker.batch_rows
     )
     entered = time.perf_counter()
+    for fault in worker.input_faults:  # fault injection: the state as this step reads it
+        state = fault(step, state)
     if worker.spares.on:  # the new state is written into a spare state's buffers
         new_state, metrics = worker.compiled(state, batch, worker.spares.take(state))
     else:
