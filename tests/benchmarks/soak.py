@@ -17,7 +17,8 @@ Fault kinds, each round one or more of them:
   ``kill`` (kill -9), ``stop`` (SIGSTOP), ``two``, ``together``, ``during-recovery``, ``midstep``, ``replica``
   (mid replica-file write), ``hang``, ``impostor``, ``flood``, ``leave`` (SIGTERM of a worker), ``leave-killed``,
   ``slow`` (a straggler, 3x), ``resume`` (the controller killed, then ``--resume``), ``sigterm`` and
-  ``sigterm-durable`` (the controller stopped);
+  ``sigterm-durable`` (the controller stopped), ``corrupt`` and ``corrupt-persistent`` (a bit of one worker's
+  copy of the state flipped once, or before every step: the slices' comparison finds it);
 - simulated hosts (network namespaces, root only), ``elastic-runtime demo --hosts 3``: a host lost at a random
   step, its link down and every process on it killed (``host-lost``), or cut off the network and healed
   (``host-partitioned``); a replacement joins from a new host.
@@ -58,7 +59,7 @@ ONE_PROCESS = (
 )  # fmt: skip
 MULTI_PROCESS = (
     "kill", "stop", "two", "together", "during-recovery", "midstep", "replica", "hang", "impostor", "flood", "leave",
-    "leave-killed", "slow", "resume", "sigterm", "sigterm-durable",
+    "leave-killed", "slow", "resume", "sigterm", "sigterm-durable", "corrupt", "corrupt-persistent",
 )  # fmt: skip
 HOSTS = ("host-lost", "host-partitioned")
 KINDS = ONE_PROCESS + MULTI_PROCESS + HOSTS

@@ -17,6 +17,9 @@ re-forms) are judged on "no survivor killed" and "one re-form" too. ``leave``: a
 (``term``), a planned departure: no loss, no kill, no recovery; ``leave-killed``: the same worker then killed
 0.1 s later, before the step it was to leave at (a grace period cut short), judged as a correlated loss.
 ``slow``: a worker 3x slower from a step (a straggler), replaced at a planned step or kept, judged like ``leave``.
+``corrupt`` and ``corrupt-persistent``: a bit of one worker's copy of the state flipped once (healed by the
+members' replay: no recovery) or before every step (that worker alone replaced: the majority of the 3 slices
+names it), bitwise either way.
 
     .venv/bin/python tests/multiprocess/chaos.py --rounds 10 [--seed 1] [--cases resume,sigterm,repeat]
 """
@@ -47,8 +50,10 @@ from elastic_runtime.cluster.protocol import ENV_STEP_DELAY_S
 from elastic_runtime.core.errors import RecoveryError
 from elastic_runtime.core.eventlog import read_events
 from elastic_runtime.core.events import (
+    CorruptionHealed,
     GroupFormed,
     RunFinished,
+    SilentCorruption,
     StateRestored,
     StepCompleted,
     WorkerKilled,
@@ -87,6 +92,8 @@ CASES = (
     "leave",
     "leave-killed",
     "slow",
+    "corrupt",
+    "corrupt-persistent",
     *CONTROLLER_CASES,
 )
 
@@ -137,6 +144,10 @@ def plan(rng: random.Random, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
             # run's end; either way nothing is lost, killed or counted.
             delay = {"extra_env": {ENV_STEP_DELAY_S: "0.1"}}
             return {"faults": [Fault("slow", pid, step=min(step, STEPS // 3), factor=3.0)], "planned": True} | delay
+        case "corrupt" | "corrupt-persistent":
+            # Silent: a bit of its copy flipped (once, or before every step), found by the slices' comparison.
+            command = worker_command(STEPS, fingerprint=True)
+            return {"faults": [Fault(kind, pid, step=step)], "command": command, "corrupted": kind}
         case _:
             return {"faults": [Fault("die-writing-replica", pid, step=step)]}
 
@@ -245,6 +256,22 @@ def correlated(run_dir: Path, result: Any) -> list[str]:
     return problems
 
 
+def healed(run_dir: Path, result: Any, kind: str) -> list[str]:
+    """A corruption found at the step after it (3 slices: the majority names its worker) and healed: a flipped bit
+    by the replay, with no recovery; one at every step by replacing that worker alone."""
+    events = read_events(run_dir / "events.jsonl")
+    found = [e for e in events if isinstance(e, SilentCorruption)]
+    cured = [e.kind for e in events if isinstance(e, CorruptionHealed)]
+    if not found or not found[0].attributed:
+        return [f"not found, or not attributed to one worker: {found}"]
+    if kind == "corrupt" and (cured != ["transient"] or result.recoveries):
+        return [f"a flipped bit healed as {cured}, with {len(result.recoveries)} recoveries"]
+    killed = {e.worker for e in events if isinstance(e, WorkerKilled)}
+    if kind == "corrupt-persistent" and (cured != ["persistent"] or killed != set(found[-1].workers)):
+        return [f"a worker computing wrong healed as {cured}, killed {killed}, suspected {found[-1].workers}"]
+    return []
+
+
 def planned(run_dir: Path, result: Any) -> list[str]:
     """A worker SIGTERMed by its host leaves at a planned step: nothing lost, killed or counted as a failure."""
     events = read_events(run_dir / "events.jsonl")
@@ -266,6 +293,10 @@ def run_round(run_dir: Path, spec: dict[str, Any]) -> tuple[Any, list[str]]:
     """One round; with an ``attack``, what the attacker got through is a problem too; with ``correlated``, a
     survivor killed or more than one re-form; with ``planned``, any loss, kill or recovery."""
     attack = spec.pop("attack", None)
+    corrupted = spec.pop("corrupted", None)
+    if corrupted is not None:
+        result = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec).run()
+        return result, healed(run_dir, result, corrupted)
     if spec.pop("planned", False):
         result = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec).run()
         return result, planned(run_dir, result)
