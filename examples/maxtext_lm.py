@@ -301,6 +301,15 @@ def main() -> None:
         "--no-reference", action="store_true", help="skip the fault-free run (another process) and its comparison"
     )
     parser.add_argument("--json", action="store_true", help="print the summary as one line of JSON, last")
+    parser.add_argument(
+        "--fingerprint-every",
+        type=int,
+        default=None,
+        help="compare the state's replicas every N steps (silent data corruption; under launch: 1 or 0)",
+    )
+    parser.add_argument(
+        "--corrupt-at", type=int, default=0, help="flip a bit of device 6's copy of the state after this step"
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 unless 0 steps lost and within 1e-5")
     parser.add_argument("--digest-of", default=None, help="print the digest of a --result folder and exit")
     parser.add_argument("--compare", default=None, help="with --digest-of: a second --result folder to compare")
@@ -324,12 +333,17 @@ def main() -> None:
     # MaxText's own output folder (its checkpoints are off: the runtime checkpoints).
     config = maxtext_config(args.steps, run_dir or tempfile.mkdtemp(prefix="maxtext-lm-"))
     job, policy = make_job(config, global_batch=args.global_batch)
+    precompile, every = not args.no_precompile, args.fingerprint_every
     if launched:  # --run-dir, if given, must be the launch's (it says so if not)
-        runtime_config = RuntimeConfig(run_dir=args.run_dir, precompile=not args.no_precompile)
+        runtime_config = RuntimeConfig(run_dir=args.run_dir, precompile=precompile, fingerprint_every=every)
     else:
         checkpoints = os.path.join(run_dir, "checkpoints")
-        runtime_config = RuntimeConfig(run_dir=run_dir, checkpoint_dir=checkpoints, precompile=not args.no_precompile)
+        runtime_config = RuntimeConfig(
+            run_dir=run_dir, checkpoint_dir=checkpoints, precompile=precompile, fingerprint_every=every
+        )
     injector = FaultInjector()
+    if args.corrupt_at:  # embedded; under launch a worker's own fault does it: `launch --fault corrupt:1@STEP`
+        injector.corrupt(args.corrupt_at, device=6)
     if args.lose_slice_at:
         injector.lose_slice(at_step=args.lose_slice_at, slice_index=args.lose_slice, slice_size=SLICE_SIZE)
     # Under `elastic-runtime launch` run() becomes this process's worker (the injector and policy are for one
