@@ -43,3 +43,12 @@ def test_demo_kills_a_worker_and_matches_the_fault_free_run(tmp_path: Path, caps
         "max_rel_error": 0.0,
         "worst_leaf": "",
     }
+
+
+@pytest.mark.parametrize("given", ["1", "x:5", "1:-2"])
+def test_a_malformed_corruption_is_refused_before_anything_starts(
+    given: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["demo", "--processes", "2", "--slices", "2", "--corrupt-worker-at", given, "--run-dir", str(tmp_path)])
+    assert code == 2 and "expected P:STEP" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # no controller, no worker
