@@ -94,6 +94,8 @@ def test_one_grammar_for_device_process_and_worker_faults() -> None:
     text = "lose-slice:3@100, repair-slice:random@90s, kill:1@40, stop:0@20, term:2@forming, hang:1@12, slow:2@20x3"
     faults = parse_faults(text)
     corrupt = parse_faults("corrupt:1@12,corrupt-persistent:0@5", kinds=("worker",))
+    [restoring] = parse_faults("kill:0@restoring")
+    assert restoring.restoring and not restoring.forming and str(restoring) == "kill:0@restoring"
     assert [(f.action, f.target, f.step) for f in corrupt] == [("corrupt", 1, 12), ("corrupt-persistent", 0, 5)]
     assert [(f.kind, f.action, f.target) for f in faults] == [
         ("device", "lose-slice", 3),
@@ -117,6 +119,7 @@ def test_one_grammar_for_device_process_and_worker_faults() -> None:
         ("lose-slice:1@40", ("process", "worker"), "action must be one of kill"),
         ("kill:random@4", ("process",), "kill:random@4"),
         ("hang:1@forming", ("worker",), "hang:1@forming"),
+        ("hang:1@restoring", ("worker",), "hang:1@restoring"),
         ("kill:1@-3", ("process",), "step must be >= 0"),
         ("slow:1@20", ("worker",), "STEPxFACTOR"),
         ("slow:1@20x0.5", ("worker",), "a factor > 1"),

@@ -4,8 +4,9 @@
   ``lose-device``, ``repair-slice``, ``repair-device``; TARGET a slice or device index, or ``random``; WHEN
   a step, or seconds of training (``90s``).
 - Processes (the controller signals a worker, :mod:`elastic_runtime.faults.process`): ``kill``, ``stop``,
-  ``term`` (SIGKILL, SIGSTOP, SIGTERM); TARGET a process id in the group; WHEN a step the group commits, or
-  ``forming``: while the next group forms after a failure.
+  ``term`` (SIGKILL, SIGSTOP, SIGTERM); TARGET a process id in the group; WHEN a step the group commits,
+  ``forming``: while the next group forms after a failure, or ``restoring``: once it formed, while its members
+  restore the step.
 - Workers (a worker does it to itself at that exact point): ``die-midstep`` (computed, not committed),
   ``die-writing-replica``, ``hang`` (a deadlock in the step), ``slow`` (a straggler: from that step on, each of
   its iterations takes FACTOR times its own work, the sleep outside the step's collectives), ``corrupt`` (silent
@@ -13,7 +14,8 @@
   ``corrupt-persistent`` (the same before every step after WHEN: a device that computes wrong); TARGET a process
   id in the first group; WHEN a step, for ``slow`` ``STEPxFACTOR``.
 
-Examples: ``lose-slice:3@100,repair-slice:3@200``; ``kill:1@40``; ``kill:1@10,kill:2@forming``; ``hang:1@12``;
+Examples: ``lose-slice:3@100,repair-slice:3@200``; ``kill:1@40``; ``kill:1@10,kill:2@forming``;
+``kill:1@10,kill:0@restoring``; ``hang:1@12``;
 ``slow:2@20x3``; ``corrupt:1@12``.
 """
 
@@ -35,6 +37,7 @@ DEVICE_ACTIONS = ("lose-slice", "lose-device", "repair-slice", "repair-device")
 PROCESS_SIGNALS = {"kill": "KILL", "stop": "STOP", "term": "TERM"}
 WORKER_ACTIONS = ("die-midstep", "die-writing-replica", "hang", "slow", "corrupt", "corrupt-persistent")
 FORMING = "forming"
+RESTORING = "restoring"
 
 
 @dataclass(frozen=True)
@@ -47,11 +50,15 @@ class Fault:
     seconds: float | None = None  # of training, since the schedule was started
     repeat_s: float | None = None  # applied again this many seconds later, and so on
     forming: bool = False  # while the next group forms after a failure
+    restoring: bool = False  # once it formed, while its members restore the step
     factor: float | None = None  # ``slow``: how many times its own work each iteration takes
 
     def __str__(self) -> str:
         target = "random" if self.target < 0 else str(self.target)
-        when = FORMING if self.forming else f"{self.step}" if self.step is not None else f"{self.seconds:g}s"
+        if self.forming or self.restoring:
+            when = FORMING if self.forming else RESTORING
+        else:
+            when = f"{self.step}" if self.step is not None else f"{self.seconds:g}s"
         when += f"x{self.factor:g}" if self.factor is not None else ""
         return f"{self.action}:{target}@{when}" + (f" (every {self.repeat_s:g}s)" if self.repeat_s else "")
 
@@ -86,6 +93,8 @@ def parse_faults(text: str, *, kinds: Iterable[str] = ("device", "process", "wor
                 raise ValueError("target must be an index >= 0" + (" or 'random'" if action in DEVICE_ACTIONS else ""))
             if when == FORMING and action in PROCESS_SIGNALS:
                 faults.append(Fault(action, index, forming=True))
+            elif when == RESTORING and action in PROCESS_SIGNALS:
+                faults.append(Fault(action, index, restoring=True))
             elif when.endswith("s") and action in DEVICE_ACTIONS:
                 faults.append(Fault(action, index, seconds=float(when[:-1])))
             elif action == "slow":

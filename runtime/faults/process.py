@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from elastic_runtime.core.bus import EventBus
-from elastic_runtime.core.events import GroupForming, StepCompleted
+from elastic_runtime.core.events import GroupFormed, GroupForming, StepCompleted
 from elastic_runtime.faults.corruption import flip_a_bit
 from elastic_runtime.faults.grammar import PROCESS_SIGNALS, Fault, format_faults, parse_faults
 
@@ -47,11 +47,12 @@ class ProcessFaults:
         """Subscribe to the controller's bus."""
         bus.subscribe(StepCompleted, self.on_step)
         bus.subscribe(GroupForming, self.on_forming)
+        bus.subscribe(GroupFormed, self.on_restoring)
         return self
 
     async def on_step(self, event: StepCompleted, ctx: _Context) -> None:
         step = event.step or 0
-        for fault in [f for f in self.pending if not f.forming and f.due(step)]:
+        for fault in [f for f in self.pending if not (f.forming or f.restoring) and f.due(step)]:
             self.pending.remove(fault)
             if fault.target < len(ctx.members):
                 worker = ctx.members[fault.target]
@@ -59,13 +60,20 @@ class ProcessFaults:
                 ctx.signal(worker, PROCESS_SIGNALS[fault.action], why)
 
     async def on_forming(self, event: GroupForming, ctx: _Context) -> None:
-        if event.strategy == "start":  # "forming" means a re-forming after a failure
-            return
-        for fault in [f for f in self.pending if f.forming]:
+        if event.strategy != "start":  # "forming" means a re-forming after a failure
+            self._signal([f for f in self.pending if f.forming], event.members, "forming", ctx)
+
+    async def on_restoring(self, event: GroupFormed, ctx: _Context) -> None:
+        # Published once every member was sent the step to restore: they are restoring it now.
+        if event.strategy != "start":
+            self._signal([f for f in self.pending if f.restoring], event.members, "restoring", ctx)
+
+    def _signal(self, faults: list[Fault], members: tuple[int, ...], group: str, ctx: _Context) -> None:
+        for fault in faults:
             self.pending.remove(fault)
-            position = min(fault.target, len(event.members) - 1)
-            worker = event.members[position]
-            why = f"{FAULT_INJECTION}{fault} (process {position} of the forming group: worker {worker})"
+            position = min(fault.target, len(members) - 1)
+            worker = members[position]
+            why = f"{FAULT_INJECTION}{fault} (process {position} of the {group} group: worker {worker})"
             ctx.signal(worker, PROCESS_SIGNALS[fault.action], why)
 
 

@@ -18,7 +18,9 @@ Fault kinds, each round one or more of them:
   (mid replica-file write), ``hang``, ``impostor``, ``flood``, ``leave`` (SIGTERM of a worker), ``leave-killed``,
   ``slow`` (a straggler, 3x), ``resume`` (the controller killed, then ``--resume``), ``sigterm`` and
   ``sigterm-durable`` (the controller stopped), ``corrupt`` and ``corrupt-persistent`` (a bit of one worker's
-  copy of the state flipped once, or before every step: the slices' comparison finds it);
+  copy of the state flipped once, or before every step: the slices' comparison finds it), ``during-restore`` (a
+  second kill while the re-formed group restores) and ``durable-write`` (a kill right after a durable step's
+  commit, when its checkpoint's write starts);
 - simulated hosts (network namespaces, root only), ``elastic-runtime demo --hosts 3``: a host lost at a random
   step, its link down and every process on it killed (``host-lost``), or cut off the network and healed
   (``host-partitioned``); a replacement joins from a new host.
@@ -60,6 +62,7 @@ ONE_PROCESS = (
 MULTI_PROCESS = (
     "kill", "stop", "two", "together", "during-recovery", "midstep", "replica", "hang", "impostor", "flood", "leave",
     "leave-killed", "slow", "resume", "sigterm", "sigterm-durable", "corrupt", "corrupt-persistent",
+    "during-restore", "durable-write",
 )  # fmt: skip
 HOSTS = ("host-lost", "host-partitioned")
 KINDS = ONE_PROCESS + MULTI_PROCESS + HOSTS

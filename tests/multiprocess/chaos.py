@@ -17,6 +17,8 @@ re-forms) are judged on "no survivor killed" and "one re-form" too. ``leave``: a
 (``term``), a planned departure: no loss, no kill, no recovery; ``leave-killed``: the same worker then killed
 0.1 s later, before the step it was to leave at (a grace period cut short), judged as a correlated loss.
 ``slow``: a worker 3x slower from a step (a straggler), replaced at a planned step or kept, judged like ``leave``.
+``during-restore``: a second kill while the re-formed group restores; ``durable-write``: a kill right after a
+durable step's commit, when its checkpoint's write starts (every 5 steps, to a folder).
 ``corrupt`` and ``corrupt-persistent``: a bit of one worker's copy of the state flipped once (healed by the
 members' replay: no recovery) or before every step (that worker alone replaced: the majority of the 3 slices
 names it), bitwise either way.
@@ -94,6 +96,8 @@ CASES = (
     "slow",
     "corrupt",
     "corrupt-persistent",
+    "during-restore",
+    "durable-write",
     *CONTROLLER_CASES,
 )
 
@@ -144,6 +148,13 @@ def plan(rng: random.Random, cases: tuple[str, ...] = CASES) -> dict[str, Any]:
             # run's end; either way nothing is lost, killed or counted.
             delay = {"extra_env": {ENV_STEP_DELAY_S: "0.1"}}
             return {"faults": [Fault("slow", pid, step=min(step, STEPS // 3), factor=3.0)], "planned": True} | delay
+        case "during-restore":
+            # A second kill once the group re-formed, while its members restore the step.
+            return {"faults": [Fault("kill", pid, step=step), Fault("kill", rng.randrange(NPROCS), restoring=True)]}
+        case "durable-write":
+            # A durable checkpoint every 5 steps; the kill right after a due step's commit, its write under way.
+            at = 5 * rng.randrange(1, STEPS // 5 - 1)
+            return {"faults": [Fault("kill", pid, step=at)], "durable_every": 5, "durable": True}
         case "corrupt" | "corrupt-persistent":
             # Silent: a bit of its copy flipped (once, or before every step), found by the slices' comparison.
             command = worker_command(STEPS, fingerprint=True)
@@ -293,6 +304,8 @@ def run_round(run_dir: Path, spec: dict[str, Any]) -> tuple[Any, list[str]]:
     """One round; with an ``attack``, what the attacker got through is a problem too; with ``correlated``, a
     survivor killed or more than one re-form; with ``planned``, any loss, kill or recovery."""
     attack = spec.pop("attack", None)
+    if spec.pop("durable", False):
+        spec["durable_dir"] = str(run_dir.with_name(f"{run_dir.name}-durable"))
     corrupted = spec.pop("corrupted", None)
     if corrupted is not None:
         result = group_controller(processes=NPROCS, steps=STEPS, run_dir=run_dir, **spec).run()
