@@ -1,6 +1,8 @@
-"""A worker's training loop: run each step in the step thread, commit it (the RAM replica, the replica file, the
-neighbour copy, the ledger, a durable write when due), apply what the script's handlers asked at each boundary,
-and at the target gather the final state's digest for ``Finished``.
+"""A worker's training loop: run each step in the step thread, compare the slices' copies of its new state where
+they are compared (silent data corruption: a step that differs is run again or its suspects replaced, never
+committed), commit it (the RAM replica, the replica file, the neighbour copy, the ledger, a durable write when
+due), apply what the script's handlers asked at each boundary, and at the target gather the final state's digest
+for ``Finished``.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
             if isinstance(verdict[0], StateDiverged):  # not committed: nothing corrupted is ever kept or written
                 report_corruption(worker, verdict[0])
                 if verdict[0].persistent:
-                    return None  # the controller replaces the suspects' workers; the group restores this step's
+                    return None  # the controller replaces the suspects' workers; the group restores the step before
                 continue  # a transient flip: the step again, from the state before it
             if verdict[0] is not None:
                 report_corruption(worker, verdict[0])
