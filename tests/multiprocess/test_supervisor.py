@@ -10,6 +10,7 @@ import msgspec
 from elastic_runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from elastic_runtime.cluster.controller.heartbeat import HeartbeatMonitor, Hung
 from elastic_runtime.cluster.controller.membership import Membership
+from elastic_runtime.cluster.controller.outcome import Outcome
 from elastic_runtime.cluster.controller.processes import ProcessPool, log_tail
 from elastic_runtime.cluster.controller.supervision import (
     Action,
@@ -60,13 +61,13 @@ class Run:
         self.pool = ProcessPool(config, tmp_path, str(tmp_path), "secret")
         self.monitor = HeartbeatMonitor(timeout_s=2.0, hang_timeout_s=config.hang_timeout_s, clock=self.clock)
         self.result = LaunchResult(False, 0, TARGET, {}, [], [], [], [], 0, "", str(tmp_path))
+        self.outcome = Outcome(self.result)  # the result's figures, from the events published
         self.supervisor = Supervisor(
             config,
             self.pool,
             Membership(config.nprocs, config.slice_size),
             self.monitor,
             RecoveryTracker("controller", config.max_failures, clock=self.clock),
-            self.result,
             target_steps=TARGET,
             clock=self.clock,
         )
@@ -111,6 +112,7 @@ class Run:
                     self.filled.append(action)
                 case Publish(event=published):
                     self.events.append(published)
+                    self.outcome.take(published)
                 case EndRun(error=error):
                     self.ended = error
                 case Finish():
@@ -244,7 +246,7 @@ def test_a_spare_takes_the_seat_of_a_member_lost_before_the_others_got_past_jaxs
     run.wait(0.1)
     assert run.forms[-1].members == (0, 2)
     run.lose(2)  # the spare, seated, dies before anyone is in generation 2: worker 0 waits in JAX's start for seat 1
-    assert run.killed == [] and run.result.survivor_restarts == 0  # nobody else is replaced
+    assert run.killed == [] and run.supervisor.survivor_restarts == 0  # nobody else is replaced
     spawned = sorted(p.worker for p in run.pool if p.hello is None and not p.gone)
     assert spawned == [3]  # one spare for the one seat
     run.now += 25.0  # a slow cold start
@@ -269,7 +271,7 @@ def test_a_spare_takes_the_seat_of_a_member_lost_before_the_others_got_past_jaxs
     late.wait(0.1)
     late.lose(2)
     late.wait(31.0)
-    assert late.killed == [0] and late.result.survivor_restarts == 1
+    assert late.killed == [0] and late.supervisor.survivor_restarts == 1
     assert late.supervisor.recovery.failures == 2  # the restart is no failure of its own
 
 
@@ -292,7 +294,7 @@ def test_two_members_lost_apart_re_form_once_with_the_spares_and_no_survivor_kil
     assert run.forms[-1].members == (0, 1, 4, 5) and run.forms[-1].generation == 2
     run.join(step=10, tier="ram")
     run.commit(11)
-    assert run.killed == [] and run.result.survivor_restarts == 0
+    assert run.killed == [] and run.supervisor.survivor_restarts == 0
     assert [e.members for e in run.events if isinstance(e, GroupFormed)] == [(0, 1, 4, 5)]  # one re-form
     assert run.supervisor.recovery.failures == 2
     assert run.result.strategies == [Strategy.START, Strategy.REFORM]
@@ -345,7 +347,7 @@ def test_in_service_mode_a_member_lost_before_anyone_got_past_jaxs_start_drops_o
     assert run.filled == [FillSeats(2, "127.0.0.1:1002", (1,))]  # worker 2's seat in (0, 2, 3)
     run.join(step=10, tier="ram")
     run.commit(11)
-    assert run.supervisor.recovery.failures == 2 and run.result.survivor_restarts == 0 and run.ended is None
+    assert run.supervisor.recovery.failures == 2 and run.supervisor.survivor_restarts == 0 and run.ended is None
     assert run.result.strategies == [Strategy.START, Strategy.REFORM] and run.filled == [run.filled[0]]
 
     # Too few to go on (min_nprocs 3): the seat waits for a replacement, as when the controller starts spares.

@@ -106,6 +106,7 @@ async def publish_finished(controller: ControllerState, reason: str, bus_done: a
 
 def write_summary(controller: ControllerState, reason: str) -> None:
     controller.result.step = controller.group_step
+    controller.result.survivor_restarts = controller.supervisor.survivor_restarts
     controller.result.target_steps = controller.target_steps
     controller.result.reason = controller.result.reason or reason
     controller.result.longest_heartbeat_gap_s = round(controller.monitor.longest_gap_s, 3)

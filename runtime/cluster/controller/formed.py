@@ -58,7 +58,6 @@ def send_restore(sup: SupervisorState, out: list[Action]) -> None:
     # killed now still tells the next workers what not to restore (``--resume``).
     out.append(SaveFences())
     if strategy == Strategy.START:
-        sup.result.resumed_from = plan.step if plan.step > 0 else -1
         gaps = []  # a resumed run: the controller before this one logged those steps
     for gap in gaps:
         # Committed by the member(s) restored from before the old group could report them all: the new
@@ -77,8 +76,6 @@ def send_restore(sup: SupervisorState, out: list[Action]) -> None:
     sup.restored = True
     out.extend(Watch(worker, "training", from_step=plan.step) for worker in members)
     out.append(WarmSpares())
-    sup.result.world_size_history.append(len(members))
-    sup.result.strategies.append(strategy)
     formed = GroupFormed(
         step=plan.step,
         source="controller",

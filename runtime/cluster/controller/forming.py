@@ -72,7 +72,7 @@ def form_generation(sup: SupervisorState, out: list[Action], strategy: Strategy,
                 out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE)))
             sup.pool[worker].gone = True
             out.append(Watch(worker, "unwatched"))
-        sup.result.survivor_restarts += len(survivors)
+        sup.survivor_restarts += len(survivors)
         survivors = []
     elif strategy == Strategy.REFORM and not survivors:
         strategy = Strategy.RESTART  # nobody left to re-form with: the state must come from the replica files

@@ -64,7 +64,7 @@ from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.controller.workers import reap, renew_leases, spawn
 from elastic_runtime.core.bus import EventBus
 from elastic_runtime.core.errors import ElasticRuntimeError
-from elastic_runtime.core.events import GroupFormed, SilentCorruption, WorkerHung, WorkerLost
+from elastic_runtime.core.events import Event, GroupFormed, SilentCorruption, WorkerHung, WorkerLost
 
 __all__ = ["Controller"]
 
@@ -101,6 +101,7 @@ class Controller(ControllerState):
         self.bus = EventBus(self.context, handler_timeout=30.0, log=self.event_log)
         self.relay = EventRelay(self)
         self.relay.attach(self.bus)
+        self.bus.subscribe(Event, self.outcome.on_event, timeout=None)
         for lost in (WorkerLost, WorkerHung):
             self.bus.subscribe(lost, functools.partial(take_verdict, self), priority=VERDICT_PRIORITY, timeout=None)
         corrupt = functools.partial(take_corruption, self)

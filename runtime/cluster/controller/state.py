@@ -25,6 +25,7 @@ from elastic_runtime.cluster import auth
 from elastic_runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
 from elastic_runtime.cluster.controller.heartbeat import HeartbeatMonitor
 from elastic_runtime.cluster.controller.membership import Membership
+from elastic_runtime.cluster.controller.outcome import Outcome
 from elastic_runtime.cluster.controller.processes import ProcessPool
 from elastic_runtime.cluster.controller.runfolder import default_replica_dir, open_run
 from elastic_runtime.cluster.controller.server import WorkerServer
@@ -146,9 +147,8 @@ class ControllerState:
         # The controller's target, never a worker's to change: fixed by the config, else by the first worker's
         # Hello (see ``target_steps``).
         target = config.target_steps if config.target_steps is not None else -1
-        self.supervisor = Supervisor(
-            config, self.pool, self.group, self.monitor, self.recovery, self.result, target_steps=target
-        )
+        self.supervisor = Supervisor(config, self.pool, self.group, self.monitor, self.recovery, target_steps=target)
+        self.outcome = Outcome(self.result)  # the result's figures from the run's events (subscribed by the shell)
         # The supervisor's inputs, from the message handlers, the monitor's verdicts and the reaper, in order.
         self.inputs_in, self.inputs = anyio.create_memory_object_stream[Input](max_buffer_size=math.inf)
         self.port = 0

@@ -280,17 +280,4 @@ class Supervisor(SupervisorState):
                 transfer_s=tally.transfer_s,
             )
             if recovery is not None and completed is not None:
-                self.result.recoveries.append(
-                    {
-                        "cause": recovery.cause,
-                        "strategy": recovery.strategy,
-                        "recovery_s": completed.recovery_s,
-                        "lost_steps": recovery.lost_steps,
-                        "restored_from": recovery.restored_from,
-                        "failed_step": recovery.failed_step,
-                        "bytes_by_tier": completed.bytes_by_tier,
-                        "read_s_by_tier": completed.read_s_by_tier,
-                        "transfer_s": completed.transfer_s,
-                    }
-                )
                 out.append(Publish(completed))

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elastic_runtime.cluster.config import LaunchConfig, LaunchError, LaunchResult, Strategy
+from elastic_runtime.cluster.config import LaunchConfig, LaunchError, Strategy
 from elastic_runtime.cluster.controller.heartbeat import HeartbeatMonitor
 from elastic_runtime.cluster.controller.membership import Membership
 from elastic_runtime.cluster.controller.processes import ProcessPool, log_tail
@@ -44,7 +44,6 @@ class SupervisorState:
         monitor: the heartbeat monitor, read only (whether more losses may be on their way); its switches are
             ``Watch`` actions.
         recovery: the failure budget and recovery timing.
-        result: the run's outcome, whose formation figures it fills in.
         target_steps: the run's target; -1 until the first worker's hello says it (see :attr:`target_steps`).
         clock: monotonic seconds.
     """
@@ -56,7 +55,6 @@ class SupervisorState:
         group: Membership,
         monitor: HeartbeatMonitor,
         recovery: RecoveryTracker,
-        result: LaunchResult,
         *,
         target_steps: int = -1,
         clock: Callable[[], float] = time.monotonic,
@@ -66,7 +64,6 @@ class SupervisorState:
         self.group = group
         self.monitor = monitor
         self.recovery = recovery
-        self.result = result
         self.target_steps = target_steps
         self.clock = clock
         self.phase = Phase.IDLE
@@ -88,6 +85,7 @@ class SupervisorState:
         self.forming_started = 0.0
         self.recruit_timeout = 0.0
         self.survivors: list[int] = []
+        self.survivor_restarts = 0  # survivors the restart strategy replaced, in all (LaunchResult's)
         self.chosen: list[int] = []
         self.coordinator = ""  # the current generation's coordination service ("" before it is hosted)
         self.settle_until = 0.0
