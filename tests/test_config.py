@@ -129,3 +129,18 @@ def test_the_cli_says_which_value_is_bad(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_under_launch_every_field_a_script_sets_applies_or_is_announced() -> None:
+    # Nothing ignored without a word: a field a worker does not apply itself is sent in Hello.settings, and the
+    # controller says what sets it for the group, or why it has no effect there (ConfigOverridden).
+    from elastic_runtime.cluster.controller.admission import OVERRIDDEN
+    from elastic_runtime.defaults.elastic import APPLIED_IN_WORKERS, launch_owned
+
+    special = {"run_dir"}  # the launch's run folder: the same one is fine, another one is refused
+    fields = set(RuntimeConfig.__struct_fields__)
+    assert fields - APPLIED_IN_WORKERS - special == set(OVERRIDDEN) - {"mesh_policy"}
+    config = RuntimeConfig(max_recoveries=7, scale_up_poll_s=None, fingerprint_every=1, handler_timeout_s=9.0)
+    sent = launch_owned(config, None, resume=False)
+    assert sent == {"max_recoveries": "7", "scale_up_poll_s": "None"}  # the applied ones stay in the worker
+    assert OVERRIDDEN["max_recoveries"] == "--max-failures sets the group's failure budget"

@@ -237,8 +237,9 @@ class DataMismatch(Failure, frozen=True, kw_only=True):
 
 
 class ConfigOverridden(Event, frozen=True, kw_only=True):
-    """Under ``launch``, a setting the training script gave (``setting``, as ``value``) that the launch sets for the
-    whole group, with its flag (``flag``): the script's value does not apply there, and the log says so."""
+    """Under ``launch``, a setting the training script gave (``setting``, as ``value``) that does not apply there:
+    ``flag`` says what sets it for the whole group (a flag of the launch) or why it has no effect, and the log says
+    so."""
 
     setting: str
     value: str

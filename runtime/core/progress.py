@@ -102,7 +102,7 @@ def describe_event(event: Any) -> str | None:
         case NoticeSourceReady():
             return f"maintenance notices from {event.source} ({event.address}) ready"
         case ConfigOverridden():
-            return f"the script's {event.setting}={event.value} does not apply under launch: {event.flag} sets it"
+            return f"the script's {event.setting}={event.value} does not apply under launch: {event.flag}"
         case SilentCorruption():
             if not event.persistent:
                 verdict = "replaying the step to tell a flipped bit from a device that computes wrong"

@@ -143,14 +143,19 @@ def under_launch() -> bool:
     return is_worker()
 
 
+# The RuntimeConfig fields a worker of ``launch`` applies itself, as in one process.
+APPLIED_IN_WORKERS = frozenset({"handler_timeout_s", "fingerprint_every"})
+
+
 def launch_owned(config: RuntimeConfig, policy: MeshPolicy | None, resume: bool) -> dict[str, str]:
-    """What the script set, of what ``elastic-runtime launch`` sets for the whole group: the run folder, the durable
-    tier, the mesh, resuming. The controller applies or refuses each (``Hello.settings``), so that none is ignored
-    without a word."""
+    """What the script set that ``elastic-runtime launch`` decides for the whole group: the run folder, the mesh,
+    resuming, and every ``RuntimeConfig`` field off its default but those a worker applies itself
+    (``APPLIED_IN_WORKERS``). The controller applies or refuses each (``Hello.settings``), or says what sets it
+    instead (``ConfigOverridden``), so that none is ignored without a word."""
     default = RuntimeConfig()
     owned = {"run_dir": os.path.abspath(config.run_dir)} if config.run_dir else {}
-    for name in ("checkpoint_dir", "disk_every", "keep", "gcs_uri", "gcs_every", "ram_dir"):
-        if getattr(config, name) != getattr(default, name):
+    for name in RuntimeConfig.__struct_fields__:
+        if name not in APPLIED_IN_WORKERS and name != "run_dir" and getattr(config, name) != getattr(default, name):
             owned[name] = str(getattr(config, name))
     if policy is not None:
         owned["mesh_policy"] = ",".join(f"{axis}={size}" for axis, size in policy.target_shape.items())

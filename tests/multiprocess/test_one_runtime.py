@@ -74,6 +74,9 @@ def test_under_launch_with_a_killed_worker_whose_replacement_is_slow(tmp_path: P
     assert accuracies(tmp_path / "run")  # the steps the workers' heartbeats reported
     lines = progress_lines(done.stderr)
     assert len(lines) >= 3
+    # What the script set for one process and the launch decides is said, not ignored (its progress cadence).
+    said = "the script's progress_every_s=1.0 does not apply under launch: the controller prints a line about"
+    assert [line for line in lines if said in line], lines
     # The fault names a process of the group, the events worker ids: the console's line about it says both, and
     # the re-forming says why.
     [fault] = [line for line in lines if "fault injection: kill:1@8 (process 1 of the group: worker " in line]

@@ -55,15 +55,45 @@ async def hello(controller: ControllerState, message: Message, stream: Connectio
     return await admit(controller, proc, message, stream)
 
 
-# What the launch sets of what a script may set itself, and the flag that sets it.
-_OVERRIDDEN = {
-    "mesh_policy": "--nprocs, --slices and --local-devices (a group's mesh is the job's process_mesh laid out on them)",
-    "checkpoint_dir": "--durable DIR (the group's durable tier)",
-    "disk_every": "--durable-every",
-    "keep": "--durable-keep",
-    "gcs_uri": "--durable gs://BUCKET/PREFIX",
-    "gcs_every": "--durable-every",
-    "ram_dir": "--replica-dir",
+# Of what a script may set itself (its RuntimeConfig, its MeshPolicy), what the launch does instead: the flag that
+# sets it, or why it has no effect there. Every RuntimeConfig field but those a worker applies itself
+# (``elastic_runtime.defaults.elastic.APPLIED_IN_WORKERS``), ``run_dir`` and ``resume`` (refused when they
+# contradict the launch) is here; ``tests/test_config.py`` checks it.
+OVERRIDDEN = {
+    "mesh_policy": "--nprocs, --slices and --local-devices set the group's mesh (the job's process_mesh on them)",
+    "checkpoint_dir": "--durable DIR sets the group's durable tier",
+    "disk_every": "--durable-every sets it",
+    "keep": "--durable-keep sets it",
+    "gcs_uri": "--durable gs://BUCKET/PREFIX sets the group's durable tier",
+    "gcs_every": "--durable-every sets it",
+    "gcs_workers": "the group's durable checkpoint is written by the first slice's processes, each its own part",
+    "checkpoint_timeout_s": "the group's durable writes have no timeout of their own (--durable)",
+    "checkpoint_on_finish": "the run's last step always goes to the durable tier (--durable)",
+    "ram_dir": "--replica-dir sets it",
+    "snapshot_every": "every member keeps each committed step in RAM; --replica-file-every sets its files' cadence",
+    "snapshot_mtbf_s": "every member keeps each committed step in RAM; --replica-file-every sets its files' cadence",
+    "max_recoveries": "--max-failures sets the group's failure budget",
+    "recovery_timeout_s": "--form-timeout and --hang-timeout bound a re-forming",
+    "max_pending_events": "no effect: the controller holds the group's events",
+    "device_wait_s": "no effect: a lost device is its worker's loss, and the controller re-forms the group",
+    "device_poll_s": "no effect: a lost device is its worker's loss, and the controller re-forms the group",
+    "scale_up_poll_s": "no effect: the group grows back when a replacement joins",
+    "precompile": "the group one slice smaller is always prepared while this one trains",
+    "compile_cache": "the launch's workers share one compilation cache, beside their replica files",
+    "event_batch_s": "no effect: a worker reports every step to the controller",
+    "check_data": "not done under launch: the batches read are not fingerprinted there",
+    "progress": "the controller prints the group's progress; --quiet turns it off",
+    "progress_every_s": "the controller prints a line about the group's steps every 10 s",
+    "maintenance_subscription": "--maintenance-subscription sets the controller's",
+    "require_maintenance_notices": "--require-maintenance-notices sets it",
+    "drain_lead_s": "--drain-lead sets it",
+    "metadata_host": "each worker watches its own host's metadata server when ELASTIC_METADATA_HOST is set",
+    "instances": "each worker's instance is the host it runs on, as its Hello names it",
+    "instance_devices": "each worker's instance is the host it runs on, as its Hello names it",
+    "maintenance_checkpoint_tiers": "a drained host's group writes its durable checkpoint (--durable)",
+    "preemption_checkpoint_tiers": "a drained host's group writes its durable checkpoint (--durable)",
+    "pubsub_max_messages": "the controller's notice source sets its own",
+    "metadata_poll_timeout_s": "the controller's notice source sets its own",
 }
 
 
@@ -79,17 +109,18 @@ async def apply_settings(controller: ControllerState, settings: dict[str, str]) 
                 f"the training script's RuntimeConfig.run_dir={where!r} is not the launch's run folder "
                 f"(`--run-dir` {ours}): give the launch `--run-dir {where}`, or leave RuntimeConfig.run_dir unset"
             )
-        flag = f"--run-dir (this run's folder: {ours}; give `--run-dir {where}` to use the script's)"
+        flag = f"--run-dir sets it (this run's folder: {ours}; give `--run-dir {where}` to use the script's)"
         await controller.bus.publish(ConfigOverridden(source="controller", setting="run_dir", value=where, flag=flag))
     if settings.get("resume") and not controller.config.resume:
         return (
             "the training script asks for run(resume=True); under launch resuming is the launch's: start it with "
             "`launch --resume --run-dir DIR` (the run folder of the run to go on with)"
         )
-    for setting, flag in _OVERRIDDEN.items():
-        if setting in settings:
-            value = settings[setting]
-            await controller.bus.publish(ConfigOverridden(source="controller", setting=setting, value=value, flag=flag))
+    for setting, value in settings.items():
+        if setting not in ("run_dir", "resume"):
+            instead = OVERRIDDEN.get(setting, "no effect under launch")
+            overridden = ConfigOverridden(source="controller", setting=setting, value=value, flag=instead)
+            await controller.bus.publish(overridden)
     return ""
 
 
