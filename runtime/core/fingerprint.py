@@ -218,7 +218,7 @@ class Fingerprinter:
         leaves, mesh = self._chosen(state)
         assert mesh is not None, "nothing to fingerprint: check covers() first"
         out = self._program(mesh, leaves)(*leaves)
-        if _spans_processes(mesh):  # every digest, gathered on every device: read from one of this process's
+        if _spans_processes(mesh):  # every digest was gathered on every device: read from this process's first
             return np.asarray(out.addressable_data(0)).reshape(mesh.devices.shape), mesh
         return np.asarray(jax.device_get(out)), mesh
 
@@ -239,7 +239,6 @@ class Fingerprinter:
 
     def _compile(self, mesh: Mesh, leaves: list[Any]) -> Any:
         ones = (1,) * len(mesh.axis_names)
-
         gather = _spans_processes(mesh)
 
         def local(*blocks: jax.Array) -> jax.Array:
