@@ -12,6 +12,7 @@ import pytest
 
 from elastic_runtime.analysis.goodput import (
     INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION,
+    SILENT_DATA_CORRUPTION,
     WASTED_PROGRESS_FROM_DISRUPTION,
     goodput,
 )
@@ -21,6 +22,7 @@ from elastic_runtime.core.events import (
     CheckpointBehind,
     CheckpointCommitted,
     CheckpointStarted,
+    CorruptionHealed,
     Event,
     GroupFormed,
     GroupForming,
@@ -29,6 +31,7 @@ from elastic_runtime.core.events import (
     RecoveryStarted,
     RunFinished,
     RunStarted,
+    SilentCorruption,
     SliceLost,
     StateRestored,
     StepCompleted,
@@ -357,3 +360,36 @@ def test_the_timeline_places_each_attempt_by_wall_time_and_counts_within_it_by_i
     t = timeline_clock(events)
     assert [round(t(e), 6) for e in events if isinstance(e, StepCompleted)] == [1, 2, 3, 4, 11, 12, 13, 14]
     assert t(events[-1]) == pytest.approx(14.5)  # mono times 500 s apart between the processes: ignored
+
+
+def test_under_launch_a_transient_corruption_healed_by_its_replay_is_a_recovery_of_its_own() -> None:
+    # The members run step 5 again (no RecoveryStarted): the replay closes the failure, so a later loss is booked
+    # as its own failure, not as this one's recovery.
+    found = SilentCorruption(step=5, mono_time=3.6, suspects=(0, 2), digests={}, replicas=2, attributed=False)
+    healed = CorruptionHealed(step=5, mono_time=3.9, kind="transient", suspects=(0, 2), seconds=0.3)
+    events = [
+        RunStarted(step=0, mono_time=0.0, target_steps=8, mesh_shape=SHAPE8, devices=tuple(range(8))),
+        *(commit(s, 1.0 + 0.5 * s) for s in range(1, 5)),
+        found,
+        healed,
+        commit(5, 4.0, duration=0.1),
+        WorkerLost(step=6, mono_time=4.4, worker=1, silent_s=0.0),
+        RecoveryStarted(step=6, mono_time=4.4, cause="WorkerLost", last_committed_step=5),
+        RecoveryCompleted(
+            step=6,
+            mono_time=5.5,
+            cause="WorkerLost",
+            failed_step=6,
+            recovery_s=1.1,
+            lost_steps=0,
+            restored_from="ram",
+            mesh_shape=SHAPE8,
+        ),
+        commit(6, 5.5),
+        RunFinished(step=6, mono_time=6.0, ok=True),
+    ]
+    report = goodput(events)
+    corrupted, lost = report.failures
+    assert (corrupted.kind, corrupted.recovery_s, corrupted.restored_from) == ("SilentCorruption", 0.3, "replay")
+    assert (lost.kind, lost.recovery_s) == ("WorkerLost", 1.1)
+    assert report.badput_s[SILENT_DATA_CORRUPTION] == pytest.approx(0.3 - 0.1)  # the healed step's re-run is work

@@ -22,6 +22,7 @@ from typing import Any
 from elastic_runtime.core.events import (
     CheckpointBehind,
     CheckpointCommitted,
+    CorruptionHealed,
     DeviceLost,
     Event,
     Failure,
@@ -30,6 +31,7 @@ from elastic_runtime.core.events import (
     MeshChanged,
     ProcessLost,
     RecoveryCompleted,
+    RecoveryStarted,
     RunFinished,
     RunStarted,
     SilentCorruption,
@@ -247,6 +249,7 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
     badput = dict.fromkeys(BADPUT_TYPES, 0.0)
     disruptions: list[tuple[Failure, float, RecoveryCompleted | None]] = []
     open_failure: tuple[Failure, float] | None = None  # the failure being recovered, and its attempt time
+    recovering = False  # a RecoveryStarted came for it
     checkpoints: dict[str, int] = {}
     behind: dict[str, dict[str, int]] = {}
 
@@ -263,7 +266,14 @@ def _one_attempt(events: Sequence[Event]) -> GoodputReport:
         elif isinstance(event, _DISRUPTIONS) and open_failure is None:
             # The failed attempt ran from the last commit until the failure surfaced.
             since = history[-1].mono_time if history else started.mono_time
-            open_failure = (event, max(event.mono_time - since, 0.0))
+            open_failure, recovering = (event, max(event.mono_time - since, 0.0)), False
+        elif isinstance(event, RecoveryStarted) and open_failure is not None:
+            recovering = True
+        elif isinstance(event, CorruptionHealed) and open_failure is not None and not recovering:
+            # Under launch the members heal a transient corruption by running its step again, with no recovery of
+            # their own: the replay is its recovery.
+            disruptions.append((*open_failure, _replayed(open_failure[0], event)))
+            open_failure = None
         elif isinstance(event, StateRestored) and open_failure is None:  # a restore that no failure led to
             badput[UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME] += event.seconds
         elif isinstance(event, MeshChanged) and not event.needs_restore:
@@ -334,6 +344,22 @@ def _reform_phases(failure: Failure, done: RecoveryCompleted, window: list[Event
     phases["first_step"] = min(rerun, after)
     phases["restore"] = after - phases["first_step"]
     return {k: round(v, 4) for k, v in phases.items()}
+
+
+def _replayed(found: Failure, healed: CorruptionHealed) -> RecoveryCompleted:
+    """A corruption ``healed`` by the replay of its step alone, as the recovery it was: nothing lost or restored."""
+    return RecoveryCompleted(
+        step=healed.step,
+        source=healed.source,
+        wall_time=healed.wall_time,
+        mono_time=healed.mono_time,
+        cause=type(found).__name__,
+        failed_step=found.step or 0,
+        recovery_s=healed.seconds,
+        lost_steps=0,
+        restored_from="replay",
+        mesh_shape={},
+    )
 
 
 def _record(
