@@ -239,12 +239,21 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
             summary["reference_match"] = compare_states(got, want, bitwise=True)
         else:
             summary["reference_match"] = {"match": False}
-    say(
-        f"\nfinished {summary['steps_completed']} steps in {summary['seconds']:.2f} s; "
-        f"detected after {summary['detected_after_s']} s, recovered in {summary['recovery_s']} s "
-        f"({summary['strategy']}, from {summary['restored_from']}), lost {summary['lost_steps']} step(s), "
-        f"survivor restarts {summary['survivor_restarts']}"
-    )
+    if summary["recoveries"]:
+        outcome = (
+            f"detected after {summary['detected_after_s']} s, recovered in {summary['recovery_s']} s "
+            f"({summary['strategy']}, from {summary['restored_from']}), lost {summary['lost_steps']} step(s), "
+            f"survivor restarts {summary['survivor_restarts']}"
+        )
+    else:
+        outcome = "no recovery"
+    if corrupt is not None:
+        found = summary["corruption"]
+        outcome += (
+            f"; silent data corruption found at step {found['detected_step']}, healed ({found['kind']}) in "
+            f"{found['healed_s']} s, evicted {found['evicted'] or 'nothing'}"
+        )
+    say(f"\nfinished {summary['steps_completed']} steps in {summary['seconds']:.2f} s; {outcome}")
     if "reference_match" in summary:
         say(f"reference check: {summary['reference_match']}")
     if args.json:
