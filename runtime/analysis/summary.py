@@ -7,11 +7,13 @@ from typing import Any
 
 from elastic_runtime.analysis.goodput import goodput, restored_tiers
 from elastic_runtime.core.events import (
+    CorruptionHealed,
     Event,
     MeshChanged,
     RecoveryCompleted,
     RunFinished,
     RunStarted,
+    SilentCorruption,
     StepCompleted,
 )
 
@@ -57,4 +59,21 @@ def summarize(events: Sequence[Event]) -> dict[str, Any]:
         "productive_s": round(accounting.productive_s, 3),
         "goodput": None if accounting.goodput is None else round(accounting.goodput, 4),
         "badput_s": {k: round(v, 3) for k, v in accounting.badput_s.items() if v > 0},
+    }
+
+
+def corruption_summary(events: Sequence[Event], injected_at: int) -> dict[str, Any]:
+    """What the fingerprints found and how the run healed (the demos' JSON ``corruption``)."""
+    found = [e for e in events if isinstance(e, SilentCorruption)]
+    healed = [e for e in events if isinstance(e, CorruptionHealed)]
+    recovered = [e for e in events if isinstance(e, RecoveryCompleted) and e.cause == "SilentCorruption"]
+    return {
+        "injected_after_step": injected_at,
+        "detected_step": found[0].step if found else None,
+        "suspects": list(found[0].suspects) if found else [],
+        "attributed": found[0].attributed if found else None,
+        "kind": healed[-1].kind if healed else None,
+        "evicted": list(healed[-1].evicted) if healed else [],
+        "lost_steps": sum(e.lost_steps for e in recovered),
+        "healed_s": round(healed[-1].seconds, 3) if healed else None,
     }

@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
 
     jax.config.update("jax_num_cpu_devices", args.devices)
     from elastic_runtime import ElasticRuntime, Event, MeshPolicy, RuntimeConfig, read_events
-    from elastic_runtime.analysis.summary import summarize
+    from elastic_runtime.analysis.summary import corruption_summary, summarize
     from elastic_runtime.cli.progress import ProgressPrinter
     from elastic_runtime.core.compare import compare_states
     from elastic_runtime.testing import FaultInjector
@@ -157,25 +157,6 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     return 0 if summary["ok"] and summary.get("reference_match", {}).get("match", True) else 1
-
-
-def corruption_summary(events: list[Any], injected_at: int) -> dict[str, Any]:
-    """What the fingerprints found and how the run healed (the demo's JSON ``corruption``)."""
-    from elastic_runtime import CorruptionHealed, RecoveryCompleted, SilentCorruption
-
-    found = [e for e in events if isinstance(e, SilentCorruption)]
-    healed = [e for e in events if isinstance(e, CorruptionHealed)]
-    recovered = [e for e in events if isinstance(e, RecoveryCompleted) and e.cause == "SilentCorruption"]
-    return {
-        "injected_after_step": injected_at,
-        "detected_step": found[0].step if found else None,
-        "suspects": list(found[0].suspects) if found else [],
-        "attributed": found[0].attributed if found else None,
-        "kind": healed[-1].kind if healed else None,
-        "evicted": list(healed[-1].evicted) if healed else [],
-        "lost_steps": sum(e.lost_steps for e in recovered),
-        "healed_s": round(healed[-1].seconds, 3) if healed else None,
-    }
 
 
 def render(summary: dict[str, Any]) -> str:

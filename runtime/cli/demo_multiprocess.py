@@ -219,7 +219,7 @@ def run_multiprocess_demo(args: argparse.Namespace) -> int:
     if slow is not None:
         summary["straggler"] = straggler_summary(read_events(run_dir / "run" / "events.jsonl"), slow)
     if corrupt is not None:
-        from elastic_runtime.cli.demo import corruption_summary
+        from elastic_runtime.analysis.summary import corruption_summary
 
         assert corrupt.step is not None
         summary["corruption"] = corruption_summary(read_events(run_dir / "run" / "events.jsonl"), corrupt.step)

@@ -70,15 +70,26 @@ def test_a_killed_worker_is_reported_as_killed_and_the_servers_death_takes_its_c
     first = server.spawn([sys.executable, str(script), "sleep", "0"], {}, tmp_path / "first.log")
     second = server.spawn([sys.executable, str(script), "sleep", "0"], {}, tmp_path / "second.log")
     assert first is not None and second is not None and first.poll() is None
+    born = _started(second.pid)  # its start time: a pid reused later (pid_max is 32768 here) is another process
+    assert born is not None
     first.kill()
     assert first.wait(timeout=60) == -signal.SIGKILL
     server.close()
     assert second.wait(timeout=60) == -signal.SIGKILL
     deadline = time.monotonic() + 60
-    while Path(f"/proc/{second.pid}").exists() and "Z" not in _state(second.pid):
+    while _started(second.pid) == born and "Z" not in _state(second.pid):
         assert time.monotonic() < deadline, "the server's child outlived it"
         time.sleep(0.05)
     assert server.spawn([sys.executable, str(script), "exit", "0"], {}, tmp_path / "late.log") is None
+
+
+def _started(pid: int) -> str | None:
+    """``pid``'s start time (``/proc/PID/stat``, field 22); None when no process has the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
 
 
 def _state(pid: int) -> str:
