@@ -270,7 +270,6 @@ class Supervisor(SupervisorState):
             out.append(
                 Publish(self.completed(step, step_time_s or 0.0, loss if mine else None, metrics if mine else {}))
             )
-            recovery = self.recovery.current
             tally = self.restore_tally
             completed = self.recovery.committed(
                 step,
@@ -279,5 +278,5 @@ class Supervisor(SupervisorState):
                 read_s_by_tier=tally.read_s_by_tier,
                 transfer_s=tally.transfer_s,
             )
-            if recovery is not None and completed is not None:
+            if completed is not None:  # the step ends a recovery
                 out.append(Publish(completed))
