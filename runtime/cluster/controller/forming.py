@@ -70,7 +70,7 @@ def form_generation(sup: SupervisorState, out: list[Action], strategy: Strategy,
             out.append(Kill(worker, why))
             if sup.pool[worker].popen is None:  # not ours to kill: asked to exit, the cluster replaces it
                 out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE)))
-            sup.pool[worker].gone = True
+            sup.pool[worker].lose()
             out.append(Watch(worker, "unwatched"))
         sup.survivor_restarts += len(survivors)
         survivors = []
@@ -108,7 +108,7 @@ def recruit(sup: SupervisorState, out: list[Action], now: float, changed: int | 
     if sup.config.starts_workers:
         # On their way: spares starting, and ready ones not chosen yet, whose hello the shell recorded but whose
         # ``changed`` is still in the supervisor's queue (counted as missing, they had a worker started for them).
-        coming = [p for p in sup.pool if p.spare and not p.gone and p.worker not in chosen]
+        coming = [p for p in sup.pool if p.spare and p.worker not in chosen]
         coming = [p for p in coming if p.hello is None or seatable(sup, p)]
         if len(coming) + len(chosen) < need:
             out.append(Spawn(need - len(coming) - len(chosen)))
@@ -139,7 +139,7 @@ def recruit(sup: SupervisorState, out: list[Action], now: float, changed: int | 
 
 def recruiting_timed_out(sup: SupervisorState, ready: int) -> str:
     """Why the run ends when too few workers said hello in time: which wait ran out, and what the rest were doing."""
-    starting = [p for p in sup.pool if p.spare and not p.gone and p.hello is None and p.running()]
+    starting = [p for p in sup.pool if p.spare and p.hello is None and p.running()]
     if sup.forming == Strategy.START:
         what, flag = "the first group", "--start-timeout"
     else:
@@ -161,7 +161,7 @@ def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], 
     seated = set(members)
     for worker in set(survivors) | set(recruits):
         if worker not in seated:  # in a slice short of a process: it waits, as a spare, for a replacement
-            sup.pool[worker].spare = True
+            sup.pool[worker].unseat()
             out.append(Watch(worker, "starting"))
     sup.requests.clear()
     generation = sup.group.new_generation(members)
@@ -169,8 +169,7 @@ def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], 
     sup.restore_tally = RestoreTally()
     sup.coordinator = ""
     for worker in members:
-        proc = sup.pool[worker]
-        proc.spare, proc.joined, proc.finished = False, None, None
+        sup.pool[worker].seat()
         out.append(Watch(worker, "starting"))  # it joins, restores and compiles: the longer timeout until it trains
     # Growing is planned: every member re-forms after committing the same step, so no collective is cut
     # off; after a failure the group re-forms now (in-flight steps are abandoned).
@@ -184,7 +183,7 @@ def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], 
         # its host is back (``Readmitted``). Not watched by heartbeat from now: its leaving is no failure,
         # but an end before ``at_step`` is (``Supervisor._departed``).
         proc = sup.pool[worker]
-        proc.gone = proc.told_to_stop = True
+        proc.stop()
         out.append(Watch(worker, "unwatched"))
         sup.departing[worker] = (generation, at_step)
         why = f"drained at step {at_step}: {sup.forming_reason}"
@@ -323,8 +322,7 @@ def substitute(sup: SupervisorState, out: list[Action], lost: list[int]) -> None
         sup.unjoined.discard(worker)  # the seat waits for the spare's join now
         sup.unjoined.add(spare)
         sup.requests.pop(worker, None)  # replaced in this forming: no re-forming for it after
-        proc = sup.pool[spare]
-        proc.spare, proc.joined, proc.finished = False, None, None
+        sup.pool[spare].seat()
         out.append(Watch(spare, "starting"))
         seated.append(spare)
         log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
@@ -332,7 +330,7 @@ def substitute(sup: SupervisorState, out: list[Action], lost: list[int]) -> None
         out.append(SendForm(generation, tuple(members), sup.forming, -1, seats=tuple(seated)))
         sup.deadline = sup.clock() + sup.config.form_timeout_s  # the newcomer's time to join, from now
     missing = len(lost) - len(seated)
-    starting = [p for p in sup.pool if p.spare and not p.gone and p.hello is None]
+    starting = [p for p in sup.pool if p.spare and p.hello is None]
     if sup.config.starts_workers and len(starting) < missing:
         out.append(Spawn(missing - len(starting)))
 

@@ -39,7 +39,7 @@ def drain(sup: SupervisorState, out: list[Action]) -> None:
         return
     assert sup.config.min_nprocs is not None
     if len(sup.group.seat(staying, ready)) < sup.config.min_nprocs:
-        starting = any(p.spare and not p.gone and p.hello is None for p in sup.pool)
+        starting = any(p.spare and p.hello is None for p in sup.pool)
         if sup.departures and sup.config.starts_workers and not starting:
             log.warning(
                 "workers %s cannot leave yet (%s): fewer than min_nprocs would be left; starting a spare",

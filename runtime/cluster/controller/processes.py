@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import signal
 import subprocess
@@ -32,7 +33,16 @@ from elastic_runtime.cluster.protocol import (
 from elastic_runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 from elastic_runtime.core.folders import COMPILE_CACHE_FOLDER
 
-__all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail", "parent_of", "state_of"]
+__all__ = ["ProcessPool", "Status", "WorkerProcess", "descends_from", "is_stopped", "log_tail", "parent_of", "state_of"]
+
+
+class Status(enum.Enum):
+    """Where a worker process stands in the run: one value, changed only by ``WorkerProcess``'s methods."""
+
+    SPARE = "spare"  # started; waits to be seated (a survivor a smaller group has no seat for waits here too)
+    MEMBER = "member"  # seated in the group
+    LOST = "lost"  # judged lost, replaced, or exited: never seated again
+    STOPPED = "stopped"  # told to stop (drained, left, or back after it was judged lost): its exit is expected
 
 
 @dataclass
@@ -45,7 +55,7 @@ class WorkerProcess:
 
     worker: int
     popen: subprocess.Popen[bytes] | ForkedProcess | None
-    spare: bool = True
+    status: Status = Status.SPARE
     stream: Connection | None = None  # its connection, once its Hello was taken
     hello: Hello | None = None
     joined: Joined | None = None
@@ -53,12 +63,41 @@ class WorkerProcess:
     memory: dict[str, int] = field(default_factory=dict)  # its newest memory report (Heartbeat.memory)
     step: int = 0
     generation: int = 0
-    gone: bool = False
+    # What the controller saw of its messages, connection and exit (not where it stands: ``status``).
     warmed: bool = False  # was sent Warm
     closed: bool = False  # its connection ended
-    told_to_stop: bool = False  # sent Stop after it was judged lost, or to leave the group at a planned step
     exit_seen: bool = False  # its exit was reported (``newly_exited``)
     held: int = -1  # the step it stopped stepping at when the run drains (``Stop.hold``); -1: not held
+
+    @property
+    def spare(self) -> bool:
+        return self.status is Status.SPARE
+
+    @property
+    def gone(self) -> bool:
+        """Lost or told to stop: it holds no seat and is never seated again."""
+        return self.status in (Status.LOST, Status.STOPPED)
+
+    @property
+    def told_to_stop(self) -> bool:
+        return self.status is Status.STOPPED
+
+    def seat(self) -> None:
+        """Seated in a new group: what it joined or finished before is of the old one."""
+        self.status, self.joined, self.finished = Status.MEMBER, None, None
+
+    def unseat(self) -> None:
+        """A survivor the new group has no seat for (its slice is short of a process): a spare again."""
+        self.status = Status.SPARE
+
+    def lose(self) -> None:
+        """Judged lost or seen to exit; one told to stop stays so (its exit is still expected)."""
+        if self.status is not Status.STOPPED:
+            self.status = Status.LOST
+
+    def stop(self) -> None:
+        """Told to stop: gone from the group, and its exit (or a heartbeat) is no failure."""
+        self.status = Status.STOPPED
 
     @property
     def pid(self) -> int:
@@ -88,7 +127,7 @@ class WorkerProcess:
     @property
     def ready_spare(self) -> bool:
         """A spare that said hello and can be seated at once."""
-        return self.spare and not self.gone and not self.closed and self.hello is not None
+        return self.spare and not self.closed and self.hello is not None
 
 
 def state_of(pid: int) -> str | None:
@@ -276,13 +315,14 @@ class ProcessPool:
             code = proc.exit_code()
             # One told to go (drained, or it asked to leave) is gone already, but how it exited is still news.
             if code is not None and (not proc.gone or proc.told_to_stop):
-                proc.gone = proc.exit_seen = True
+                proc.lose()
+                proc.exit_seen = True
                 exited.append((proc, code))
         return exited
 
     def spares_missing(self) -> int:
         """How many spares to start to keep ``config.spares`` alive."""
-        alive = [p for p in self if p.spare and not p.gone and p.running()]
+        alive = [p for p in self if p.spare and p.running()]
         return self.config.spares - len(alive)
 
     def running(self) -> bool:

@@ -151,7 +151,7 @@ class Supervisor(SupervisorState):
             out.append(Watch(worker, "unwatched"))
             proc = self.pool.get(worker)
             if proc is not None:
-                proc.gone = True
+                proc.lose()
             if worker not in self.group.members:
                 # A spare (or an already replaced worker): keep the pool of spares full, no re-forming.
                 out.append(TopUpSpares())
@@ -168,7 +168,7 @@ class Supervisor(SupervisorState):
         if worker in self.group.members:
             self.departures[worker] = reason
             return
-        proc.gone = proc.told_to_stop = True
+        proc.stop()
         out.append(Watch(worker, "unwatched"))
         out.append(Send(worker, Stop(reason=f"spare worker {worker} leaves: {reason}", exit_code=departure_code(self))))
         out.append(TopUpSpares())

@@ -58,9 +58,9 @@ async def reap(controller: ControllerState) -> None:
                 controller.dead_before_hello += 1
                 if controller.dead_before_hello >= START_FAILURES:
                     controller.end(LaunchError(start_failure(controller, proc, code)))
-                elif proc.spare:
-                    # Never watched, so no verdict would replace it: start its successor now, not at the next
-                    # failure (which would then wait for a cold start).
+                else:
+                    # A spare (a seat needs a hello), never watched, so no verdict would replace it: start its
+                    # successor now, not at the next failure (which would then wait for a cold start).
                     top_up_spares(controller)
         await anyio.sleep(0.02)
 
