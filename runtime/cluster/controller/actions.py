@@ -76,9 +76,7 @@ async def supervise(controller: ControllerState) -> None:
                 event = await controller.inputs.receive()
         timers.cancel_scope.cancel()
     # The last durable step's parts came in before the members' Finished: its commit is part of the run.
-    while controller.commits_pending:
-        controller.commits_settled = anyio.Event()
-        await controller.commits_settled.wait()
+    await controller.changes.until(lambda: not controller.commits_pending)
 
 
 async def tick_at(controller: ControllerState, deadline: float, scope: anyio.CancelScope) -> None:

@@ -46,7 +46,7 @@ async def commit_durable(controller: ControllerState, queue: MemoryObjectReceive
             await commit(controller, step)
         finally:
             controller.commits_pending -= 1
-            controller.commits_settled.set()
+            controller.changes.tell()
 
 
 async def not_committed(controller: ControllerState, step: int, exc: Exception) -> None:

@@ -19,8 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import anyio
-
 from elastic_runtime.cluster.protocol import Stop
 
 if TYPE_CHECKING:
@@ -29,8 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["Drained", "final_checkpoint"]
 
 log = logging.getLogger(__name__)
-
-_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -57,9 +53,7 @@ async def final_checkpoint(controller: ControllerState, reason: str, signalled_a
         return drained(-1, -1, "no final durable checkpoint: the group was not whole")
     for worker in members:
         await controller.server.send(pool[worker], Stop(reason=reason, hold=True))
-    while any(pool[w].held < 0 for w in members) and time.monotonic() < deadline:
-        await anyio.sleep(_POLL_S)
-    if any(pool[w].held < 0 for w in members):
+    if not await controller.changes.until(lambda: all(pool[w].held >= 0 for w in members), deadline):
         why = f"the group did not hold within the grace period of {controller.config.grace_s} s"
         return drained(-1, -1, f"no final durable checkpoint: {why}")
     step = min(pool[w].held for w in members)
@@ -69,9 +63,7 @@ async def final_checkpoint(controller: ControllerState, reason: str, signalled_a
         return drained(step, step, f"step {step} was durable already")
     for worker in members:
         await controller.server.send(pool[worker], Stop(reason=reason, durable_step=step))
-    while controller.durable_newest < step and time.monotonic() < deadline:
-        await anyio.sleep(_POLL_S)
-    if controller.durable_newest < step:
+    if not await controller.changes.until(lambda: controller.durable_newest >= step, deadline):
         why = f"not committed within the grace period of {controller.config.grace_s} s"
         return drained(step, -1, f"final durable checkpoint of step {step} {why}")
     return drained(step, step, f"final durable checkpoint of step {step} committed")

@@ -121,6 +121,7 @@ async def on_message(controller: ControllerState, proc: WorkerProcess, message: 
         case Heartbeat(worker=worker, generation=gen, step=step, step_time_s=seconds, loss=loss):
             if message.held:  # draining: the step it holds at (drain.py)
                 proc.held = step
+                controller.changes.tell()
             if proc.gone and proc.popen is None and not proc.told_to_stop and not controller.stopping:
                 # Judged lost (a partition that healed): its place is taken; it must not wait in a group
                 # that will never call it again. (One the controller started was killed instead.)

@@ -48,7 +48,7 @@ from elastic_runtime.core.recovery import RecoveryTracker
 if TYPE_CHECKING:
     from elastic_runtime.cluster.controller.durable import DurableCommits
 
-__all__ = ["ControllerState", "Relay", "is_loopback"]
+__all__ = ["Changes", "ControllerState", "Relay", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,28 @@ class Relay(Protocol):
     async def requested(self, message: Requested) -> None: ...
 
     async def published(self, message: Published) -> None: ...
+
+
+class Changes:
+    """Wakes the controller's waits on its own records (a member holding, a durable commit ending) when one
+    changes, instead of each wait reading them again every few milliseconds."""
+
+    def __init__(self) -> None:
+        self._changed = anyio.Event()
+
+    def tell(self) -> None:
+        self._changed.set()  # wakes every wait on it; the next waits take a new one
+        self._changed = anyio.Event()
+
+    async def until(self, ready: Callable[[], bool], deadline: float = math.inf) -> bool:
+        """Whether ``ready()`` came true before ``deadline`` (``time.monotonic()``)."""
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with anyio.move_on_after(left):
+                await self._changed.wait()
+        return True
 
 
 def is_loopback(host: str) -> bool:
@@ -159,8 +181,8 @@ class ControllerState:
         # heartbeats, and the monitor would take a healthy worker for lost.
         self.to_commit: MemoryObjectSendStream[int] | None = None  # made (and closed) by ``run``
         self.commits_pending = 0
-        self.commits_settled = anyio.Event()  # set when a commit ends
         self.durable_newest = -1  # the newest durable step this controller committed
+        self.changes = Changes()  # told when a commit ends and when a member says it holds (drain.py)
         self.kill_times: dict[int, float] = {}  # worker -> when it was signalled, to time the detection
         # Every generation's coordination service stays up until the run ends: stopping one while a live
         # worker's client is still attached makes that client terminate its process.
