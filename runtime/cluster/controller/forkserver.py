@@ -96,9 +96,15 @@ class ForkServer:
     """
 
     def __init__(
-        self, command: list[str], env: dict[str, str], log_path: Path, wrap: Callable[[list[str]], list[str]]
+        self,
+        command: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        wrap: Callable[[list[str]], list[str]],
+        on_exit: Callable[[], None] = lambda: None,
     ) -> None:
         self._log_path = log_path
+        self._on_exit = on_exit  # told after a child's exit code came in (it is not the controller's child)
         with open(log_path, "wb") as log_file:
             self._server = subprocess.Popen(
                 wrap([command[0], "-c", f"from {__name__} import serve; serve()"]),
@@ -154,6 +160,7 @@ class ForkServer:
             code = self._early.pop(pid, None)
         if code is not None:
             child.exited(code)
+            self._on_exit()
         return child
 
     def _read(self) -> None:
@@ -177,6 +184,7 @@ class ForkServer:
                         self._early[pid] = code
                 if child is not None:
                     child.exited(code)
+                    self._on_exit()
         self._ready.clear()
         self._settled.set()
         # The server is gone, and its children with it (their death signal): none is reaped by anyone now.
@@ -184,6 +192,7 @@ class ForkServer:
             orphans = [c for c in self._children.values() if c.returncode is None]
         for child in orphans:
             child.exited(-signal.SIGKILL)
+        self._on_exit()
 
     def close(self) -> None:
         """Stop the server (its children still running die with it)."""

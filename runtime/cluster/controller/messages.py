@@ -262,6 +262,7 @@ async def end_on_failure(
 
 def mark_closed(controller: ControllerState, proc: WorkerProcess, reason: str) -> None:
     proc.closed = True
+    controller.changes.tell()  # a worker not started here runs until its connection ends (stop_all)
     controller.monitor.mark_gone(proc.worker, reason)
     controller.feed(WorkerChanged(proc.worker))
 

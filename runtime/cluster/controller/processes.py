@@ -16,6 +16,7 @@ from elastic_runtime.cluster import leftovers
 from elastic_runtime.cluster.auth import ENV_TOKEN
 from elastic_runtime.cluster.config import LaunchConfig
 from elastic_runtime.cluster.controller.connection import Connection
+from elastic_runtime.cluster.controller.exits import ExitWatch
 from elastic_runtime.cluster.controller.forkserver import ForkedProcess, ForkServer, forkable
 from elastic_runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
@@ -220,6 +221,7 @@ class ProcessPool:
         self._next_worker = 0
         self.run_dir = run_dir
         self.forks: ForkServer | None = None
+        self.exits = ExitWatch()  # wakes the reaper (workers.reap) when a process started here exits
 
     def __getitem__(self, worker: int) -> WorkerProcess:
         return self.procs[worker]
@@ -247,7 +249,8 @@ class ProcessPool:
         command = list(self.config.command)
         if self.config.fork_spares and sys.platform == "linux" and forkable(command) and self.forks is None:
             shared = {k: v for k, v in self._env(-1).items() if k not in (ENV_WORKER, ENV_TOKEN)}
-            self.forks = ForkServer(command, shared, self.logs / "forkserver.log", dying_with_controller)
+            log_path = self.logs / "forkserver.log"
+            self.forks = ForkServer(command, shared, log_path, dying_with_controller, on_exit=self.exits.notify)
 
     def _env(self, worker: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -293,6 +296,7 @@ class ProcessPool:
                     # one stepped about 1.25x slower on 2 busy cores (docs/benchmarks.md).
                     process_group=0,
                 )
+            self.exits.watch(popen.pid)
         proc = WorkerProcess(worker=worker, popen=popen)
         self.procs[worker] = proc
         return proc

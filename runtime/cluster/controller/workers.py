@@ -32,6 +32,7 @@ _TELL_AFTER_S = 10.0  # a finished run's workers still running their scripts thi
 # A worker's lease, as a share of the heartbeat timeout: it stops stepping before the controller, having heard
 # nothing either, re-forms the group without it.
 _LEASE_SHARE = 0.75
+_LOOK_S = 1.0  # the reaper's look at every process when no exit woke it
 
 
 def spawn(controller: ControllerState) -> WorkerProcess:
@@ -41,28 +42,39 @@ def spawn(controller: ControllerState) -> WorkerProcess:
 
 
 async def reap(controller: ControllerState) -> None:
-    """Notice exited processes at once: a local kill -9 needs no heartbeat timeout to be seen."""
-    if not controller.config.starts_workers:
-        return  # none started here: a look at every worker 50 times a second for nothing (O(N) each)
-    while True:
-        for proc, code in controller.pool.newly_exited():
-            controller.monitor.mark_gone(proc.worker, f"process exited with {code}")
-            controller.feed(WorkerChanged(proc.worker))  # marked gone: a group forming with it forms again
-            try:
-                await controller.bus.publish(
-                    WorkerExited(step=controller.group_step, source="controller", worker=proc.worker, returncode=code)
-                )
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
-                return  # the run was cancelled from outside and its bus is gone
-            if proc.hello is None and not controller.stopping:
-                controller.dead_before_hello += 1
-                if controller.dead_before_hello >= START_FAILURES:
-                    controller.end(LaunchError(start_failure(controller, proc, code)))
-                else:
-                    # A spare (a seat needs a hello), never watched, so no verdict would replace it: start its
-                    # successor now, not at the next failure (which would then wait for a cold start).
-                    top_up_spares(controller)
-        await anyio.sleep(0.02)
+    """Notice exited processes at once: a local kill -9 needs no heartbeat timeout to be seen. Woken by their
+    exits (``exits.py``), with a look every second besides: a wake missed costs a second, not a run."""
+    exits = controller.pool.exits
+    try:
+        while controller.config.starts_workers:  # none started here: nothing to reap
+            await reap_exited(controller)
+            await anyio.to_thread.run_sync(exits.wait, _LOOK_S, abandon_on_cancel=True)
+    finally:
+        exits.close()  # once its thread returned, woken for it
+
+
+async def reap_exited(controller: ControllerState) -> None:
+    """Mark each newly exited process gone and publish its exit."""
+    exited = controller.pool.newly_exited()
+    if exited:
+        controller.changes.tell()  # stop_all waits for the last exit
+    for proc, code in exited:
+        controller.monitor.mark_gone(proc.worker, f"process exited with {code}")
+        controller.feed(WorkerChanged(proc.worker))  # marked gone: a group forming with it forms again
+        try:
+            await controller.bus.publish(
+                WorkerExited(step=controller.group_step, source="controller", worker=proc.worker, returncode=code)
+            )
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, BusClosed):
+            continue  # the run was cancelled from outside and its bus is gone: still reaped, for stop_all
+        if proc.hello is None and not controller.stopping:
+            controller.dead_before_hello += 1
+            if controller.dead_before_hello >= START_FAILURES:
+                controller.end(LaunchError(start_failure(controller, proc, code)))
+            else:
+                # A spare (a seat needs a hello), never watched, so no verdict would replace it: start its
+                # successor now, not at the next failure (which would then wait for a cold start).
+                top_up_spares(controller)
 
 
 def start_failure(controller: ControllerState, proc: WorkerProcess, code: int) -> str:
@@ -102,18 +114,17 @@ async def stop_all(controller: ControllerState, reason: str, *, finished: bool =
         else:
             await controller.server.send(proc, Stop(reason=reason, finished=finished))
     config = controller.config
-    started = time.monotonic()
-    told = False
+    running = controller.pool.running
     with anyio.move_on_after(config.finish_timeout_s if finished else config.drain_timeout_s):
-        while controller.pool.running():
-            if finished and config.progress and not told and time.monotonic() - started > _TELL_AFTER_S:
-                told = True
-                running = sum(proc.running() for proc in controller.pool)
-                say(
-                    f"the run finished; {running} worker(s) still run the script's code after run() (their logs: "
-                    f"{controller.pool.logs}); killed after {config.finish_timeout_s:g} s (--finish-timeout)"
-                )
-            await anyio.sleep(0.05)
+        # Woken by each exit (reap) and each connection's end (a worker not started here).
+        told_at = time.monotonic() + _TELL_AFTER_S
+        if finished and config.progress and not await controller.changes.until(lambda: not running(), told_at):
+            still = sum(proc.running() for proc in controller.pool)
+            say(
+                f"the run finished; {still} worker(s) still run the script's code after run() (their logs: "
+                f"{controller.pool.logs}); killed after {config.finish_timeout_s:g} s (--finish-timeout)"
+            )
+        await controller.changes.until(lambda: not running())
     controller.pool.kill_all()
 
 
