@@ -18,6 +18,8 @@ opens no task group of its own.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -106,6 +108,9 @@ class TieredCheckpointer:
         self.timeout_s = timeout_s
         self.save_on_finish = save_on_finish
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        # ``run``'s loop and what it waits on, woken by each event a writer's thread reports (``_emit``).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._arrived: anyio.Event | None = None
         self._lock = threading.Lock()
         # One lane per tier: a save that comes due while its tier is busy waits for it (the newest one only). The
         # mirror copies every snapshot: it being behind is no news (its skips are events).
@@ -195,9 +200,11 @@ class TieredCheckpointer:
             if tier is not None:
                 for path in await anyio.to_thread.run_sync(tier.sweep):
                     log.warning("removed %s: a checkpoint write that never committed", path)
+        self._loop = asyncio.get_running_loop()
         while True:
+            self._arrived = anyio.Event()  # before the flush: an event reported during it wakes the next wait
             await self._flush(ctx)
-            await anyio.sleep(0.05)
+            await self._arrived.wait()
 
     async def finish(self, ctx: RuntimeContext) -> None:
         """At the end of a run: commit the final snapshot to every durable tier, wait, publish the events.
@@ -290,6 +297,13 @@ class TieredCheckpointer:
 
     def _emit(self, event: Event) -> None:
         self._events.put(event)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: ``finish`` took the events
+                self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        if self._arrived is not None:
+            self._arrived.set()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until no save or upload is running or waiting (for tests and shutdown).
