@@ -61,6 +61,9 @@ class ControllerLink:
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.inbox: queue.Queue[Inbound] = queue.Queue()
+        # Set at each message put in ``inbox`` and each lease: wakes the main thread's waits (stepping.py), which
+        # clear it before they look.
+        self.arrived = threading.Event()
         # Monotonic time the controller's lease runs out; no lease until the first one (launch mode has none).
         self.lease_until = float("inf")
         self.form_arrived = 0.0  # monotonic time the newest Form came in (its wait until the join is timed)
@@ -81,7 +84,7 @@ class ControllerLink:
                 self.sock.sendall(data)
             except OSError as exc:
                 log.error("lost the controller connection while sending: %s", exc)
-                self.inbox.put(Stop(reason=f"controller connection lost: {exc}", exit_code=EXIT_REPLACE))
+                self._deliver(Stop(reason=f"controller connection lost: {exc}", exit_code=EXIT_REPLACE))
 
     def leased(self) -> bool:
         """Whether the controller still counts on this worker (its last lease has not run out)."""
@@ -103,6 +106,7 @@ class ControllerLink:
                     continue
                 if isinstance(message, Lease):
                     self.lease_until = time.monotonic() + message.seconds
+                    self.arrived.set()  # a worker that stopped stepping for want of one goes on
                 elif isinstance(message, DurableCommitted):
                     self.on_committed(message.step)
                 elif isinstance(message, Notify):
@@ -112,9 +116,13 @@ class ControllerLink:
                         self.form_arrived = time.monotonic()
                     elif isinstance(message, Stop):
                         self.stop_heard.set()
-                    self.inbox.put(message)
+                    self._deliver(message)
         # Without a controller there is nobody to re-form the group: stop rather than train alone.
-        self.inbox.put(Stop(reason="controller connection closed", exit_code=EXIT_REPLACE))
+        self._deliver(Stop(reason="controller connection closed", exit_code=EXIT_REPLACE))
+
+    def _deliver(self, message: Inbound) -> None:
+        self.inbox.put(message)
+        self.arrived.set()
 
 
 def connect(address: str, secret: str, timeout_s: float) -> ControllerLink:

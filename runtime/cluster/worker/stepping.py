@@ -50,12 +50,14 @@ def wait_fenced(worker: WorkerState) -> Inbound | None:
         worker.step,
     )
     while True:
+        worker.link.arrived.clear()  # before the look: what comes after it wakes the wait
         try:
-            message = worker.link.inbox.get(timeout=0.1)
+            message = worker.link.inbox.get_nowait()
         except queue.Empty:
             if worker.link.leased():
                 log.warning("worker %d: lease renewed; stepping again", worker.worker)
                 return None
+            worker.link.arrived.wait()  # a message, or a lease (the connection's end puts a Stop)
             continue
         if not defer(worker, message):  # a planned re-forming waits for its step, as in training.train
             return message
@@ -70,18 +72,29 @@ def await_step(
     what = what or f"step {worker.step + 1}"
     lapsed = False
     long_after = time.monotonic() + worker.file_after_s if users_code and worker.file_after_s > 0 else math.inf
+    woken = worker.link.arrived  # by a message or a lease, and by the future's end
+    future.add_done_callback(lambda _: woken.set())
     while True:
+        woken.clear()  # before the look: what comes after it wakes the wait
+        if future.done():
+            break
+        if not worker.link.leased() and not lapsed:
+            lapsed = True  # a step blocked in a collective cannot be stopped; its replica is not written
+            log.warning("worker %d: no lease from the controller during step %d", worker.worker, worker.step + 1)
+        now = time.monotonic()
+        if now >= long_after:
+            long_after = math.inf
+            _write_held_step(worker)
+        while defer_head(worker):
+            pass  # a planned Form is kept for its step boundary; a message behind it is looked at too
+        if not worker.link.inbox.empty():
+            break  # a message while the step runs: the step gets its grace, then the message is answered
+        lease_ends = math.inf if lapsed else worker.link.lease_until
+        timeout = min(lease_ends, long_after) - now
+        woken.wait(None if math.isinf(timeout) else max(timeout, 0.0))
+    if future.done():
         try:
-            return future.result(timeout=0.02)
-        except FutureTimeout:
-            if not worker.link.leased() and not lapsed:
-                lapsed = True  # a step blocked in a collective cannot be stopped; its replica is not written
-                log.warning("worker %d: no lease from the controller during step %d", worker.worker, worker.step + 1)
-            if time.monotonic() >= long_after:
-                long_after = math.inf
-                _write_held_step(worker)
-            if worker.link.inbox.empty() or defer_head(worker):
-                continue
+            return future.result()
         except Exception as exc:
             failure = classify(exc, step=worker.step + 1, in_group=True, source="worker")
             if users_code and isinstance(failure, StepFailed):
@@ -105,21 +118,21 @@ def await_step(
             # not known).
             exc.__traceback__ = None
             return None
-        try:
-            return future.result(timeout=_grace(worker))
-        except FutureTimeout:
-            # Blocked in a collective with a dead peer. Leave the thread behind: its gloo operation fails once
-            # another survivor's old backend is freed (its sockets close), or at the latest at the collective
-            # timeout (runtime/compat/xla.py); the old group's backend it holds goes with it.
-            log.warning("abandoning %s, blocked in a collective; re-forming", what)
-            worker.abandoned.append(future)
-            future.add_done_callback(lambda done: _abandoned_ended(what, done))
-            worker.step_pool.shutdown()
-            worker.step_pool = StepThread()
-            return worker.link.inbox.get()
-        except Exception as exc:  # failed within the grace: the group re-forms all the same
-            exc.__traceback__ = None
-            return worker.link.inbox.get()
+    try:
+        return future.result(timeout=_grace(worker))
+    except FutureTimeout:
+        # Blocked in a collective with a dead peer. Leave the thread behind: its gloo operation fails once
+        # another survivor's old backend is freed (its sockets close), or at the latest at the collective
+        # timeout (runtime/compat/xla.py); the old group's backend it holds goes with it.
+        log.warning("abandoning %s, blocked in a collective; re-forming", what)
+        worker.abandoned.append(future)
+        future.add_done_callback(lambda done: _abandoned_ended(what, done))
+        worker.step_pool.shutdown()
+        worker.step_pool = StepThread()
+        return worker.link.inbox.get()
+    except Exception as exc:  # failed within the grace: the group re-forms all the same
+        exc.__traceback__ = None
+        return worker.link.inbox.get()
 
 
 def _write_held_step(worker: WorkerState) -> None:
