@@ -82,6 +82,7 @@ class EventBus:
         self._timed_out: tuple[Subscription[Any], Event] | None = None
         self._scope: anyio.CancelScope | None = None
         self._closed = False
+        self._idle: anyio.Event | None = None  # set when the dispatcher runs out of work (``join`` waits on it)
         self.dispatched = 0
 
     # --- subscriptions ---------------------------------------------------------------------------------
@@ -205,6 +206,8 @@ class EventBus:
             except anyio.WouldBlock:
                 if self.event_log is not None:
                     self.event_log.flush()  # idle: what was dispatched reaches the file now
+                if self._idle is not None:
+                    self._idle.set()
                 try:
                     event = await receive.receive()
                 except anyio.EndOfStream:
@@ -219,7 +222,8 @@ class EventBus:
     async def join(self) -> None:
         """Wait until every event published so far, and any it led to, has been dispatched."""
         while self.pending or self._work or self._running is not None:
-            await anyio.sleep(0.001)
+            self._idle = anyio.Event()
+            await self._idle.wait()
 
     async def close(self) -> None:
         """Refuse new events; :meth:`run` returns once the pending ones are dispatched."""
