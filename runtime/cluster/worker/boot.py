@@ -8,7 +8,6 @@ import os
 import shutil
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -212,8 +211,7 @@ def forward_notices(watch: NoticeWatch, metadata_host: str, link: ControllerLink
     the worker is in a group (its ``Hello`` must be the connection's first message)."""
 
     def forward(event: bytes) -> None:
-        while not process.initialized:
-            time.sleep(0.1)
+        process.in_a_group.wait()
         link.send(Noticed(worker=process.worker, event=msgspec.Raw(event)))
 
     def run() -> None:

@@ -67,7 +67,7 @@ def form_group(worker: WorkerState, form: Form) -> None:
         with contextlib.suppress(Exception):
             worker.abandoned_restore.result(timeout=_RESTORE_SETTLE_S)
         worker.abandoned_restore = None
-    if worker.initialized:
+    if worker.in_a_group.is_set():
         keep_host_copies(worker)
         leave_group()
         jax.extend.backend.clear_backends()
@@ -84,7 +84,7 @@ def form_group(worker: WorkerState, form: Form) -> None:
         jax.extend.backend.clear_backends()
     connected = time.monotonic()
     worker.programs.reset(programs_folder(worker, form.programs))
-    worker.initialized = True
+    worker.in_a_group.set()
     worker.generation, worker.process_id, worker.num_processes = form.generation, form.process_id, form.num_processes
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     # The replica axis spans the slices; the other axes span the devices of every process of a slice (with

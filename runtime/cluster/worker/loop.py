@@ -78,7 +78,7 @@ class Worker(WorkerState):
             message = pending if pending is not None else self.link.inbox.get()
             pending = None
             match message:
-                case Form() if self.initialized and message.generation <= self.generation:
+                case Form() if self.in_a_group.is_set() and message.generation <= self.generation:
                     # Joined already: a departure that died before its planned step makes the controller tell
                     # the members still stepping to join at once, and this one may have reached that step and
                     # joined in between. Joining the same coordination service twice ends the process.
@@ -108,7 +108,7 @@ class Worker(WorkerState):
                         pending = train(self, message.target_steps)
                 case RestoreStep():
                     log.info("stale restore for generation %d ignored", message.generation)
-                case Warm(programs=programs) if not self.initialized:
+                case Warm(programs=programs) if not self.in_a_group.is_set():
                     warm_up(self, programs)
                 case Warm():
                     pass

@@ -124,7 +124,7 @@ class WorkerState:
         self.local_like: PyTree = None  # shapes of this process's shards (elastic_runtime.storage.boxes.local_like)
         self.process_id = -1
         self.num_processes = 0
-        self.initialized = False
+        self.in_a_group = threading.Event()  # set once it first joined one (notices wait for it: boot.py)
         # The newest committed step held on the devices (or in ``ram``), its data position, when the durable
         # tier is due. Failures and the budget are the controller's: it counts them for the whole group.
         self.ledger = StepLedger("worker")
