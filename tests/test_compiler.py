@@ -45,3 +45,14 @@ def test_a_typed_prng_key_has_its_own_dtype_in_the_abstract_state() -> None:
     shapes = abstract({"key": jax.random.key(0), "w": np.zeros((3,), np.float32)})
     assert jax.dtypes.issubdtype(shapes["key"].dtype, jax.dtypes.prng_key)
     assert shapes["w"] == jax.ShapeDtypeStruct((3,), np.float32)
+
+
+def test_the_abstract_state_has_a_sharding_for_every_leaf_when_the_specs_are_a_prefix() -> None:
+    # One P() for the whole state, TrainJob's default: what compiling ahead and the RAM tier's copy are compiled from
+    # (it failed with a pytree structure error, and every compile ahead with it, logged, not raised).
+    job = _job()
+    compiler = StepCompiler(job, job.init(), job.data.batch(0))
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    shapes = compiler.state_abstract(mesh)
+    assert set(shapes) == {"w", "seen"}
+    assert all(leaf.sharding.spec == P() and leaf.sharding.mesh == mesh for leaf in jax.tree.leaves(shapes))

@@ -108,11 +108,11 @@ class StepCompiler:
         return self._fresh_buffers[key]()
 
     def state_abstract(self, mesh: Mesh) -> PyTree:
-        """The state's shapes and dtypes with its shardings on ``mesh``: enough to compile for its layout."""
+        """The state's shapes and dtypes with its shardings on ``mesh``: enough to compile for its layout. One sharding
+        a leaf, where the job's specs are a prefix of the state (one ``P()`` for all of it, the default)."""
+        shardings = jax.tree.broadcast(self.state_shardings(mesh), self._state_abstract)
         return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            self._state_abstract,
-            self.state_shardings(mesh),
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self._state_abstract, shardings
         )
 
     def batch_shardings(self, mesh: Mesh) -> PyTree:
