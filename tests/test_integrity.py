@@ -5,6 +5,7 @@ checks it (storage/tier.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,16 @@ from elastic_runtime import (
 )
 from elastic_runtime.analysis.goodput import goodput
 from elastic_runtime.core.compare import compare_states
+from elastic_runtime.core.compiler import StepCompiler
 from elastic_runtime.core.errors import CheckpointInvalid
-from elastic_runtime.core.fingerprint import STATE_DIGEST, Fingerprinter, compare_replicas, host_digest, state_digest
+from elastic_runtime.core.fingerprint import (
+    STATE_DIGEST,
+    Fingerprinter,
+    compare_replicas,
+    host_digest,
+    read_digests,
+    state_digest,
+)
 from elastic_runtime.core.restore import restore_newest
 from elastic_runtime.core.snapshot import HostSnapshot
 from elastic_runtime.storage.disk import DiskTier
@@ -72,6 +81,35 @@ def test_two_replicas_that_differ_cannot_say_which_is_wrong() -> None:
     found = compare_replicas(digests, mesh, "data", step=5)
     assert found is not None and not found.attributed
     assert set(found.suspects) == {small.devices[0, 0].id, small.devices[1, 0].id}
+
+
+@pytest.mark.parametrize("specs", ["per leaf", "one for all"])
+def test_a_step_compiled_with_its_fingerprint_returns_the_same_digests_as_the_program_beside_it(specs: str) -> None:
+    """Under launch the step computes and gathers the digests itself (``StepCompiler(fingerprint=...)``): the same
+    numbers as the fingerprint's own program, so a copy that computes wrong is found the same way; with the state's
+    specs given leaf by leaf, or as one prefix for the whole state."""
+    job = small_job() if specs == "per leaf" else dataclasses.replace(small_job(), state_specs=P())
+    mesh = POLICY.fit(jax.devices())
+    state = job.init()
+    plain = StepCompiler(job, state, job.data.batch(0))
+    fused = StepCompiler(job, state, job.data.batch(0), fingerprint="data")
+    placed_state = jax.device_put(state, plain.state_shardings(mesh))
+    batch = jax.device_put(job.data.batch(0), plain.batch_shardings(mesh))
+    new_state, _ = plain.get(mesh)(placed_state, batch)
+    same_state, _, out = fused.get(mesh)(placed_state, batch)
+    fingerprinter = Fingerprinter("data")
+    expected, _ = fingerprinter.digests(new_state)
+    digests = read_digests(out, mesh)
+    assert compare_states(same_state, new_state, bitwise=True)["match"]
+    assert digests.shape == mesh.devices.shape and np.array_equal(digests, expected)
+    assert compare_replicas(digests, mesh, "data", step=1) is None
+    # A copy read wrong on one device computes a different step there (after a step: the initial momentum's zeros
+    # flipped make a denormal, which the CPU flushes to zero).
+    bad, hit = flip_a_bit(same_state, device=5)
+    assert hit
+    _, _, out = fused.get(mesh)(bad, batch)
+    found = compare_replicas(read_digests(out, mesh), mesh, "data", step=1)
+    assert found is not None and 5 in found.suspects
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,10 @@ of a snapshot that is no longer needed (or fresh ones, ``fresh_buffers``), so no
 With ``into_spare`` the compiled step takes a third argument of the state's own layout, donated, and writes the new
 state into it: a state no one holds any more (the multi-process worker's, ``elastic_runtime.cluster.worker.spares``), so
 that a step takes no fresh memory. The state it reads is not donated: a step that fails leaves it whole.
+
+With ``fingerprint`` (a replica axis) the compiled step returns, after its metrics, every device's digest of the new
+state's leaves replicated over that axis, gathered onto every device where the mesh spans processes
+(``elastic_runtime.core.fingerprint.read_digests``): the replicas are compared without a program of their own.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from elastic_runtime.core.fingerprint import device_digests, digests_sharding, replicated_leaves
 from elastic_runtime.core.job import PyTree, TrainJob
 from elastic_runtime.core.mesh import mesh_key
 from elastic_runtime.core.programs import ProgramStore, compile_kept
@@ -62,14 +67,18 @@ class StepCompiler:
         *,
         host_copy: bool = False,
         into_spare: bool = False,
+        fingerprint: str | None = None,
         programs: ProgramStore | None = None,
         place: Hashable = (),
     ) -> None:
         self.job = job
         if host_copy and into_spare:
             raise ValueError("a step writes into host buffers (host_copy) or a spare state (into_spare), not both")
+        if host_copy and fingerprint:
+            raise ValueError("a step with a fused host copy (host_copy) returns no fingerprint")
         self.host_copy = host_copy
         self.into_spare = into_spare
+        self.fingerprint = fingerprint
         # Where compiled programs are kept to be loaded on a new backend (elastic_runtime.core.programs), keyed by the
         # mesh and ``place`` (under launch: this process's place in the group); None: compiled each time.
         self.programs = programs
@@ -181,19 +190,29 @@ class StepCompiler:
         )
 
     def _compile_on(self, mesh: Mesh) -> Any:
+        args: tuple[Any, ...] = (self._state_abstract, self._batch_abstract)
+        if not (self.host_copy or self.into_spare or self.fingerprint):
+            return self._build("step", mesh, lambda: self._plain(mesh).lower(*args))
         state_sharding = self.state_shardings(mesh)
         inputs: tuple[Any, ...] = (state_sharding, self.batch_shardings(mesh))
         outputs: tuple[Any, ...] = (state_sharding, NamedSharding(mesh, PartitionSpec()))
-        args: tuple[Any, ...] = (self._state_abstract, self._batch_abstract)
+        step, name = self.job.step_on(mesh), "step"
+        if self.fingerprint is not None:
+            leaves = jax.tree.leaves(self.state_abstract(mesh))
+            chosen = replicated_leaves(leaves, self.fingerprint)
+            specs = [leaves[i].sharding.spec for i in chosen]
+            step, name = _with_digests(step, chosen, device_digests(mesh, specs)), "step+digests"
+            outputs += (digests_sharding(mesh),)
         if not (self.host_copy or self.into_spare):
-            return self._build("step", mesh, lambda: self._plain(mesh).lower(*args))
+            jitted = jax.jit(step, in_shardings=inputs, out_shardings=outputs)
+            return self._build(name, mesh, lambda: jitted.lower(*args))
         if self.host_copy:
             buffers = self.host_shardings(mesh)
-            step = _with_host_copy(self.job.step_on(mesh), state_sharding)
+            step = _with_host_copy(step, state_sharding)
             outputs += (buffers,)
         else:
             buffers = state_sharding
-            step = _into_spare(self.job.step_on(mesh))
+            step = _into_spare(step)
         # keep_unused: jit would otherwise drop an unread buffers argument, and its donation with it.
         jitted = jax.jit(
             step, in_shardings=(*inputs, buffers), out_shardings=outputs, donate_argnums=2, keep_unused=True
@@ -206,9 +225,9 @@ class StepCompiler:
         # Compiled now, with the step: on a new mesh its first step needs fresh buffers, and a compile there
         # would hold up the first step after a recovery.
         maker = jax.jit(zeros, out_shardings=buffers)
-        name = "host buffers" if self.host_copy else "spare state"
-        self._fresh_buffers[mesh_key(mesh)] = self._build(name, mesh, maker.lower)
-        return self._build("step", mesh, lambda: jitted.lower(*args))
+        what = "host buffers" if self.host_copy else "spare state"
+        self._fresh_buffers[mesh_key(mesh)] = self._build(what, mesh, maker.lower)
+        return self._build(name, mesh, lambda: jitted.lower(*args))
 
     def _build(self, name: str, mesh: Mesh, lower: Callable[[], Any]) -> Any:
         if self.programs is None:
@@ -228,6 +247,19 @@ def _with_host_copy(step: Any, state_sharding: PyTree) -> Any:
         return new_state, metrics, new_state
 
     return step_and_copy
+
+
+def _with_digests(step: Any, chosen: list[int], digests: Any) -> Any:
+    """``step`` returning every device's digest of the new state's ``chosen`` leaves as one more output, computed
+    (and, across processes, gathered) in the step's own program: comparing the replicas adds no program, no
+    dispatch and no wait of its own to a step (``elastic_runtime.core.fingerprint``)."""
+
+    def step_and_digests(state: PyTree, batch: PyTree) -> tuple[PyTree, Any, Any]:
+        new_state, metrics = step(state, batch)
+        leaves = jax.tree.leaves(new_state)
+        return new_state, metrics, digests(*(leaves[i] for i in chosen))
+
+    return step_and_digests
 
 
 def _into_spare(step: Any) -> Any:

@@ -42,7 +42,11 @@ __all__ = [
     "Integrity",
     "StateDiverged",
     "compare_replicas",
+    "device_digests",
+    "digests_sharding",
     "host_digest",
+    "read_digests",
+    "replicated_leaves",
     "state_digest",
 ]
 
@@ -209,7 +213,8 @@ class Fingerprinter:
         return int(mesh.shape.get(self.replica_axis, 1)) if mesh is not None else 1
 
     def _chosen(self, state: PyTree) -> tuple[list[Any], Mesh | None]:
-        leaves = [x for x in jax.tree.leaves(state) if _replicated_over(x.sharding, self.replica_axis)]
+        every = jax.tree.leaves(state)
+        leaves = [every[i] for i in replicated_leaves(every, self.replica_axis)]
         return leaves, (leaves[0].sharding.mesh if leaves else None)
 
     def digests(self, state: PyTree) -> tuple[np.ndarray, Mesh]:
@@ -217,10 +222,7 @@ class Fingerprinter:
         over several processes, a collective of the group: every process calls it."""
         leaves, mesh = self._chosen(state)
         assert mesh is not None, "nothing to fingerprint: check covers() first"
-        out = self._program(mesh, leaves)(*leaves)
-        if _spans_processes(mesh):  # every digest was gathered on every device: read from this process's first
-            return np.asarray(out.addressable_data(0)).reshape(mesh.devices.shape), mesh
-        return np.asarray(jax.device_get(out)), mesh
+        return read_digests(self._program(mesh, leaves)(*leaves), mesh), mesh
 
     def prepare(self, abstract: PyTree) -> None:
         """Compile the digest for the layout of ``abstract`` (ShapeDtypeStructs with their shardings) now: a
@@ -238,21 +240,45 @@ class Fingerprinter:
         return program
 
     def _compile(self, mesh: Mesh, leaves: list[Any]) -> Any:
-        ones = (1,) * len(mesh.axis_names)
-        gather = _spans_processes(mesh)
+        return jax.jit(device_digests(mesh, [_spec(x) for x in leaves])).lower(*leaves).compile()
 
-        def local(*blocks: jax.Array) -> jax.Array:
-            total = jnp.uint32(0)
-            for block in blocks:
-                total = total * jnp.uint32(_GOLDEN) + _leaf_digest(block)
-            if gather:  # one collective in the same program: each process reads the others' from its own device
-                return lax.all_gather(total, axis_name=tuple(mesh.axis_names))
-            return total.reshape(ones)
 
-        specs = tuple(_spec(x) for x in leaves)
-        out = P() if gather else P(*mesh.axis_names)
-        mapped = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out, check_vma=False)
-        return jax.jit(mapped).lower(*leaves).compile()
+def device_digests(mesh: Mesh, specs: Sequence[P]) -> Any:
+    """A function of the chosen leaves (``specs``: their layouts on ``mesh``) to every device's digest of its own
+    blocks, to be traced into a program: shaped like the mesh's devices, or, where the mesh spans processes,
+    gathered onto every device in the same program (each process reads the others' from its own device:
+    :func:`read_digests`)."""
+    gather = _spans_processes(mesh)
+    ones = (1,) * len(mesh.axis_names)
+
+    def local(*blocks: jax.Array) -> jax.Array:
+        total = jnp.uint32(0)
+        for block in blocks:
+            total = total * jnp.uint32(_GOLDEN) + _leaf_digest(block)
+        if gather:
+            return lax.all_gather(total, axis_name=tuple(mesh.axis_names))
+        return total.reshape(ones)
+
+    out = P() if gather else P(*mesh.axis_names)
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=out, check_vma=False)
+
+
+def digests_sharding(mesh: Mesh) -> NamedSharding:
+    """The layout of :func:`device_digests`' output on ``mesh``."""
+    return NamedSharding(mesh, P() if _spans_processes(mesh) else P(*mesh.axis_names))
+
+
+def read_digests(out: jax.Array, mesh: Mesh) -> np.ndarray:
+    """:func:`device_digests`' output on the host, shaped like the mesh's devices (blocks until computed)."""
+    if _spans_processes(mesh):  # every digest was gathered on every device: read from this process's first
+        return np.asarray(out.addressable_data(0)).reshape(mesh.devices.shape)
+    return np.asarray(jax.device_get(out))
+
+
+def replicated_leaves(abstract: PyTree, axis: str) -> list[int]:
+    """The positions (in ``jax.tree.leaves`` order) of the leaves of ``abstract`` (arrays or ShapeDtypeStructs with
+    their shardings) that every replica along ``axis`` holds whole: the ones the fingerprint compares."""
+    return [i for i, x in enumerate(jax.tree.leaves(abstract)) if _replicated_over(x.sharding, axis)]
 
 
 def _spans_processes(mesh: Mesh) -> bool:
@@ -340,6 +366,15 @@ class Integrity:
         started = time.perf_counter()
         digests, mesh = self.fingerprinter.digests(state)
         self._adapt(time.perf_counter() - started, step_s)
+        return self.verdict(digests, mesh, step)
+
+    def verdict(self, digests: np.ndarray, mesh: Mesh, step: int) -> Healed | None:
+        """:meth:`check` of digests computed already (every device's, shaped like ``mesh``'s devices: those a step
+        compiled with its fingerprint returns, ``StepCompiler(fingerprint=...)``).
+
+        Raises:
+            StateDiverged: the replicas disagree.
+        """
         self.last = step
         divergence = compare_replicas(digests, mesh, self.replica_axis, step=step)
         if divergence is None:

@@ -4,7 +4,10 @@ healed and compared bitwise with a fault-free run. The demo job's group (``elast
 2 CPU devices per worker, gloo on loopback.
 
     .venv/bin/python tests/benchmarks/bench_integrity_slices.py [--processes 4] [--slices 2] [--steps 100]
-        [--repeats 3] [--json]
+        [--repeats 3] [--mb MB] [--json]
+
+``--mb``: the model scaled to about that much state (parameters and momentum) in each slice, as ``bench_slices.py``
+(``--processes 2 --slices 2``: every process holds it whole); 0, the default: the demo's size.
 
 The step time is the median gap between the group's consecutive ``StepCompleted`` events past the first 10 steps
 (the controller's clock); the ratio is taken within each repeat (the two runs back to back, alternating which goes
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,9 +32,13 @@ from elastic_runtime.core.events import CorruptionHealed, SilentCorruption, Step
 from elastic_runtime.faults.grammar import Fault
 from elastic_runtime.storage.disk import DiskTier
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_slices import size_for
+
 
 def launched(root: Path, args: argparse.Namespace, *, fingerprint: bool, faults: list[Fault]) -> dict[str, Any]:
-    command = worker_command(args.steps, fingerprint=fingerprint)
+    size = {"features": size_for(args.mb), "hidden": size_for(args.mb)} if args.mb else {}
+    command = worker_command(args.steps, fingerprint=fingerprint, **size)
     result = run_group(
         processes=args.processes, slices=args.slices, steps=args.steps, run_dir=root, faults=faults, command=command
     )
@@ -53,9 +61,10 @@ def main() -> None:
     parser.add_argument("--slices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mb", type=float, default=0.0, help="state per slice (0: the demo's size)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    out: dict[str, Any] = {k: getattr(args, k) for k in ("processes", "slices", "steps", "repeats")}
+    out: dict[str, Any] = {k: getattr(args, k) for k in ("processes", "slices", "steps", "repeats", "mb")}
     out["load_average_before"] = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-integrity-slices-") as tmp:
         root = Path(tmp)

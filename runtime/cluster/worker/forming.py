@@ -99,8 +99,19 @@ def form_group(worker: WorkerState, form: Form) -> None:
     place = (form.process_id, form.num_processes)
     # With neighbour replicas every replica is read (the neighbour's copy is made from it): none is a spare.
     spare = worker.settings.spare_states and not form.neighbour_replicas
+    # The slices' copies of the state compared after every step (silent data corruption), with two or more: the
+    # step returns its digests. A new group starts with no suspects: its devices' ids may belong to other
+    # processes now.
+    compared = process_mesh.replica_axis if worker.fingerprint and slices >= 2 else None
+    worker.integrity = None if compared is None else Integrity(1, compared)
     compiler = StepCompiler(
-        worker.job, worker.template, worker.batch_like, into_spare=spare, programs=worker.programs, place=place
+        worker.job,
+        worker.template,
+        worker.batch_like,
+        into_spare=spare,
+        fingerprint=compared,
+        programs=worker.programs,
+        place=place,
     )
     worker.state_shardings = compiler.state_shardings(worker.mesh)
     worker.batch_shardings = compiler.batch_shardings(worker.mesh)
@@ -135,11 +146,6 @@ def form_group(worker: WorkerState, form: Form) -> None:
         worker.ledger.policies["durable"] = EveryN(form.durable_every)
     worker.owned = writes(worker.template, worker.state_shardings, form.slice_size)
     worker.compiled = compiler.get(worker.mesh)
-    # The slices' copies of the state compared after every step (silent data corruption), with two or more. A new
-    # group starts with no suspects: its devices' ids may belong to other processes now.
-    worker.integrity = Integrity(1, replica) if worker.fingerprint and slices >= 2 else None
-    if worker.integrity is not None:  # compiled in the join's time, not in the first step's
-        worker.integrity.fingerprinter.prepare(compiler.state_abstract(worker.mesh))
     worker.spares.reset(form.generation, partial(compiler.fresh_buffers, worker.mesh) if spare else None)
     shift = form.neighbour_replicas
     kept = worker.programs

@@ -108,12 +108,20 @@ def _program_sets(worker: WorkerState, form: Form, place: tuple[int, int]) -> It
     )
     spare = worker.settings.spare_states and not form.neighbour_replicas
     kept = worker.programs
+    replica = worker.job.process_mesh.replica_axis
+    compared = replica if worker.fingerprint and slices - 1 >= 2 else None  # as forming.py compiles it
     compiler = StepCompiler(
-        worker.job, worker.template, worker.batch_like, into_spare=spare, programs=kept, place=place
+        worker.job,
+        worker.template,
+        worker.batch_like,
+        into_spare=spare,
+        fingerprint=compared,
+        programs=kept,
+        place=place,
     )
     compiler.get(mesh)
     yield "step"
-    shardings, replica = compiler.state_shardings(mesh), worker.job.process_mesh.replica_axis
+    shardings = compiler.state_shardings(mesh)
     SliceRestore(worker.template, shardings, neighbours=form.neighbour_replicas, replica=replica, programs=kept)
     yield "restore"
     if form.neighbour_replicas:

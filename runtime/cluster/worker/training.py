@@ -12,7 +12,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -26,7 +25,7 @@ from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenc
 from elastic_runtime.core.classify import classify
 from elastic_runtime.core.events import CorruptionHealed, SilentCorruption
 from elastic_runtime.core.executor import RunResult
-from elastic_runtime.core.fingerprint import Healed, StateDiverged
+from elastic_runtime.core.fingerprint import Healed, StateDiverged, read_digests
 from elastic_runtime.core.job import PyTree
 from elastic_runtime.core.memory import can_hold
 from elastic_runtime.core.process_data import place_batch
@@ -87,19 +86,14 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
             return outcome
         if outcome is None:  # the step raised: not committed; wait for the controller to re-form
             return None
-        (new_state, moved, loss, metrics, in_program), seconds = outcome
-        if worker.integrity is not None:
-            compare = partial(compare_slices, new_state=new_state)
-            verdict = in_step_thread(worker, compare, "the slices' fingerprints (a collective of the group)")
-            if isinstance(verdict, Message) or verdict is None:
-                return verdict if isinstance(verdict, Message) else None
-            if isinstance(verdict[0], StateDiverged):  # not committed: nothing corrupted is ever kept or written
-                report_corruption(worker, verdict[0])
-                if verdict[0].persistent:
-                    return None  # the controller replaces the suspects' workers; the group restores the step before
-                continue  # a transient flip: the step again, from the state before it
-            if verdict[0] is not None:
-                report_corruption(worker, verdict[0])
+        (new_state, moved, loss, metrics, in_program, found), seconds = outcome
+        if isinstance(found, StateDiverged):  # not committed: nothing corrupted is ever kept or written
+            report_corruption(worker, found)
+            if found.persistent:
+                return None  # the controller replaces the suspects' workers; the group restores the step before
+            continue  # a transient flip: the step again, from the state before it
+        if found is not None:
+            report_corruption(worker, found)
         worker.state, worker.step_time_s, worker.loss, worker.metrics = new_state, seconds, loss, metrics
         worker.pace.record(worker.generation, worker.step + 1, began, waited + in_program)
         step, position = worker.step + 1, position + 1
@@ -156,12 +150,13 @@ def in_step_thread(worker: WorkerState, fn: Callable[[WorkerState], T], what: st
     return await_step(worker, worker.step_pool.submit(lambda: (fn(worker), 0.0)), what=what)
 
 
-def compare_slices(worker: WorkerState, new_state: PyTree) -> Healed | StateDiverged | None:
-    """The slices' copies of the step's new state compared (every member's digests, gathered by every member: the
-    same verdict in each); a divergence is returned, not raised, so that the step thread reports no failure."""
+def compare_slices(worker: WorkerState, step: int, digests: Any) -> Healed | StateDiverged | None:
+    """The slices' copies of ``step``'s new state compared: every member's digests, computed and gathered by the
+    step's own program in every member (``StepCompiler(fingerprint=...)``), so each reaches the same verdict; a
+    divergence is returned, not raised, so that the step thread reports no failure."""
     assert worker.integrity is not None
     try:
-        return worker.integrity.check(new_state, worker.step + 1, None)
+        return worker.integrity.verdict(read_digests(digests, worker.mesh), worker.mesh, step)
     except StateDiverged as diverged:
         return diverged
 
@@ -211,9 +206,10 @@ def apply_boundary(worker: WorkerState, done: Boundary) -> None:
 
 def run_step(
     worker: WorkerState, state: PyTree, position: int, step: int
-) -> tuple[tuple[PyTree, Any, float | None, dict[str, float], float], float]:
+) -> tuple[tuple[PyTree, Any, float | None, dict[str, float], float, Healed | StateDiverged | None], float]:
     """The step, its neighbour shift, its loss as a number, every scalar metric it returned (the metrics are
-    replicated: every process has them) and the seconds spent in its programs (collectives included)."""
+    replicated: every process has them), the seconds spent in its programs (collectives included) and, where the
+    slices are compared, what comparing them found (``compare_slices``)."""
     import jax
 
     from elastic_runtime.core.metrics import scalar_metrics
@@ -225,23 +221,24 @@ def run_step(
     entered = time.perf_counter()
     for fault in worker.input_faults:  # fault injection: the state as this step reads it
         state = fault(step, state)
-    if worker.spares.on:  # the new state is written into a spare state's buffers
-        new_state, metrics = worker.compiled(state, batch, worker.spares.take(state))
-    else:
-        new_state, metrics = worker.compiled(state, batch)
+    # The new state is written into a spare state's buffers; compared, the step returns its digests too.
+    spare = (worker.spares.take(state),) if worker.spares.on else ()
+    new_state, metrics, *digests = worker.compiled(state, batch, *spare)
     jax.block_until_ready(new_state)
     in_program = time.perf_counter() - entered
     loss = worker.job.loss(metrics)
     scalars = scalar_metrics(metrics)
     for check in worker.step_checks:
         check(step)
+    found = compare_slices(worker, step, digests[0]) if worker.integrity is not None else None
     # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
+    # Not for a state that is not committed (every member found the same divergence: none runs it).
     shifted = time.perf_counter()
-    moved = worker.shift(new_state) if worker.shift is not None else []
+    moved = worker.shift(new_state) if worker.shift is not None and not isinstance(found, StateDiverged) else []
     in_program += time.perf_counter() - shifted
     if worker.settings.step_delay_s:
         time.sleep(worker.settings.step_delay_s)
-    return (new_state, moved, number(loss), scalars, in_program), time.perf_counter() - started
+    return (new_state, moved, number(loss), scalars, in_program, found), time.perf_counter() - started
 
 
 def number(loss: Any) -> float | None:
