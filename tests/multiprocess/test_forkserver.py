@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from elastic_runtime.cli.demo_multiprocess import group_controller
+from elastic_runtime.cluster.controller import forkserver
 from elastic_runtime.cluster.controller.forkserver import ForkServer, forkable
 from elastic_runtime.cluster.controller.processes import descends_from, dying_with_controller, parent_of, state_of
 from elastic_runtime.core.events import WorkerStarted
@@ -81,6 +82,35 @@ def test_a_killed_worker_is_reported_as_killed_and_the_servers_death_takes_its_c
         assert time.monotonic() < deadline, "the server's child outlived it"
         time.sleep(0.05)
     assert server.spawn([sys.executable, str(script), "exit", "0"], {}, tmp_path / "late.log") is None
+
+
+def test_a_child_whose_server_died_before_it_ran_does_not_start(tmp_path: Path) -> None:
+    """The server answers a child's pid as it forks it and may die before the child runs: the child must see that
+    its server is gone, not take whoever adopted it for the parent it dies with (it outlived the server, 1 run in
+    a full ``make test``)."""
+    marker = tmp_path / "ran"
+    script = tmp_path / "work.py"
+    script.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    request = {"argv": [str(script)], "env": {}, "log": str(tmp_path / "child.log")}
+    read, write = os.pipe()
+    server = os.fork()
+    if server == 0:  # the server: forks the child and dies at once
+        me = os.getpid()
+        if os.fork() == 0:
+            while os.getppid() == me:  # until its server is gone
+                time.sleep(0.01)
+            try:
+                said: object = forkserver._run_child(request, me)
+            except SystemExit as exit:
+                said = exit.code
+            os.write(write, str(said).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(server, 0)
+    with os.fdopen(read) as answer:
+        said = answer.read()  # until the child closes its end
+    assert "is gone; not starting" in said, said
+    assert not marker.exists() and not (tmp_path / "child.log").exists()
 
 
 def _started(pid: int) -> str | None:

@@ -232,11 +232,12 @@ def serve() -> None:
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
+                server = os.getpid()
                 pid = os.fork()
                 if pid == 0:
                     os.close(wake_read)
                     os.close(wake_write)
-                    raise SystemExit(_run_child(json.loads(line)))
+                    raise SystemExit(_run_child(json.loads(line), server))
                 _answer(answers, {"started": pid})
         _reap(answers)
 
@@ -257,14 +258,16 @@ def _answer(answers: IO[bytes], message: dict[str, Any]) -> None:
     answers.flush()
 
 
-def _run_child(request: dict[str, Any]) -> int | str | None:
-    """In the forked child: become the worker ``request`` names, as ``python ARGV...`` would start it."""
+def _run_child(request: dict[str, Any], server: int) -> int | str | None:
+    """In the forked child: become the worker ``request`` names, as ``python ARGV...`` would start it; dies with
+    ``server``, the pid it was forked by (read before the fork: the server may die before the child runs, and
+    ``getppid()`` then names whoever adopted it, whose death would never come)."""
     from elastic_runtime.cluster.controller.deathsig import die_with_parent
 
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setpgid(0, 0)  # a group of its own, as a worker started without the fork server (processes.py)
-    die_with_parent(os.getppid())
+    die_with_parent(server)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     out = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
