@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -15,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from elastic_runtime.cli.demo_multiprocess import group_controller
-from elastic_runtime.cluster.controller import forkserver
 from elastic_runtime.cluster.controller.forkserver import ForkServer, forkable
 from elastic_runtime.cluster.controller.processes import descends_from, dying_with_controller, parent_of, state_of
 from elastic_runtime.core.events import WorkerStarted
@@ -84,33 +84,38 @@ def test_a_killed_worker_is_reported_as_killed_and_the_servers_death_takes_its_c
     assert server.spawn([sys.executable, str(script), "exit", "0"], {}, tmp_path / "late.log") is None
 
 
+# Run by a fresh interpreter: a fork of the test process, whose JAX threads are running, would deadlock in the child.
+SERVER_DIES_FIRST = """\
+import os, sys, time
+from elastic_runtime.cluster.controller import forkserver
+
+request = {"argv": [sys.argv[1]], "env": {}, "log": sys.argv[2]}
+me = os.getpid()
+if os.fork() == 0:  # the child: runs only once its server (this process) is gone
+    while os.getppid() == me:
+        time.sleep(0.01)
+    try:
+        said = forkserver._run_child(request, me)
+    except SystemExit as exit:
+        said = exit.code
+    print(said, flush=True)
+os._exit(0)
+"""
+
+
 def test_a_child_whose_server_died_before_it_ran_does_not_start(tmp_path: Path) -> None:
     """The server answers a child's pid as it forks it and may die before the child runs: the child must see that
     its server is gone, not take whoever adopted it for the parent it dies with (it outlived the server, 1 run in
     a full ``make test``)."""
-    marker = tmp_path / "ran"
+    marker, log = tmp_path / "ran", tmp_path / "child.log"
     script = tmp_path / "work.py"
     script.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
-    request = {"argv": [str(script)], "env": {}, "log": str(tmp_path / "child.log")}
-    read, write = os.pipe()
-    server = os.fork()
-    if server == 0:  # the server: forks the child and dies at once
-        me = os.getpid()
-        if os.fork() == 0:
-            while os.getppid() == me:  # until its server is gone
-                time.sleep(0.01)
-            try:
-                said: object = forkserver._run_child(request, me)
-            except SystemExit as exit:
-                said = exit.code
-            os.write(write, str(said).encode())
-        os._exit(0)
-    os.close(write)
-    os.waitpid(server, 0)
-    with os.fdopen(read) as answer:
-        said = answer.read()  # until the child closes its end
+    # The server exits at once; its output pipe stays open until the child, which shares it, has printed and ended.
+    said = subprocess.run(
+        [sys.executable, "-c", SERVER_DIES_FIRST, str(script), str(log)], capture_output=True, text=True, timeout=60
+    ).stdout
     assert "is gone; not starting" in said, said
-    assert not marker.exists() and not (tmp_path / "child.log").exists()
+    assert not marker.exists() and not log.exists()
 
 
 def _started(pid: int) -> str | None:
