@@ -25,7 +25,7 @@ from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenc
 from elastic_runtime.core.classify import classify
 from elastic_runtime.core.events import CorruptionHealed, SilentCorruption
 from elastic_runtime.core.executor import RunResult
-from elastic_runtime.core.fingerprint import Healed, StateDiverged, read_digests
+from elastic_runtime.core.fingerprint import Healed, Integrity, StateDiverged, read_digests
 from elastic_runtime.core.job import PyTree
 from elastic_runtime.core.memory import can_hold
 from elastic_runtime.core.process_data import place_batch
@@ -33,6 +33,8 @@ from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.replicas import device_replica, replica
 
 if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
     from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["apply_boundary", "compare_slices", "finish", "gather_whole", "in_step_thread", "run_step", "train"]
@@ -150,13 +152,12 @@ def in_step_thread(worker: WorkerState, fn: Callable[[WorkerState], T], what: st
     return await_step(worker, worker.step_pool.submit(lambda: (fn(worker), 0.0)), what=what)
 
 
-def compare_slices(worker: WorkerState, step: int, digests: Any) -> Healed | StateDiverged | None:
+def compare_slices(integrity: Integrity, mesh: Mesh, step: int, digests: Any) -> Healed | StateDiverged | None:
     """The slices' copies of ``step``'s new state compared: every member's digests, computed and gathered by the
     step's own program in every member (``StepCompiler(fingerprint=...)``), so each reaches the same verdict; a
     divergence is returned, not raised, so that the step thread reports no failure."""
-    assert worker.integrity is not None
     try:
-        return worker.integrity.verdict(read_digests(digests, worker.mesh), worker.mesh, step)
+        return integrity.verdict(read_digests(digests, mesh), mesh, step)
     except StateDiverged as diverged:
         return diverged
 
@@ -214,6 +215,8 @@ def run_step(
 
     from elastic_runtime.core.metrics import scalar_metrics
 
+    # The group's, read now: a step abandoned in a dead peer's collective may end after the group re-formed.
+    integrity, mesh = worker.integrity, worker.mesh
     started = time.perf_counter()
     batch, worker.batch_bytes = place_batch(
         worker.job.data, position, worker.batch_shardings, worker.batch_like, worker.batch_rows
@@ -230,7 +233,7 @@ def run_step(
     scalars = scalar_metrics(metrics)
     for check in worker.step_checks:
         check(step)
-    found = compare_slices(worker, step, digests[0]) if worker.integrity is not None else None
+    found = compare_slices(integrity, mesh, step, digests[0]) if integrity is not None else None
     # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
     # Not for a state that is not committed (every member found the same divergence: none runs it).
     shifted = time.perf_counter()
