@@ -129,7 +129,7 @@ def test_on_cpu_devices_a_snapshot_is_the_state_itself_and_restores_exactly(tmp_
     latest = executor.ram.latest()
     held = latest.unread()
     assert latest.step == steps and held is not None
-    assert all(a is b for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(executor.state), strict=True))
+    assert all(a is b for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(executor.core.state), strict=True))
     [recovery] = [e for e in read_events(tmp_path / "events.jsonl") if isinstance(e, RecoveryCompleted)]
     restored = (fault - 1) // every * every
     assert (recovery.restored_from, recovery.lost_steps) == ("ram", fault - 1 - restored)

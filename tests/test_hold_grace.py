@@ -15,7 +15,7 @@ from elastic_runtime.cluster.worker.stepping import _ABANDON_GRACE_S, _grace
 def worker(message: Any, step_time_s: float | None) -> Any:
     inbox: queue.Queue[Any] = queue.Queue()
     inbox.put(message)
-    return SimpleNamespace(link=SimpleNamespace(inbox=inbox), step_time_s=step_time_s)
+    return SimpleNamespace(link=SimpleNamespace(inbox=inbox), core=SimpleNamespace(step_s=step_time_s))
 
 
 def test_a_hold_lets_the_step_in_flight_finish_a_few_of_its_durations() -> None:

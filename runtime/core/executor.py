@@ -21,8 +21,6 @@ from typing import Any, NamedTuple, NoReturn
 
 import anyio
 import jax
-import jax.numpy as jnp
-import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from jax.sharding import Mesh
 
@@ -52,15 +50,14 @@ from elastic_runtime.core.job import PyTree, TrainJob
 from elastic_runtime.core.keys import with_key_data
 from elastic_runtime.core.ledger import StepLedger
 from elastic_runtime.core.mesh import MeshPolicy, device_ids, mesh_shape
-from elastic_runtime.core.metrics import scalar_metrics
 from elastic_runtime.core.prefetch import BatchPrefetcher
 from elastic_runtime.core.restore import RestoreSource, refuse_earlier_checkpoints, restore_newest
 from elastic_runtime.core.snapshot import RamTier, in_host_memory
+from elastic_runtime.core.step_core import StepCore
 
 log = logging.getLogger(__name__)
 
 BoundaryHook = Callable[[int], Awaitable[None] | None]
-StepCheck = Callable[[int, tuple[int, ...]], None]
 
 
 def _is_async(fn: Any) -> bool:
@@ -154,12 +151,6 @@ class StepExecutor:
         self.policy = policy
         self.health = health
         self.hooks: list[BoundaryHook] = []
-        # Called with (step, device ids) once a step's results are ready, before it is committed; one that
-        # raises fails the step as that exception (a site's result validation, or a fault injector).
-        self.step_checks: list[StepCheck] = []
-        # Fault injection's way to make a device compute wrong: each maps (step, the state the step is about to
-        # read) to the state it reads instead (elastic_runtime.testing.faults).
-        self.input_faults: list[Callable[[int, PyTree], PyTree]] = []
         # The state's data-parallel replicas compared (silent data corruption): runtime/core/fingerprint.py.
         every = config.fingerprint_every
         self.integrity = Integrity(every, policy.batch_axis) if every != 0 else None
@@ -167,14 +158,16 @@ class StepExecutor:
         self._by_reference = False  # a snapshot is the state itself (devices whose memory is the host's)
         # The RAM snapshot's cadence, and the measure of a step without a copy that Young-Daly plans by.
         self.cadence = SnapshotCadence(max(config.snapshot_every, 1), config.snapshot_mtbf_s)
-        # The books: committed step, data position, when the RAM tier is due (decided as a step is dispatched:
-        # its copy is queued right behind it), the recovery under way.
-        self.ledger = StepLedger(
+        # The committed state and the step that moves it on, as a launch worker has them (core/step_core.py), and
+        # its books: committed step, data position, when the RAM tier is due (decided as a step is dispatched: its
+        # copy is queued right behind it), the recovery under way.
+        ledger = StepLedger(
             "executor",
             max_failures=config.max_recoveries,
             policies={"ram": self.cadence} if config.snapshot_every > 0 else {},
             at_dispatch=("ram",),
         )
+        self.core = StepCore(self.job, self.keys, ledger)
         self.ram.failure_listeners.append(self._snapshot_failed)
         # Where a restore looks, fastest first. The storage tiers append themselves after RAM.
         self.restore_sources: list[RestoreSource] = [self.ram]
@@ -195,10 +188,6 @@ class StepExecutor:
         self.mesh_updates: MemoryObjectReceiveStream[Mesh]
         self.mesh_updates_send, self.mesh_updates = anyio.create_memory_object_stream[Mesh](math.inf)
         self.mesh: Mesh | None = None
-        self.state: PyTree | None = None
-        self.loss: float | None = None
-        self.metrics: dict[str, float] = {}  # of the newest committed step
-        self.productive_s = 0.0  # the committed steps' computation, in all (progress lines, goodput so far)
         self.paused = False
         self.mesh_history: list[dict[str, int]] = []
         self._recovery_deadline = math.inf  # when the handlers must have resumed the current recovery
@@ -220,15 +209,15 @@ class StepExecutor:
     @property
     def step(self) -> int:
         """The newest committed step."""
-        return self.ledger.step
+        return self.core.step
 
     @property
     def data_position(self) -> int:
-        return self.ledger.data_position
+        return self.core.data_position
 
     @property
     def recovering(self) -> bool:
-        return self.ledger.recovering
+        return self.core.ledger.recovering
 
     # --- the run ---------------------------------------------------------------------------------------
 
@@ -250,14 +239,14 @@ class StepExecutor:
                 _drain(self._computing[0])
             self.ram.close()
             self._batches.close()
-        state = self.keys.to_keys(await anyio.to_thread.run_sync(jax.device_get, self.state))
+        state = self.keys.to_keys(await anyio.to_thread.run_sync(jax.device_get, self.core.state))
         return RunResult(
             state=state,
             step=self.step,
             data_position=self.data_position,
-            loss=self.loss,
+            loss=self.core.loss,
             mesh_history=self.mesh_history,
-            recoveries=self.ledger.recovery.failures,
+            recoveries=self.core.ledger.recovery.failures,
         )
 
     async def _start(self, steps: int, resume: bool) -> None:
@@ -283,7 +272,7 @@ class StepExecutor:
             fused = every_step and not self._by_reference
             self.compiler = StepCompiler(self.job, self._initial, self.job.data.batch(0), host_copy=fused)
             self._set_mesh(mesh)
-            self.state = await anyio.to_thread.run_sync(self._place_initial, mesh)
+            self.core.state = await anyio.to_thread.run_sync(self._place_initial, mesh)
         except Exception as exc:  # the user's init, data or state specs: nothing ran, nothing to recover
             await self._stop_on_user_error(exc, 0, f"the job cannot start on mesh {mesh_shape(mesh)}")
         durable = [source for source in self.restore_sources if source is not self.ram]
@@ -320,11 +309,11 @@ class StepExecutor:
             return None
         if snapshot.step > steps:
             raise ConfigError(f"resume: the newest checkpoint is step {snapshot.step}, beyond the target {steps}")
-        self.state = await anyio.to_thread.run_sync(self._place, snapshot.tree, mesh)
+        state = await anyio.to_thread.run_sync(self._place, snapshot.tree, mesh)
         seconds = time.monotonic() - started
         # What an earlier process committed counts as committed: the ledger's high water moves to it.
-        return self.ledger.restored(
-            snapshot.step, data_position=snapshot.data_position, restored_from=found.name, seconds=seconds
+        return self.core.restored(
+            state, snapshot.step, data_position=snapshot.data_position, restored_from=found.name, seconds=seconds
         )
 
     def _snapshot_initial(self, mesh: Mesh) -> None:
@@ -333,9 +322,9 @@ class StepExecutor:
         devices it is the state itself; elsewhere a copy in the background, beside the first step's compile."""
         metadata = {"mesh": mesh_shape(mesh)}
         if self._by_reference:
-            self.ram.commit(self.state, step=0, data_position=0, metadata=metadata, notify=False)
+            self.ram.commit(self.core.state, step=0, data_position=0, metadata=metadata, notify=False)
         else:
-            self.ram.capture(self.state, step=0, data_position=0, metadata=metadata, notify=False)
+            self.ram.capture(self.core.state, step=0, data_position=0, metadata=metadata, notify=False)
 
     def _set_mesh(self, mesh: Mesh) -> None:
         self.mesh = mesh
@@ -395,7 +384,7 @@ class StepExecutor:
                 log.info("paused at step %d: %s", self.step, reason)
                 self.paused = True
             case Resume(reason):
-                if self.state is None:
+                if self.core.state is None:
                     await self._fail_recovery(f"resume ({reason}) requested but no state was restored")
                 self.paused = False
                 self._resumed = True
@@ -412,20 +401,12 @@ class StepExecutor:
         """Replace the committed state with ``fn(state)``, placed like it. Raises StepError when ``fn``
         raises or changes the state's structure, shapes or dtypes (it is the user's code)."""
         assert self.mesh is not None
-        if self.state is None:
+        if self.core.state is None:
             await self._fail_recovery(f"transform_state ({reason}) asked for before a state was restored")
-        started, mesh, state = time.monotonic(), self.mesh, self.state
-
-        def apply() -> PyTree:
-            new = self.keys.to_data(fn(self.keys.to_keys(state)))
-            before = [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
-            after = [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(new)]
-            if str(jax.tree.structure(state)) != str(jax.tree.structure(new)) or before != after:
-                raise ValueError("the transform changed the state's structure, shapes or dtypes")
-            return self._place(new, mesh)
-
+        assert self.compiler is not None
+        started, shardings = time.monotonic(), self.compiler.state_shardings(self.mesh)
         try:
-            self.state = await anyio.to_thread.run_sync(apply)
+            self.core.state = await anyio.to_thread.run_sync(self.core.transform, fn, self.core.state, shardings)
         except Exception as exc:
             await self._stop_on_user_error(exc, self.step, f"transform_state ({reason}) at step {self.step}")
         seconds = time.monotonic() - started
@@ -434,12 +415,12 @@ class StepExecutor:
     async def _remesh(self, mesh: Mesh, reason: str) -> None:
         old = self.mesh
         assert old is not None
-        needs_restore = self.recovering or self.state is None
+        needs_restore = self.recovering or self.core.state is None
         started = time.monotonic()
         if needs_restore:
-            self.state = None  # it lived on the old mesh, part of which is gone
+            self.core.state = None  # it lived on the old mesh, part of which is gone
         else:
-            self.state = await anyio.to_thread.run_sync(self._place, self.state, mesh)
+            self.core.state = await anyio.to_thread.run_sync(self._place, self.core.state, mesh)
         seconds = time.monotonic() - started
         self._set_mesh(mesh)
         await self.bus.publish(
@@ -475,12 +456,12 @@ class StepExecutor:
             if self.step > 0 and self.config.snapshot_every > 0:
                 await self._fail_recovery(f"no tier of {names} holds a snapshot to restore step {self.step} from")
         mesh = self.mesh
-        self.state = await anyio.to_thread.run_sync(
+        state = await anyio.to_thread.run_sync(
             lambda: self._place_initial(mesh) if tree is None else self._place(tree, mesh)
         )
         seconds = time.monotonic() - started
         await self.bus.publish(
-            self.ledger.restored(step, data_position=position, restored_from=origin, seconds=seconds)
+            self.core.restored(state, step, data_position=position, restored_from=origin, seconds=seconds)
         )
 
     async def _run_steps(self, target: int) -> None:
@@ -531,7 +512,9 @@ class StepExecutor:
             step = (flight.step if flight is not None else self.step) + 1
             if step <= target and not self._attention.is_set():
                 state, position = (
-                    (flight.new_state, flight.position + 1) if flight is not None else (self.state, self.data_position)
+                    (flight.new_state, flight.position + 1)
+                    if flight is not None
+                    else (self.core.state, self.data_position)
                 )
                 try:
                     if run_hooks and self._hooked != step:
@@ -565,7 +548,10 @@ class StepExecutor:
         """
         shape = mesh_shape(mesh)
         position = self.data_position + 1
-        if done.host is not None:
+
+        def keep(_due: tuple[str, ...]) -> None:  # the RAM tier's copy was decided, and queued, at dispatch
+            if done.host is None:
+                return
             self.ram.commit(
                 done.host,
                 step=step,
@@ -576,6 +562,7 @@ class StepExecutor:
                 notify=done.verified,  # a state whose replicas were not compared goes to no durable tier
                 verified=done.verified,
             )
+
         self._from_threads.append(
             StepCompleted(
                 step=step,
@@ -590,10 +577,17 @@ class StepExecutor:
                 snapshot_wait_s=done.snapshot_wait_s,
             )
         )
-        self.state, self.loss, self.metrics = done.state, done.loss, done.metrics
-        self.productive_s += done.seconds
-        # Last: the step counts as committed once everything above is in place.
-        self._from_threads.extend(self.ledger.commit(step, data_position=position, mesh_shape=shape).events)
+        noted = self.core.commit(
+            step,
+            done.state,
+            loss=done.loss,
+            metrics=done.metrics,
+            seconds=done.seconds,
+            data_position=position,
+            mesh_shape=shape,
+            keep=keep,
+        )
+        self._from_threads.extend(noted.events)
 
     def _dispatch(self, state: PyTree, step: int, mesh: Mesh, position: int) -> _InFlight:
         """Load the step's batch and queue the compiled step on the devices; does not wait for it.
@@ -602,8 +596,6 @@ class StepExecutor:
         call at a time); ``data_s`` is only the time this step waited for its batch.
         """
         assert self.compiler is not None
-        for fault in self.input_faults:
-            state = fault(step, state)
         loading = time.perf_counter()
         host_batch = self._batches.batch(position)
         if self._data_check is not None:
@@ -621,8 +613,8 @@ class StepExecutor:
         else:  # compiled here, or waited for: after a failure, part of the recovery's time
             waiting = time.perf_counter()
             compiled = compiler.get(mesh)
-            self.ledger.recovery.waited_for_compile(time.perf_counter() - waiting)
-        snapshot_due = not compiler.host_copy and "ram" in self.ledger.due(step)
+            self.core.ledger.recovery.waited_for_compile(time.perf_counter() - waiting)
+        snapshot_due = not compiler.host_copy and "ram" in self.core.ledger.due(step)
         copy_due = snapshot_due and not self._by_reference
         if copy_due:  # a copy compiled here (a layout not prepared ahead) is no part of the copy's cost
             self.ram.prepare(state)
@@ -634,18 +626,18 @@ class StepExecutor:
         if compiler.host_copy:  # the copy is written into a replaced snapshot's buffers, or fresh ones
             buffers = self.ram.take_spare(compiler.host_shardings(mesh))
             buffers = compiler.fresh_buffers(mesh) if buffers is None else buffers
-            new_state, metrics, host = compiled(state, batch, buffers)
+            new_state, metrics, host = self.core.launch(compiled, state, step, batch, buffers)
         else:
-            new_state, metrics = compiled(state, batch)
+            new_state, metrics = self.core.launch(compiled, state, step, batch)
             if snapshot_due and self._by_reference:
                 host = new_state
-                self.ledger.taken("ram", step)
+                self.core.ledger.taken("ram", step)
             elif copy_due:
                 # Queued now, right behind the step: copied after the next step was dispatched, it waited for
                 # that one too and emptied the pipeline (a whole step, where the copy itself is far shorter).
                 host = self.ram.dispatch_copy(new_state, step=step)  # None: failed, reported as an event
                 if host is not None:  # one that could not be queued is tried again at the next step
-                    self.ledger.taken("ram", step)
+                    self.core.ledger.taken("ram", step)
         return _InFlight(step, position, new_state, metrics, host, dispatched, data_s, measured)
 
     def _finish(self, flight: _InFlight, mesh: Mesh, previous_ready: float, ended_unseen: bool) -> _StepDone:
@@ -655,9 +647,9 @@ class StepExecutor:
         and leaves the step committed."""
         assert self.compiler is not None
         fused = self.compiler.host_copy
-        jax.block_until_ready((flight.new_state, flight.host) if fused else flight.new_state)
-        for check in self.step_checks:
-            check(flight.step, device_ids(mesh))
+        if fused:
+            jax.block_until_ready(flight.host)
+        _, loss, metrics = self.core.results(flight.step, flight.new_state, flight.metrics, device_ids(mesh))
         verified, digest = self.integrity is None, None
         if self.integrity is not None and self.integrity.due(flight.step):
             # Raises StateDiverged: the step is not committed, and the recovery replays it (_on_failure).
@@ -668,9 +660,6 @@ class StepExecutor:
             if flight.host is not None and self.integrity.durable_due(flight.step):
                 # What a durable checkpoint of this step is checked against when restored (storage/tier.py).
                 digest = state_digest(flight.new_state)
-        metrics = scalar_metrics(flight.metrics)
-        loss = self.job.loss(flight.metrics)
-        loss_value = None if loss is None else float(np.asarray(loss))
         host, copy_s = flight.host, 0.0
         copied_here = host is not None and not (fused or self._by_reference)  # a copy queued behind the step
         if copied_here:
@@ -691,7 +680,7 @@ class StepExecutor:
                 self.cadence.copied(extra)  # signed, so that the noise of step times averages out
             copy_s = max(extra, 0.0)
             seconds -= copy_s
-        return _StepDone(flight.new_state, loss_value, metrics, seconds, flight.data_s, copy_s, host, verified, digest)
+        return _StepDone(flight.new_state, loss, metrics, seconds, flight.data_s, copy_s, host, verified, digest)
 
     def _healed(self, healed: Healed, step: int) -> CorruptionHealed:
         """The replicas agree again at ``step``: healed by the replay, or by evicting the suspects."""
@@ -724,7 +713,7 @@ class StepExecutor:
         in_mesh = list(mesh.devices.flat)
         healthy = await anyio.to_thread.run_sync(self.health.healthy, in_mesh)
         lost = tuple(sorted(set(device_ids(mesh)) - {d.id for d in healthy}))
-        event, started = self.ledger.fail(
+        event, started = self.core.ledger.fail(
             exc,
             step=step,
             lost_devices=lost,
@@ -741,8 +730,8 @@ class StepExecutor:
             ) from exc
         self._recovery_deadline = time.monotonic() + self.config.recovery_timeout_s
         self._resumed = False
-        if self.ledger.over_budget:
-            failures = self.ledger.recovery.failures
+        if self.core.ledger.over_budget:
+            failures = self.core.ledger.recovery.failures
             await self._fail_recovery(f"{failures} failures exceed max_recoveries={self.config.max_recoveries}")
         log.warning("step %d failed: %s: %s; waiting for recovery", step, event.error_type, event.message)
         await self.bus.publish(started)
@@ -755,5 +744,5 @@ class StepExecutor:
         raise StepError(f"{what}: {event.error_type}: {event.message}", step=step) from exc
 
     async def _fail_recovery(self, reason: str) -> NoReturn:
-        await self.bus.publish(self.ledger.give_up(reason))
+        await self.bus.publish(self.core.ledger.give_up(reason))
         raise RecoveryError(f"recovery failed at step {self.step}: {reason}", last_committed_step=self.step)

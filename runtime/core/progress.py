@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import IO, Any, Protocol
 
 import anyio
 
@@ -32,21 +32,18 @@ from elastic_runtime.core.events import (
     StepCompleted,
 )
 
-if TYPE_CHECKING:
-    from jax.sharding import Mesh
-
 __all__ = ["ProgressLines", "describe_event", "describe_mesh", "describe_metrics", "say"]
 
 PREFIX = "elastic-runtime:"
 
 
 class Stepping(Protocol):
-    """What the progress lines read: the executor's newest committed step and how it trained."""
+    """What the progress lines read: the newest committed step and how it trained (core/step_core.py)."""
 
     @property
     def step(self) -> int: ...
 
-    mesh: Mesh | None
+    mesh_shape: dict[str, int]  # of the newest committed step
     metrics: dict[str, float]  # of the newest committed step
     productive_s: float  # the committed steps' computation, in all
 
@@ -123,7 +120,7 @@ class ProgressLines:
     """A runtime component: prints the run's progress to ``out`` (see the module's docstring).
 
     Args:
-        stepping: the executor, read every ``every_s``.
+        stepping: the executor's step core, read every ``every_s``.
         every_s: seconds between two lines about steps.
         out: where the lines go (stderr by default).
     """
@@ -175,7 +172,7 @@ class ProgressLines:
         """A line about the steps, if any was committed since the last one."""
         s = self.stepping
         step, now = s.step, time.monotonic()
-        if step <= self._shown or step <= 0 or s.mesh is None:
+        if step <= self._shown or step <= 0 or not s.mesh_shape:
             return
         since = now - (self._shown_at or self.started)
         per_step = since / (step - max(self._shown, 0)) * 1000
@@ -185,5 +182,5 @@ class ProgressLines:
         target = f"/{self.target}" if self.target else ""
         self.print(
             f"step {step}{target}  {describe_metrics(s.metrics)}  {per_step:.1f} ms/step  "
-            f"mesh {describe_mesh(dict(s.mesh.shape))}{goodput}"
+            f"mesh {describe_mesh(s.mesh_shape)}{goodput}"
         )

@@ -101,7 +101,7 @@ class Runtime:
         self.executor = StepExecutor(job, bus=self.bus, config=self.config, policy=self.policy, health=self.health)
         self.components: list[Component] = []
         if self.config.progress:
-            self.add_component(ProgressLines(self.executor, every_s=self.config.progress_every_s))
+            self.add_component(ProgressLines(self.executor.core, every_s=self.config.progress_every_s))
         self._used = False
 
     # --- the user's hooks ------------------------------------------------------------------------------

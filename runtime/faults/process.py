@@ -3,8 +3,8 @@
 The controller-side faults signal a member once the group commits a step, or while the next group forms
 after a failure; the worker-side ones make a worker die mid-step, die while writing its replica file, hang in a
 step, slow down, or corrupt its copy of the state. Both plug into hooks the multi-process mode has for everyone:
-the controller's bus (``StepCompleted``, ``GroupForming``) and a worker's ``step_checks``, ``input_faults`` and
-replica-write listeners.
+the controller's bus (``StepCompleted``, ``GroupForming``) and a worker's step checks and input faults (its
+``core``: elastic_runtime.core.step_core) and replica-write listeners.
 """
 
 from __future__ import annotations
@@ -87,12 +87,17 @@ class _Replicas(Protocol):
     def on_write(self) -> list[Callable[[int], None]]: ...
 
 
-class _Worker(Protocol):
+class _Core(Protocol):
     @property
-    def step_checks(self) -> list[Callable[[int], None]]: ...
+    def step_checks(self) -> list[Callable[[int, tuple[int, ...]], None]]: ...
 
     @property
     def input_faults(self) -> list[Callable[[int, Any], Any]]: ...
+
+
+class _Worker(Protocol):
+    @property
+    def core(self) -> _Core: ...
 
     @property
     def replicas(self) -> _Replicas: ...
@@ -104,31 +109,33 @@ def attach_worker_faults(worker: _Worker, text: str) -> None:
         if fault.action == "die-writing-replica":  # the first file at or after its step (files may skip steps)
             worker.replicas.on_write.append(_at(fault.step, _die, or_later=True))
         elif fault.action == "die-midstep":  # computed but not committed: the new state must not count
-            worker.step_checks.append(_at(fault.step, _die))
+            worker.core.step_checks.append(_at(fault.step, _die))
         elif fault.action == "slow":
             assert fault.step is not None and fault.factor is not None
-            worker.step_checks.append(_slow(fault.step, fault.factor))
+            worker.core.step_checks.append(_slow(fault.step, fault.factor))
         elif fault.action in ("corrupt", "corrupt-persistent"):
             assert fault.step is not None
-            worker.input_faults.append(_corrupt(fault.step, persistent=fault.action == "corrupt-persistent"))
+            worker.core.input_faults.append(_corrupt(fault.step, persistent=fault.action == "corrupt-persistent"))
         else:  # hang: a deadlock in the step; heartbeats go on, progress stops
-            worker.step_checks.append(_at(fault.step, lambda: threading.Event().wait()))
+            worker.core.step_checks.append(_at(fault.step, lambda: threading.Event().wait()))
 
 
-def _at(step: int | None, act: Callable[[], object], *, or_later: bool = False) -> Callable[[int], None]:
-    def check(current: int) -> None:
+def _at(step: int | None, act: Callable[[], object], *, or_later: bool = False) -> Callable[..., None]:
+    """A check of the step (or of the replica file's step) that acts at ``step``; the step's devices are ignored."""
+
+    def check(current: int, *_devices: object) -> None:
         if current == step or (or_later and step is not None and current > step):
             act()
 
     return check
 
 
-def _slow(step: int, factor: float) -> Callable[[int], None]:
+def _slow(step: int, factor: float) -> Callable[..., None]:
     """From ``step`` on, sleep ``factor - 1`` times the work done since the last sleep: a straggler's iteration
     takes ``factor`` times its own work (it arrives last at the collectives, so that work includes no wait)."""
     ended: list[float] = []
 
-    def check(current: int) -> None:
+    def check(current: int, *_devices: object) -> None:
         if current < step:
             return
         if ended:

@@ -70,11 +70,11 @@ class FaultInjector:
 
     def attach(self, runtime: R) -> R:
         """Plug into ``runtime`` through the hooks it has for every user: a dead device fails its health
-        check (``runtime.health.checks``) and the steps that ran on it (``runtime.executor.step_checks``);
+        check (``runtime.health.checks``) and the steps that ran on it (``runtime.executor.core.step_checks``);
         scheduled faults and repairs apply at step boundaries. Returns ``runtime``."""
         runtime.health.checks.append(lambda device_id: not self.is_dead(device_id))
-        runtime.executor.step_checks.append(self.check)
-        runtime.executor.input_faults.append(self.corrupt_input)
+        runtime.executor.core.step_checks.append(self.check)
+        runtime.executor.core.input_faults.append(self.corrupt_input)
         runtime.at_step_boundary(self.advance)
         return runtime
 

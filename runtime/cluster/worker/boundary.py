@@ -263,24 +263,11 @@ class ScriptHandlers:
         once a failure was reported (the run ends with StepError)."""
         import time
 
-        import jax
-
-        state, keys = worker.state, worker.keys
-        for user_fn, reason in transforms:
-            # The user's function sees the state as the user's step does: typed keys as keys.
-            def fn(s: Any, user_fn: Callable[[Any], Any] = user_fn) -> Any:
-                return keys.to_data(user_fn(keys.to_keys(s)))
-
+        state = worker.core.state
+        for fn, reason in transforms:
             started = time.monotonic()
             try:
-                before = jax.eval_shape(lambda s: s, state)
-                after = jax.eval_shape(fn, state)
-                if str(jax.tree.structure(before)) != str(jax.tree.structure(after)) or [
-                    (x.shape, x.dtype) for x in jax.tree.leaves(before)
-                ] != [(x.shape, x.dtype) for x in jax.tree.leaves(after)]:
-                    raise ValueError("the transform changed the state's structure, shapes or dtypes")
-                state = jax.jit(fn, out_shardings=worker.state_shardings)(state)
-                jax.block_until_ready(state)
+                state = worker.core.transform(fn, state, worker.state_shardings)
             except Exception as exc:
                 message = f"ctx.transform_state ({reason}) at step {worker.step}: {type(exc).__name__}: {exc}"
                 log.error("%s", message)

@@ -95,7 +95,7 @@ def group_digest(worker: WorkerState) -> str:
     """The whole state's digest (``state_digest``), taken where its shards live: a collective of the group, called by
     every member at the same point. The lead records it in the durable checkpoint's manifest, and a restore that
     reads the checkpoint whole (the disk or GCS tier) checks the state it read against it."""
-    return f"{state_digest(worker.state):08x}"
+    return f"{state_digest(worker.core.state):08x}"
 
 
 def save_durable(

@@ -71,7 +71,7 @@ def form_group(worker: WorkerState, form: Form) -> None:
         keep_host_copies(worker)
         leave_group()
         jax.extend.backend.clear_backends()
-        worker.state = None  # it lived on the old backend
+        worker.core.state = None  # it lived on the old backend
         worker.collect_in = COLLECT_AFTER_STEPS
     left = time.monotonic()
     if not join_group(form, worker.settings, partial(given_up, worker, form.generation)):
@@ -140,10 +140,10 @@ def form_group(worker: WorkerState, form: Form) -> None:
         worker.durable = ShardedStore(form.durable_dir)
     # The replica file's cadence (every step unless the controller judged the state held elsewhere), and the
     # durable tier's. A durable step always gets its file too (``training.train``).
-    worker.ledger.policies = {"file": EveryN(max(1, form.file_every))}
+    worker.core.ledger.policies = {"file": EveryN(max(1, form.file_every))}
     worker.file_after_s = form.file_after_s
     if form.durable_every > 0:
-        worker.ledger.policies["durable"] = EveryN(form.durable_every)
+        worker.core.ledger.policies["durable"] = EveryN(form.durable_every)
     worker.owned = writes(worker.template, worker.state_shardings, form.slice_size)
     worker.compiled = compiler.get(worker.mesh)
     worker.spares.reset(form.generation, partial(compiler.fresh_buffers, worker.mesh) if spare else None)

@@ -157,9 +157,9 @@ def restore_step(
 
 def adopt_restored(worker: WorkerState, restore: RestoreStep, done: Restoration) -> None:
     """The group's restore finished: the worker holds its step (and the neighbour copy of it it kept)."""
-    worker.state, worker.neighbour = done.state, done.neighbour
+    worker.neighbour = done.neighbour
     # Its StateRestored is dropped: the controller publishes the group's, timed there.
-    worker.ledger.restored(restore.step, data_position=done.position, restored_from=done.tier, seconds=0.0)
+    worker.core.restored(done.state, restore.step, data_position=done.position, restored_from=done.tier, seconds=0.0)
     worker.ram = replica(
         restore.step, done.position, done.boxes, worker.identity | worker.layout, generation=restore.generation
     )

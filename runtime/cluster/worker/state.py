@@ -35,6 +35,7 @@ from elastic_runtime.core.memory import resident, return_freed_memory
 from elastic_runtime.core.process_data import batch_example
 from elastic_runtime.core.programs import ProgramStore
 from elastic_runtime.core.snapshot import HostSnapshot
+from elastic_runtime.core.step_core import StepCore
 from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.lane import Lane
 from elastic_runtime.storage.replicas import ReplicaFiles, run_identity
@@ -112,10 +113,6 @@ class WorkerState:
         self.link = link
         self.replicas = replicas
         link.on_committed = self._durable_committed
-        # Called with the step once its result is ready, before it is committed; one that raises (or never
-        # returns) stops the step there. Fault injection uses it (elastic_runtime.faults.process).
-        self.step_checks: list[Callable[[int], None]] = []
-        self.input_faults: list[Callable[[int, PyTree], PyTree]] = []  # the state as a step reads it (fault injection)
         self.fingerprint = fingerprint
         self.integrity: Integrity | None = None  # the slices compared, in a group of two or more (forming.py)
         self.generation = 0
@@ -125,13 +122,13 @@ class WorkerState:
         self.process_id = -1
         self.num_processes = 0
         self.in_a_group = threading.Event()  # set once it first joined one (notices wait for it: boot.py)
-        # The newest committed step held on the devices (or in ``ram``), its data position, when the durable
-        # tier is due. Failures and the budget are the controller's: it counts them for the whole group.
-        self.ledger = StepLedger("worker")
-        self.step_time_s: float | None = None
+        # The newest committed step held on the devices (or in ``ram``), its loss and metrics, and the step that
+        # moves it on, as the single-process executor has them (core/step_core.py); its ledger says when the replica
+        # file and the durable tier are due. Failures and the budget are the controller's: it counts them for the
+        # whole group. Its step checks (one that raises or never returns stops the step there) and input faults
+        # are where fault injection hooks in (elastic_runtime.faults.process).
+        self.core = StepCore(self.job, self.keys, StepLedger("worker"))
         self.pace = Pace()  # its iterations and their time outside collectives, for the controller's straggler check
-        self.loss: float | None = None  # of the newest committed step
-        self.metrics: dict[str, float] = {}  # every scalar metric of the newest committed step
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
         self.file_after_s = 0.0  # a step running this long gets the RAM replica's file (Form.file_after_s)
         # With neighbour replicas: the previous process's shards of the same step, and the permute that moves them.
@@ -192,7 +189,7 @@ class WorkerState:
 
     @property
     def step(self) -> int:
-        return self.ledger.step
+        return self.core.step
 
     def _durable_committed(self, step: int) -> None:  # the link's reader thread
         self.durable_committed = max(self.durable_committed, step)
@@ -226,7 +223,7 @@ class WorkerState:
         self.ended.set()
         self.link.close()
         self.smaller.stop()
-        self.state = self.compiled = self.ram = self.neighbour = None
+        self.core.state = self.compiled = self.ram = self.neighbour = None
         leave_group()
         jax.extend.backend.clear_backends()
 
@@ -239,11 +236,11 @@ class WorkerState:
                 worker=self.worker,
                 generation=self.generation,
                 step=self.step,
-                step_time_s=self.step_time_s,
+                step_time_s=self.core.step_s,
                 iteration_s=self.pace.iteration_s,
                 outside_s=self.pace.outside_s,
-                loss=self.loss,
-                metrics=self.metrics,
+                loss=self.core.loss,
+                metrics=self.core.metrics,
                 sent_at=time.time(),
                 held=self.held,
                 memory=self._memory() if memory else {},

@@ -179,7 +179,7 @@ def _grace(worker: WorkerState) -> float:
     (every member that entered it finishes it, unless a peer never did), a re-forming abandons it soon."""
     head = _inbox_head(worker)
     if isinstance(head, Stop) and head.hold:
-        return max(_HOLD_GRACE_MIN_S, _HOLD_GRACE_STEPS * (worker.step_time_s or 0.0))
+        return max(_HOLD_GRACE_MIN_S, _HOLD_GRACE_STEPS * (worker.core.step_s or 0.0))
     return _ABANDON_GRACE_S
 
 

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -28,6 +29,7 @@ from elastic_runtime.core.executor import RunResult
 from elastic_runtime.core.fingerprint import Healed, Integrity, StateDiverged, read_digests
 from elastic_runtime.core.job import PyTree
 from elastic_runtime.core.memory import can_hold
+from elastic_runtime.core.mesh import device_ids
 from elastic_runtime.core.process_data import place_batch
 from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.replicas import device_replica, replica
@@ -50,7 +52,7 @@ _GATHER_MEET_S = 600.0
 def train(worker: WorkerState, target: int) -> Inbound | None:
     """Run steps until ``target``, or until the controller sends something; returns that message."""
     assert worker.ram is not None
-    position = worker.ledger.data_position
+    position = worker.core.data_position
     while worker.step < target:
         if worker.deferred is not None and worker.step >= worker.deferred.at_step:
             form, worker.deferred = worker.deferred, None
@@ -82,7 +84,7 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
                 return handled if isinstance(handled, Message) else None
             apply_boundary(worker, handled[0])
             waited = time.perf_counter() - began
-        future = worker.step_pool.submit(run_step, worker, worker.state, position, worker.step + 1)
+        future = worker.step_pool.submit(run_step, worker, worker.core.state, position, worker.step + 1)
         outcome = await_step(worker, future, users_code=True)
         if isinstance(outcome, Message):
             return outcome
@@ -96,26 +98,16 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
             continue  # a transient flip: the step again, from the state before it
         if found is not None:
             report_corruption(worker, found)
-        worker.state, worker.step_time_s, worker.loss, worker.metrics = new_state, seconds, loss, metrics
         worker.pace.record(worker.generation, worker.step + 1, began, waited + in_program)
         step, position = worker.step + 1, position + 1
-        # Its host copy is made by the replica file's writer, not here: the next step need not wait for it.
-        metadata = worker.identity | worker.layout
-        generation = worker.generation
-        back = worker.spares.hand_back(generation) if worker.spares.on else None
-        worker.ram = device_replica(
-            step, position, new_state, worker.local_like, metadata, generation=generation, on_unread=back
-        )
-        if worker.shift is not None:
-            own = worker.ram.tree
-            worker.neighbour = replica(step, position, worker.shift.copy(moved, own), generation=worker.generation)
         leased = worker.link.leased()  # cut off, this worker may have been replaced: its files must not compete
-        if leased and {"file", "durable"} & set(worker.ledger.due(step)):
-            worker.replicas.save(worker.ram)  # after the previous step's file is written
-        # Committed, and so named in the heartbeats, only now: a group that counts this step committed then
-        # finds the step before it in every member's files. (Counted before the wait, a member killed there
-        # left files two steps behind its peers', which keep two: no step was whole in the slice any more.)
-        due = worker.ledger.commit(step, data_position=position).due
+        keep = partial(keep_copies, worker, step, position, new_state, moved, leased)
+        # Committed, and so named in the heartbeats, only once its copies are kept: a group that counts this step
+        # committed then finds the step before it in every member's files. (Counted before the wait, a member
+        # killed there left files two steps behind its peers', which keep two: no step was whole in the slice.)
+        due = worker.core.commit(
+            step, new_state, loss=loss, metrics=metrics, seconds=seconds, data_position=position, keep=keep
+        ).due
         if worker.durable is not None and "durable" in due:
             if leased:
                 worker.replicas.pin(worker.step)
@@ -144,6 +136,26 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
         return outcome
     finish(worker, target, outcome[0])
     return None
+
+
+def keep_copies(
+    worker: WorkerState, step: int, position: int, new_state: PyTree, moved: Any, leased: bool, due: tuple[str, ...]
+) -> None:
+    """A step's copies, kept before it counts as committed: the RAM replica (on the devices: its host copy is made
+    by the replica file's writer, so that the next step need not wait for it), the neighbour's copy the step's
+    shift brought, and the replica file when ``due`` names it (never by a worker whose lease lapsed: it may have
+    been replaced, and its files must not compete)."""
+    metadata = worker.identity | worker.layout
+    generation = worker.generation
+    back = worker.spares.hand_back(generation) if worker.spares.on else None
+    worker.ram = device_replica(
+        step, position, new_state, worker.local_like, metadata, generation=generation, on_unread=back
+    )
+    if worker.shift is not None:
+        neighbour = worker.shift.copy(moved, worker.ram.tree)
+        worker.neighbour = replica(step, position, neighbour, generation=generation)
+    if leased and {"file", "durable"} & set(due):
+        worker.replicas.save(worker.ram)  # after the previous step's file is written
 
 
 def in_step_thread(worker: WorkerState, fn: Callable[[WorkerState], T], what: str) -> tuple[T, float] | Inbound | None:
@@ -186,9 +198,9 @@ def report_corruption(worker: WorkerState, found: StateDiverged | Healed) -> Non
 def apply_boundary(worker: WorkerState, done: Boundary) -> None:
     """What the script's handlers asked at this boundary: a new state, a durable checkpoint of the step."""
     if done.state is not None:
-        worker.state = done.state
+        worker.core.state = done.state
     if done.checkpoint and worker.durable is not None:
-        cadence = worker.ledger.policies.get("durable")
+        cadence = worker.core.ledger.policies.get("durable")
         if worker.step in worker.durable_steps or (
             cadence is not None and cadence.should_save(worker.step, worker.step - 1)
         ):
@@ -196,7 +208,7 @@ def apply_boundary(worker: WorkerState, done: Boundary) -> None:
             log.info("checkpoint asked for at step %d: it is a durable step already", worker.step)
             return
         # In every member, leased or not: what is due next, and whether the writers must agree on a waiting step.
-        worker.ledger.taken("durable", worker.step)
+        worker.core.ledger.taken("durable", worker.step)
         worker.durable_due = None  # an older due step still waiting: this newer one replaces it
         if not worker.link.leased():
             return  # it may have been replaced: its files must not compete
@@ -211,10 +223,6 @@ def run_step(
     """The step, its neighbour shift, its loss as a number, every scalar metric it returned (the metrics are
     replicated: every process has them), the seconds spent in its programs (collectives included) and, where the
     slices are compared, what comparing them found (``compare_slices``)."""
-    import jax
-
-    from elastic_runtime.core.metrics import scalar_metrics
-
     # The group's, read now: a step abandoned in a dead peer's collective may end after the group re-formed.
     integrity, mesh = worker.integrity, worker.mesh
     started = time.perf_counter()
@@ -222,17 +230,11 @@ def run_step(
         worker.job.data, position, worker.batch_shardings, worker.batch_like, worker.batch_rows
     )
     entered = time.perf_counter()
-    for fault in worker.input_faults:  # fault injection: the state as this step reads it
-        state = fault(step, state)
     # The new state is written into a spare state's buffers; compared, the step returns its digests too.
     spare = (worker.spares.take(state),) if worker.spares.on else ()
-    new_state, metrics, *digests = worker.compiled(state, batch, *spare)
-    jax.block_until_ready(new_state)
-    in_program = time.perf_counter() - entered
-    loss = worker.job.loss(metrics)
-    scalars = scalar_metrics(metrics)
-    for check in worker.step_checks:
-        check(step)
+    new_state, metrics, *digests = worker.core.launch(worker.compiled, state, step, batch, *spare)
+    ready, loss, scalars = worker.core.results(step, new_state, metrics, device_ids(mesh))
+    in_program = ready - entered
     found = compare_slices(integrity, mesh, step, digests[0]) if integrity is not None else None
     # The neighbour replica's permute is a collective too: it runs here, where a dead peer's hang is abandoned.
     # Not for a state that is not committed (every member found the same divergence: none runs it).
@@ -241,16 +243,7 @@ def run_step(
     in_program += time.perf_counter() - shifted
     if worker.settings.step_delay_s:
         time.sleep(worker.settings.step_delay_s)
-    return (new_state, moved, number(loss), scalars, in_program, found), time.perf_counter() - started
-
-
-def number(loss: Any) -> float | None:
-    """``loss`` as a float, when it is one number. A replicated array spans every process's devices, so it is
-    read from this process's own copy (a global read would fail: other processes' devices are not addressable)."""
-    if loss is None:
-        return None
-    value = np.asarray(loss.addressable_data(0) if hasattr(loss, "addressable_data") else loss)
-    return float(value) if value.size == 1 else None
+    return (new_state, moved, loss, scalars, in_program, found), time.perf_counter() - started
 
 
 def gather_whole(worker: WorkerState) -> tuple[tuple[str, PyTree | None], float]:
@@ -268,7 +261,7 @@ def gather_whole(worker: WorkerState) -> tuple[tuple[str, PyTree | None], float]
     # The lead's run() returns it (with --result it is written there too), where the process can hold it: a state
     # larger than a worker's memory is hashed leaf by leaf and never held whole (the heavy test's 3 GB state under a
     # cgroup limit of 0.95 of it: kept, it got the lead OOM-killed).
-    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(worker.state))
+    nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(worker.core.state))
     keep = worker.process_id == 0 and (bool(worker.settings.result) or can_hold(nbytes))
     if worker.process_id == 0 and not keep:
         log.warning(
@@ -276,13 +269,13 @@ def gather_whole(worker: WorkerState) -> tuple[tuple[str, PyTree | None], float]
         )
     hasher = hashlib.sha256()
     kept: list[np.ndarray] = []
-    for leaf in jax.tree.leaves(worker.state):
+    for leaf in jax.tree.leaves(worker.core.state):
         whole = np.ascontiguousarray(multihost_utils.process_allgather(leaf, tiled=True))
         hasher.update(whole.reshape(-1).view(np.uint8).data)
         if keep:
             kept.append(whole)
         del whole
-    tree = jax.tree.unflatten(jax.tree.structure(worker.state), kept) if keep else None
+    tree = jax.tree.unflatten(jax.tree.structure(worker.core.state), kept) if keep else None
     return (hasher.hexdigest(), tree), 0.0
 
 
@@ -298,7 +291,7 @@ def finish(worker: WorkerState, target: int, gathered: tuple[str, PyTree | None]
         state=None if whole is None else worker.keys.to_keys(whole),
         step=target,
         data_position=worker.ram.data_position,
-        loss=worker.loss,
+        loss=worker.core.loss,
         mesh_history=list(worker.mesh_history),
         recoveries=max(worker.generation - 1, 0),
         mode="worker",
