@@ -9,13 +9,13 @@ import logging
 import os
 import subprocess
 import time
-from typing import TYPE_CHECKING
 
 import anyio
 
 from elastic_runtime.cluster.config import LaunchConfig, Strategy
 from elastic_runtime.cluster.controller.coordination import ENV_SIMULATED, host_service
 from elastic_runtime.cluster.controller.runfolder import save_fences
+from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.controller.supervision import (
     Action,
     EndRun,
@@ -37,9 +37,6 @@ from elastic_runtime.cluster.controller.supervision import (
 from elastic_runtime.cluster.controller.workers import spawn, top_up_spares, warm_spares
 from elastic_runtime.cluster.protocol import Form
 from elastic_runtime.faults.process import worker_faults_text
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["carry_out", "fill_seats", "save_fences_now", "send_form", "supervise", "tick_at"]
 

@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from elastic_runtime.cluster.controller.connection import Connection
 from elastic_runtime.cluster.controller.processes import WorkerProcess, descends_from
+from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.controller.supervision import WorkerChanged
 from elastic_runtime.cluster.controller.workers import warm_spares
 from elastic_runtime.cluster.protocol import Hello, Message, Stop
 from elastic_runtime.core.errors import ConfigError
 from elastic_runtime.core.events import ConfigOverridden
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["admit", "external_hello", "hello"]
 

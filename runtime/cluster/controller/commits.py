@@ -6,18 +6,15 @@ seconds in GCS; awaited where messages are read it held back the heartbeats).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from elastic_runtime.cluster.controller.processes import WorkerProcess
+from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.protocol import DurableCommitted, Saved
 from elastic_runtime.core.errors import CheckpointInvalid, StorageError
 from elastic_runtime.core.events import CheckpointFailed
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["add_saved", "commit", "commit_durable", "not_committed"]
 

@@ -9,15 +9,13 @@ run in every worker.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from elastic_runtime.cluster.config import LaunchConfig, Strategy
+from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.core.errors import RecoveryError, UnsupportedInMode
 from elastic_runtime.core.events import Event
 from elastic_runtime.core.handler_context import Mode
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["ControllerContext"]
 

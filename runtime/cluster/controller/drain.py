@@ -17,12 +17,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.protocol import Stop
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["Drained", "final_checkpoint"]
 

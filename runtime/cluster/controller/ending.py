@@ -10,18 +10,16 @@ import json
 import logging
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from elastic_runtime.cluster.controller.drain import final_checkpoint
 from elastic_runtime.cluster.controller.runfolder import mark_finished
+from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.controller.workers import stop_all
 from elastic_runtime.core.errors import BusClosed
 from elastic_runtime.core.events import RunFinished
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["close_down", "conclude", "first_leaf", "publish_finished", "stop_workers", "watch_signals", "write_summary"]
 

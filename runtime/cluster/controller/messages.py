@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import anyio
 import msgspec
@@ -19,6 +19,7 @@ from elastic_runtime.cluster.controller.forming import seatable
 from elastic_runtime.cluster.controller.heartbeat import Lost, UnknownWorker, Verdict, verdict_event
 from elastic_runtime.cluster.controller.processes import WorkerProcess
 from elastic_runtime.cluster.controller.server import Report
+from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.controller.stragglers import judge_straggler
 from elastic_runtime.cluster.controller.supervision import (
     LeaveRequested,
@@ -66,9 +67,6 @@ from elastic_runtime.core.events import (
     WorkerLost,
     WorkerSignalled,
 )
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = [
     "VERDICT_PRIORITY",

@@ -21,10 +21,11 @@ dispatched, in publish order. It also carries out what the workers' handlers ask
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
+from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.protocol import Notify, Published, Requested
 from elastic_runtime.core.bus import EventBus
 from elastic_runtime.core.errors import ConfigError, RecoveryError
@@ -38,9 +39,6 @@ from elastic_runtime.core.events import (
     WorkerHung,
     WorkerLost,
 )
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["SOURCE_PREFIX", "EventRelay"]
 

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import anyio
 
 from elastic_runtime.cluster.config import LaunchError
 from elastic_runtime.cluster.controller.processes import WorkerProcess, log_tail
+from elastic_runtime.cluster.controller.state import ControllerState
 from elastic_runtime.cluster.controller.supervision import WorkerChanged
 from elastic_runtime.cluster.protocol import Lease, Stop, Warm
 from elastic_runtime.core.errors import BusClosed
 from elastic_runtime.core.events import WorkerExited, WorkerStarted
 from elastic_runtime.core.progress import say
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.controller.state import ControllerState
 
 __all__ = ["reap", "renew_leases", "spawn", "stop_all", "top_up_spares", "warm_spares"]
 

@@ -29,6 +29,7 @@ import anyio
 import msgspec
 
 from elastic_runtime.cluster.protocol import Notify, Published, Requested
+from elastic_runtime.cluster.worker.state import WorkerState
 from elastic_runtime.core.bus import EventBus, Subscription
 from elastic_runtime.core.errors import UnsupportedInMode
 from elastic_runtime.core.eventlog import decode_event, encode_event
@@ -38,7 +39,6 @@ from elastic_runtime.core.handler_context import Mode
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from elastic_runtime.cluster.worker.state import WorkerState
     from elastic_runtime.core.job import PyTree
 
 __all__ = ["Boundary", "ScriptHandlers", "WorkerContext"]

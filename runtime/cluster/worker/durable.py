@@ -17,18 +17,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic_runtime.cluster.protocol import EventReport, Saved
+from elastic_runtime.cluster.worker.state import WorkerState
 from elastic_runtime.core.errors import CheckpointInvalid
 from elastic_runtime.core.events import CheckpointBehind
 from elastic_runtime.core.fingerprint import STATE_DIGEST, state_digest
 from elastic_runtime.core.snapshot import HostSnapshot
 from elastic_runtime.storage.lane import Lane
 from elastic_runtime.storage.manifest import describe_leaves
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["Part", "agree_durable", "due_durable", "durable_lane", "final_durable", "group_digest", "save_durable"]
 

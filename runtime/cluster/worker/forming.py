@@ -10,7 +10,6 @@ import logging
 import time
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +17,7 @@ from elastic_runtime.cluster.collectives import NeighbourShift, SliceRestore
 from elastic_runtime.cluster.protocol import Form, Joined, Stop
 from elastic_runtime.cluster.worker.group import join_group, leave_group
 from elastic_runtime.cluster.worker.refill import best_local, local_steps
+from elastic_runtime.cluster.worker.state import WorkerState
 from elastic_runtime.core.cadence import EveryN
 from elastic_runtime.core.errors import MeshUnavailable
 from elastic_runtime.core.fingerprint import Integrity
@@ -27,9 +27,6 @@ from elastic_runtime.faults.process import attach_worker_faults
 from elastic_runtime.storage.boxes import local_like, uses_axis
 from elastic_runtime.storage.replicas import run_identity
 from elastic_runtime.storage.sharded import ShardedStore, writes
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["form_group", "programs_folder", "shared_cache", "warm_up"]
 

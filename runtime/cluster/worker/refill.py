@@ -11,11 +11,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from elastic_runtime.cluster.protocol import EventReport, Restored, RestoreStep
 from elastic_runtime.cluster.tiers import Tier
 from elastic_runtime.cluster.worker.group import meet
+from elastic_runtime.cluster.worker.state import WorkerState
 from elastic_runtime.core import restore as core_restore
 from elastic_runtime.core.errors import CheckpointInvalid, SnapshotUnavailable, StorageError
 from elastic_runtime.core.events import CheckpointCorrupt
@@ -26,9 +26,6 @@ from elastic_runtime.core.snapshot import HostSnapshot
 from elastic_runtime.storage.boxes import local_copy
 from elastic_runtime.storage.disk import DiskTier
 from elastic_runtime.storage.replicas import MAX_PINS, replica
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = [
     "Restoration",

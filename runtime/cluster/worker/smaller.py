@@ -21,15 +21,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from elastic_runtime.cluster.protocol import EventReport, Form
+from elastic_runtime.cluster.worker.state import WorkerState
 from elastic_runtime.core.events import LikelyMeshesReady
 from elastic_runtime.core.mesh import mesh_shape
 from elastic_runtime.core.programs import Stopped
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["SmallerGroup"]
 

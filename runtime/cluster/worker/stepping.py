@@ -14,16 +14,14 @@ import time
 import traceback
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic_runtime.cluster.protocol import Form, Stop
 from elastic_runtime.cluster.worker.link import Inbound
+from elastic_runtime.cluster.worker.state import WorkerState
 from elastic_runtime.cluster.worker.thread import StepThread
 from elastic_runtime.core.classify import classify
 from elastic_runtime.core.events import ProcessLost, StepFailed
-
-if TYPE_CHECKING:
-    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["StepThread", "await_step", "defer", "defer_head", "wait_fenced"]
 

@@ -22,6 +22,7 @@ from elastic_runtime.cluster.worker.boundary import Boundary
 from elastic_runtime.cluster.worker.durable import agree_durable, due_durable, group_digest, save_durable
 from elastic_runtime.cluster.worker.group import meet
 from elastic_runtime.cluster.worker.link import Inbound
+from elastic_runtime.cluster.worker.state import WorkerState
 from elastic_runtime.cluster.worker.stepping import await_step, defer, wait_fenced
 from elastic_runtime.core.classify import classify
 from elastic_runtime.core.events import CorruptionHealed, SilentCorruption
@@ -37,7 +38,6 @@ from elastic_runtime.storage.replicas import device_replica, replica
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from elastic_runtime.cluster.worker.state import WorkerState
 
 __all__ = ["apply_boundary", "compare_slices", "finish", "gather_whole", "in_step_thread", "run_step", "train"]
 
