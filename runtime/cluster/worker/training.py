@@ -1,7 +1,9 @@
-"""A worker's training loop: run each step in the step thread, compare the slices' copies of its new state where
-they are compared (silent data corruption: a step that differs is run again or its suspects replaced, never
-committed), commit it (the RAM replica, the replica file, the neighbour copy, the ledger, a durable write when
-due), apply what the script's handlers asked at each boundary, and at the target gather the final state's digest
+"""A worker's training loop, on the step core the single-process executor drives too (``core/step_core.py``: what a
+step reads, its checks, its loss and metrics, a commit's order). What a group adds is here: each step runs in the
+step thread, where a dead peer's collective can be abandoned; the slices' copies of its new state are compared
+where they are (silent data corruption: a step that differs is run again or its suspects replaced, never
+committed); a commit keeps the RAM replica, the neighbour copy and the replica file, and a durable write when due;
+what the script's handlers asked applies at each boundary; and at the target the final state's digest is gathered
 for ``Finished``.
 """
 
