@@ -128,6 +128,9 @@ class WorkerState:
         # whole group. Its step checks (one that raises or never returns stops the step there) and input faults
         # are where fault injection hooks in (elastic_runtime.faults.process).
         self.core = StepCore(self.job, self.keys, StepLedger("worker"))
+        if settings.step_delay_s:  # a bigger model's step (tests, demos: room to kill a worker mid-run)
+            delay = settings.step_delay_s
+            self.core.step_checks.append(lambda _step, _devices: time.sleep(delay))
         self.pace = Pace()  # its iterations and their time outside collectives, for the controller's straggler check
         self.ram: HostSnapshot | None = None  # the RAM replica: host copy of the newest committed step
         self.file_after_s = 0.0  # a step running this long gets the RAM replica's file (Form.file_after_s)

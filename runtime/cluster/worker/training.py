@@ -243,8 +243,6 @@ def run_step(
     shifted = time.perf_counter()
     moved = worker.shift(new_state) if worker.shift is not None and not isinstance(found, StateDiverged) else []
     in_program += time.perf_counter() - shifted
-    if worker.settings.step_delay_s:
-        time.sleep(worker.settings.step_delay_s)
     return (new_state, moved, loss, scalars, in_program, found), time.perf_counter() - started
 
 
