@@ -236,7 +236,7 @@ def main() -> None:
         runtime.at_step_boundary(crash)
 
     started = time.perf_counter()
-    result = runtime.run(steps=args.steps, resume=args.resume)
+    result = runtime.run(steps=args.steps, resume=args.resume, gather=True)  # the lead reports on the state
     if result.state is None:  # a worker of `elastic-runtime launch` other than the lead: the lead reports
         return
     summary.update(

@@ -362,7 +362,7 @@ def main() -> None:
         summary.update(recovery_s=event.recovery_s, compile_wait_s=event.compile_wait_s, lost_steps=event.lost_steps)
 
     started = time.perf_counter()
-    result = runtime.run(args.steps)
+    result = runtime.run(args.steps, gather=True)  # the lead reports on the state
     if result.state is None:  # a worker of `elastic-runtime launch` other than the lead: the lead reports
         return
     summary.update(

@@ -105,8 +105,9 @@ class RunResult:
     """What a finished run leaves: the final state on the host, and where its record is.
 
     Attributes:
-        state: the final state, in host memory. Under ``elastic-runtime launch``, in the lead process (process 0)
-            only, gathered from every process's shards; None in the others.
+        state: the final state, in host memory. Under ``elastic-runtime launch``: None, unless the script asked for
+            it (``ElasticRuntime.run(..., gather=True)``, or the launch's ``--result``): then in the lead process
+            (process 0) only, gathered from every process's shards.
         step: the last committed step.
         data_position: the data position after it.
         loss: its loss (the job's ``loss_key``), where the step reports one.

@@ -96,15 +96,18 @@ class ElasticRuntime(Runtime):
         if default_handlers and is_worker():  # the controller's request before it drains a host, in every worker
             self.subscribe(SaveCheckpoint, save_when_asked)
 
-    def run(self, steps: int, *, resume: bool = False) -> RunResult:
+    def run(self, steps: int, *, resume: bool = False, gather: bool = False) -> RunResult:
         """Run to ``steps`` committed steps in a new event loop (see :meth:`Runtime.run_async`).
 
         Under ``elastic-runtime launch`` this process is one worker of a multi-process group: the job runs
         as that worker (``elastic_runtime.cluster.worker.run_worker``) and ``run`` returns this process's result
-        once the whole group finished (``RunResult.lead`` in process 0, which alone holds the final state), so
-        the code after it runs in every worker; the controller keeps the run's record. The handlers the script
-        subscribed (not the built-in ones: the controller re-forms the group) run in every worker for the
-        group's events the controller forwards (``docs/handlers.md``, *Under launch*).
+        once the whole group finished (``RunResult.lead`` in process 0), so the code after it runs in every worker;
+        the controller keeps the run's record. The final state stays where it trained, in every process's shards
+        (and in the durable tier, with ``launch --durable``): ``RunResult.state`` is None, unless ``gather``, which
+        gathers the whole state into the lead's memory for its ``RunResult.state`` (one more copy of the state
+        there; every process runs the gather). Embedded, ``gather`` changes nothing: the state is in this process.
+        The handlers the script subscribed (not the built-in ones: the controller re-forms the group) run in every
+        worker for the group's events the controller forwards (``docs/handlers.md``, *Under launch*).
         """
         if is_worker():
             mine = [sub for sub in self.bus.subscriptions if id(sub) not in self._builtin]
@@ -116,6 +119,7 @@ class ElasticRuntime(Runtime):
                 watch_notices=watch_own_host,
                 script_settings=launch_owned(self.config, self.policy if self.policy_given else None, resume),
                 fingerprint_every=self.config.fingerprint_every,
+                gather=gather,
             )
         return super().run(steps, resume=resume)
 

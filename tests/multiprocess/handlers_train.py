@@ -8,7 +8,7 @@ the first GroupFormed, abort the run and (another handler) ask for a re-mesh, wh
 ``--checkpoint-on``: on the first event of that type, ask for a durable checkpoint (``ctx.request_checkpoint``).
 
 Every process appends what its handlers saw to ``DIR/handlers-PID.jsonl``: the event, ``ctx.lead``, the
-process id and the step boundary the handler ran at.
+process id and the step boundary the handler ran at; and what its ``run()`` returned to ``DIR/after-PID.json``.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def main() -> None:
     async def recovered(event: RecoveryCompleted, ctx: Any) -> None:
         record(args.out, event, ctx)
 
-    runtime.run(args.steps)
+    result = runtime.run(args.steps)  # the final state not asked for: it stays in the processes' shards
+    with (args.out / f"after-{os.getpid()}.json").open("w") as f:
+        json.dump({"lead": result.lead, "step": result.step, "has_state": result.state is not None}, f)
 
 
 async def count_on_controller(event: GroupFormed | StateRestored, ctx: Any) -> None:

@@ -56,6 +56,11 @@ def launched(run_dir: Path, *flags: str, **extra: Any) -> Any:
     return run_group(processes=NPROCS, steps=STEPS, run_dir=run_dir, faults=faults, command=command, **extra)
 
 
+def returned(run_dir: Path) -> list[dict[str, Any]]:
+    """What ``run()`` returned in each worker process that finished the run."""
+    return [json.loads(path.read_text()) for path in sorted((run_dir / "handlers").glob("after-*.json"))]
+
+
 def records(run_dir: Path) -> list[dict[str, Any]]:
     lines = [line for path in sorted((run_dir / "handlers").glob("*.jsonl")) for line in path.read_text().splitlines()]
     return [json.loads(line) for line in lines]
@@ -86,6 +91,15 @@ def test_the_scripts_handlers_fire_once_in_every_process_for_the_groups_events(p
     # The first group saw its own forming, and nothing of the second's.
     first = Counter(r["event"] for r in seen if r["generation"] == 1)
     assert first == Counter({"GroupFormed": NPROCS})
+
+
+def test_run_returns_in_every_worker_without_the_state_unless_the_script_asks(plain: tuple[Path, Any]) -> None:
+    run_dir, result = plain
+    after = returned(run_dir)
+    assert len(after) == NPROCS and all(r["step"] == STEPS for r in after) and sum(r["lead"] for r in after) == 1
+    # Not asked for (``run(gather=True)``): no process gathered the state; the group still agreed on its digest.
+    assert not any(r["has_state"] for r in after)
+    assert len(result.digests) >= NPROCS and len(set(result.digests.values())) == 1
 
 
 def test_a_controller_side_handler_named_in_the_config_runs_once_per_event(plain: tuple[Path, Any]) -> None:

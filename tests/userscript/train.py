@@ -108,7 +108,7 @@ def main() -> None:
                 while next_step > args.repair_at + 2 and not offered.is_set():
                     await anyio.sleep(0.05)
 
-    result = runtime.run(args.steps)
+    result = runtime.run(args.steps, gather=True)  # the lead reports the final learning rate
     # Code after run(), in every process: the lead reports.
     has_state = result.state is not None
     handlers.record("after_run", mode=result.mode, lead=result.lead, step=result.step, has_state=has_state)

@@ -87,9 +87,12 @@ def run_worker(
     watch_notices: NoticeWatch | None = None,
     script_settings: Mapping[str, str] | None = None,
     fingerprint_every: int | None = None,
+    gather: bool = False,
 ) -> RunResult:
     """Train ``job`` to ``steps`` committed steps as one worker of ``elastic-runtime launch``; returns this
-    process's :class:`RunResult` once the whole group finished (the state in the lead, process 0, only).
+    process's :class:`RunResult` once the whole group finished. Its state is None unless ``gather`` (or the launch's
+    ``--result``): then the lead (process 0) holds the whole final state, gathered from every process's shards
+    (every process must pass the same ``gather``: each takes part in the gather).
 
     ``handlers``: the script's own subscriptions; they run for the group's events the controller forwards, at
     a step boundary every member agrees on (``runtime/cluster/worker/boundary.py``). ``watch_notices``: with
@@ -177,6 +180,7 @@ def run_worker(
             programs=programs,
             script_settings=dict(script_settings or {}),
             fingerprint=fingerprint_every == 1,
+            gather=gather,
         )
         if watch_notices is not None and settings.metadata_host:
             forward_notices(watch_notices, settings.metadata_host, link, loop)

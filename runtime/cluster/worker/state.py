@@ -98,6 +98,7 @@ class WorkerState:
         programs: ProgramStore | None = None,
         script_settings: dict[str, str] | None = None,
         fingerprint: bool = False,
+        gather: bool = False,
     ) -> None:
         # The job as it runs: typed PRNG keys in its state held as key data (elastic_runtime.core.keys).
         self.job, self.keys = with_key_data(job)
@@ -114,6 +115,9 @@ class WorkerState:
         self.replicas = replicas
         link.on_committed = self._durable_committed
         self.fingerprint = fingerprint
+        # The whole final state gathered into the lead for its run() (asked by the script, or by --result, which
+        # writes it): every member takes part in the gather, so every member must ask alike (one script).
+        self.gather = gather or bool(settings.result)
         self.integrity: Integrity | None = None  # the slices compared, in a group of two or more (forming.py)
         self.generation = 0
         self.layout: dict[str, str] = {}  # which shards this process holds, in every replica's metadata

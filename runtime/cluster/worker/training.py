@@ -10,7 +10,6 @@ for ``Finished``.
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
 
 
-__all__ = ["apply_boundary", "compare_slices", "finish", "gather_whole", "in_step_thread", "run_step", "train"]
+__all__ = ["apply_boundary", "compare_slices", "final_state", "finish", "in_step_thread", "run_step", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
                 worker.collect_in = None
                 gc.collect()
     # The gather is a collective: a peer lost now must not leave this worker deaf to the next Form.
-    outcome = await_step(worker, worker.step_pool.submit(gather_whole, worker), what="the final gather")
+    outcome = await_step(worker, worker.step_pool.submit(final_state, worker), what="the final state's digest")
     if isinstance(outcome, Message) or outcome is None:
         return outcome
     finish(worker, target, outcome[0])
@@ -246,37 +245,38 @@ def run_step(
     return (new_state, moved, loss, scalars, in_program, found), time.perf_counter() - started
 
 
-def gather_whole(worker: WorkerState) -> tuple[tuple[str, PyTree | None], float]:
-    """The final state's digest, gathered from every slice's shards (a collective: every member finishes
-    together), once this process's part of the final durable checkpoint is out (``Saved`` before
-    ``Finished``, so the controller commits it). Only the process that writes the result keeps the whole
-    state (returned with the digest); the others hash each leaf and let it go."""
+def final_state(worker: WorkerState) -> tuple[tuple[str, PyTree | None], float]:
+    """The final state's digest (``state_digest``, taken where its shards live: a collective of the group, so every
+    member finishes together), once this process's part of the final durable checkpoint is out (``Saved`` before
+    ``Finished``, so the controller commits it); and, where the script asked for it (``run(gather=True)``, or the
+    launch's ``--result``), the whole state in the lead, gathered leaf by leaf (a collective too: every member takes
+    part, and the others let each leaf go). Asked for nothing, no process holds more than its shards."""
     import jax
     from jax.experimental import multihost_utils
 
     worker.durable_lane.wait()  # its failures are logged by the write
     meet(f"gather/{worker.generation}", _GATHER_MEET_S)  # the others' final writes may take longer
-    # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local
-    # device), and hashing one joined copy two more: at a GB of state 4 workers ran the machine out of memory.
-    # The lead's run() returns it (with --result it is written there too), where the process can hold it: a state
-    # larger than a worker's memory is hashed leaf by leaf and never held whole (the heavy test's 3 GB state under a
-    # cgroup limit of 0.95 of it: kept, it got the lead OOM-killed).
+    digest = group_digest(worker)
+    if not worker.gather:
+        return (digest, None), 0.0
+    # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local device):
+    # at a GB of state 4 workers ran the machine out of memory. Kept where the lead can hold it: a state larger than
+    # its memory is gathered and dropped leaf by leaf (the heavy test's 3 GB state under a cgroup limit of 0.95 of
+    # it: kept, it got the lead OOM-killed).
     nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(worker.core.state))
     keep = worker.process_id == 0 and (bool(worker.settings.result) or can_hold(nbytes))
     if worker.process_id == 0 and not keep:
         log.warning(
             "the final state (%d MB) is more than this process can hold: run() returns it as None", nbytes >> 20
         )
-    hasher = hashlib.sha256()
     kept: list[np.ndarray] = []
     for leaf in jax.tree.leaves(worker.core.state):
         whole = np.ascontiguousarray(multihost_utils.process_allgather(leaf, tiled=True))
-        hasher.update(whole.reshape(-1).view(np.uint8).data)
         if keep:
             kept.append(whole)
         del whole
     tree = jax.tree.unflatten(jax.tree.structure(worker.core.state), kept) if keep else None
-    return (hasher.hexdigest(), tree), 0.0
+    return (digest, tree), 0.0
 
 
 def finish(worker: WorkerState, target: int, gathered: tuple[str, PyTree | None]) -> None:
