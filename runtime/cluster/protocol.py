@@ -208,7 +208,8 @@ class Restored(Message, frozen=True, kw_only=True):
 
 
 class Finished(Message, frozen=True, kw_only=True):
-    """The worker committed the target ``step``; ``digest`` is a hash of its final state."""
+    """The worker committed the target ``step``; ``digest`` is its final state's ``state_digest`` (8 hex digits), taken
+    where the shards live: the same in every member of the group that ends the run."""
 
     worker: int
     generation: int
