@@ -98,11 +98,11 @@ def group_controller(
         command=command or worker_command(steps),
         nprocs=processes,
         run_dir=str(run_dir),
-        result_path=str(run_dir / "final"),
         faults=faults,
         strategy=Strategy(strategy),
         progress=False,  # the demo prints its own (``printer``)
-        **({"target_steps": steps} | extra),
+        # The final state written where the demo's check reads it (``extra`` may say otherwise).
+        **({"target_steps": steps, "result_path": str(run_dir / "final")} | extra),
     )
     controller = default_controller(config)
     if printer is not None:
