@@ -94,6 +94,8 @@ def group_controller(
     from elastic_runtime.core.events import Event
     from elastic_runtime.defaults import default_controller
 
+    # The final state written where the demo's check reads it (``extra`` may say otherwise).
+    settings: dict[str, Any] = {"target_steps": steps, "result_path": str(run_dir / "final")} | extra
     config = LaunchConfig(
         command=command or worker_command(steps),
         nprocs=processes,
@@ -101,8 +103,7 @@ def group_controller(
         faults=faults,
         strategy=Strategy(strategy),
         progress=False,  # the demo prints its own (``printer``)
-        # The final state written where the demo's check reads it (``extra`` may say otherwise).
-        **({"target_steps": steps, "result_path": str(run_dir / "final")} | extra),
+        **settings,
     )
     controller = default_controller(config)
     if printer is not None:
