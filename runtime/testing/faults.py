@@ -86,7 +86,7 @@ class FaultInjector:
         return self
 
     def corrupt_input(self, step: int, state: Any) -> Any:
-        """The executor's input fault (``StepExecutor.input_faults``): ``state`` as step ``step`` reads it."""
+        """The executor's input fault (``StepExecutor.core.input_faults``): ``state`` as step ``step`` reads it."""
         with self._lock:
             due = [c for c in self._corruptions if c.at_step + 1 == step or (c.persistent and c.at_step < step)]
             self._corruptions = [c for c in self._corruptions if c.persistent or c.at_step + 1 != step]
