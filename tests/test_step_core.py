@@ -27,8 +27,9 @@ def step(state: Any, batch: Any) -> tuple[Any, Any]:
     return new, {"loss": new["w"].sum(), "extra": {"norm": jnp.abs(new["w"]).max()}}
 
 
-def a_core(**policies: Any) -> StepCore:
-    job, keys = with_key_data(TrainJob(init=lambda: {"w": jnp.zeros((3,))}, step=step, data=Rows()))
+def a_core(loss_key: str | tuple[str, ...] = "loss", **policies: Any) -> StepCore:
+    made = TrainJob(init=lambda: {"w": jnp.zeros((3,))}, step=step, data=Rows(), loss_key=loss_key)
+    job, keys = with_key_data(made)
     return StepCore(job, keys, StepLedger("test", policies=policies))
 
 
@@ -66,6 +67,15 @@ def test_a_step_reads_the_state_through_the_input_faults_and_its_checks_run_once
     # Step 1 adds 2 to each of 3 weights; step 2 reads them 100 higher and adds 4.
     assert loss == pytest.approx(3 * 106.0) and scalars == {"loss": pytest.approx(318.0), "extra/norm": 106.0}
     assert calls == [(1, (0, 1)), (2, (0, 1))]
+
+
+@pytest.mark.parametrize(("loss_key", "expected"), [(("extra", "norm"), 104.0), ("accuracy", None)])
+def test_the_loss_is_the_metric_its_key_names_nested_or_none(loss_key: Any, expected: float | None) -> None:
+    core = a_core(loss_key)
+    state = {"w": jnp.full((3,), 100.0)}
+    new_state, metrics = core.launch(jax.jit(step), state, 2, Rows().batch(2))
+    _, loss, scalars = core.results(2, new_state, metrics, (0,))
+    assert loss == expected and scalars["extra/norm"] == 104.0  # 100 + the batch's 2 + 2
 
 
 def test_a_check_that_raises_fails_the_step_and_a_metric_that_is_not_one_number_is_named() -> None:

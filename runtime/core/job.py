@@ -96,10 +96,14 @@ class TrainJob:
         assert self.step is not None
         return self.step
 
+    @property
+    def loss_path(self) -> tuple[str, ...]:
+        """The keys of the loss in the step's metrics, outermost first."""
+        return (self.loss_key,) if isinstance(self.loss_key, str) else tuple(self.loss_key)
+
     def loss(self, metrics: Any) -> Any:
         """The loss in ``metrics`` (``loss_key``), or None where it is not."""
-        path = (self.loss_key,) if isinstance(self.loss_key, str) else self.loss_key
-        for key in path:
+        for key in self.loss_path:
             if not isinstance(metrics, dict) or key not in metrics:
                 return None
             metrics = metrics[key]

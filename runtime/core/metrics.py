@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["one_number", "scalar_metrics"]
+__all__ = ["scalar_metrics"]
 
 
 def scalar_metrics(metrics: Any) -> dict[str, float]:
@@ -48,13 +48,3 @@ def _name(path: tuple[Any, ...]) -> str:
         else:
             parts.append(str(key))
     return "/".join(parts) or "metric"
-
-
-def one_number(value: Any) -> float | None:
-    """``value`` (the step's loss) as a float, when it is one number; None otherwise. A replicated array of a
-    multi-process group spans every process's devices: it is read from this process's own copy (a global read
-    would fail, other processes' devices not being addressable)."""
-    if value is None:
-        return None
-    array = np.asarray(value.addressable_data(0) if isinstance(value, jax.Array) else value)
-    return float(array.reshape(())) if array.size == 1 else None

@@ -24,7 +24,7 @@ from elastic_runtime.core.events import StateRestored
 from elastic_runtime.core.job import PyTree, TrainJob
 from elastic_runtime.core.keys import KeyLeaves
 from elastic_runtime.core.ledger import CommitNoted, StepLedger
-from elastic_runtime.core.metrics import one_number, scalar_metrics
+from elastic_runtime.core.metrics import scalar_metrics
 
 __all__ = ["InputFault", "StepCheck", "StepCore"]
 
@@ -57,6 +57,7 @@ class StepCore:
         self.step_s: float | None = None  # the newest committed step's computation
         self.mesh_shape: dict[str, int] = {}  # the newest committed step's mesh, where the loop names it
         self.productive_s = 0.0  # the committed steps' computation, in all (progress lines: goodput so far)
+        self._loss_name = "/".join(job.loss_path)  # the name scalar_metrics gives the loss (keys joined with "/")
 
     @property
     def step(self) -> int:
@@ -86,7 +87,9 @@ class StepCore:
         for check in self.step_checks:
             check(step, devices)
         scalars = scalar_metrics(metrics)
-        return ready, one_number(self.job.loss(metrics)), scalars
+        # The loss is one of the scalars, read with them in one transfer (read again on its own, it cost another).
+        loss = scalars.get(self._loss_name) if self.job.loss(metrics) is not None else None
+        return ready, loss, scalars
 
     def commit(
         self,
