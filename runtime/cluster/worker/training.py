@@ -54,6 +54,7 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
     """Run steps until ``target``, or until the controller sends something; returns that message."""
     assert worker.ram is not None
     position = worker.core.data_position
+    last_digest = ""  # the final state's, when its durable checkpoint took it already (every member alike)
     while worker.step < target:
         if worker.deferred is not None and worker.step >= worker.deferred.at_step:
             form, worker.deferred = worker.deferred, None
@@ -122,8 +123,9 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
                 digest = in_step_thread(worker, group_digest, "the last step's digest (a collective of the group)")
                 if isinstance(digest, Message) or digest is None:
                     return digest if isinstance(digest, Message) else None
+                last_digest = digest[0]
                 if leased and worker.process_id < worker.slice_size:  # the first slice writes the checkpoint
-                    save_durable(worker, forced=True, digest=digest[0])
+                    save_durable(worker, forced=True, digest=last_digest)
                 worker.pace.exclude(time.perf_counter() - writing)  # its role's work, not a slower pace
         worker.heartbeat()
         if worker.collect_in is not None:
@@ -132,7 +134,9 @@ def train(worker: WorkerState, target: int) -> Inbound | None:
                 worker.collect_in = None
                 gc.collect()
     # The gather is a collective: a peer lost now must not leave this worker deaf to the next Form.
-    outcome = await_step(worker, worker.step_pool.submit(final_state, worker), what="the final state's digest")
+    outcome = await_step(
+        worker, worker.step_pool.submit(final_state, worker, last_digest), what="the final state's digest"
+    )
     if isinstance(outcome, Message) or outcome is None:
         return outcome
     finish(worker, target, outcome[0])
@@ -245,18 +249,19 @@ def run_step(
     return (new_state, moved, loss, scalars, in_program, found), time.perf_counter() - started
 
 
-def final_state(worker: WorkerState) -> tuple[tuple[str, PyTree | None], float]:
+def final_state(worker: WorkerState, digest: str = "") -> tuple[tuple[str, PyTree | None], float]:
     """The final state's digest (``state_digest``, taken where its shards live: a collective of the group, so every
-    member finishes together), once this process's part of the final durable checkpoint is out (``Saved`` before
-    ``Finished``, so the controller commits it); and, where the script asked for it (``run(gather=True)``, or the
-    launch's ``--result``), the whole state in the lead, gathered leaf by leaf (a collective too: every member takes
-    part, and the others let each leaf go). Asked for nothing, no process holds more than its shards."""
+    member finishes together; ``digest``: taken already, for the last step's durable checkpoint), once this
+    process's part of the final durable checkpoint is out (``Saved`` before ``Finished``, so the controller commits
+    it); and, where the script asked for it (``run(gather=True)``, or the launch's ``--result``), the whole state in
+    the lead, gathered leaf by leaf (a collective too: every member takes part, and the others let each leaf go).
+    Asked for nothing, no process holds more than its shards."""
     import jax
     from jax.experimental import multihost_utils
 
     worker.durable_lane.wait()  # its failures are logged by the write
     meet(f"gather/{worker.generation}", _GATHER_MEET_S)  # the others' final writes may take longer
-    digest = group_digest(worker)
+    digest = digest or group_digest(worker)
     if not worker.gather:
         return (digest, None), 0.0
     # Leaf by leaf: gathered at once, every worker held two more copies of the whole state (one per local device):
