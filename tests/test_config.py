@@ -35,6 +35,7 @@ def test_toml_then_environment(tmp_path: Path) -> None:
         ({"ELASTIC_RUNTIME_SNAPSHOT_EVERY": "-1"}, r"`int` >= 0 - at `\$\.snapshot_every`"),
         ({"ELASTIC_RUNTIME_NO_SUCH_FIELD": "1"}, r"no_such_field"),
         ({"ELASTIC_RUNTIME_HANDLER_TIMEOUT_S": "0"}, r"handler_timeout_s"),
+        ({"ELASTIC_RUNTIME_MAX_RECOVERIES": "3"}, r"^environment: max_recoveries is now called max_failures$"),
     ],
 )
 def test_bad_values_name_the_field(env: dict[str, str], message: str) -> None:
@@ -140,7 +141,7 @@ def test_under_launch_every_field_a_script_sets_applies_or_is_announced() -> Non
     special = {"run_dir"}  # the launch's run folder: the same one is fine, another one is refused
     fields = set(RuntimeConfig.__struct_fields__)
     assert fields - APPLIED_IN_WORKERS - special == set(OVERRIDDEN) - {"mesh_policy"}
-    config = RuntimeConfig(max_recoveries=7, scale_up_poll_s=None, fingerprint_every=1, handler_timeout_s=9.0)
+    config = RuntimeConfig(max_failures=7, scale_up_poll_s=None, fingerprint_every=1, handler_timeout_s=9.0)
     sent = launch_owned(config, None, resume=False)
-    assert sent == {"max_recoveries": "7", "scale_up_poll_s": "None"}  # the applied ones stay in the worker
-    assert OVERRIDDEN["max_recoveries"] == "--max-failures sets the group's failure budget"
+    assert sent == {"max_failures": "7", "scale_up_poll_s": "None"}  # the applied ones stay in the worker
+    assert OVERRIDDEN["max_failures"] == "--max-failures sets the group's failure budget"

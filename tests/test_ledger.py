@@ -114,8 +114,8 @@ def test_the_budget_counts_every_failure_and_the_one_past_it_ends_the_run() -> N
     assert not ledger.over_budget and len(ledger.commit(4, data_position=4).events) == 1
     second = ledger.fail(LOST, step=5)
     assert second.started is not None and ledger.over_budget and ledger.recovery.failures == 2
-    failed = ledger.give_up(f"{ledger.recovery.failures} failures exceed max_recoveries=1")
-    assert failed.step == 4 and failed.reason == "2 failures exceed max_recoveries=1"
+    failed = ledger.give_up(f"{ledger.recovery.failures} failures exceed max_failures=1")
+    assert failed.step == 4 and failed.reason == "2 failures exceed max_failures=1"
 
 
 def test_an_error_in_the_users_step_is_classified_once_and_counts_against_nothing() -> None:

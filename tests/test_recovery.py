@@ -372,9 +372,9 @@ def test_a_command_sent_while_a_step_is_in_flight_waits_for_its_commit(tmp_path:
 def test_too_many_failures_end_the_run(tmp_path: Path) -> None:
     injector = FaultInjector().lose_devices(3, [0]).lose_devices(5, [1]).lose_devices(7, [2])
     runtime = injector.attach(ElasticRuntime(
-        small_job(), config=config(tmp_path, max_recoveries=2), mesh_policy=LAYOUTS["data4-with-spares"],
+        small_job(), config=config(tmp_path, max_failures=2), mesh_policy=LAYOUTS["data4-with-spares"],
     ))  # fmt: skip
-    with pytest.raises(RecoveryError, match="3 failures exceed max_recoveries=2"):
+    with pytest.raises(RecoveryError, match="3 failures exceed max_failures=2"):
         runtime.run(STEPS)
 
 

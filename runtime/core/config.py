@@ -54,7 +54,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         handler_timeout_s: how long one handler call may run before it is cancelled.
         max_pending_events: bound of the bus queue.
         recovery_timeout_s: how long the executor waits for handlers to finish a recovery.
-        max_recoveries: failures a run survives before it gives up.
+        max_failures: failures a run survives before it gives up (``launch --max-failures`` under launch).
         device_wait_s: how long recovery waits for enough healthy devices before it gives up.
         device_poll_s: interval of device health polls while waiting.
         scale_up_poll_s: interval of the watch for returning devices; unset turns scale-up off.
@@ -114,7 +114,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     handler_timeout_s: Seconds = 30.0
     max_pending_events: Positive = 65536
     recovery_timeout_s: Seconds = 60.0
-    max_recoveries: NonNegative = 10
+    max_failures: NonNegative = 10
     device_wait_s: SecondsOrZero = 10.0
     device_poll_s: Seconds = 0.5
     scale_up_poll_s: Seconds | None = 1.0
@@ -238,6 +238,10 @@ def _holds(value: float, symbol: str, limit: float) -> bool:
     return bool(compare(value, limit))
 
 
+# Fields renamed: a file or environment that still sets the old name is told the new one.
+RENAMED = {"max_recoveries": "max_failures"}  # one name for the failure budget, as ``launch --max-failures``
+
+
 def convert_config(kind: type[StructT], values: Mapping[str, Any], *, origin: str = "config") -> StructT:
     """Build a config Struct of type ``kind`` from plain values (strings are converted, as from the
     environment), with its ``__post_init__`` checks.
@@ -246,6 +250,9 @@ def convert_config(kind: type[StructT], values: Mapping[str, Any], *, origin: st
         ConfigError: an unknown field, a value of the wrong type, one out of range, or settings that do not
             fit together; names the field.
     """
+    for old, new in RENAMED.items():
+        if old in values:
+            raise ConfigError(f"{origin}: {old} is now called {new}")
     try:
         return msgspec.convert(dict(values), kind, strict=False)
     except msgspec.ValidationError as exc:

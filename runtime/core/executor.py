@@ -164,7 +164,7 @@ class StepExecutor:
         # copy is queued right behind it), the recovery under way.
         ledger = StepLedger(
             "executor",
-            max_failures=config.max_recoveries,
+            max_failures=config.max_failures,
             policies={"ram": self.cadence} if config.snapshot_every > 0 else {},
             at_dispatch=("ram",),
         )
@@ -733,7 +733,7 @@ class StepExecutor:
         self._resumed = False
         if self.core.ledger.over_budget:
             failures = self.core.ledger.recovery.failures
-            await self._fail_recovery(f"{failures} failures exceed max_recoveries={self.config.max_recoveries}")
+            await self._fail_recovery(f"{failures} failures exceed max_failures={self.config.max_failures}")
         log.warning("step %d failed: %s: %s; waiting for recovery", step, event.error_type, event.message)
         await self.bus.publish(started)
 

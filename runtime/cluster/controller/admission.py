@@ -69,7 +69,7 @@ OVERRIDDEN = {
     "ram_dir": "--replica-dir sets it",
     "snapshot_every": "every member keeps each committed step in RAM; --replica-file-every sets its files' cadence",
     "snapshot_mtbf_s": "every member keeps each committed step in RAM; --replica-file-every sets its files' cadence",
-    "max_recoveries": "--max-failures sets the group's failure budget",
+    "max_failures": "--max-failures sets the group's failure budget",
     "recovery_timeout_s": "--form-timeout and --hang-timeout bound a re-forming",
     "max_pending_events": "no effect: the controller holds the group's events",
     "device_wait_s": "no effect: a lost device is its worker's loss, and the controller re-forms the group",
