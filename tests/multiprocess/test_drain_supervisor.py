@@ -19,6 +19,7 @@ from elastic_runtime.cluster.controller.supervision import (
     LeaveRequested,
     Readmitted,
     Start,
+    Status,
     TopUpSpares,
     WorkerChanged,
 )
@@ -163,7 +164,7 @@ def test_a_member_that_ends_before_its_planned_step_is_a_loss_and_the_planned_gr
     run.feed(LeaveRequested(1, "it got SIGTERM"))
     planned = run.forms[-1]
     run.commit(11)
-    run.pool[1].lose()  # its process ended (the shell marks it gone, then says so)
+    run.pool[1].place(Status.LOST)  # its process ended (the shell marks it gone, then says so)
     run.feed(WorkerChanged(1))
     now = run.forms[-1]
     assert (now.generation, now.members, now.at_step, now.seats) == (planned.generation, (0, 4, 2, 3), -1, (0, 2, 3))
@@ -202,7 +203,7 @@ def test_a_member_whose_last_heartbeat_was_lost_with_it_left_at_its_step_if_anot
             run.pool[3].joined = Joined(
                 worker=3, generation=run.forms[-1].generation, best_step=13, tier="ram", join_s=0.1
             )
-        run.pool[1].lose()
+        run.pool[1].place(Status.LOST)
         run.feed(WorkerChanged(1))
         assert len(run.forms) == forms and run.supervisor.recovery.failures == 0, first
         assert "WorkerLost" not in run.kinds(), first

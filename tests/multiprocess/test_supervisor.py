@@ -21,6 +21,7 @@ from elastic_runtime.cluster.controller.supervision import (
     Kill,
     MemberFinished,
     MemberJoined,
+    Place,
     Progress,
     Publish,
     RegroupRequested,
@@ -29,6 +30,7 @@ from elastic_runtime.cluster.controller.supervision import (
     SendForm,
     Spawn,
     Start,
+    Status,
     Tick,
     Watch,
     WorkerChanged,
@@ -99,11 +101,15 @@ class Run:
             match action:
                 case Watch(worker=worker, how=how, from_step=from_step):
                     self.monitor.watch(worker, how, from_step)
+                case Place(worker=worker, status=status):
+                    self.pool[worker].place(status)
                 case Spawn(count=count):
                     self.spawn(count)
                 case Kill(worker=worker):
                     self.killed.append(worker)
                 case Send(worker=worker, message=message):
+                    if isinstance(message, RestoreStep):  # as the shell does: its step from now
+                        self.pool[worker].step = message.step
                     self.sent.append((worker, message))
                 case SendForm():
                     self.forms.append(action)
@@ -208,6 +214,20 @@ def test_a_lost_member_is_replaced_by_the_spare_and_the_group_reforms_from_the_s
     assert isinstance(completed, RecoveryCompleted) and completed.cause == "WorkerLost"
     assert run.result.strategies == [Strategy.START, Strategy.REFORM] and run.result.world_size_history == [2, 2]
     assert run.ended is None and run.killed == []
+
+
+def test_the_supervisor_moves_workers_by_place_actions_and_leaves_the_pools_records_alone(tmp_path: Path) -> None:
+    run = started(tmp_path)
+    before = {p.worker: p.status for p in run.pool}
+    lost = run.supervisor.handle(RegroupRequested(frozenset({1}), "WorkerLost"))
+    run.now += 0.1
+    formed = run.supervisor.handle(Tick())
+    assert {p.worker: p.status for p in run.pool} == before  # decided, not carried out yet
+    assert [a for a in lost if isinstance(a, Place)] == [Place(1, Status.LOST)]
+    assert [a for a in formed if isinstance(a, Place)] == [Place(0, Status.MEMBER), Place(2, Status.MEMBER)]
+    assert [run.supervisor.status(w) for w in (0, 1, 2)] == [Status.MEMBER, Status.LOST, Status.MEMBER]
+    run.pool[0].place(Status.LOST)  # the shell saw worker 0's process exit: the supervisor reads that
+    assert run.supervisor.gone(0)
 
 
 def test_a_verdict_kills_and_replaces_the_worker_once_and_a_handlers_request_only_changes_the_strategy(
@@ -532,7 +552,7 @@ def test_with_no_ready_spare_the_group_goes_on_smaller_at_once_and_grows_back_wh
     run.wait(0.1)  # settling after the loss; no time passes beyond it
     assert [f.members for f in run.forms] == [(0, 1, 2), (0, 2)]
     assert run.now < 1.0  # not the spawn timeout's 60 s
-    assert "going on with 2 of 3 workers (no ready spare for its seat; at least 2)" in run.supervisor.forming_reason
+    assert "going on with 2 of 3 workers (no ready spare for its seat; at least 2)" in reasons(run)[-1]
     run.join(step=10, tier="ram")
     run.commit(12)
     replacement = max(run.pool.procs)

@@ -23,6 +23,7 @@ from elastic_runtime.cluster.controller.supervision import (
     Finish,
     Input,
     Kill,
+    Place,
     Publish,
     SaveFences,
     Send,
@@ -35,7 +36,7 @@ from elastic_runtime.cluster.controller.supervision import (
     Watch,
 )
 from elastic_runtime.cluster.controller.workers import spawn, top_up_spares, warm_spares
-from elastic_runtime.cluster.protocol import Form
+from elastic_runtime.cluster.protocol import Form, RestoreStep
 from elastic_runtime.faults.process import worker_faults_text
 
 __all__ = ["carry_out", "fill_seats", "save_fences_now", "send_form", "supervise", "tick_at"]
@@ -83,11 +84,14 @@ async def tick_at(controller: ControllerState, deadline: float, scope: anyio.Can
 
 
 async def carry_out(controller: ControllerState, actions: list[Action]) -> None:
-    # The monitor's switches first, as if made as the supervisor decided: no verdict may come in between (a
-    # survivor judged hung for the steps it does not commit while its group re-forms).
+    # The monitor's switches and the workers' places first, as if made as the supervisor decided: no verdict or
+    # message may come in between (a survivor judged hung for the steps it does not commit while its group
+    # re-forms; a Joined of the old group's taken for the new one's).
     for action in actions:
         if isinstance(action, Watch):
             controller.monitor.watch(action.worker, action.how, action.from_step)
+        elif isinstance(action, Place):
+            controller.pool[action.worker].place(action.status)
     for action in actions:
         match action:
             case Spawn(count=count):
@@ -98,6 +102,8 @@ async def carry_out(controller: ControllerState, actions: list[Action]) -> None:
             case Kill(worker=worker, reason=reason):
                 controller.kill(worker, "KILL", reason)
             case Send(worker=worker, message=message):
+                if isinstance(message, RestoreStep):  # its step from now, until its heartbeats say otherwise
+                    controller.pool[worker].step = message.step
                 await controller.server.send(controller.pool[worker], message)
             case SendForm():
                 await send_form(controller, action)
@@ -111,7 +117,7 @@ async def carry_out(controller: ControllerState, actions: list[Action]) -> None:
                 await controller.bus.publish(event)
             case EndRun(error=error):
                 controller.end(error)
-            case Watch():
+            case Watch() | Place():
                 pass  # applied above
             case Finish():
                 pass  # the supervisor is done: the loop ends

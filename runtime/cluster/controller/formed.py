@@ -11,7 +11,8 @@ from elastic_runtime.cluster.config import Strategy
 from elastic_runtime.cluster.controller.membership import JoinReport
 from elastic_runtime.cluster.controller.supervision import (
     Action,
-    Phase,
+    Forming,
+    Idle,
     Publish,
     SaveFences,
     Send,
@@ -29,9 +30,9 @@ __all__ = ["send_restore"]
 log = logging.getLogger(__name__)
 
 
-def send_restore(sup: SupervisorState, out: list[Action]) -> None:
+def send_restore(sup: SupervisorState, out: list[Action], forming: Forming) -> None:
     """Every member joined: tell them which step to restore, and from whom."""
-    members, strategy, group = sup.group.members, sup.forming, sup.group
+    members, strategy, group = sup.group.members, forming.strategy, sup.group
     reports = []
     for worker in members:
         joined = sup.pool[worker].joined
@@ -63,8 +64,6 @@ def send_restore(sup: SupervisorState, out: list[Action]) -> None:
         # Committed by the member(s) restored from before the old group could report them all: the new
         # group continues from them, so they count as the group's committed steps.
         out.append(Publish(sup.completed(gap, 0.0)))
-    for worker in members:
-        sup.pool[worker].step = plan.step
     restore = RestoreStep(
         generation=group.generation,
         step=plan.step,
@@ -83,7 +82,7 @@ def send_restore(sup: SupervisorState, out: list[Action]) -> None:
         members=tuple(members),
         coordinator=sup.coordinator,
         strategy=strategy,
-        seconds=sup.clock() - sup.forming_started,
+        seconds=sup.clock() - forming.started,
         restore_step=plan.step,
         restore_source=max(plan.source, 0),
         phases=_slowest_phases([sup.pool[w].joined for w in members]),
@@ -103,7 +102,7 @@ def send_restore(sup: SupervisorState, out: list[Action]) -> None:
             old_shape=sup.group_shape,
             new_shape=shape,
             devices=tuple(range(len(members) * sup.config.local_devices)),
-            reason=f"generation {group.generation}: {len(members)} workers ({strategy}: {sup.forming_reason})",
+            reason=f"generation {group.generation}: {len(members)} workers ({strategy}: {forming.reason})",
             needs_restore=strategy == Strategy.RESTART,
         )
         out.append(Publish(changed))
@@ -133,7 +132,7 @@ def send_restore(sup: SupervisorState, out: list[Action]) -> None:
         out.append(Publish(state))
     # Only now: a new spare importing JAX would compete for the CPUs with the re-forming group.
     out.append(TopUpSpares())
-    sup.phase, sup.deadline = Phase.IDLE, None
+    sup.phase = Idle()
 
 
 def _instance_of(sup: SupervisorState, worker: int) -> str:

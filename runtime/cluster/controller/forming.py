@@ -8,6 +8,7 @@ once), and a group that does not form in time restarts. Functions over the
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from elastic_runtime.cluster.config import LaunchError, Strategy
 from elastic_runtime.cluster.controller.formed import send_restore
@@ -15,16 +16,19 @@ from elastic_runtime.cluster.controller.processes import WorkerProcess
 from elastic_runtime.cluster.controller.supervision import (
     Action,
     FillSeats,
+    Forming,
     Input,
+    Joining,
     Kill,
     MemberJoined,
-    Phase,
     Publish,
+    Recruiting,
     RestoreTally,
     SaveFences,
     Send,
     SendForm,
     Spawn,
+    Status,
     Watch,
 )
 from elastic_runtime.cluster.controller.supervisor_state import GivenUp, SupervisorState
@@ -53,16 +57,17 @@ log = logging.getLogger(__name__)
 PLANNED_AHEAD = 3
 
 
-def form_generation(sup: SupervisorState, out: list[Action], strategy: Strategy, reason: str) -> None:
-    """Start forming a new generation: survivors stay (unless restarting), spares are recruited."""
+def form_generation(
+    sup: SupervisorState, out: list[Action], strategy: Strategy, reason: str, leaving: tuple[int, ...] = ()
+) -> None:
+    """Start forming a new generation: survivors stay (unless restarting; ``leaving``, a drain's, do not), spares
+    are recruited."""
     sup.strategy = None
     sup.growable = None
     sup.unreadable = ""  # the new generation plans its own restore
     sup.restored = False
-    sup.forming_reason = reason
-    sup.forming_started = sup.clock()
-    leaving = sup.leaving if strategy == Strategy.DRAIN else []
-    survivors = [w for w in sup.group.members if not sup.pool[w].gone and w not in sup.requests and w not in leaving]
+    started = sup.clock()
+    survivors = [w for w in sup.group.members if not sup.gone(w) and w not in sup.requests and w not in leaving]
     sup.quiet(out, survivors)
     if strategy == Strategy.RESTART:
         for worker in survivors:
@@ -70,25 +75,28 @@ def form_generation(sup: SupervisorState, out: list[Action], strategy: Strategy,
             out.append(Kill(worker, why))
             if sup.pool[worker].popen is None:  # not ours to kill: asked to exit, the cluster replaces it
                 out.append(Send(worker, Stop(reason=why, exit_code=EXIT_REPLACE)))
-            sup.pool[worker].lose()
+            sup.place(out, worker, Status.LOST)
             out.append(Watch(worker, "unwatched"))
         sup.survivor_restarts += len(survivors)
         survivors = []
     elif strategy == Strategy.REFORM and not survivors:
         strategy = Strategy.RESTART  # nobody left to re-form with: the state must come from the replica files
-    sup.forming, sup.survivors, sup.chosen = strategy, survivors, []
-    sup.recruit_timeout = sup.config.start_timeout_s if strategy == Strategy.START else sup.config.spawn_timeout_s
-    sup.phase, sup.deadline = Phase.RECRUITING, sup.forming_started + sup.recruit_timeout
-    recruit(sup, out, sup.forming_started, None)
+    forming = Forming(strategy, reason, started, tuple(survivors), leaving if strategy == Strategy.DRAIN else ())
+    timeout = sup.config.start_timeout_s if strategy == Strategy.START else sup.config.spawn_timeout_s
+    sup.phase = Recruiting(forming, started + timeout, timeout)
+    recruit(sup, out, started, None)
 
 
 def recruit(sup: SupervisorState, out: list[Action], now: float, changed: int | None) -> None:
     """Enough spares (started now if needed) to fill the group around the survivors, once they said hello.
     ``changed``: the one worker whose record changed (a hello, a close), if that is all that happened: only
     it is looked at, so N workers saying hello cost O(N), not O(N**2)."""
-    survivors = [w for w in sup.survivors if not sup.pool[w].gone]
+    phase = sup.phase
+    assert isinstance(phase, Recruiting)
+    forming = phase.forming
+    survivors = [w for w in forming.survivors if not sup.gone(w)]
     need = sup.config.nprocs - len(survivors)
-    chosen = dict.fromkeys(sup.chosen)
+    chosen = dict.fromkeys(phase.chosen)
     if changed is None:
         chosen = {w: None for w in chosen if seatable(sup, sup.pool[w])}  # one chosen earlier may be gone since
         ready = (p.worker for p in sup.pool if seatable(sup, p) and p.worker not in chosen)
@@ -101,46 +109,47 @@ def recruit(sup: SupervisorState, out: list[Action], now: float, changed: int | 
         if len(chosen) >= need:
             break
         chosen[worker] = None
-    sup.chosen = list(chosen)
+    sup.phase = phase = replace(phase, chosen=tuple(chosen))
     if len(chosen) >= need:
-        seat_members(sup, out, survivors, sup.chosen)
+        seat_members(sup, out, forming, survivors, list(chosen))
         return
     if sup.config.starts_workers:
         # On their way: spares starting, and ready ones not chosen yet, whose hello the shell recorded but whose
         # ``changed`` is still in the supervisor's queue (counted as missing, they had a worker started for them).
-        coming = [p for p in sup.pool if p.spare and p.worker not in chosen]
+        coming = [p for p in sup.pool if sup.spare(p.worker) and p.worker not in chosen]
         coming = [p for p in coming if p.hello is None or seatable(sup, p)]
         if len(coming) + len(chosen) < need:
             out.append(Spawn(need - len(coming) - len(chosen)))
         # After a loss with no ready spare for a seat (only processes still starting: a cold start, seconds to
         # minutes for a real model), going on smaller at once beats waiting idle: the survivors train while the
         # replacement starts, and the group grows back at a step boundary once it has joined (planned.py).
-        cold = sup.forming == Strategy.REFORM and not any(p.hello is not None for p in coming)
+        cold = forming.strategy == Strategy.REFORM and not any(p.hello is not None for p in coming)
     else:
         cold = False
     # Workers the controller does not start are the orchestrator's to replace: after a loss the group goes
     # on without them at once where min_nprocs allows, and grows back when they say hello.
-    soon = (not sup.config.starts_workers or sup.forming == Strategy.DRAIN or cold) and bool(survivors)
+    soon = (not sup.config.starts_workers or forming.strategy == Strategy.DRAIN or cold) and bool(survivors)
     assert sup.config.min_nprocs is not None
-    late = sup.deadline is not None and now > sup.deadline
-    enough = (soon or late) and len(sup.group.seat(survivors, sup.chosen)) >= sup.config.min_nprocs  # slices
+    late = now > phase.deadline
+    enough = (soon or late) and len(sup.group.seat(survivors, phase.chosen)) >= sup.config.min_nprocs  # slices
     if (soon or late) and enough:
-        short = sup.config.nprocs - len(survivors) - len(sup.chosen)
+        short = sup.config.nprocs - len(survivors) - len(phase.chosen)
         if short > 0:
-            why = "no ready spare for its seat" if soon else f"no replacement ready within {sup.recruit_timeout:g} s"
-            sup.forming_reason += (
+            why = "no ready spare for its seat" if soon else f"no replacement ready within {phase.timeout_s:g} s"
+            smaller = (
                 f"; going on with {sup.config.nprocs - short} of {sup.config.nprocs} workers ({why}; at least "
                 f"{sup.config.min_nprocs}), growing back once a replacement joins"
             )
-        seat_members(sup, out, survivors, sup.chosen)  # go on smaller; the next re-forming grows the group back
+            forming = replace(forming, reason=forming.reason + smaller)
+        seat_members(sup, out, forming, survivors, list(phase.chosen))  # go on smaller; growing back re-forms
     elif late:
-        sup.end(out, LaunchError(recruiting_timed_out(sup, len(survivors) + len(chosen))))
+        sup.end(out, LaunchError(recruiting_timed_out(sup, phase, len(survivors) + len(chosen))))
 
 
-def recruiting_timed_out(sup: SupervisorState, ready: int) -> str:
+def recruiting_timed_out(sup: SupervisorState, phase: Recruiting, ready: int) -> str:
     """Why the run ends when too few workers said hello in time: which wait ran out, and what the rest were doing."""
-    starting = [p for p in sup.pool if p.spare and p.hello is None and p.running()]
-    if sup.forming == Strategy.START:
+    starting = [p for p in sup.pool if sup.spare(p.worker) and p.hello is None and p.running()]
+    if phase.forming.strategy == Strategy.START:
         what, flag = "the first group", "--start-timeout"
     else:
         what, flag = "a replacement", "--spawn-timeout"
@@ -152,16 +161,18 @@ def recruiting_timed_out(sup: SupervisorState, ready: int) -> str:
     )
     return (
         f"{what} did not come together: {ready} of {sup.config.nprocs} workers connected within "
-        f"{sup.recruit_timeout:.1f} s ({flag}, at least {sup.config.min_nprocs} needed), {doing}; raise {flag}"
+        f"{phase.timeout_s:.1f} s ({flag}, at least {sup.config.min_nprocs} needed), {doing}; raise {flag}"
     )
 
 
-def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], recruits: list[int]) -> None:
+def seat_members(
+    sup: SupervisorState, out: list[Action], forming: Forming, survivors: list[int], recruits: list[int]
+) -> None:
     members = sup.group.seat(survivors, recruits)
     seated = set(members)
     for worker in set(survivors) | set(recruits):
         if worker not in seated:  # in a slice short of a process: it waits, as a spare, for a replacement
-            sup.pool[worker].unseat()
+            sup.place(out, worker, Status.SPARE)
             out.append(Watch(worker, "starting"))
     sup.requests.clear()
     generation = sup.group.new_generation(members)
@@ -169,24 +180,21 @@ def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], 
     sup.restore_tally = RestoreTally()
     sup.coordinator = ""
     for worker in members:
-        sup.pool[worker].seat()
+        sup.place(out, worker, Status.MEMBER)
         out.append(Watch(worker, "starting"))  # it joins, restores and compiles: the longer timeout until it trains
     # Growing is planned: every member re-forms after committing the same step, so no collective is cut
     # off; after a failure the group re-forms now (in-flight steps are abandoned).
-    planned = sup.forming in (Strategy.GROW, Strategy.DRAIN) and survivors
-    leaving = sup.leaving if sup.forming == Strategy.DRAIN else []
-    sup.leaving = []
-    at_step = max(sup.pool[w].step for w in [*survivors, *leaving]) + PLANNED_AHEAD if planned else -1
-    out.append(SendForm(generation, tuple(members), sup.forming, at_step))
-    for worker in leaving:
+    planned = forming.strategy in (Strategy.GROW, Strategy.DRAIN) and survivors
+    at_step = max(sup.pool[w].step for w in [*survivors, *forming.leaving]) + PLANNED_AHEAD if planned else -1
+    out.append(SendForm(generation, tuple(members), forming.strategy, at_step))
+    for worker in forming.leaving:
         # It steps with the old group up to ``at_step``, then exits: a replacement may take its place once
         # its host is back (``Readmitted``). Not watched by heartbeat from now: its leaving is no failure,
         # but an end before ``at_step`` is (``Supervisor._departed``).
-        proc = sup.pool[worker]
-        proc.stop()
+        sup.place(out, worker, Status.STOPPED)
         out.append(Watch(worker, "unwatched"))
         sup.departing[worker] = (generation, at_step)
-        why = f"drained at step {at_step}: {sup.forming_reason}"
+        why = f"drained at step {at_step}: {forming.reason}"
         code = departure_code(sup) if sup.departures.pop(worker, None) is not None else EXIT_REPLACE
         out.append(Send(worker, Stop(reason=why, exit_code=code, at_step=at_step)))
     out.append(
@@ -196,13 +204,13 @@ def seat_members(sup: SupervisorState, out: list[Action], survivors: list[int], 
                 source="controller",
                 generation=generation,
                 members=tuple(members),
-                strategy=sup.forming,
-                reason=sup.forming_reason,
+                strategy=forming.strategy,
+                reason=forming.reason,
             )
         )
     )
     sup.unjoined = set(members)
-    sup.phase, sup.deadline = Phase.JOINING, sup.clock() + join_timeout(sup)
+    sup.phase = Joining(forming, sup.clock() + join_timeout(sup, forming.strategy))
 
 
 def departure_code(sup: SupervisorState) -> int:
@@ -212,21 +220,21 @@ def departure_code(sup: SupervisorState) -> int:
     return 0 if sup.config.starts_workers else EXIT_REPLACE
 
 
-def join_timeout(sup: SupervisorState) -> float:
+def join_timeout(sup: SupervisorState, strategy: Strategy) -> float:
     """How long the members may take to join: the first group, its start-up (imports, the first compile);
     a later one the configured time, or twice the slowest join seen, when a real model compiles longer."""
-    if sup.forming == Strategy.START:
+    if strategy == Strategy.START:
         return max(sup.config.start_timeout_s, sup.config.form_timeout_s)
     return max(sup.config.form_timeout_s, 2 * sup.slowest_join)
 
 
-def await_joins(sup: SupervisorState, out: list[Action], due: bool, event: Input) -> None:
+def await_joins(sup: SupervisorState, out: list[Action], phase: Joining, due: bool, event: Input) -> None:
     if isinstance(event, MemberJoined) and not due:
         sup.unjoined.discard(event.worker)
         if sup.unjoined:
             return  # O(1) a join: every member is looked at once all have joined
     procs = [sup.pool[w] for w in sup.group.members]
-    lost = [p.worker for p in procs if p.gone]
+    lost = [p.worker for p in procs if sup.gone(p.worker)]
     if lost and not due and started_jax(sup, procs):
         # Every member got past JAX's start (one is in the generation): nobody waits for the lost ones there.
         # They drop out of this forming and the rest re-form now, as after any loss (counted when reported).
@@ -237,17 +245,17 @@ def await_joins(sup: SupervisorState, out: list[Action], due: bool, event: Input
         give_up(sup, out, lost)
         return
     if lost and not due:
-        substitute(sup, out, lost)  # the others wait in JAX's start for those seats: spares take them
+        substitute(sup, out, phase, lost)  # the others wait in JAX's start for those seats: spares take them
         return
     if lost:
         outcome = "member lost while forming"
     elif all(p.joined is not None for p in procs):
         sup.slowest_join = max(sup.slowest_join, *(p.joined.join_s for p in procs if p.joined is not None))
-        send_restore(sup, out)
+        send_restore(sup, out, phase.forming)
         return
     elif due:
         outcome = (
-            f"not joined within {join_timeout(sup):.1f} s (the slowest join so far took "
+            f"not joined within {join_timeout(sup, phase.forming.strategy):.1f} s (the slowest join so far took "
             f"{sup.slowest_join:.1f} s; raise --form-timeout or --start-timeout if joining compiles longer)"
         )
     else:
@@ -274,7 +282,7 @@ def started_jax(sup: SupervisorState, procs: list[WorkerProcess]) -> bool:
     """Whether a member is in the generation being formed (joined, or named it in a heartbeat): JAX's start
     waits for every seat, so then every member got past it."""
     generation = sup.group.generation
-    return any(p.joined is not None or (p.generation == generation and not p.gone) for p in procs)
+    return any(p.joined is not None or (p.generation == generation and not sup.gone(p.worker)) for p in procs)
 
 
 def can_give_up(sup: SupervisorState, procs: list[WorkerProcess]) -> bool:
@@ -283,7 +291,7 @@ def can_give_up(sup: SupervisorState, procs: list[WorkerProcess]) -> bool:
     for the seats, and the rest are enough (``min_nprocs``) and all seated again (no slice short)."""
     if sup.config.starts_workers or not sup.coordinator or any(seatable(sup, p) for p in sup.pool):
         return False
-    rest = [p.worker for p in procs if not p.gone]
+    rest = [p.worker for p in procs if not sup.gone(p.worker)]
     assert sup.config.min_nprocs is not None
     return len(rest) >= sup.config.min_nprocs and sup.group.seat(rest, []) == rest
 
@@ -302,13 +310,13 @@ def give_up(sup: SupervisorState, out: list[Action], lost: list[int]) -> None:
 def release_given_up(sup: SupervisorState, out: list[Action]) -> None:
     """Fill the lost seats of each given-up generation whose members all went on (or were lost since)."""
     for generation, given in list(sup.given_up.items()):
-        given.waiting = {w for w in given.waiting if not sup.pool[w].gone and sup.pool[w].generation <= generation}
+        given.waiting = {w for w in given.waiting if not sup.gone(w) and sup.pool[w].generation <= generation}
         if not given.waiting:
             del sup.given_up[generation]
             out.append(FillSeats(generation, given.coordinator, given.seats))
 
 
-def substitute(sup: SupervisorState, out: list[Action], lost: list[int]) -> None:
+def substitute(sup: SupervisorState, out: list[Action], phase: Joining, lost: list[int]) -> None:
     """Seat a ready spare in each lost member's seat of the generation being formed (its Form names the
     seat's process id, the same coordinator); start spares for the seats none is ready for."""
     ready = [p.worker for p in sup.pool if seatable(sup, p)]
@@ -322,22 +330,22 @@ def substitute(sup: SupervisorState, out: list[Action], lost: list[int]) -> None
         sup.unjoined.discard(worker)  # the seat waits for the spare's join now
         sup.unjoined.add(spare)
         sup.requests.pop(worker, None)  # replaced in this forming: no re-forming for it after
-        sup.pool[spare].seat()
+        sup.place(out, spare, Status.MEMBER)
         out.append(Watch(spare, "starting"))
         seated.append(spare)
         log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
     if seated:
-        out.append(SendForm(generation, tuple(members), sup.forming, -1, seats=tuple(seated)))
-        sup.deadline = sup.clock() + sup.config.form_timeout_s  # the newcomer's time to join, from now
+        out.append(SendForm(generation, tuple(members), phase.forming.strategy, -1, seats=tuple(seated)))
+        sup.phase = replace(phase, deadline=sup.clock() + sup.config.form_timeout_s)  # the newcomer's time to join
     missing = len(lost) - len(seated)
-    starting = [p for p in sup.pool if p.spare and p.hello is None]
+    starting = [p for p in sup.pool if sup.spare(p.worker) and p.hello is None]
     if sup.config.starts_workers and len(starting) < missing:
         out.append(Spawn(missing - len(starting)))
 
 
 def seatable(sup: SupervisorState, proc: WorkerProcess) -> bool:
-    """A spare ready to be seated, on a host that is not under maintenance."""
-    return proc.ready_spare and not cordoned(sup, proc)
+    """A spare that said hello, can be seated at once, and is on a host that is not under maintenance."""
+    return sup.spare(proc.worker) and not proc.closed and proc.hello is not None and not cordoned(sup, proc)
 
 
 def cordoned(sup: SupervisorState, proc: WorkerProcess) -> bool:

@@ -28,6 +28,7 @@ from elastic_runtime.cluster.controller.supervision import (
     MemberRestored,
     Progress,
     RestoreFailed,
+    Status,
     WorkerChanged,
     WorkerFailed,
 )
@@ -123,7 +124,7 @@ async def on_message(controller: ControllerState, proc: WorkerProcess, message: 
             if proc.gone and proc.popen is None and not proc.told_to_stop and not controller.stopping:
                 # Judged lost (a partition that healed): its place is taken; it must not wait in a group
                 # that will never call it again. (One the controller started was killed instead.)
-                proc.stop()
+                proc.place(Status.STOPPED)
                 log.warning("controller: worker %d was judged lost and is back; told to exit", worker)
                 taken = Stop(reason=f"worker {worker} was judged lost; its place is taken", exit_code=EXIT_REPLACE)
                 await controller.server.send(proc, taken)

@@ -24,7 +24,7 @@ def drain(sup: SupervisorState, out: list[Action]) -> None:
     ``min_nprocs``: then a host's loss is a failure like any other, and a member that asked to leave waits for
     a spare (one is started) while its grace period lasts."""
     members = sup.group.members
-    sup.departures = {w: why for w, why in sup.departures.items() if w in members and not sup.pool[w].gone}
+    sup.departures = {w: why for w, why in sup.departures.items() if w in members and not sup.gone(w)}
     reason = "; ".join([*sup.drains.values(), *(f"worker {w} leaves: {why}" for w, why in sup.departures.items())])
     sup.drains.clear()
     leaving = [w for w in members if cordoned(sup, sup.pool[w]) or w in sup.departures]
@@ -39,7 +39,7 @@ def drain(sup: SupervisorState, out: list[Action]) -> None:
         return
     assert sup.config.min_nprocs is not None
     if len(sup.group.seat(staying, ready)) < sup.config.min_nprocs:
-        starting = any(p.spare and p.hello is None for p in sup.pool)
+        starting = any(sup.spare(p.worker) and p.hello is None for p in sup.pool)
         if sup.departures and sup.config.starts_workers and not starting:
             log.warning(
                 "workers %s cannot leave yet (%s): fewer than min_nprocs would be left; starting a spare",
@@ -50,8 +50,7 @@ def drain(sup: SupervisorState, out: list[Action]) -> None:
         elif not sup.departures:
             log.warning("cannot drain workers %s (%s): fewer than min_nprocs would be left", leaving, reason)
         return
-    sup.leaving = leaving
-    form_generation(sup, out, Strategy.DRAIN, f"drain: {reason}")
+    form_generation(sup, out, Strategy.DRAIN, f"drain: {reason}", tuple(leaving))
 
 
 def can_grow(sup: SupervisorState) -> bool:

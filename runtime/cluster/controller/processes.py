@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import enum
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from elastic_runtime.cluster.config import LaunchConfig
 from elastic_runtime.cluster.controller.connection import Connection
 from elastic_runtime.cluster.controller.exits import ExitWatch
 from elastic_runtime.cluster.controller.forkserver import ForkedProcess, ForkServer, forkable
+from elastic_runtime.cluster.controller.supervision import GONE, Status
 from elastic_runtime.cluster.protocol import (
     ENV_COMPILE_CACHE,
     ENV_CONTROLLER,
@@ -34,16 +34,7 @@ from elastic_runtime.cluster.protocol import (
 from elastic_runtime.compat.xla import ENV_COLLECTIVE_TIMEOUT
 from elastic_runtime.core.folders import COMPILE_CACHE_FOLDER
 
-__all__ = ["ProcessPool", "Status", "WorkerProcess", "descends_from", "is_stopped", "log_tail", "parent_of", "state_of"]
-
-
-class Status(enum.Enum):
-    """Where a worker process stands in the run: one value, changed only by ``WorkerProcess``'s methods."""
-
-    SPARE = "spare"  # started; waits to be seated (a survivor a smaller group has no seat for waits here too)
-    MEMBER = "member"  # seated in the group
-    LOST = "lost"  # judged lost, replaced, or exited: never seated again
-    STOPPED = "stopped"  # told to stop (drained, left, or back after it was judged lost): its exit is expected
+__all__ = ["ProcessPool", "WorkerProcess", "descends_from", "is_stopped", "log_tail", "parent_of", "state_of"]
 
 
 @dataclass
@@ -77,28 +68,21 @@ class WorkerProcess:
     @property
     def gone(self) -> bool:
         """Lost or told to stop: it holds no seat and is never seated again."""
-        return self.status in (Status.LOST, Status.STOPPED)
+        return self.status in GONE
 
     @property
     def told_to_stop(self) -> bool:
         return self.status is Status.STOPPED
 
-    def seat(self) -> None:
-        """Seated in a new group: what it joined or finished before is of the old one."""
-        self.status, self.joined, self.finished = Status.MEMBER, None, None
-
-    def unseat(self) -> None:
-        """A survivor the new group has no seat for (its slice is short of a process): a spare again."""
-        self.status = Status.SPARE
-
-    def lose(self) -> None:
-        """Judged lost or seen to exit; one told to stop stays so (its exit is still expected)."""
-        if self.status is not Status.STOPPED:
-            self.status = Status.LOST
-
-    def stop(self) -> None:
-        """Told to stop: gone from the group, and its exit (or a heartbeat) is no failure."""
-        self.status = Status.STOPPED
+    def place(self, status: Status) -> None:
+        """Where it stands now: as the supervisor placed it (``Place``), or lost once its exit is seen. Seated in
+        a new group, what it joined or finished before is of the old one; one told to stop stays so when lost
+        (its exit is still expected)."""
+        if status is Status.LOST and self.status is Status.STOPPED:
+            return
+        if status is Status.MEMBER:
+            self.joined = self.finished = None
+        self.status = status
 
     @property
     def pid(self) -> int:
@@ -319,7 +303,7 @@ class ProcessPool:
             code = proc.exit_code()
             # One told to go (drained, or it asked to leave) is gone already, but how it exited is still news.
             if code is not None and (not proc.gone or proc.told_to_stop):
-                proc.lose()
+                proc.place(Status.LOST)
                 proc.exit_seen = True
                 exited.append((proc, code))
         return exited

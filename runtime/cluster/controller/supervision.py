@@ -15,29 +15,39 @@ from elastic_runtime.core.errors import ElasticRuntimeError
 from elastic_runtime.core.events import Event
 
 __all__ = [
+    "GONE",
     "Action",
+    "BackingOff",
+    "Done",
     "DrainRequested",
     "EndRun",
     "FillSeats",
     "Finish",
+    "Forming",
+    "Idle",
     "Input",
+    "Joining",
     "Kill",
     "LeaveRequested",
     "MemberFinished",
     "MemberJoined",
     "MemberRestored",
     "Phase",
+    "Place",
     "Progress",
     "Publish",
     "Readmitted",
+    "Recruiting",
     "RegroupRequested",
     "RestoreFailed",
     "RestoreTally",
     "SaveFences",
     "Send",
     "SendForm",
+    "Settling",
     "Spawn",
     "Start",
+    "Status",
     "Tick",
     "TopUpSpares",
     "WarmSpares",
@@ -45,6 +55,19 @@ __all__ = [
     "WorkerChanged",
     "WorkerFailed",
 ]
+
+
+class Status(Enum):
+    """Where a worker process stands in the run. The supervisor decides it (``Place``); a process's exit makes
+    it ``LOST`` and a lost worker's return ``STOPPED`` in the pool's record, which the supervisor reads."""
+
+    SPARE = "spare"  # started; waits to be seated (a survivor a smaller group has no seat for waits here too)
+    MEMBER = "member"  # seated in the group
+    LOST = "lost"  # judged lost, replaced, or exited: never seated again
+    STOPPED = "stopped"  # told to stop (drained, left, or back after it was judged lost): its exit is expected
+
+
+GONE = (Status.LOST, Status.STOPPED)  # never seated again
 
 
 # --- inputs ------------------------------------------------------------------------------------------------
@@ -220,6 +243,16 @@ class Watch:
 
 
 @dataclass(frozen=True)
+class Place:
+    """``worker`` now stands at ``status`` in the run (seated, back among the spares, lost, told to stop): the
+    supervisor keeps its own record of where it put each worker, and the pool's record follows by this action,
+    applied with the ``Watch`` actions before the others of the same input."""
+
+    worker: int
+    status: Status
+
+
+@dataclass(frozen=True)
 class Kill:
     """SIGKILL ``worker`` (logged as ``WorkerKilled``)."""
 
@@ -290,6 +323,7 @@ Action = (
     Spawn
     | TopUpSpares
     | Watch
+    | Place
     | Kill
     | Send
     | SendForm
@@ -302,12 +336,69 @@ Action = (
 )
 
 
-class Phase(Enum):
-    """Where the supervisor is: what it waits for."""
+# --- phases: where the supervisor is, what it waits for, and what it knows only there -----------------------
 
-    IDLE = "idle"  # not started, or training
-    SETTLING = "settling"  # a failure came: waiting a moment for the ones that come with it
-    BACKOFF = "backoff"  # a step failed before: waiting the retry policy's backoff
-    RECRUITING = "recruiting"  # waiting for enough spares to say hello
-    JOINING = "joining"  # Form sent: waiting for every member's Joined
-    DONE = "done"  # finished or ended
+
+@dataclass(frozen=True)
+class Idle:
+    """Not started yet, or training (the generation got its ``RestoreStep``): waiting for nothing."""
+
+    deadline: None = None
+
+
+@dataclass(frozen=True)
+class Settling:
+    """A failure came: waiting until ``deadline`` for the ones that come with it, again while more may be found,
+    up to ``until``."""
+
+    deadline: float
+    until: float
+
+
+@dataclass(frozen=True)
+class BackingOff:
+    """A step failed before: forming again at ``deadline``, the retry policy's backoff, for ``reason``."""
+
+    deadline: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Forming:
+    """The generation being formed: how (``strategy``), why, since when, who stays from the group before it, and
+    who a drain takes out at its planned step."""
+
+    strategy: Strategy
+    reason: str
+    started: float
+    survivors: tuple[int, ...] = ()
+    leaving: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Recruiting:
+    """Waiting for enough spares to say hello (those ``chosen`` so far) until ``deadline``, ``timeout_s`` after
+    the forming started."""
+
+    forming: Forming
+    deadline: float
+    timeout_s: float
+    chosen: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Joining:
+    """``Form`` sent: waiting for every member's ``Joined`` until ``deadline``."""
+
+    forming: Forming
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Done:
+    """Finished, or ended."""
+
+    deadline: None = None
+
+
+Phase = Idle | Settling | BackingOff | Recruiting | Joining | Done

@@ -4,10 +4,12 @@ The :class:`Supervisor` is told what happened (workers failed, a spare said hell
 failed, steps were committed, every member finished, time passed) and answers with what to do (start spares,
 kill a worker, send a message, hand a new generation its ``Form``, publish an event, end the run). It decides
 when the group re-forms, when a re-forming falls back to restarting every worker, whether a step that keeps
-failing is tried again (``config.retry``) and when the failure budget is spent, and it switches the heartbeat
-monitor's ``expect_progress`` as the group forms and trains. No processes, sockets or clocks of its own: the
-controller (``runtime/cluster/controller/shell.py``) feeds it, carries its actions out and calls :meth:`handle` with
-:class:`Tick` at :attr:`Supervisor.deadline`; its tests drive it alone.
+failing is tried again (``config.retry``) and when the failure budget is spent. What it changes outside its own
+state it changes by actions: the heartbeat monitor's watch as the group forms and trains (``Watch``), where each
+worker stands (``Place``: seated, a spare again, lost, told to stop; it keeps its own record of them and reads
+what the shell saw of each process from the pool, writing nothing there). No processes, sockets or clocks of its
+own: the controller (``runtime/cluster/controller/shell.py``) feeds it, carries its actions out and calls
+:meth:`handle` with :class:`Tick` at :attr:`Supervisor.deadline`; its tests drive it alone.
 
 Forming a generation: recruit spares (started if need be) to fill the group around the survivors, seat them
 (``Membership.seat``), send every member ``Form``, wait for every ``Joined``, then send ``RestoreStep`` with the plan
@@ -37,23 +39,29 @@ from elastic_runtime.cluster.controller.forming import (
 from elastic_runtime.cluster.controller.planned import can_grow, drain
 from elastic_runtime.cluster.controller.supervision import (
     Action,
+    BackingOff,
+    Done,
     DrainRequested,
     Finish,
+    Idle,
     Input,
+    Joining,
     Kill,
     LeaveRequested,
     MemberFinished,
     MemberJoined,
     MemberRestored,
-    Phase,
     Progress,
     Publish,
     Readmitted,
+    Recruiting,
     RegroupRequested,
     RestoreFailed,
     Send,
     SendForm,
+    Settling,
     Start,
+    Status,
     Tick,
     TopUpSpares,
     Watch,
@@ -116,7 +124,7 @@ class Supervisor(SupervisorState):
                 members = self.group.members
                 if members and all(self.pool[w].finished is not None for w in members):
                     self.stopped = True
-                    self.phase, self.deadline = Phase.DONE, None
+                    self.phase = Done()
                     out.append(Finish())
                     return out
             case DrainRequested(instance=instance, reason=reason):
@@ -149,9 +157,8 @@ class Supervisor(SupervisorState):
         whys = {worker: f"worker {worker}: {reason}" + (f" ({message})" if message else "") for worker in sorted(lost)}
         for worker in whys:
             out.append(Watch(worker, "unwatched"))
-            proc = self.pool.get(worker)
-            if proc is not None:
-                proc.lose()
+            if self.pool.get(worker) is not None:
+                self.place(out, worker, Status.LOST)
             if worker not in self.group.members:
                 # A spare (or an already replaced worker): keep the pool of spares full, no re-forming.
                 out.append(TopUpSpares())
@@ -162,13 +169,12 @@ class Supervisor(SupervisorState):
 
     def _leave_requested(self, out: list[Action], worker: int, reason: str) -> None:
         """A member leaves at the next planned step (``planned.drain``), a spare at once; neither is a failure."""
-        proc = self.pool.get(worker)
-        if self.stopped or proc is None or proc.gone:
+        if self.stopped or self.pool.get(worker) is None or self.gone(worker):
             return  # the run is ending (every worker gets its Stop), or it was replaced already
         if worker in self.group.members:
             self.departures[worker] = reason
             return
-        proc.stop()
+        self.place(out, worker, Status.STOPPED)
         out.append(Watch(worker, "unwatched"))
         out.append(Send(worker, Stop(reason=f"spare worker {worker} leaves: {reason}", exit_code=departure_code(self))))
         out.append(TopUpSpares())
@@ -180,16 +186,17 @@ class Supervisor(SupervisorState):
         without it forms now: its members that still step with the old group are told to join at once (their
         step in flight abandoned); those seated from the spares wait in its start already."""
         generation, at_step = self.departing.pop(worker)
+        phase = self.phase
+        if not isinstance(phase, Joining) or self.group.generation != generation:
+            return  # that forming is over: formed after all, or replaced by another
         proc = self.pool[worker]
-        stepping = [w for w in self.group.members if w in self.survivors]
+        stepping = [w for w in self.group.members if w in phase.forming.survivors]
         # A member that committed the planned step, or joined the planned generation after it, stepped there
         # with this one (every step's collectives need every member): it left at its step, its last heartbeat
         # lost with it. Told to join again, such a member would join the same coordination service twice.
         reached = any(self.pool[w].step >= at_step or self.pool[w].joined is not None for w in stepping)
         if proc.step >= at_step or reached or proc.exit_code() in (0, EXIT_REPLACE):
             return
-        if self.phase != Phase.JOINING or self.group.generation != generation:
-            return  # that forming is over: formed after all, or replaced by another
         why = f"worker {worker} ended at step {proc.step}, before step {at_step}, where it was to leave"
         log.warning("%s; the group planned without it forms now", why)
         lost = WorkerLost(step=self.group.step, source="controller", worker=worker, silent_s=0.0, message=why)
@@ -197,44 +204,44 @@ class Supervisor(SupervisorState):
         self.count_failure(out, why)
         if self.spent(out, why, {worker}):
             return
-        out.append(SendForm(generation, tuple(self.group.members), self.forming, -1, seats=tuple(stepping)))
+        out.append(SendForm(generation, tuple(self.group.members), phase.forming.strategy, -1, seats=tuple(stepping)))
 
     # --- the state machine ---------------------------------------------------------------------------------
 
     def _advance(self, out: list[Action], event: Input, frequent: bool) -> None:
         """Do what the current phase allows now; called after every input."""
         now = self.clock()
-        due = self.deadline is not None and now >= self.deadline
-        if self.phase == Phase.IDLE and self.group.generation and self.restored:
-            if self.requests:
-                self.quiet(out, self.group.members)  # at once: the survivors wait in a broken collective now
-                self.phase, self.deadline = Phase.SETTLING, now + SETTLE_S
-                # Workers the controller started are found lost by their exit, all at once; others by silence.
-                spread = 0.0 if self.config.starts_workers else self.config.heartbeat_timeout_s
-                self.settle_until = now + max(SETTLE_S, spread)
-            elif self.unreadable:
-                reason, self.unreadable = self.unreadable, ""
-                self._regroup(out, set(), reason)  # the same members, from another step
-            elif self.drains or self.departures:
-                drain(self, out)
-            elif can_grow(self):
-                form_generation(self, out, Strategy.GROW, "a spare is ready")
-        elif self.phase == Phase.SETTLING and due:
-            if now < self.settle_until and self.monitor.losing(self.monitor.timeout_s / 2):
-                self.deadline = min(self.settle_until, now + SETTLE_S)  # more of them may be found soon
-            else:
-                self._regroup(out, set(self.requests), "; ".join(self.requests.values()))
-        elif self.phase == Phase.BACKOFF and due:
-            form_generation(self, out, self.strategy or self.config.strategy, self.reason)
-        elif self.phase == Phase.RECRUITING and not frequent:
-            recruit(self, out, now, event.worker if isinstance(event, WorkerChanged) else None)
-        elif self.phase == Phase.JOINING and (due or not frequent or isinstance(event, MemberJoined)):
-            await_joins(self, out, due, event)
+        phase = self.phase
+        due = phase.deadline is not None and now >= phase.deadline
+        match phase:
+            case Idle() if self.group.generation and self.restored:
+                if self.requests:
+                    self.quiet(out, self.group.members)  # at once: the survivors wait in a broken collective now
+                    # Workers the controller started are found lost by their exit, all at once; others by silence.
+                    spread = 0.0 if self.config.starts_workers else self.config.heartbeat_timeout_s
+                    self.phase = Settling(now + SETTLE_S, until=now + max(SETTLE_S, spread))
+                elif self.unreadable:
+                    reason, self.unreadable = self.unreadable, ""
+                    self._regroup(out, set(), reason)  # the same members, from another step
+                elif self.drains or self.departures:
+                    drain(self, out)
+                elif can_grow(self):
+                    form_generation(self, out, Strategy.GROW, "a spare is ready")
+            case Settling(until=until) if due:
+                if now < until and self.monitor.losing(self.monitor.timeout_s / 2):
+                    self.phase = Settling(min(until, now + SETTLE_S), until)  # more of them may be found soon
+                else:
+                    self._regroup(out, set(self.requests), "; ".join(self.requests.values()))
+            case BackingOff(reason=reason) if due:
+                form_generation(self, out, self.strategy or self.config.strategy, reason)
+            case Recruiting() if not frequent:
+                recruit(self, out, now, event.worker if isinstance(event, WorkerChanged) else None)
+            case Joining() if due or not frequent or isinstance(event, MemberJoined):
+                await_joins(self, out, phase, due, event)
 
     def _regroup(self, out: list[Action], lost: set[int], reason: str) -> None:
         """Re-form after a failure. A step that failed before is tried again only after the retry policy's
         backoff, and not at all once the policy gives up."""
-        self.reason = reason
         if self.restored:  # the group was training: its attempt at the next step failed
             attempt = self.recovery.attempt_failed(self.group.step + 1)
             wait = self.config.retry(attempt)
@@ -244,7 +251,7 @@ class Supervisor(SupervisorState):
                 return
             if wait > 0:
                 log.warning("step %d failed %d times; retrying in %.2f s", attempt.step, attempt.attempts, wait)
-                self.phase, self.deadline = Phase.BACKOFF, self.clock() + wait
+                self.phase = BackingOff(self.clock() + wait, reason)
                 return
         form_generation(self, out, self.strategy or self.config.strategy, reason)
 

@@ -1,5 +1,7 @@
-"""The supervisor's state: what it knows of the group, the forming generation, the drains and departures, and
-the few steps every part of its decisions takes (count a failure, end the run, describe a committed step). The
+"""The supervisor's state: its phase (a frozen record of what it waits for and what it knows only there, the
+generation being formed among it), where it put each worker, what it knows of the group, the drains and
+departures, and the few steps every part of its decisions takes (count a failure, end the run, describe a
+committed step). The
 decisions are functions over it (``forming.py``, ``formed.py``, ``planned.py``) and the
 :class:`~elastic_runtime.cluster.controller.supervisor.Supervisor` itself, all above it in the import graph.
 """
@@ -14,7 +16,19 @@ from elastic_runtime.cluster.config import LaunchConfig, LaunchError, Strategy
 from elastic_runtime.cluster.controller.heartbeat import HeartbeatMonitor
 from elastic_runtime.cluster.controller.membership import Membership
 from elastic_runtime.cluster.controller.processes import ProcessPool, log_tail
-from elastic_runtime.cluster.controller.supervision import Action, EndRun, Phase, Publish, RestoreTally, Watch
+from elastic_runtime.cluster.controller.supervision import (
+    GONE,
+    Action,
+    Done,
+    EndRun,
+    Idle,
+    Phase,
+    Place,
+    Publish,
+    RestoreTally,
+    Status,
+    Watch,
+)
 from elastic_runtime.core.errors import ElasticRuntimeError, RecoveryError
 from elastic_runtime.core.events import StepCompleted
 from elastic_runtime.core.recovery import RecoveryTracker
@@ -39,7 +53,8 @@ class SupervisorState:
 
     Args:
         config: the run's settings.
-        pool: the workers' records (the shell starts processes and fills them in; tests add records).
+        pool: the workers' records, read only: the shell starts processes and fills in what it sees of them
+            (tests add records); where a worker stands follows the supervisor's ``Place`` actions.
         group: the group's membership.
         monitor: the heartbeat monitor, read only (whether more losses may be on their way); its switches are
             ``Watch`` actions.
@@ -66,36 +81,28 @@ class SupervisorState:
         self.recovery = recovery
         self.target_steps = target_steps
         self.clock = clock
-        self.phase = Phase.IDLE
+        self.phase: Phase = Idle()  # where it is, what it waits for, and what it knows only there
+        self.places: dict[int, Status] = {}  # where this supervisor put each worker (none yet: where it started)
         self.stopped = False  # the run is ending: nothing is replaced or formed any more
         self.restored = False  # the current generation got its RestoreStep
         self.restore_tally = RestoreTally()  # what the current generation's members restored
-        self.deadline: float | None = None  # when to be handed a Tick
         self.requests: dict[int, str] = {}  # members to replace at the next re-forming -> why
-        self.reason = ""
-        self.strategy: Strategy | None = None
+        self.strategy: Strategy | None = None  # a handler's strategy for the next re-forming (``RegroupRequested``)
         self.unreadable = ""  # the current generation's restore failed: why
         self.failed_restores: set[tuple[int, int]] = set()  # (generation, step) of each restore re-formed for
         self.reform_s = 0.0  # the newest formation's seconds (the first's, compile included, until a re-forming)
         self.slowest_join = 0.0  # the longest a member of a formed group took to join (its compile included)
-        # The generation being formed.
-        self.forming = Strategy.START
-        self.forming_reason = ""
         self.group_shape: dict[str, int] = {}  # the mesh of the newest generation formed (MeshChanged)
-        self.forming_started = 0.0
-        self.recruit_timeout = 0.0
-        self.survivors: list[int] = []
         self.survivor_restarts = 0  # survivors the restart strategy replaced, in all (LaunchResult's)
-        self.chosen: list[int] = []
         self.coordinator = ""  # the current generation's coordination service ("" before it is hosted)
-        self.settle_until = 0.0
-        self.unjoined: set[int] = set()  # members of the forming generation not joined yet
+        # Members of the generation being formed (``Joining``) not joined yet: kept beside the phase, not in its
+        # frozen record, so that a join costs O(1) however large the group.
+        self.unjoined: set[int] = set()
         self.growable: bool | None = None  # whether a ready spare would grow the group; None: look again
         # Instances (hosts) under maintenance: their workers are taken out of the group and not seated again
         # until re-admitted (``DrainRequested``, ``Readmitted``).
         self.cordoned: set[str] = set()
         self.drains: dict[str, str] = {}  # instance -> why, drains not yet started
-        self.leaving: list[int] = []  # members the generation being formed drains
         self.departures: dict[int, str] = {}  # member -> why: members that asked to leave (``LeaveRequested``)
         # Members drained or let go at a planned step -> (the generation formed without them, that step). Until
         # then they step with the old group, whose collectives need them: an earlier end is a loss.
@@ -104,7 +111,33 @@ class SupervisorState:
 
     @property
     def done(self) -> bool:
-        return self.phase == Phase.DONE
+        return isinstance(self.phase, Done)
+
+    @property
+    def deadline(self) -> float | None:
+        """When to be handed a ``Tick``: the phase's deadline, if it has one."""
+        return self.phase.deadline
+
+    def status(self, worker: int) -> Status:
+        """Where ``worker`` stands: where this supervisor put it, unless the shell has seen it go since (its
+        process exited, or it came back after it was judged lost and was told to exit)."""
+        seen = self.pool[worker].status
+        return seen if seen in GONE else self.places.get(worker, seen)
+
+    def gone(self, worker: int) -> bool:
+        """Lost or told to stop: it holds no seat and is never seated again."""
+        return self.status(worker) in GONE
+
+    def spare(self, worker: int) -> bool:
+        return self.status(worker) is Status.SPARE
+
+    def place(self, out: list[Action], worker: int, status: Status) -> None:
+        """Put ``worker`` at ``status`` (the pool's record follows by the ``Place`` action). One told to stop stays
+        so when lost: its exit is still expected."""
+        if status is Status.LOST and self.status(worker) is Status.STOPPED:
+            return
+        self.places[worker] = status
+        out.append(Place(worker, status))
 
     def hosted(self, generation: int, coordinator: str) -> None:
         """The shell started generation ``generation``'s coordination service at ``coordinator``."""
@@ -138,7 +171,7 @@ class SupervisorState:
 
     def end(self, out: list[Action], error: ElasticRuntimeError | LaunchError) -> None:
         self.stopped = True
-        self.phase, self.deadline = Phase.DONE, None
+        self.phase = Done()
         out.append(EndRun(error))
 
     def why(self, lost: set[int]) -> str:
