@@ -8,7 +8,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from elastic_runtime.cli.main import main
+from elastic_runtime.cli.controller import config_from_args as controller_from_args
+from elastic_runtime.cli.launch import config_from_args as launch_from_args
+from elastic_runtime.cli.main import build_parser, main
 from elastic_runtime.cluster.config import LaunchConfig, Strategy
 from elastic_runtime.core.config import RuntimeConfig, convert_config, load_config
 from elastic_runtime.core.errors import ConfigError
@@ -130,6 +132,17 @@ def test_the_cli_says_which_value_is_bad(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_cli_takes_its_defaults_from_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An option left out is the config's default, not a second copy of it in the parser."""
+    monkeypatch.setenv("ELASTIC_RUNTIME_TOKEN", "s" * 64)
+    parser = build_parser()
+    launched = launch_from_args(parser.parse_args(["launch", "--nprocs", "2", "--", "python", "train.py"]))
+    assert launched == LaunchConfig(command=["python", "train.py"], nprocs=2)
+    served = controller_from_args(parser.parse_args(["controller", "--listen", "127.0.0.1:7000", "--nprocs", "2"]))
+    own = {"command": [], "secret": "s" * 64, "listen_port": 7000}
+    assert served == LaunchConfig(nprocs=2, **own)
 
 
 def test_under_launch_every_field_a_script_sets_applies_or_is_announced() -> None:

@@ -13,16 +13,20 @@ import sys
 from typing import Any
 
 from elastic_runtime.cli.launch import (
+    DEFAULTS,
     add_handlers_argument,
+    add_local_devices_argument,
     add_maintenance_arguments,
+    add_max_failures_argument,
     add_quiet_argument,
     add_replica_file_argument,
     add_slices_argument,
+    add_strategy_argument,
     add_timeout_arguments,
     shared_settings,
 )
 from elastic_runtime.cluster import auth
-from elastic_runtime.cluster.config import RECOVERY_STRATEGIES, LaunchConfig, LaunchError
+from elastic_runtime.cluster.config import LaunchConfig, LaunchError
 from elastic_runtime.core.errors import AuthenticationFailed, ConfigError, ElasticRuntimeError
 from elastic_runtime.defaults import default_controller
 
@@ -36,14 +40,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--listen", type=_address, required=True, metavar="HOST:PORT", help="the controller's port")
     parser.add_argument("--nprocs", type=int, required=True, help="worker processes in the full group")
     parser.add_argument("--min-nprocs", type=int, default=None, help="smallest group to go on with after a loss")
-    parser.add_argument("--local-devices", type=int, default=2, help="devices per worker (default 2)")
+    add_local_devices_argument(parser)
     add_slices_argument(parser)
     parser.add_argument("--steps", type=int, default=None, help="the run's target (default: the first worker's)")
-    parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
+    add_strategy_argument(parser)
     parser.add_argument(
-        "--heartbeat-interval", type=float, default=0.2, help="seconds between lease renewals (the workers' interval)"
+        "--heartbeat-interval",
+        type=float,
+        default=DEFAULTS["heartbeat_interval_s"],
+        help="seconds between lease renewals (the workers' interval)",
     )
-    parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
+    add_max_failures_argument(parser)
     parser.add_argument("--run-dir", default=None, help="event log and summary.json (default: a new temp dir)")
     parser.add_argument(
         "--resume",
@@ -62,7 +69,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="LO-HI",
         help="ports for the coordination services, one per group generation (default: any free port)",
     )
-    add_timeout_arguments(parser, start=300.0)
+    add_timeout_arguments(parser)
     add_replica_file_argument(parser)
     add_handlers_argument(parser)
     add_maintenance_arguments(parser)

@@ -43,8 +43,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="--backend ray: the Ray cluster to run on (default: a local one, nprocs + 1 nodes on 127.0.0.1)",
     )
     parser.add_argument("--min-nprocs", type=int, default=None, help="smallest group to go on with")
-    parser.add_argument("--spares", type=int, default=1, help="warm spare processes (default 1)")
-    parser.add_argument("--local-devices", type=int, default=2, help="CPU devices per worker (default 2)")
+    parser.add_argument(
+        "--spares", type=int, default=DEFAULTS["spares"], help="warm spare processes (default %(default)s)"
+    )
+    add_local_devices_argument(parser)
     add_slices_argument(parser)
     parser.add_argument(
         "--durable",
@@ -52,13 +54,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="DIR|gs://BUCKET/PREFIX",
         help="durable checkpoints of the group's state, each process writing its own shards (default: none)",
     )
-    parser.add_argument("--durable-every", type=int, default=10, help="steps between durable checkpoints")
-    parser.add_argument("--durable-keep", type=int, default=3, help="durable checkpoints kept (the newest)")
+    parser.add_argument(
+        "--durable-every", type=int, default=DEFAULTS["durable_every"], help="steps between durable checkpoints"
+    )
+    parser.add_argument(
+        "--durable-keep", type=int, default=DEFAULTS["durable_keep"], help="durable checkpoints kept (the newest)"
+    )
     parser.add_argument(
         "--grace-s",
         type=float,
-        default=25.0,
-        help="on SIGTERM/SIGINT with --durable: seconds to commit a durable checkpoint of the newest step (default 25)",
+        default=DEFAULTS["grace_s"],
+        help="on SIGTERM/SIGINT with --durable: seconds to commit a durable checkpoint of the newest step "
+        "(default %(default)g)",
     )
     parser.add_argument(
         "--neighbour-replicas",
@@ -71,7 +78,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_false",
         help="start every worker as a new process (default: forked from one process that imported JAX once)",
     )
-    parser.add_argument("--strategy", choices=[str(s) for s in RECOVERY_STRATEGIES], default="reform")
+    add_strategy_argument(parser)
     parser.add_argument(
         "--run-dir",
         default=None,
@@ -97,7 +104,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the run's target, the controller's own (a worker whose script asks for another is refused); "
         "default: what the first of the controller's workers asks for",
     )
-    parser.add_argument("--max-failures", type=int, default=10, help="failures survived (0: stop at the first)")
+    add_max_failures_argument(parser)
     parser.add_argument(
         "--fault",
         type=_faults,
@@ -116,7 +123,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = DEFAULTS["start_timeout_s"]) -> None:
+def add_timeout_arguments(parser: argparse.ArgumentParser) -> None:
     """When a worker is lost or hung, and how long forming may take, as ``launch`` and ``controller`` take it.
     Joining a group compiles the step (a real model: a minute or more on CPU): the first group gets
     ``--start-timeout``, a re-formed one ``--form-timeout`` or twice the slowest join seen so far, whichever is
@@ -142,7 +149,10 @@ def add_timeout_arguments(parser: argparse.ArgumentParser, *, start: float = DEF
         help=f"seconds without progress = hung (default {DEFAULTS['hang_timeout_s']:g})",
     )
     parser.add_argument(
-        "--start-timeout", type=float, default=start, help=f"seconds for the first group to form (default {start:g})"
+        "--start-timeout",
+        type=float,
+        default=DEFAULTS["start_timeout_s"],
+        help="seconds for the first group to form (default %(default)g)",
     )
     parser.add_argument(
         "--form-timeout",
@@ -214,9 +224,9 @@ def add_maintenance_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drain-lead",
         type=float,
-        default=60.0,
+        default=DEFAULTS["drain_lead_s"],
         metavar="SECONDS",
-        help="drain a host this long before its maintenance window starts (default 60)",
+        help="drain a host this long before its maintenance window starts (default %(default)g)",
     )
     parser.add_argument(
         "--require-maintenance-notices",
@@ -226,11 +236,34 @@ def add_maintenance_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_local_devices_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--local-devices",
+        type=int,
+        default=DEFAULTS["local_devices"],
+        help="CPU devices per worker (default %(default)s)",
+    )
+
+
+def add_strategy_argument(parser: argparse.ArgumentParser) -> None:
+    strategies = [str(s) for s in RECOVERY_STRATEGIES]
+    parser.add_argument("--strategy", choices=strategies, default=str(DEFAULTS["strategy"]))
+
+
+def add_max_failures_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-failures",
+        type=int,
+        default=DEFAULTS["max_failures"],
+        help="failures survived (0: stop at the first; default %(default)s)",
+    )
+
+
 def add_slices_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slices",
         type=int,
-        default=0,
+        default=DEFAULTS["slices"],
         help="slices the processes form, each holding the state sharded over its processes (default: one per process)",
     )
 
