@@ -1,8 +1,7 @@
 """The supervisor's state: its phase (a frozen record of what it waits for and what it knows only there, the
 generation being formed among it), where it put each worker, what it knows of the group, the drains and
 departures, and the few steps every part of its decisions takes (count a failure, end the run, describe a
-committed step). The
-decisions are functions over it (``forming.py``, ``formed.py``, ``planned.py``) and the
+committed step). The decisions are functions over it (``forming.py``, ``formed.py``, ``planned.py``) and the
 :class:`~elastic_runtime.cluster.controller.supervisor.Supervisor` itself, all above it in the import graph.
 """
 
