@@ -23,7 +23,6 @@ fence (a worker cut off from the controller whose write came late): that step is
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
@@ -221,28 +220,6 @@ class ReplicaFiles:
                 pending.result()
             except StorageError as exc:  # a failed write leaves the previous replica; training goes on
                 log.error("replica write failed: %s", exc)
-
-    def readable(
-        self,
-        like: PyTree,
-        identity: dict[str, str] | None = None,
-        *,
-        max_step: int | None = None,
-        fences: dict[int, int] | None = None,
-        limit: int = 2,
-    ) -> dict[int, HostSnapshot]:
-        """The ``limit`` newest steps that some replica here holds and a restore would take (one that verifies,
-        has the structure of ``like`` and carries ``identity``: its run, job and layout; never one past
-        ``max_step``, nor one that a generation wrote past its fence: ``fences``, generation -> the newest step of
-        it the run went on from), newest first, each read and verified. What was skipped, and why, is then in
-        :attr:`skipped`."""
-        found: dict[int, HostSnapshot] = {}
-        for step, tiers in self.listed(identity, max_step=max_step, fences=fences).items():
-            if len(found) >= limit:
-                break
-            with contextlib.suppress(CheckpointInvalid):  # each failure is in ``skipped``
-                found[step] = self.read(step, tiers, like)
-        return found
 
     def listed(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,12 @@ from elastic_runtime.storage.replicas import (
 
 
 def newest_of(files: ReplicaFiles, like: Any, identity: dict[str, str] | None = None, **limits: Any) -> HostSnapshot:
-    """The newest replica a restore would take (``readable``'s first); SnapshotUnavailable naming what was skipped."""
-    found = files.readable(like, identity, limit=1, **limits)
-    if not found:
-        raise SnapshotUnavailable("; ".join(files.skipped) or "none committed")
-    return next(iter(found.values()))
+    """The newest replica a restore would take: the newest listed step that reads and verifies; SnapshotUnavailable
+    naming what was skipped."""
+    for step, tiers in files.listed(identity, **limits).items():
+        with contextlib.suppress(CheckpointInvalid):  # each failure is in ``skipped``
+            return files.read(step, tiers, like)
+    raise SnapshotUnavailable("; ".join(files.skipped) or "none committed")
 
 
 def test_the_newest_verified_replica_of_any_process_is_read(tmp_path: Path) -> None:
