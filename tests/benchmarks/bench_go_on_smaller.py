@@ -6,7 +6,10 @@ commit, the group's sizes, goodput (``report``) and the wall; the final state of
 bitwise against a fault-free run (one whose group changed size trained other steps on purpose: the script's
 ``MeshChanged`` handler scales its learning rate with the data-parallel size, the ``lr`` in its state).
 
-    .venv/bin/python tests/benchmarks/bench_go_on_smaller.py [--slow-s 30] [--steps 200] [--json]
+    .venv/bin/python tests/benchmarks/bench_go_on_smaller.py [--slow-s 30] [--steps 200] [--slices 2] [--json]
+
+With ``--slices 2``: ``launch --nprocs 4 --slices 2``, the slice of the killed process lost, the group going on
+with the other (``--min-nprocs 2``) or waiting (``--min-nprocs 4``).
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ from elastic_runtime.storage.disk import DiskTier
 SCRIPT = Path(__file__).resolve().parents[1] / "userscript" / "train.py"
 
 
-def launch(run_dir: Path, *, min_nprocs: int, slow_s: float, steps: int, kill: bool) -> dict[str, Any]:
-    command = [sys.executable, "-m", "elastic_runtime.cli", "launch", "--nprocs", "3", "--spares", "0"]
-    command += ["--min-nprocs", str(min_nprocs), "--run-dir", str(run_dir), "--result", str(run_dir / "final")]
+def launch(
+    run_dir: Path, *, nprocs: int, slices: int, min_nprocs: int, slow_s: float, steps: int, kill: bool
+) -> dict[str, Any]:
+    command = [sys.executable, "-m", "elastic_runtime.cli", "launch", "--nprocs", str(nprocs), "--spares", "0"]
+    command += ["--slices", str(slices), "--min-nprocs", str(min_nprocs)]
+    command += ["--run-dir", str(run_dir), "--result", str(run_dir / "final")]
     command += ["--quiet", "--spawn-timeout", "600"] + (["--fault", "kill:1@8"] if kill else [])
     command += ["--", sys.executable, str(SCRIPT), "--steps", str(steps), "--slow-replacement-s", str(slow_s)]
+    command += ["--first-workers", str(nprocs)]
     command += ["--batch-delay-s", "0.05"]  # a step of about 0.1 s: the run outlasts the slow replacement
     env = os.environ | {"USER_HANDLERS_OUT": str(run_dir)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
@@ -56,16 +63,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--slow-s", type=float, default=30.0)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--slices", type=int, default=0, help="2: 4 processes in 2 slices, one slice fewer")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    # 3 processes, one per slice, going on with 2; or 2 slices of 2 processes, going on with one slice.
+    nprocs, smaller = (3, 2) if not args.slices else (2 * args.slices, 2 * (args.slices - 1))
+    shape = {"nprocs": nprocs, "slices": args.slices, "slow_s": args.slow_s, "steps": args.steps}
     root = Path(tempfile.mkdtemp(prefix="bench-smaller-"))
-    reference = launch(root / "reference", min_nprocs=3, slow_s=0, steps=args.steps, kill=False)
+    reference = launch(root / "reference", min_nprocs=nprocs, kill=False, **(shape | {"slow_s": 0}))
     assert reference["ok"], reference
     want = DiskTier(root / "reference" / "final").latest(None).tree
-    out: dict[str, Any] = {"slow_replacement_s": args.slow_s, "steps": args.steps}
-    for name, min_nprocs in (("go_on_smaller", 2), ("wait", 3)):
+    out: dict[str, Any] = {"slow_replacement_s": args.slow_s, "steps": args.steps, "nprocs": nprocs}
+    out["slices"] = args.slices
+    for name, min_nprocs in (("go_on_smaller", smaller), ("wait", nprocs)):
         run_dir = root / name
-        out[name] = launch(run_dir, min_nprocs=min_nprocs, slow_s=args.slow_s, steps=args.steps, kill=True)
+        out[name] = launch(run_dir, min_nprocs=min_nprocs, kill=True, **shape)
         got = DiskTier(run_dir / "final").latest(None).tree
         if len(set(out[name]["world_size_history"])) == 1:
             out[name]["reference"] = compare_states(got, want, bitwise=True)

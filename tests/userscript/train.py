@@ -81,9 +81,10 @@ def main() -> None:
     parser.add_argument("--repair-at", type=int, default=0, help="embedded: the slice back at this step")
     parser.add_argument("--slow-replacement-s", type=float, default=0.0, help="launch: a replacement starts late")
     parser.add_argument("--batch-delay-s", type=float, default=0.0, help="a slow data source: seconds a batch")
+    parser.add_argument("--first-workers", type=int, default=3, help="launch: workers 0 to N-1 are not replacements")
     args = parser.parse_args()
-    if args.slow_replacement_s and int(os.environ.get("ELASTIC_WORKER_ID", "0")) >= 3:
-        time.sleep(args.slow_replacement_s)  # a cold node: the first three are workers 0-2, a replacement is not
+    if args.slow_replacement_s and int(os.environ.get("ELASTIC_WORKER_ID", "0")) >= args.first_workers:
+        time.sleep(args.slow_replacement_s)  # a cold node: the first workers are not replacements
     job = TrainJob(init=init, step=step, data=Blobs(args.batch_delay_s), state_specs=P(), batch_spec=P("data"))
     config = RuntimeConfig(run_dir=args.run_dir, progress_every_s=1.0, scale_up_poll_s=0.2)
     runtime = ElasticRuntime(job, config=config, mesh_policy=MeshPolicy({"data": 4, "model": 2}, slice_size=2))
