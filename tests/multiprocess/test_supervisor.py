@@ -71,7 +71,6 @@ class Run:
             self.monitor,
             RecoveryTracker("controller", config.max_failures, clock=self.clock),
             target_steps=TARGET,
-            clock=self.clock,
         )
         self.sent: list[tuple[int, Message]] = []
         self.forms: list[SendForm] = []
@@ -96,7 +95,7 @@ class Run:
         return self.supervisor.group.members
 
     def feed(self, event: Input) -> list[Action]:
-        actions = self.supervisor.handle(event)
+        actions = self.supervisor.handle(event, self.now)
         for action in actions:
             match action:
                 case Watch(worker=worker, how=how, from_step=from_step):
@@ -219,9 +218,9 @@ def test_a_lost_member_is_replaced_by_the_spare_and_the_group_reforms_from_the_s
 def test_the_supervisor_moves_workers_by_place_actions_and_leaves_the_pools_records_alone(tmp_path: Path) -> None:
     run = started(tmp_path)
     before = {p.worker: p.status for p in run.pool}
-    lost = run.supervisor.handle(RegroupRequested(frozenset({1}), "WorkerLost"))
+    lost = run.supervisor.handle(RegroupRequested(frozenset({1}), "WorkerLost"), run.now)
     run.now += 0.1
-    formed = run.supervisor.handle(Tick())
+    formed = run.supervisor.handle(Tick(), run.now)
     assert {p.worker: p.status for p in run.pool} == before  # decided, not carried out yet
     assert [a for a in lost if isinstance(a, Place)] == [Place(1, Status.LOST)]
     assert [a for a in formed if isinstance(a, Place)] == [Place(0, Status.MEMBER), Place(2, Status.MEMBER)]

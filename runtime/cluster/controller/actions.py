@@ -56,7 +56,7 @@ async def supervise(controller: ControllerState) -> None:
         event: Input = Start()
         in_a_row = 0
         while True:
-            await carry_out(controller, controller.supervisor.handle(event))
+            await carry_out(controller, controller.supervisor.handle(event, time.monotonic()))
             if controller.supervisor.done:
                 break
             deadline = controller.supervisor.deadline

@@ -82,7 +82,7 @@ def send_restore(sup: SupervisorState, out: list[Action], forming: Forming) -> N
         members=tuple(members),
         coordinator=sup.coordinator,
         strategy=strategy,
-        seconds=sup.clock() - forming.started,
+        seconds=sup.now - forming.started,
         restore_step=plan.step,
         restore_source=max(plan.source, 0),
         phases=_slowest_phases([sup.pool[w].joined for w in members]),
@@ -126,7 +126,7 @@ def send_restore(sup: SupervisorState, out: list[Action], forming: Forming) -> N
             source="controller",
             restored_from=plan.restored_from,
             lost_steps=plan.lost_steps,
-            seconds=sup.clock() - recovery.started,
+            seconds=sup.now - recovery.started,
             reason=plan.fallback,
         )
         out.append(Publish(state))

@@ -66,7 +66,7 @@ def form_generation(
     sup.growable = None
     sup.unreadable = ""  # the new generation plans its own restore
     sup.restored = False
-    started = sup.clock()
+    started = sup.now
     survivors = [w for w in sup.group.members if not sup.gone(w) and w not in sup.requests and w not in leaving]
     sup.quiet(out, survivors)
     if strategy == Strategy.RESTART:
@@ -210,7 +210,7 @@ def seat_members(
         )
     )
     sup.unjoined = set(members)
-    sup.phase = Joining(forming, sup.clock() + join_timeout(sup, forming.strategy))
+    sup.phase = Joining(forming, sup.now + join_timeout(sup, forming.strategy))
 
 
 def departure_code(sup: SupervisorState) -> int:
@@ -336,7 +336,7 @@ def substitute(sup: SupervisorState, out: list[Action], phase: Joining, lost: li
         log.warning("generation %d: worker %d takes lost worker %d's seat %d", generation, spare, worker, seat)
     if seated:
         out.append(SendForm(generation, tuple(members), phase.forming.strategy, -1, seats=tuple(seated)))
-        sup.phase = replace(phase, deadline=sup.clock() + sup.config.form_timeout_s)  # the newcomer's time to join
+        sup.phase = replace(phase, deadline=sup.now + sup.config.form_timeout_s)  # the newcomer's time to join
     missing = len(lost) - len(seated)
     starting = [p for p in sup.pool if sup.spare(p.worker) and p.hello is None]
     if sup.config.starts_workers and len(starting) < missing:

@@ -8,8 +8,9 @@ failing is tried again (``config.retry``) and when the failure budget is spent. 
 state it changes by actions: the heartbeat monitor's watch as the group forms and trains (``Watch``), where each
 worker stands (``Place``: seated, a spare again, lost, told to stop; it keeps its own record of them and reads
 what the shell saw of each process from the pool, writing nothing there). No processes, sockets or clocks of its
-own: the controller (``runtime/cluster/controller/shell.py``) feeds it, carries its actions out and calls
-:meth:`handle` with :class:`Tick` at :attr:`Supervisor.deadline`; its tests drive it alone.
+own: the controller (``runtime/cluster/controller/shell.py``) feeds it each input with the time it is decided at,
+carries its actions out and calls :meth:`handle` with :class:`Tick` at :attr:`Supervisor.deadline`; its tests
+drive it alone, with a time of their own.
 
 Forming a generation: recruit spares (started if need be) to fill the group around the survivors, seat them
 (``Membership.seat``), send every member ``Form``, wait for every ``Joined``, then send ``RestoreStep`` with the plan
@@ -89,8 +90,10 @@ class Supervisor(SupervisorState):
     """Decides how the group is formed, re-formed and ended. Single use. Its state and the arguments it takes are
     :class:`~elastic_runtime.cluster.controller.supervisor_state.SupervisorState`'s."""
 
-    def handle(self, event: Input) -> list[Action]:
-        """What to do about ``event``."""
+    def handle(self, event: Input, now: float) -> list[Action]:
+        """What to do about ``event``, at ``now`` (monotonic seconds): the one time every part of this decision
+        reads."""
+        self.now = now
         out: list[Action] = []
         if self.done:
             return out
@@ -210,8 +213,7 @@ class Supervisor(SupervisorState):
 
     def _advance(self, out: list[Action], event: Input, frequent: bool) -> None:
         """Do what the current phase allows now; called after every input."""
-        now = self.clock()
-        phase = self.phase
+        now, phase = self.now, self.phase
         due = phase.deadline is not None and now >= phase.deadline
         match phase:
             case Idle() if self.group.generation and self.restored:
@@ -251,7 +253,7 @@ class Supervisor(SupervisorState):
                 return
             if wait > 0:
                 log.warning("step %d failed %d times; retrying in %.2f s", attempt.step, attempt.attempts, wait)
-                self.phase = BackingOff(self.clock() + wait, reason)
+                self.phase = BackingOff(self.now + wait, reason)
                 return
         form_generation(self, out, self.strategy or self.config.strategy, reason)
 

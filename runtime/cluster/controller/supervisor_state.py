@@ -7,8 +7,6 @@ committed step). The decisions are functions over it (``forming.py``, ``formed.p
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastic_runtime.cluster.config import LaunchConfig, LaunchError, Strategy
@@ -59,7 +57,6 @@ class SupervisorState:
             ``Watch`` actions.
         recovery: the failure budget and recovery timing.
         target_steps: the run's target; -1 until the first worker's hello says it (see :attr:`target_steps`).
-        clock: monotonic seconds.
     """
 
     def __init__(
@@ -71,7 +68,6 @@ class SupervisorState:
         recovery: RecoveryTracker,
         *,
         target_steps: int = -1,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -79,7 +75,7 @@ class SupervisorState:
         self.monitor = monitor
         self.recovery = recovery
         self.target_steps = target_steps
-        self.clock = clock
+        self.now = 0.0  # monotonic seconds: the time of the input being decided (``Supervisor.handle``)
         self.phase: Phase = Idle()  # where it is, what it waits for, and what it knows only there
         self.places: dict[int, Status] = {}  # where this supervisor put each worker (none yet: where it started)
         self.stopped = False  # the run is ending: nothing is replaced or formed any more
