@@ -66,8 +66,8 @@ test: lint
 	$(BIN)/pytest
 
 # The tests of a minute or more each (marked `heavy`: simulated hosts drained for maintenance or lost as a rack, the
-# hosts demo, a state larger than a worker's memory, a removed Ray node, a worker's SIGTERM), apart from `make test`
-# to keep it under 20 minutes.
+# hosts demo, a state larger than a worker's memory, a removed Ray node, a worker's SIGTERM, the GPU campaign's dry
+# run), apart from `make test` to keep it under 20 minutes.
 # .ci/run calls both.
 test-heavy: $(STAMP)
 	$(BIN)/pytest -m heavy

@@ -74,6 +74,7 @@ def lookup(result: dict[str, Any], path: tuple[str, ...]) -> Any:
     return value
 
 
+# The dry run takes a minute or more: the tests that read it are heavy (`make test-heavy`, in .ci/run).
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("gpu-campaign")
@@ -94,6 +95,7 @@ def entries(out: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_every_part_runs_or_skips_as_expected(dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     done, out = dry_run
@@ -113,6 +115,7 @@ def test_every_part_runs_or_skips_as_expected(dry_run: tuple[subprocess.Complete
     assert len([p for p in out.rglob("*") if p.is_file()]) <= 8
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_measured_figures_are_positive(dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     _, out = dry_run
@@ -133,6 +136,7 @@ def test_measured_figures_are_positive(dry_run: tuple[subprocess.CompletedProces
         assert set(goal) >= {"likely_ready_within_1_5x", "recovery_without_compile"}
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_the_table_names_every_part(dry_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     done, out = dry_run
