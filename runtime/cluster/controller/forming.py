@@ -345,7 +345,7 @@ def substitute(sup: SupervisorState, out: list[Action], phase: Joining, lost: li
 
 def seatable(sup: SupervisorState, proc: WorkerProcess) -> bool:
     """A spare that said hello, can be seated at once, and is on a host that is not under maintenance."""
-    return sup.spare(proc.worker) and not proc.closed and proc.hello is not None and not cordoned(sup, proc)
+    return sup.spare(proc.worker) and proc.connected and not cordoned(sup, proc)
 
 
 def cordoned(sup: SupervisorState, proc: WorkerProcess) -> bool:

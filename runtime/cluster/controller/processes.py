@@ -110,9 +110,14 @@ class WorkerProcess:
         return self.popen is not None and self.popen.poll() is None and not is_stopped(self.popen.pid)
 
     @property
+    def connected(self) -> bool:
+        """It said hello and its connection is open: seated now, it can be told to join at once."""
+        return self.hello is not None and not self.closed
+
+    @property
     def ready_spare(self) -> bool:
         """A spare that said hello and can be seated at once."""
-        return self.spare and not self.closed and self.hello is not None
+        return self.spare and self.connected
 
 
 def state_of(pid: int) -> str | None:
